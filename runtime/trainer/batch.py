@@ -1,0 +1,236 @@
+"""The batch contract between the orchestrator and the trainer, and how a batch is cut into micro-batches.
+
+Contract (files in the run folder; the orchestrator writes, the trainer reads):
+
+- Steps are 1-based. ``rollouts/step_{k:06d}.pt`` is the batch that the trainer's k-th optimizer step
+  trains on; after it the trainer publishes ``weights/step_{k:06d}/`` (the policy after k optimizer steps,
+  so the base model is policy version 0).
+- The orchestrator writes the file with :func:`save_batch` (temp file + ``os.replace``), so a reader never
+  sees a partial file. The payload is plain Python data (dicts, lists, numbers, strings) and loads with
+  ``torch.load(weights_only=True)``: no pickled classes cross the process boundary.
+- Advantages are computed by the orchestrator (see ``advantages.py``); the trainer only consumes them.
+
+Packing: samples are right-padded into 2-D micro-batches whose *padded* size (rows × longest row) stays
+within ``micro_batch_tokens``; micro-batches are balanced over ranks by token count, and every rank gets
+the same number of them (FSDP collectives must match across ranks), topped up with empty micro-batches
+whose loss weight is zero. The loss is normalised by a constant of the whole step (see
+:func:`loss_normalizer`), never by anything that depends on the split, so 1 rank and N ranks compute the
+same gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from primebuild.errors import UserError
+
+BATCH_FORMAT_VERSION = 1
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt, as the inference server produced it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    inference_logprobs: list[float]  # log-prob of each completion token under the sampling policy
+    advantage: float
+    reward: float
+    policy_version: int  # weights step the completion was sampled with (0 = base model)
+    env_id: str = ""
+    # 1 = train on this completion token, 0 = do not (e.g. tool output inside a multi-turn completion).
+    completion_mask: list[int] | None = None
+
+    def validate(self, where: str) -> None:
+        if not self.prompt_ids:
+            raise UserError(f"{where}: prompt_ids is empty; every sample needs at least one prompt token")
+        n = len(self.completion_ids)
+        if len(self.inference_logprobs) != n:
+            raise UserError(
+                f"{where}: {len(self.inference_logprobs)} inference_logprobs for {n} completion tokens",
+                hint="send exactly one log-prob per sampled completion token",
+            )
+        if self.completion_mask is not None and len(self.completion_mask) != n:
+            raise UserError(f"{where}: completion_mask has {len(self.completion_mask)} entries for {n} tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        if self.completion_mask is None:
+            return len(self.completion_ids)
+        return int(sum(1 for m in self.completion_mask if m))
+
+
+@dataclass
+class TrainBatch:
+    step: int
+    samples: list[Sample]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def save_batch(path: str | os.PathLike, batch: TrainBatch) -> None:
+    """Write atomically: a reader sees either no file or the whole file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": BATCH_FORMAT_VERSION,
+        "step": int(batch.step),
+        "metadata": dict(batch.metadata),
+        "samples": [asdict(s) for s in batch.samples],
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_batch(path: str | os.PathLike) -> TrainBatch:
+    payload = torch.load(path, weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != BATCH_FORMAT_VERSION:
+        raise UserError(
+            f"{path}: not a primebuild rollout batch of format {BATCH_FORMAT_VERSION}",
+            hint="write batches with primebuild.runtime.trainer.batch.save_batch",
+        )
+    samples = [Sample(**s) for s in payload["samples"]]
+    for i, s in enumerate(samples):
+        s.validate(f"{path}: samples[{i}]")
+    return TrainBatch(step=payload["step"], samples=samples, metadata=payload["metadata"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packing
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded rows. Position t of every per-token tensor describes token ``input_ids[:, t]``; its
+    trainer log-prob comes from the logits at t-1, so column 0 never carries loss."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
+    loss_mask: torch.Tensor  # [B, T] bool, True on trained completion tokens
+    inference_logprobs: torch.Tensor  # [B, T] float32
+    advantages: torch.Tensor  # [B, T] float32
+    sample_indices: list[int]  # rows -> index in the batch (empty for padding micro-batches)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sample_indices
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def _collate(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBatch:
+    width = max(samples[i].num_tokens for i in indices)
+    rows = len(indices)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((rows, width), dtype=torch.long)
+    loss_mask = torch.zeros((rows, width), dtype=torch.bool)
+    inf_lp = torch.zeros((rows, width), dtype=torch.float32)
+    adv = torch.zeros((rows, width), dtype=torch.float32)
+    for r, i in enumerate(indices):
+        s = samples[i]
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[r, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
+        attention[r, : p + c] = 1
+        mask = torch.ones(c, dtype=torch.bool)
+        if s.completion_mask is not None:
+            mask = torch.tensor(s.completion_mask, dtype=torch.bool)
+        loss_mask[r, p : p + c] = mask
+        inf_lp[r, p : p + c] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
+        adv[r, p : p + c] = float(s.advantage)
+    return MicroBatch(input_ids, attention, loss_mask, inf_lp, adv, list(indices))
+
+
+def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
+    """A two-token row with no loss: it still runs forward and backward, so its rank joins every FSDP
+    collective, while contributing exactly zero gradient."""
+    z = torch.zeros((1, 2), dtype=torch.float32)
+    return MicroBatch(
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
+        attention_mask=torch.ones((1, 2), dtype=torch.long),
+        loss_mask=torch.zeros((1, 2), dtype=torch.bool),
+        inference_logprobs=z,
+        advantages=z.clone(),
+        sample_indices=[],
+    )
+
+
+def pack(
+    samples: list[Sample], micro_batch_tokens: int, world_size: int, pad_id: int = 0
+) -> list[list[MicroBatch]]:
+    """Cut ``samples`` into micro-batches and deal them to ranks; returns one list per rank, all the same
+    length. Deterministic: every rank computes the same plan from the same batch and takes its own share.
+
+    Samples are sorted longest first and filled first-fit into micro-batches whose padded size
+    (rows × longest row) fits ``micro_batch_tokens`` — sorting keeps rows of a micro-batch similar in
+    length, so little is spent on padding. A sample longer than the budget gets a micro-batch of its own.
+    Micro-batches then go to the least-loaded rank (by padded tokens), largest first.
+    """
+    if micro_batch_tokens <= 0:
+        raise UserError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    order = sorted(range(len(samples)), key=lambda i: (-samples[i].num_tokens, i))
+    groups: list[list[int]] = []  # each: sample indices; the first is the longest
+    for i in order:
+        for g in groups:
+            # The group's first sample is its longest, since we insert in decreasing length.
+            if (len(g) + 1) * samples[g[0]].num_tokens <= micro_batch_tokens:
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    micro_batches = [_collate(samples, g, pad_id) for g in groups]
+
+    per_rank: list[list[MicroBatch]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for mb in sorted(micro_batches, key=lambda m: -m.padded_tokens):  # stable: ties keep creation order
+        rank = min(range(world_size), key=lambda r: (load[r], len(per_rank[r]), r))
+        per_rank[rank].append(mb)
+        load[rank] += mb.padded_tokens
+    depth = max(1, max(len(r) for r in per_rank))
+    for r in per_rank:
+        r.extend(empty_micro_batch(pad_id) for _ in range(depth - len(r)))
+    return per_rank
+
+
+NormalizerKind = Literal["step_tokens", "samples_x_max_tokens"]
+
+
+def loss_normalizer(samples: list[Sample], kind: NormalizerKind, max_completion_tokens: int | None) -> float:
+    """The constant every micro-batch's loss sum is divided by; it depends on the whole step only.
+
+    - ``step_tokens``: total trained completion tokens in the step (a token-level mean over the step, as
+      in DAPO): every token weighs the same whatever the length of its completion.
+    - ``samples_x_max_tokens``: number of samples × max completion length (Dr. GRPO's constant): the
+      weight of a token does not even depend on the other samples' lengths.
+    Neither divides a sample by its own length, which biases towards short answers (calibration.md).
+    """
+    if kind == "step_tokens":
+        return float(max(1, sum(s.num_loss_tokens for s in samples)))
+    if kind == "samples_x_max_tokens":
+        if not max_completion_tokens:
+            raise UserError(
+                "loss_normalizer 'samples_x_max_tokens' needs max_completion_tokens",
+                hint="set trainer max_completion_tokens, or metadata.max_completion_tokens in the batch",
+            )
+        return float(max(1, len(samples)) * int(max_completion_tokens))
+    raise UserError(f"unknown loss_normalizer {kind!r}; use 'step_tokens' or 'samples_x_max_tokens'")

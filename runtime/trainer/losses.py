@@ -1,0 +1,182 @@
+"""Policy-gradient losses for asynchronous RL, one registry: ``LOSSES[name](...) -> (loss_sum, metrics)``.
+
+Every loss takes per-token tensors of one shape (any shape):
+  ``logprobs``            trainer log-prob of each sampled token (carries the gradient),
+  ``inference_logprobs``  log-prob of the same token under the policy that sampled it,
+  ``advantages``          the sample's advantage, repeated on each of its tokens,
+  ``loss_mask``           bool, True on tokens that are trained,
+plus keyword params of its own. It returns
+
+  ``loss_sum``  sum of the per-token loss over ``loss_mask`` tokens — *not* averaged: the trainer
+                divides it by one constant of the whole step (batch.loss_normalizer), so how tokens are
+                split over micro-batches and ranks never changes the gradient;
+  ``metrics``   sums over ``loss_mask`` tokens, detached: ``tokens`` (count), ``mismatch_kl``, ``masked``
+                (tokens whose PG term was masked, clipped or truncated), ``ratio``. Divide by the total
+                ``tokens`` of the step to get means.
+
+Notation: Δ = logprobs − inference_logprobs (trainer minus inference), r = exp(Δ), A = advantage.
+The inference policy μ is the behaviour policy: in async RL it is up to a few steps stale, and even at
+the same weights it differs numerically from the trainer (other kernels, other precision).
+
+Mismatch KL: mean over tokens of exp(Δ) − Δ − 1 (the "k3" estimator). Tokens are sampled from μ, and
+E_μ[r − 1 − log r] = KL(μ ‖ π_trainer), so this estimates KL(inference ‖ trainer); it is ≥ 0 per token
+and 0 exactly when the two log-probs agree.
+
+Where the gradient must be an importance-*weighted* policy gradient (weight w without gradient), the
+loss is written −A·w·exp(logπ − sg(logπ)): its value is the surrogate −A·w and its gradient is
+−A·w·∇logπ, so logged loss values stay comparable across losses.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from primebuild.errors import UserError
+
+LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+
+
+def _common_metrics(delta: Tensor, loss_mask: Tensor, masked: Tensor) -> dict[str, Tensor]:
+    with torch.no_grad():
+        d = delta.detach()
+        d = d.to(torch.promote_types(d.dtype, torch.float32))  # bf16 metrics would round to nothing
+        kl = torch.exp(d) - d - 1
+        m = loss_mask
+        return {
+            "tokens": m.sum().float(),
+            "mismatch_kl": torch.where(m, kl, 0.0).sum(),
+            "masked": (masked & m).sum().float(),
+            "ratio": torch.where(m, torch.exp(d), 0.0).sum(),
+        }
+
+
+def _weighted_pg(logprobs: Tensor, weight: Tensor, advantages: Tensor) -> Tensor:
+    """Per-token −A·w·∇logπ with value −A·w (w carries no gradient)."""
+    return -advantages * weight.detach() * torch.exp(logprobs - logprobs.detach())
+
+
+def dppo_kl(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    delta: float = 0.2,
+    kl_tau: float = 1e-3,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Divergence-masked PPO with a KL penalty.
+
+    A token's PG term −r·A is dropped when the trainer's probability already moved more than ``delta``
+    (in probability, not ratio) from the inference probability *in the direction the advantage pushes*:
+    p − q > delta for A > 0, q − p > delta for A < 0. Pushing further there would leave the trust region;
+    moving back is still allowed. Unlike a ratio clip, a rare token (q tiny) may still move a lot in
+    ratio terms while its probability mass moves little. Every trained token also pays
+    kl_tau·Δ², which pulls the trainer towards the sampling policy.
+    """
+    delta_lp = logprobs - inference_logprobs
+    ratio = torch.exp(delta_lp)
+    with torch.no_grad():
+        gap = torch.exp(logprobs.detach()) - torch.exp(inference_logprobs)
+        masked = ((advantages > 0) & (gap > delta)) | ((advantages < 0) & (-gap > delta))
+    keep = loss_mask & ~masked
+    pg = torch.where(keep, -ratio * advantages, 0.0)
+    kl = torch.where(loss_mask, kl_tau * delta_lp.pow(2), 0.0)
+    return (pg + kl).sum(), _common_metrics(delta_lp, loss_mask, masked)
+
+
+def aipo(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    rho: float = 2.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Asynchronous importance-weighted policy optimisation (LlamaRL): the policy gradient of every token
+    is weighted by the truncated IS ratio min(r, rho), with no clipping of the gradient itself — a token
+    far off-policy still learns, its weight is only capped to bound the variance."""
+    delta_lp = logprobs - inference_logprobs
+    ratio = torch.exp(delta_lp)
+    weight = torch.clamp(ratio, max=rho)
+    per_token = torch.where(loss_mask, _weighted_pg(logprobs, weight, advantages), 0.0)
+    return per_token.sum(), _common_metrics(delta_lp, loss_mask, ratio.detach() > rho)
+
+
+def grpo(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate −min(r·A, clip(r, 1−eps_low, 1+eps_high)·A) with the inference policy as
+    the old policy. Advantages are expected group-normalised (advantages.group_relative_advantages with
+    ``normalize_std=True``). ``masked`` counts tokens whose gradient the clip zeroes."""
+    delta_lp = logprobs - inference_logprobs
+    ratio = torch.exp(delta_lp)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    with torch.no_grad():
+        r = ratio.detach()
+        masked = ((advantages > 0) & (r > 1 + eps_high)) | ((advantages < 0) & (r < 1 - eps_low))
+    return torch.where(loss_mask, per_token, 0.0).sum(), _common_metrics(delta_lp, loss_mask, masked)
+
+
+def cispo(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    eps_low: float = 1.0,
+    eps_high: float = 4.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1): clip the IS *weight* to [1−eps_low, 1+eps_high], stop its gradient, and let
+    the gradient flow through logπ of every token — unlike PPO, clipped tokens keep a gradient.
+    The default eps_low=1.0 means no lower clip, as in MiniMax-M1. ``masked`` counts clipped weights."""
+    delta_lp = logprobs - inference_logprobs
+    ratio = torch.exp(delta_lp)
+    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    per_token = torch.where(loss_mask, _weighted_pg(logprobs, weight, advantages), 0.0)
+    r = ratio.detach()
+    masked = (r < 1 - eps_low) | (r > 1 + eps_high)
+    return per_token.sum(), _common_metrics(delta_lp, loss_mask, masked)
+
+
+LOSSES: dict[str, LossFn] = {
+    "dppo-kl": dppo_kl,
+    "aipo": aipo,
+    "grpo": grpo,
+    "cispo": cispo,
+}
+
+
+def resolve_loss(name: str, params: dict[str, Any] | None = None) -> Callable[..., tuple[Tensor, dict]]:
+    """The loss ``name`` with ``params`` bound, after checking that every param exists for that loss."""
+    if name not in LOSSES:
+        raise UserError(f"unknown loss {name!r}", hint=f"choose one of: {', '.join(sorted(LOSSES))}")
+    fn = LOSSES[name]
+    params = dict(params or {})
+    allowed = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise UserError(
+            f"loss {name!r} has no parameter(s) {', '.join(unknown)}",
+            hint=f"its parameters are: {', '.join(allowed)}",
+        )
+    for k, v in params.items():
+        if not isinstance(v, int | float) or v < 0:
+            raise UserError(f"loss {name!r} parameter {k} must be a non-negative number, got {v!r}")
+
+    def bound(logprobs, inference_logprobs, advantages, loss_mask):
+        return fn(logprobs, inference_logprobs, advantages, loss_mask, **params)
+
+    bound.__name__ = f"{fn.__name__}_bound"
+    return bound

@@ -1,0 +1,110 @@
+import os
+import threading
+
+import pytest
+import torch
+
+from primebuild.errors import UserError
+from primebuild.runtime.trainer.batch import (
+    Sample,
+    TrainBatch,
+    load_batch,
+    loss_normalizer,
+    pack,
+    save_batch,
+)
+
+
+def sample(p, c, adv=1.0, mask=None):
+    return Sample(
+        prompt_ids=list(range(1, p + 1)),
+        completion_ids=list(range(100, 100 + c)),
+        inference_logprobs=[-0.5 - 0.01 * i for i in range(c)],
+        advantage=adv,
+        reward=adv,
+        policy_version=0,
+        env_id="e",
+        completion_mask=mask,
+    )
+
+
+def test_save_load_roundtrip_plain_data(tmp_path):
+    b = TrainBatch(step=3, samples=[sample(2, 3), sample(1, 1, mask=[0])], metadata={"temperature": 1.0})
+    path = tmp_path / "rollouts" / "step_000003.pt"
+    save_batch(path, b)
+    assert os.listdir(path.parent) == ["step_000003.pt"]  # no temp file left behind
+    # Plain data only: loads without unpickling classes.
+    assert torch.load(path, weights_only=True)["samples"][0]["completion_ids"] == [100, 101, 102]
+    got = load_batch(path)
+    assert got == b
+
+
+def test_concurrent_reader_never_sees_partial_file(tmp_path):
+    path = tmp_path / "step.pt"
+    big = TrainBatch(step=1, samples=[sample(50, 400) for _ in range(40)])
+    stop = threading.Event()
+    seen = []
+
+    def reader():
+        while not stop.is_set():
+            if path.exists():
+                seen.append(len(load_batch(path).samples))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for _ in range(5):
+        save_batch(path, big)
+    stop.set()
+    t.join()
+    assert set(seen) <= {40}
+
+
+def test_load_rejects_mismatched_logprobs(tmp_path):
+    bad = sample(2, 3)
+    bad.inference_logprobs = [-1.0]
+    save_batch(tmp_path / "b.pt", TrainBatch(step=1, samples=[bad]))
+    with pytest.raises(UserError, match="inference_logprobs"):
+        load_batch(tmp_path / "b.pt")
+
+
+def test_pack_budget_alignment_and_equal_depth():
+    samples = [sample(3, 5, adv=0.5), sample(2, 2, adv=-1.0), sample(4, 10), sample(1, 1), sample(2, 3)]
+    per_rank = pack(samples, micro_batch_tokens=16, world_size=2)
+    assert len(per_rank) == 2 and len(per_rank[0]) == len(per_rank[1])
+    seen = []
+    for mbs in per_rank:
+        for mb in mbs:
+            if mb.is_empty:
+                assert not mb.loss_mask.any()
+                continue
+            rows, width = mb.input_ids.shape
+            assert rows == 1 or rows * width <= 16  # a lone over-long sample is allowed
+            for r, i in enumerate(mb.sample_indices):
+                s = samples[i]
+                p, c = len(s.prompt_ids), len(s.completion_ids)
+                assert mb.input_ids[r, : p + c].tolist() == s.prompt_ids + s.completion_ids
+                assert mb.attention_mask[r].sum().item() == p + c
+                assert mb.loss_mask[r].nonzero().flatten().tolist() == list(range(p, p + c))
+                assert mb.inference_logprobs[r, p : p + c].tolist() == pytest.approx(s.inference_logprobs)
+                assert (mb.advantages[r, p : p + c] == s.advantage).all()
+                seen.append(i)
+    assert sorted(seen) == list(range(len(samples)))
+
+
+def test_pack_pads_ranks_with_empty_micro_batches():
+    per_rank = pack([sample(2, 2)], micro_batch_tokens=64, world_size=3)
+    assert [len(r) for r in per_rank] == [1, 1, 1]
+    assert sum(mb.is_empty for r in per_rank for mb in r) == 2
+
+
+def test_pack_respects_completion_mask():
+    mb = pack([sample(2, 3, mask=[1, 0, 1])], 64, 1)[0][0]
+    assert mb.loss_mask[0].tolist() == [False, False, True, False, True]
+
+
+def test_loss_normalizer_is_a_step_constant():
+    samples = [sample(2, 3), sample(1, 5, mask=[1, 1, 0, 0, 0])]
+    assert loss_normalizer(samples, "step_tokens", None) == 5.0
+    assert loss_normalizer(samples, "samples_x_max_tokens", 8) == 16.0
+    with pytest.raises(UserError, match="max_completion_tokens"):
+        loss_normalizer(samples, "samples_x_max_tokens", None)
