@@ -1,0 +1,225 @@
+"""Run a `verifiers` taskset (verifiers >= 0.4, the `verifiers.v1` API) as a primebuild Environment.
+
+What verifiers 0.4 provides, and how it maps here:
+- `vf.Taskset.load()` yields `vf.Task` objects; each wraps a frozen pydantic `vf.TaskData` (`prompt`,
+  optional `system_prompt`, plus any fields a subclass adds, such as `answer`). Iterating a taskset sets
+  each task's `idx`; `task.key` is a hash of the data (idx included, unless a taskset overrides it).
+- Scoring is `await task.score(trace)`: it calls the task's `@vf.reward` (and `@vf.metric`) methods with
+  the arguments they name (`task` = the TaskData, `trace` = a `vf.Trace`) and records the rewards on
+  the trace; `trace.reward` is their weighted sum. Reward functions read the model's answer from the
+  trace (`trace.last_reply`, `trace.messages`), so the adapter builds a minimal trace holding the
+  prompt as a user message and the completion as a sampled assistant message. Rewards that need a
+  sandbox runtime are skipped by verifiers itself when none is given.
+
+verifiers is imported lazily (it pulls in a large dependency tree: anthropic, mcp, math-verify...): a
+run that never names a verifiers environment never imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.metadata
+import json
+import random
+import threading
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from primebuild.runtime.envs.base import Task
+
+from primebuild.errors import UserError
+
+VERIFIERS_TASK = "verifiers_task"  # key in Task.info holding the wrapped vf.Task
+
+
+def _import_verifiers():
+    try:
+        import verifiers.v1 as vf
+    except ImportError as e:
+        raise UserError(
+            f"verifiers environments need the `verifiers` package (import failed: {e})",
+            hint="pip install verifiers==0.4.0",
+        ) from e
+    return vf
+
+
+def _run_coroutine(coro):
+    """Run `coro` to completion from sync code, even when this thread already runs an event loop
+    (the orchestrator is async): then it runs on a short-lived thread with its own loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    result: dict[str, Any] = {}
+
+    def target():
+        try:
+            result["value"] = asyncio.run(coro)
+        except BaseException as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, name="verifiers-score")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def default_format_prompt(task: Task) -> str:
+    """The taskset's prompt text, after its system prompt when it has one."""
+    system = task.info.get("system_prompt")
+    return f"{system}\n\n{task.prompt}" if system else task.prompt
+
+
+class VerifiersEnvironment:
+    """A bounded verifiers taskset split into a fixed held-out list and a training pool.
+
+    The split is by content: tasks are ordered by a hash of `task.key` and the first `num_eval` form
+    the eval list. It therefore does not depend on load order, and eval tasks never reach training.
+    """
+
+    def __init__(
+        self,
+        taskset: Any,
+        *,
+        env_id: str | None = None,
+        version: str | None = None,
+        num_eval: int = 200,
+        format_prompt: Callable[[Task], str] = default_format_prompt,
+    ):
+        vf = _import_verifiers()
+        if not isinstance(taskset, vf.Taskset):
+            raise TypeError(f"expected a verifiers.v1.Taskset, got {type(taskset).__name__}")
+        name = getattr(taskset.config, "id", "") or type(taskset).__name__
+        if not taskset.bounded:
+            raise UserError(
+                f"verifiers taskset {name}: it yields tasks forever, so no fixed eval split exists",
+                hint="bound it first, e.g. taskset.take(10_000)",
+            )
+        self.id = env_id or f"verifiers:{name}"
+        self.version = version if version is not None else f"verifiers-{vf_version()}"
+        self._format_prompt = format_prompt
+
+        # One entry per content: a duplicated row must not land on both sides of the split.
+        unique = {}
+        for vf_task in taskset:
+            unique.setdefault(content_key(vf_task), vf_task)
+        tasks = sorted((self._wrap(t) for t in unique.values()), key=lambda t: t.info["content_key"])
+        if len(tasks) <= num_eval:
+            raise UserError(
+                f"verifiers taskset {name}: {len(tasks)} tasks cannot hold {num_eval} eval tasks "
+                "and still leave some for training",
+                hint="lower num_eval",
+            )
+        self._eval, self._train = tasks[:num_eval], tasks[num_eval:]
+
+    @staticmethod
+    def _wrap(vf_task: Any) -> Task:
+        data = vf_task.data
+        answer = getattr(data, "answer", None)
+        return Task(
+            prompt=data.prompt_text,
+            answer="" if answer is None else str(answer),
+            info=MappingProxyType(
+                {
+                    VERIFIERS_TASK: vf_task,
+                    "content_key": content_key(vf_task),
+                    "system_prompt": data.system_prompt,
+                }
+            ),
+        )
+
+    def sample_tasks(self, rng: random.Random, n: int) -> list[Task]:
+        return [rng.choice(self._train) for _ in range(n)]
+
+    def eval_tasks(self) -> list[Task]:
+        return list(self._eval)
+
+    def format_prompt(self, task: Task) -> str:
+        return self._format_prompt(task)
+
+    async def ascore(self, task: Task, completion: str) -> float:
+        vf = _import_verifiers()
+        from verifiers.v1.graph import MessageNode
+        from verifiers.v1.trace import TraceTask
+
+        vf_task = task.info[VERIFIERS_TASK]
+        prompt_nodes = []
+        if task.info.get("system_prompt"):
+            prompt_nodes.append(MessageNode(message=vf.SystemMessage(content=task.info["system_prompt"])))
+        prompt_nodes.append(
+            MessageNode(
+                parent=len(prompt_nodes) - 1 if prompt_nodes else None,
+                message=vf.UserMessage(content=task.prompt),
+            )
+        )
+        reply = MessageNode(
+            parent=len(prompt_nodes) - 1, message=vf.AssistantMessage(content=completion), sampled=True
+        )
+        trace = vf.Trace(
+            task=TraceTask(
+                type=type(vf_task).__name__, data=vf_task.data, key=vf_task.key, hash=vf_task.hash
+            ),
+            agent=vf.AgentInfo(config=vf.AgentConfig(), name="primebuild", trainable=False),
+            nodes=[*prompt_nodes, reply],
+        )
+        await vf_task.score(trace)
+        return float(trace.reward)
+
+    def score(self, task: Task, completion: str) -> float:
+        return _run_coroutine(self.ascore(task, completion))
+
+
+def content_key(vf_task: Any) -> str:
+    """A hash of the task's data without `idx`. verifiers' own `task.key` hashes `idx` too (its
+    position in `load()`), which would make the split depend on load order."""
+    data = vf_task.data.model_dump(mode="json", exclude_none=True, exclude={"idx"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def vf_version() -> str:
+    try:
+        return importlib.metadata.version("verifiers")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def load_verifiers_environment(taskset_id: str, args: Mapping[str, Any]) -> VerifiersEnvironment:
+    """Load installed taskset package `taskset_id` with verifiers' loader; `args` are its config
+    fields, except `num_eval` (the adapter's held-out size)."""
+    vf = _import_verifiers()
+    from pydantic import ValidationError
+
+    args = dict(args)
+    num_eval = args.pop("num_eval", 200)
+    try:
+        config_type = vf.taskset_config_type(taskset_id)
+    except (ModuleNotFoundError, TypeError, AttributeError, ValueError) as e:
+        raise UserError(
+            f"verifiers taskset {taskset_id!r} could not be loaded: {e}",
+            hint="install the taskset's package into the run's environment",
+        ) from e
+    try:
+        config = config_type.model_validate({**args, "id": taskset_id})
+    except ValidationError as e:
+        raise UserError(f"verifiers taskset {taskset_id!r}: invalid args: {e}") from e
+    return VerifiersEnvironment(
+        vf.load_taskset(config),
+        env_id=f"verifiers:{taskset_id}",
+        version=_package_version(taskset_id),
+        num_eval=num_eval,
+    )
+
+
+def _package_version(taskset_id: str) -> str:
+    """The installed distribution's version for a taskset id (verifiers' own naming rules)."""
+    name = taskset_id.rsplit("/", 1)[-1].split("@", 1)[0]
+    for candidate in (name, name.replace("_", "-"), name.replace("-", "_")):
+        try:
+            return importlib.metadata.version(candidate)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unversioned"
