@@ -1,0 +1,531 @@
+"""The engine: a scheduler thread with continuous batching over the lean forward pass.
+
+One thread owns the model, the KV cache and every running sequence, so the hot path takes no locks.
+Each iteration of its loop:
+
+1. applies a pending weight swap (between steps, so no forward ever mixes two weight sets),
+2. admits waiting work into free cache slots and prefills it in one padded batch (a request with n > 1
+   is prefilled once and its KV copied to the other n - 1 slots),
+3. runs one decode step over every sequence that was already running,
+4. samples, appends, finishes sequences (EOS, stop token or string, max tokens) and frees their slots.
+
+Requests therefore join and leave the running batch between decode steps. Results flow back through a
+per-request `sink` callback, called on the engine thread with immutable `SeqUpdate`s; the HTTP layer
+hands them to its event loop.
+
+Weight updates: the new weights are read into fresh tensors on the caller's thread while decoding goes
+on, then swapped in by reference between two steps. In-flight sequences are then either resumed on the
+new weights (default: their KV cache is recomputed by re-prefilling prompt + tokens so far, so every
+later token is exactly what the new weights give) or, with `in_flight="finish"`, allowed to finish on
+the old weights while new work waits. Every token records the version that produced it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from primebuild.errors import Problem, UserError
+
+from .kv_cache import KVCache
+from .model import ModelConfig, Qwen3Forward, RotaryTable, load_weights
+from .sampling import SamplingParams, make_generator, sample
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    """What one sequence produced in one engine step (new tokens only), or how it finished."""
+
+    index: int  # choice index inside its request
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_text: str | None = None  # the stop string that ended it, if any
+    routed_experts: list | None = None  # on the final update only: [position][moe_layer][k]
+    error: str | None = None
+
+
+@dataclass
+class ChoiceResult:
+    """Accumulates the updates of one sequence (used by the server and by `Engine.generate`)."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text: str | None = None
+    routed_experts: list | None = None
+    error: str | None = None
+
+    def apply(self, update: SeqUpdate) -> None:
+        self.token_ids.extend(update.token_ids)
+        self.logprobs.extend(update.logprobs)
+        self.versions.extend(update.versions)
+        if update.top_logprobs is not None:
+            self.top_logprobs.extend(update.top_logprobs)
+        if update.finish_reason is not None:
+            self.finish_reason = update.finish_reason
+            self.stop_text = update.stop_text
+            self.routed_experts = update.routed_experts
+            self.error = update.error
+
+    @property
+    def policy_version(self) -> int | None:
+        return self.versions[-1] if self.versions else None
+
+    @property
+    def resumed_from_version(self) -> int | None:
+        """The version a sequence started on, if it then continued on newer weights."""
+        if self.versions and self.versions[0] != self.versions[-1]:
+            return self.versions[0]
+        return None
+
+
+class Request:
+    """One API prompt: `params.n` sequences sharing a prompt prefill."""
+
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, sink):
+        self.id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.sink: Callable[[list[SeqUpdate]], None] = sink
+        self.aborted = False
+        self.arrival = time.monotonic()
+
+    def abort(self) -> None:
+        """Thread-safe: the engine drops the request at its next step."""
+        self.aborted = True
+
+
+class Sequence:
+    def __init__(self, request: Request, index: int, generator: torch.Generator | None):
+        self.request = request
+        self.index = index
+        self.params = request.params
+        self.tokens = list(request.prompt_ids)  # prompt + generated; the last one is not yet in the cache
+        self.prompt_len = len(request.prompt_ids)
+        self.generator = generator
+        self.slot = -1
+        self.routed: list = []  # per fed position: [moe_layer][k]
+        self.stop_scan_from = 0  # text offset already searched for stop strings
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class _Swap:
+    forward_weights: object
+    version: int
+    in_flight: str
+    done: threading.Event
+
+
+class EngineMetrics:
+    """Counters read by /metrics (written only by the engine thread)."""
+
+    def __init__(self):
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.requests_finished = 0
+        self.decode_steps = 0
+        self.prefill_steps = 0
+        self.preemptions = 0
+        self.weight_updates = 0
+        self.decode_batch_counts = [0] * (len(DECODE_BATCH_BUCKETS) + 1)
+        self.decode_batch_sum = 0
+
+    def observe_decode_batch(self, size: int) -> None:
+        self.decode_steps += 1
+        self.decode_batch_sum += size
+        for i, bound in enumerate(DECODE_BATCH_BUCKETS):
+            if size <= bound:
+                self.decode_batch_counts[i] += 1
+                return
+        self.decode_batch_counts[-1] += 1
+
+
+class Engine:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        max_num_seqs: int = 64,
+        max_model_len: int = 2048,
+        dtype: str = "float32",
+        device: str | None = None,
+        seed: int = 0,
+        policy_version: int = 0,
+        eos_token_ids: list[int] | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+        max_prefill_tokens: int = 8192,
+    ):
+        if dtype not in DTYPES:
+            raise UserError(f"dtype {dtype!r} is not supported", hint=f"use one of {', '.join(DTYPES)}")
+        if max_num_seqs < 1 or max_model_len < 2:
+            raise UserError("max_num_seqs must be >= 1 and max_model_len >= 2")
+        self.model_path = str(model_path)
+        self.config = ModelConfig.from_folder(model_path)
+        self.dtype = DTYPES[dtype]
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = min(max_model_len, self.config.max_position_embeddings)
+        self.max_prefill_tokens = max(max_prefill_tokens, self.max_model_len)
+        self.eos_token_ids = set(eos_token_ids or [])
+        self.detokenize = detokenize
+        self.version = policy_version
+        weights = load_weights(model_path, self.config, self.dtype, self.device)
+        rope = RotaryTable(self.config, self.max_model_len, self.dtype, self.device)
+        self.forward = Qwen3Forward(self.config, weights, rope)
+        self.cache = KVCache(self.config, max_num_seqs, self.max_model_len, self.dtype, self.device)
+        self.generator = make_generator(seed, self.device)
+        self.metrics = EngineMetrics()
+
+        self.running: list[Sequence] = []  # index == cache slot
+        self.waiting: collections.deque = collections.deque()  # Request (new) or Sequence (resume)
+        self._incoming: list[Request] = []
+        self._cv = threading.Condition()
+        self._paused = False
+        self._shutdown = False
+        self._swap: _Swap | None = None
+        self._update_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="primebuild-engine", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- public, thread-safe
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink) -> Request:
+        """Queue a prompt; `sink(list[SeqUpdate])` is called on the engine thread as tokens arrive."""
+        if not prompt_ids:
+            raise UserError("the prompt has no tokens")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise UserError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if params.n > self.max_num_seqs:
+            raise UserError(f"n ({params.n}) exceeds max_num_seqs ({self.max_num_seqs})")
+        request = Request(next(self._ids), list(prompt_ids), params, sink)
+        with self._cv:
+            self._incoming.append(request)
+            self._cv.notify()
+        return request
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, timeout: float = 600) -> list[list[ChoiceResult]]:
+        """Blocking convenience for benchmarks and tests: all prompts, all n choices, in order."""
+        results = [[ChoiceResult(i, list(p)) for i in range(params.n)] for p in prompts]
+        remaining = [len(prompts) * params.n]
+        done = threading.Event()
+
+        def sink_for(choices):
+            def sink(updates):
+                for update in updates:
+                    choices[update.index].apply(update)
+                    if update.finish_reason is not None:
+                        remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+            return sink
+
+        for prompt, choices in zip(prompts, results, strict=True):
+            self.submit(prompt, params, sink_for(choices))
+        if not done.wait(timeout):
+            raise TimeoutError("generation did not finish in time")
+        return results
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def update_weights(self, path: str | Path, version: int, in_flight: str = "resume", timeout: float = 600) -> None:
+        """Load an HF step folder and swap it in between two steps (blocks until swapped)."""
+        if in_flight not in ("resume", "finish"):
+            raise UserError(f"in_flight must be 'resume' or 'finish', not {in_flight!r}")
+        with self._update_lock:
+            config = ModelConfig.from_folder(path)
+            if config.shape_signature() != self.config.shape_signature():
+                raise UserError(
+                    Problem(
+                        "the new weights have a different architecture than the served model",
+                        file=str(Path(path) / "config.json"),
+                        hint="weight updates must keep every shape of the served model",
+                    )
+                )
+            weights = load_weights(path, self.config, self.dtype, self.device)
+            swap = _Swap(weights, int(version), in_flight, threading.Event())
+            with self._cv:
+                self._swap = swap
+                self._cv.notify()
+            if not swap.done.wait(timeout):
+                raise TimeoutError("the weight swap did not happen in time (paused with requests in flight?)")
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._shutdown = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def stats(self) -> dict:
+        running = list(self.running)
+        cached = sum(len(s.tokens) - 1 for s in running)
+        return {
+            "running": len(running),
+            "waiting": len(self.waiting) + len(self._incoming),
+            "kv_usage": cached / (self.max_num_seqs * self.max_model_len),
+            "kv_bytes": self.cache.nbytes(),
+            "policy_version": self.version,
+            "paused": self._paused,
+        }
+
+    # ---------------------------------------------------------------- engine thread
+    def _swap_ready(self) -> bool:
+        return self._swap is not None and (self._swap.in_flight == "resume" or not self.running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._shutdown:
+                    self.waiting.extend(self._incoming)
+                    self._incoming.clear()
+                    if self._swap_ready() or (not self._paused and (self.waiting or self.running)):
+                        break
+                    self._cv.wait()
+                if self._shutdown:
+                    return
+            if self._swap_ready():
+                self._apply_swap()
+            if self._paused:
+                continue
+            try:
+                self._step()
+            except Exception as error:  # never let one bad batch kill the server
+                log.exception("engine step failed; aborting the affected requests")
+                self._fail_all(f"internal engine error: {type(error).__name__}: {error}")
+
+    def _apply_swap(self) -> None:
+        swap = self._swap
+        self.forward.weights = swap.forward_weights
+        self.version = swap.version
+        # Resume in-flight sequences on the new weights: re-prefill them (front of the queue, in order).
+        preempted = list(self.running)
+        self.running.clear()
+        for seq in reversed(preempted):
+            seq.slot = -1
+            self.waiting.appendleft(seq)
+        self.metrics.preemptions += len(preempted)
+        self.metrics.weight_updates += 1
+        self._swap = None
+        swap.done.set()
+
+    def _step(self) -> None:
+        self._drop_aborted()
+        already_running = len(self.running)
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+        if already_running:
+            self._decode(self.running[:already_running])
+
+    def _drop_aborted(self) -> None:
+        if any(_request_of(u).aborted for u in self.waiting):
+            self.waiting = collections.deque(u for u in self.waiting if not _request_of(u).aborted)
+        gone = [s for s in self.running if s.request.aborted]
+        for seq in sorted(gone, key=lambda s: s.slot, reverse=True):
+            self._release(seq)
+
+    def _admit(self) -> list:
+        """Take waiting work in arrival order while slots and the prefill token budget allow."""
+        if self._swap is not None:  # draining for an update that finishes in-flight work first
+            return []
+        admitted, free, padded_len = [], self.max_num_seqs - len(self.running), 0
+        while self.waiting:
+            unit = self.waiting[0]
+            if _request_of(unit).aborted:
+                self.waiting.popleft()
+                continue
+            needs = unit.params.n if isinstance(unit, Request) else 1
+            length = len(unit.prompt_ids) if isinstance(unit, Request) else len(unit.tokens)
+            new_padded = max(padded_len, length)
+            if needs > free or (admitted and new_padded * (len(admitted) + 1) > self.max_prefill_tokens):
+                break
+            self.waiting.popleft()
+            admitted.append(unit)
+            free -= needs
+            padded_len = new_padded
+        return admitted
+
+    def _place(self, seq: Sequence) -> None:
+        seq.slot = len(self.running)
+        self.running.append(seq)
+
+    def _prefill(self, units: list) -> None:
+        token_lists, first_slots, groups = [], [], []
+        for unit in units:
+            if isinstance(unit, Request):
+                params = unit.params
+                seqs = []
+                for i in range(params.n):
+                    generator = None if params.seed is None else make_generator(params.seed + i, self.device)
+                    seq = Sequence(unit, i, generator)
+                    self._place(seq)
+                    seqs.append(seq)
+                token_lists.append(unit.prompt_ids)
+                self.metrics.prompt_tokens += len(unit.prompt_ids)
+            else:
+                seqs = [unit]
+                self._place(unit)
+                token_lists.append(unit.tokens)
+            first_slots.append(seqs[0].slot)
+            groups.append(seqs)
+        lengths = [len(t) for t in token_lists]
+        steps = max(lengths)
+        self.cache.ensure(steps)
+        tokens = torch.zeros(len(token_lists), steps, dtype=torch.long)
+        for row, ids in enumerate(token_lists):
+            tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        routed = [] if any(g[0].params.return_routed_experts for g in groups) else None
+        logits = self.forward.prefill(
+            tokens.to(self.device),
+            torch.tensor(lengths, device=self.device),
+            torch.tensor(first_slots, device=self.device),
+            self.cache,
+            routed,
+        )
+        self.metrics.prefill_steps += 1
+        rows, seqs = [], []
+        for row, (group, length) in enumerate(zip(groups, lengths, strict=True)):
+            for seq in group:
+                if seq.slot != group[0].slot:
+                    self.cache.copy_slot(group[0].slot, seq.slot, length)
+                if routed is not None and seq.params.return_routed_experts:
+                    per_layer = [layer[row, :length].tolist() for layer in routed]
+                    seq.routed = [list(pos) for pos in zip(*per_layer, strict=True)]
+                rows.append(row)
+                seqs.append(seq)
+        self._emit(seqs, logits[torch.tensor(rows, device=logits.device)])
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        batch = len(seqs)
+        tokens = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
+        positions = [len(s.tokens) - 1 for s in seqs]
+        max_len = max(positions) + 1
+        self.cache.ensure(max_len)
+        routed = [] if any(s.params.return_routed_experts for s in seqs) else None
+        logits = self.forward.decode(tokens, torch.tensor(positions, device=self.device), self.cache, max_len, routed)
+        self.metrics.observe_decode_batch(batch)
+        if routed is not None:
+            per_layer = [layer.tolist() for layer in routed]
+            for row, seq in enumerate(seqs):
+                if seq.params.return_routed_experts:
+                    seq.routed.append([layer[row] for layer in per_layer])
+        self._emit(seqs, logits)
+
+    def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each sequence, record it, finish what is done, tell the sinks."""
+        out = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
+        by_request: dict[int, tuple[Request, list[SeqUpdate]]] = {}
+        finished = []
+        version = self.version
+        for row, seq in enumerate(seqs):
+            token = out.tokens[row]
+            seq.tokens.append(token)
+            reason, stop_text = self._finish_reason(seq, token)
+            update = SeqUpdate(
+                index=seq.index,
+                token_ids=(token,),
+                logprobs=(out.logprobs[row],),
+                versions=(version,),
+                top_logprobs=None if out.top is None else (tuple(out.top[row]),),
+                finish_reason=reason,
+                stop_text=stop_text,
+                routed_experts=seq.routed if reason and seq.params.return_routed_experts else None,
+            )
+            by_request.setdefault(seq.request.id, (seq.request, []))[1].append(update)
+            if reason:
+                finished.append(seq)
+        self.metrics.generation_tokens += len(seqs)
+        for seq in sorted(finished, key=lambda s: s.slot, reverse=True):
+            self._release(seq)
+        for request, updates in by_request.values():
+            if any(u.finish_reason for u in updates):
+                self.metrics.requests_finished += sum(1 for u in updates if u.finish_reason)
+            self._deliver(request, updates)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, str | None]:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop", None
+        if params.stop and self.detokenize is not None:
+            text = self.detokenize(seq.tokens[seq.prompt_len :])
+            longest = max(len(s) for s in params.stop)
+            for stop in params.stop:
+                if stop in text[max(0, seq.stop_scan_from - longest + 1) :]:
+                    return "stop", stop
+            seq.stop_scan_from = len(text)
+        if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a sequence's slot; the last running sequence moves in so the batch stays packed."""
+        slot, last = seq.slot, self.running[-1]
+        if last is not seq:
+            self.cache.copy_slot(last.slot, slot, len(last.tokens) - 1)
+            last.slot = slot
+            self.running[slot] = last
+        self.running.pop()
+        seq.slot = -1
+
+    def _deliver(self, request: Request, updates: list[SeqUpdate]) -> None:
+        try:
+            request.sink(updates)
+        except Exception:  # a broken consumer must not stop the engine
+            log.exception("request sink failed; aborting request %s", request.id)
+            request.abort()
+
+    def _fail_all(self, message: str) -> None:
+        units = list(self.running) + list(self.waiting)
+        self.running.clear()
+        self.waiting.clear()
+        seen: dict[int, tuple[Request, list[SeqUpdate]]] = {}
+        for unit in units:
+            request = _request_of(unit)
+            indices = range(request.params.n) if isinstance(unit, Request) else [unit.index]
+            for index in indices:
+                update = SeqUpdate(index, (), (), (), finish_reason="abort", error=message)
+                seen.setdefault(request.id, (request, []))[1].append(update)
+        for request, updates in seen.values():
+            self._deliver(request, updates)
+
+
+def _request_of(unit: Request | Sequence) -> Request:
+    return unit if isinstance(unit, Request) else unit.request

@@ -1,0 +1,61 @@
+"""Slot-based KV cache: one preallocated row per running sequence, kept packed at slots 0..n-1.
+
+Why slots and not pages: on CPU there is no paged-attention kernel, and gathering pages into a
+contiguous block every decode step costs as much as the attention itself. With packed slots the decode
+step attends over a plain view `k[:n, :, :max_len]`. When a sequence leaves, the last one moves into its
+slot (one copy of its prefix), so the running batch stays contiguous.
+
+The time axis grows by doubling up to `max_model_len`, so a server configured for long contexts holds
+memory in proportion to the longest sequence actually seen, not to the worst case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_seqs: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device,
+        initial_len: int = 256,
+    ):
+        self.max_seqs = max_seqs
+        self.max_len = max_len
+        self._shape = (max_seqs, config.num_kv_heads, 0, config.head_dim)
+        self._layers = config.num_layers
+        self._dtype = dtype
+        self._device = device
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure(min(initial_len, max_len))
+
+    def _alloc(self, length: int) -> list[torch.Tensor]:
+        seqs, heads, _, dim = self._shape
+        # Zeros, not empty: masked attention multiplies unused V entries by 0, and 0 * NaN is NaN.
+        return [torch.zeros(seqs, heads, length, dim, dtype=self._dtype, device=self._device) for _ in range(self._layers)]
+
+    def ensure(self, length: int) -> None:
+        """Make room for `length` positions per slot (copying what is cached when growing)."""
+        if length <= self.capacity:
+            return
+        new_capacity = min(self.max_len, max(length, 2 * self.capacity))
+        new_k, new_v = self._alloc(new_capacity), self._alloc(new_capacity)
+        for old, new in zip(self.k + self.v, new_k + new_v, strict=False):  # nothing to copy at first
+            new[:, :, : self.capacity] = old
+        self.k, self.v, self.capacity = new_k, new_v, new_capacity
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot `src` to slot `dst` (fork n>1, or repack)."""
+        for layer in self.k + self.v:
+            layer[dst, :, :length] = layer[src, :, :length]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

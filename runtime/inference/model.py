@@ -1,0 +1,447 @@
+"""A lean Qwen3 / Qwen3-MoE forward pass in plain torch, over the weights of an HF model folder.
+
+Why not call the HF modules: on small models `generate` spends most of its time in Python module
+overhead (norm modules, config look-ups, mask building), not in matmuls. Here one decoder layer is a
+handful of torch calls: fused QKV and gate/up projections, `F.rms_norm`, a precomputed RoPE table and
+SDPA over a preallocated KV cache (see kv_cache.py). The HF model code stays the reference that the
+tests compare against, token for token and log-prob for log-prob.
+
+Only inference: no autograd, no dropout. Supported: `model_type` qwen3 and qwen3_moe with default RoPE
+and full attention (what every released Qwen3 checkpoint uses).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from primebuild.errors import Problem, UserError
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the forward pass needs, read from an HF `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    # Mixture of experts (num_experts == 0 for dense models).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[bool, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_hf(cls, raw: dict, source: str) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(
+                Problem(
+                    f"model_type {model_type!r} is not supported by the embedded engine",
+                    file=source,
+                    field="model_type",
+                    hint=f"use one of {', '.join(SUPPORTED_MODEL_TYPES)}, or the vLLM backend",
+                )
+            )
+        if raw.get("use_sliding_window"):
+            raise UserError(
+                Problem(
+                    "sliding-window attention is not supported by the embedded engine",
+                    file=source,
+                    field="use_sliding_window",
+                    hint="set it to false (released Qwen3 checkpoints do not use it)",
+                )
+            )
+        # transformers 5 writes `rope_parameters`; older configs and released checkpoints `rope_theta`.
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise UserError(
+                Problem(
+                    f"RoPE type {rope_type!r} is not supported by the embedded engine",
+                    file=source,
+                    field="rope_parameters.rope_type",
+                    hint="only default RoPE is implemented",
+                )
+            )
+        rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            num_layers = int(raw["num_hidden_layers"])
+            num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)) or 0)
+            sparse_step = int(raw.get("decoder_sparse_step", 1) or 1)
+            mlp_only = set(raw.get("mlp_only_layers") or [])
+            sparse = tuple(
+                model_type == "qwen3_moe" and num_experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0
+                for i in range(num_layers)
+            )
+            return cls(
+                model_type=model_type,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                num_layers=num_layers,
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                intermediate_size=int(raw["intermediate_size"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", False)),
+                num_experts=num_experts if model_type == "qwen3_moe" else 0,
+                num_experts_per_tok=int(raw.get("num_experts_per_tok", 0) or 0),
+                moe_intermediate_size=int(raw.get("moe_intermediate_size", 0) or 0),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                sparse_layers=sparse,
+            )
+        except KeyError as missing:
+            raise UserError(
+                Problem(f"required field {missing} is missing", file=source, field=str(missing).strip("'"))
+            ) from None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise UserError(
+                Problem(
+                    "no config.json: not an HF model folder",
+                    file=str(path),
+                    hint="point --model at a folder holding config.json, *.safetensors and tokenizer.json",
+                )
+            )
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise UserError(Problem(f"invalid JSON: {err.msg}", file=str(path), line=err.lineno)) from None
+        return cls.from_hf(raw, str(path))
+
+    def shape_signature(self) -> tuple:
+        """Everything that fixes tensor shapes: two folders with equal signatures can swap weights."""
+        return (
+            self.model_type,
+            self.vocab_size,
+            self.hidden_size,
+            self.num_layers,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate_size,
+            self.num_experts,
+            self.num_experts_per_tok,
+            self.moe_intermediate_size,
+            self.sparse_layers,
+            self.tie_word_embeddings,
+            self.attention_bias,
+        )
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: one matmul instead of three
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    # Dense MLP, or shared-nothing experts for a sparse layer.
+    gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden]
+    down: torch.Tensor | None = None  # [hidden, intermediate]
+    router: torch.Tensor | None = None  # [experts, hidden]
+    experts_gate_up: torch.Tensor | None = None  # [experts, 2 * moe_intermediate, hidden]
+    experts_down: torch.Tensor | None = None  # [experts, hidden, moe_intermediate]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+class _TensorSource:
+    """All tensors of the *.safetensors files of a folder, read on demand and tracked for leftovers."""
+
+    def __init__(self, folder: Path):
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise UserError(
+                Problem("no *.safetensors files", file=str(folder), hint="save the model with save_pretrained")
+            )
+        self._where: dict[str, Path] = {}
+        for file in files:
+            with safe_open(file, "pt") as handle:
+                for key in handle.keys():
+                    self._where[key] = file
+        self._handles: dict[Path, object] = {}
+        self.folder = folder
+
+    def has(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._where:
+            raise UserError(
+                Problem(f"tensor {key!r} is missing", file=str(self.folder), hint="is this the right architecture?")
+            )
+        file = self._where[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, "pt")
+        return self._handles[file].get_tensor(key)
+
+
+def load_weights(
+    folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> ModelWeights:
+    """Read an HF folder into fresh tensors (never touching weights in use), fused for the hot path."""
+    folder = Path(folder)
+    source = _TensorSource(folder)
+
+    def get(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = source.get(key)
+        if tuple(tensor.shape) != shape:
+            raise UserError(
+                Problem(
+                    f"tensor {key!r} has shape {tuple(tensor.shape)}, config.json implies {shape}",
+                    file=str(folder),
+                )
+            )
+        return tensor.to(device=device, dtype=dtype)
+
+    def maybe(key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return get(key, shape) if source.has(key) else None
+
+    c = config
+    h, d = c.hidden_size, c.head_dim
+    q_out, kv_out = c.num_heads * d, c.num_kv_heads * d
+    layers = []
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        q_bias = maybe(p + "self_attn.q_proj.bias", (q_out,)) if c.attention_bias else None
+        layer = LayerWeights(
+            input_norm=get(p + "input_layernorm.weight", (h,)),
+            qkv=torch.cat(
+                [
+                    get(p + "self_attn.q_proj.weight", (q_out, h)),
+                    get(p + "self_attn.k_proj.weight", (kv_out, h)),
+                    get(p + "self_attn.v_proj.weight", (kv_out, h)),
+                ]
+            ),
+            qkv_bias=None
+            if q_bias is None
+            else torch.cat(
+                [q_bias, get(p + "self_attn.k_proj.bias", (kv_out,)), get(p + "self_attn.v_proj.bias", (kv_out,))]
+            ),
+            q_norm=get(p + "self_attn.q_norm.weight", (d,)),
+            k_norm=get(p + "self_attn.k_norm.weight", (d,)),
+            o_proj=get(p + "self_attn.o_proj.weight", (h, q_out)),
+            o_bias=maybe(p + "self_attn.o_proj.bias", (h,)) if c.attention_bias else None,
+            post_norm=get(p + "post_attention_layernorm.weight", (h,)),
+        )
+        if c.sparse_layers and c.sparse_layers[i]:
+            _load_experts(layer, p + "mlp.", c, get, source)
+        else:
+            inter = c.intermediate_size
+            layer.gate_up = torch.cat(
+                [get(p + "mlp.gate_proj.weight", (inter, h)), get(p + "mlp.up_proj.weight", (inter, h))]
+            )
+            layer.down = get(p + "mlp.down_proj.weight", (h, inter))
+        layers.append(layer)
+    embed = get("model.embed_tokens.weight", (c.vocab_size, h))
+    lm_head = embed if c.tie_word_embeddings or not source.has("lm_head.weight") else None
+    if lm_head is None:
+        lm_head = get("lm_head.weight", (c.vocab_size, h))
+    return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
+
+
+def _load_experts(layer: LayerWeights, prefix: str, c: ModelConfig, get, source: _TensorSource) -> None:
+    h, inter, n = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    layer.router = get(prefix + "gate.weight", (n, h))
+    if source.has(prefix + "experts.gate_up_proj"):  # transformers-5 fused layout
+        layer.experts_gate_up = get(prefix + "experts.gate_up_proj", (n, 2 * inter, h))
+        layer.experts_down = get(prefix + "experts.down_proj", (n, h, inter))
+        return
+    # Released checkpoints (and save_pretrained) store one module per expert.
+    layer.experts_gate_up = torch.stack(
+        [
+            torch.cat(
+                [
+                    get(f"{prefix}experts.{e}.gate_proj.weight", (inter, h)),
+                    get(f"{prefix}experts.{e}.up_proj.weight", (inter, h)),
+                ]
+            )
+            for e in range(n)
+        ]
+    )
+    layer.experts_down = torch.stack([get(f"{prefix}experts.{e}.down_proj.weight", (h, inter)) for e in range(n)])
+
+
+class RotaryTable:
+    """cos/sin for every position, computed once exactly as HF's default RoPE does (fp32, then cast)."""
+
+    def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device):
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Qwen3Forward:
+    """Forward passes over one set of weights; `weights` may be swapped between calls."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, rope: RotaryTable):
+        self.config = config
+        self.weights = weights
+        self.rope = rope
+        c = config
+        self._split = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+        self._scale = c.head_dim**-0.5
+
+    def _qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        c = self.config
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split(self._split, dim=-1)
+        lead = x.shape[:-1]
+        q = F.rms_norm(q.view(*lead, c.num_heads, c.head_dim), (c.head_dim,), layer.q_norm, c.rms_norm_eps)
+        k = F.rms_norm(k.view(*lead, c.num_kv_heads, c.head_dim), (c.head_dim,), layer.k_norm, c.rms_norm_eps)
+        v = v.view(*lead, c.num_kv_heads, c.head_dim)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor, routed: list | None) -> torch.Tensor:
+        if layer.router is None:
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, layer.down)
+        return self._moe(layer, x, routed)
+
+    def _moe(self, layer: LayerWeights, x: torch.Tensor, routed: list | None) -> torch.Tensor:
+        c = self.config
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        router_logits = F.linear(flat, layer.router)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        top_weights, top_experts = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        top_weights = top_weights.to(x.dtype)
+        if routed is not None:
+            routed.append(top_experts.view(*shape[:-1], -1))
+        # Group (token, slot) pairs by expert so that each expert runs one matmul over its tokens.
+        by_expert = top_experts.flatten()
+        order = torch.argsort(by_expert, stable=True)
+        counts = torch.bincount(by_expert, minlength=c.num_experts).tolist()
+        token_of = order // c.num_experts_per_tok
+        weight_of = top_weights.flatten()[order]
+        out = torch.zeros_like(flat)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            gate, up = F.linear(flat[tokens], layer.experts_gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, layer.experts_down[expert])
+            out.index_add_(0, tokens, y * weight_of[start : start + count, None])
+            start += count
+        return out.view(shape)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        hidden = F.rms_norm(hidden, (c.hidden_size,), self.weights.final_norm, c.rms_norm_eps)
+        return F.linear(hidden, self.weights.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache, routed: list | None = None
+    ) -> torch.Tensor:
+        """Right-padded prompts [B, T] from position 0 into cache `slots`; logits [B, V] at each last token.
+
+        Padding sits after the real tokens, so causal attention never lets a real token see it; the
+        padding's K/V written beyond a sequence's length is masked out later and then overwritten.
+        """
+        c = self.config
+        w = self.weights
+        batch, steps = tokens.shape
+        cos = self.rope.cos[:steps][:, None, :]
+        sin = self.rope.sin[:steps][:, None, :]
+        x = F.embedding(tokens, w.embed)
+        for index, layer in enumerate(w.layers):
+            h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
+            q, k, v = self._qkv(layer, h, cos, sin)  # [B, T, heads, D]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            cache.k[index][slots, :, :steps] = k
+            cache.v[index][slots, :, :steps] = v
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, is_causal=True, scale=self._scale, enable_gqa=c.num_kv_heads != c.num_heads
+            )
+            x = x + F.linear(attn.transpose(1, 2).reshape(batch, steps, -1), layer.o_proj, layer.o_bias)
+            h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
+            x = x + self._mlp(layer, h, routed)
+        last = x[torch.arange(batch, device=x.device), lengths - 1]
+        return self._logits(last)
+
+    @torch.inference_mode()
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache, max_len: int, routed: list | None = None
+    ) -> torch.Tensor:
+        """One new token per sequence; sequence b lives in cache slot b (the cache keeps them packed)."""
+        c = self.config
+        w = self.weights
+        batch = tokens.shape[0]
+        rows = torch.arange(batch, device=tokens.device)
+        cos = self.rope.cos[positions][:, None, :]
+        sin = self.rope.sin[positions][:, None, :]
+        # Query heads that share a KV head become the "query length" axis: GQA without repeating K/V.
+        groups = c.num_heads // c.num_kv_heads
+        visible = (torch.arange(max_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+        x = F.embedding(tokens, w.embed)
+        for index, layer in enumerate(w.layers):
+            h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
+            q, k, v = self._qkv(layer, h, cos, sin)  # [B, heads, D]
+            keys, values = cache.k[index], cache.v[index]
+            keys[rows, :, positions] = k
+            values[rows, :, positions] = v
+            attn = F.scaled_dot_product_attention(
+                q.view(batch, c.num_kv_heads, groups, c.head_dim),
+                keys[:batch, :, :max_len],
+                values[:batch, :, :max_len],
+                attn_mask=visible,
+                scale=self._scale,
+            )
+            x = x + F.linear(attn.reshape(batch, -1), layer.o_proj, layer.o_bias)
+            h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
+            x = x + self._mlp(layer, h, routed)
+        return self._logits(x)
