@@ -1,0 +1,199 @@
+"""Memory budget and time estimates of a placed manifest, in the plan's JSON shape.
+
+This file only adapts the manifest to the formulas in memory.py and timing.py (docs/planning.md) and
+turns "does not fit" into problems that name the group, the shortfall and concrete fixes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from primebuild.builders.hardware import GIB, gpu_spec
+from primebuild.builders.memory import inference_memory_per_gpu, trainer_memory_per_gpu
+from primebuild.builders.model_facts import ModelFacts
+from primebuild.builders.placement import Placement
+from primebuild.builders.timing import step_time_estimate, suggest_split, weight_sync_estimate
+from primebuild.errors import Problem, UserError
+from primebuild.manifest.schema import Manifest
+
+# A CPU process has no CUDA context or NCCL buffers: the interpreter, torch and allocator slack.
+CPU_PROCESS_OVERHEAD = 512 * 1024**2
+_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16"}  # fp8 training keeps bf16 params, fp8 matmuls
+
+
+def compute(m: Manifest, f: ModelFacts, placement: Placement) -> tuple[dict, dict, list[Problem], list[str]]:
+    """Return (memory by group, estimates, problems, warnings)."""
+    hw = m.hardware
+    host_bytes = int(hw.host_memory_gb * GIB)
+    spec = gpu_spec(hw.gpu, host_memory_bytes=host_bytes)
+    capacity = int(hw.gpu_memory_gb * GIB) if hw.gpu_memory_gb else spec.memory_bytes
+    cpu = hw.gpu == "cpu"
+    memory: dict[str, dict] = {}
+    problems: list[Problem] = []
+    warnings: list[str] = []
+    inference_section = "inference.disaggregation" if m.inference.disaggregation else "inference"
+
+    for name, g in m.inference.groups.items():
+        mem = inference_memory_per_gpu(
+            f, precision=m.inference.precision, kv_cache_dtype=m.inference.kv_cache_dtype, tp=g.tp, ep=g.ep,
+            dp=g.dp, gpu_memory_bytes=capacity, gpu_memory_utilization=m.inference.gpu_memory_utilization,
+            max_num_seqs=m.inference.max_num_seqs, seq_len=m.orchestrator.seq_len,
+            overhead_bytes=CPU_PROCESS_OVERHEAD if cpu else None)
+        kv_cache = max(mem.kv_cache_bytes, 0)
+        if cpu:  # the embedded engine preallocates exactly max_num_seqs full-length slots
+            kv_cache = m.inference.max_num_seqs * m.orchestrator.seq_len * mem.kv_bytes_per_token
+        used = mem.weights + mem.activations + mem.overhead + kv_cache
+        memory[name] = {
+            "role": name, "capacity_bytes": capacity, "budget_bytes": mem.budget, "used_bytes": used,
+            "free_bytes": capacity - used, "fits": used <= capacity if cpu else mem.fits,
+            "breakdown": {"weights": mem.weights, "activations": mem.activations, "overhead": mem.overhead,
+                          "kv_cache": kv_cache},
+            "kv_bytes_per_token": mem.kv_bytes_per_token,
+            "kv_tokens_capacity": kv_cache // mem.kv_bytes_per_token if cpu else mem.kv_tokens_capacity,
+            "max_concurrent_seqs": m.inference.max_num_seqs if cpu else mem.max_concurrent_seqs_total,
+        }
+        if not mem.fits:
+            path = f"{inference_section}.{name}" if m.inference.disaggregation else inference_section
+            short = mem.weights + mem.activations + mem.overhead - mem.budget
+            problems.append(Problem(
+                f"{name}: weights {_g(mem.weights)} + activations {_g(mem.activations)} + overhead "
+                f"{_g(mem.overhead)} GiB leave no room for one {m.orchestrator.seq_len}-token sequence in "
+                f"{_g(mem.budget)} GiB per GPU" + (f" (short by {_g(short)} GiB)" if short > 0 else ""),
+                field=f"{path}.tp",
+                hint=_inference_fixes(m, g.tp * g.dp, hw.gpus_per_node)))
+
+    t = m.trainer
+    param = _DTYPE[t.precision]
+    tmem = trainer_memory_per_gpu(
+        f, param_dtype=param, master_dtype=None if param == "fp32" else "fp32", grad_dtype="fp32",
+        optimizer=t.optimizer.name, optimizer_cpu_offload=t.optimizer.cpu_offload, dp_shard=t.dp_shard,
+        dp_replicate=t.dp_replicate, cp=t.cp, ep=t.ep, tp=t.tp,
+        activation_checkpointing=t.activation_checkpointing, micro_batch_tokens=t.micro_batch_tokens,
+        seq_len=m.orchestrator.seq_len, gpu_memory_bytes=capacity,
+        activation_dtype="fp32" if param == "fp32" else "bf16", logits_chunk_tokens=t.logprob_chunk_tokens,
+        overhead_bytes=CPU_PROCESS_OVERHEAD if cpu else None)
+    breakdown = {k: getattr(tmem, k) for k in ("params", "grads", "optimizer_state", "master_weights",
+                                                "fsdp_buffers", "activations", "logits", "overhead")}
+    memory["trainer"] = {"role": "trainer", "capacity_bytes": capacity, "budget_bytes": capacity,
+                         "used_bytes": tmem.total, "free_bytes": tmem.free, "fits": tmem.fits,
+                         "breakdown": breakdown, "host_offload_bytes_per_gpu": tmem.host_bytes,
+                         "tokens_per_gpu": tmem.tokens_per_gpu}
+    if not tmem.fits:
+        problems.append(Problem(
+            f"trainer: {_g(tmem.total)} GiB per GPU needed, {_g(capacity)} GiB available (short by "
+            f"{_g(-tmem.free)} GiB): " + ", ".join(f"{k} {_g(v)}" for k, v in breakdown.items() if v),
+            field="trainer.dp_shard", hint=_trainer_fixes(m, tmem)))
+    if hw.gpu != "cpu" and tmem.host_bytes * min(t.world_size, hw.gpus_per_node) > host_bytes:
+        need = tmem.host_bytes * min(t.world_size, hw.gpus_per_node)
+        problems.append(Problem(
+            f"trainer: CPU-offloaded optimizer needs {_g(need)} GiB of host memory per node, "
+            f"hardware.host_memory_gb is {hw.host_memory_gb:g}", field="trainer.optimizer.cpu_offload",
+            hint="shard over more GPUs (dp_shard) or keep the optimizer on the GPU"))
+
+    if hw.gpu == "cpu":
+        total = sum(v["used_bytes"] * _process_count(m, k) for k, v in memory.items())
+        if total > host_bytes:
+            problems.append(Problem(
+                f"all processes together need {_g(total)} GiB but the node has {hw.host_memory_gb:g} GiB",
+                field="hardware.host_memory_gb", hint="lower inference.max_num_seqs or use a smaller model"))
+
+    estimates = _estimates(m, f, placement, spec, memory)
+    return memory, estimates, problems, warnings
+
+
+def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: dict) -> dict:
+    hw, o = m.hardware, m.orchestrator
+    inference_gpus = sum(len(s.gpus) for rp in placement.inference for s in rp.slots)
+    trainer_gpus = sum(len(s.gpus) for s in placement.trainer)
+    groups = m.inference.groups
+    decode_name = "decode" if "decode" in groups else "inference"
+    decode_replicas = groups[decode_name].replicas
+    prefill_gpus = (groups["prefill"].replicas * groups["prefill"].gpus_per_replica) if "prefill" in groups else 0
+    if hw.gpu == "cpu":
+        return {"summary": ["CPU run: time estimates are measured by `primebuild run`, not predicted"]}
+
+    sync = weight_sync_estimate(
+        f, dtype=_DTYPE[m.trainer.precision],
+        bandwidth_bytes_per_s=(hw.inter_node_bandwidth_gb_s if m.weight_sync.mode == "broadcast"
+                               else hw.storage_bandwidth_gb_s) * 1e9,
+        mode=m.weight_sync.mode, trainer_gpus=trainer_gpus, inference_gpus=inference_gpus,
+        inference_replicas=sum(g.replicas for g in groups.values()))
+    step_kwargs = dict(
+        rollouts_per_step=o.rollouts_per_step, group_size=o.group_size,
+        prompt_tokens=o.seq_len - o.max_completion_tokens, completion_tokens=o.max_completion_tokens,
+        precision=m.inference.precision if m.inference.precision != "fp32" else "bf16",
+        trainer_precision=_DTYPE[m.trainer.precision], kv_cache_dtype=m.inference.kv_cache_dtype,
+        prefill_gpus=prefill_gpus,
+        max_concurrent_seqs_per_replica=max(1, memory[decode_name]["max_concurrent_seqs"]))
+    try:
+        times = step_time_estimate(f, inference_gpus=inference_gpus, inference_replicas=decode_replicas,
+                                   trainer_gpus=trainer_gpus, gpu=spec, **step_kwargs)
+    except UserError as err:
+        return {"summary": [f"no step-time estimate: {err.problems[0].message}"]}
+    per_replica = groups[decode_name].gpus_per_replica
+    split = None
+    if hw.nodes > 1:
+        try:
+            split = suggest_split(f, total_nodes=hw.nodes, gpus_per_inference_replica=per_replica, gpu=spec,
+                                  **step_kwargs)
+        except UserError:
+            split = None
+    summary = [
+        f"weight sync ({sync.mode}): {_g(sync.bytes)} GiB per step, ~{sync.seconds:,.1f} s",
+        f"rollout (worst case: full-length sequences): ~{times.rollout_seconds:,.0f} s per step; "
+        f"train: ~{times.train_seconds:,.0f} s per step",
+        f"{times.idle_side} idles ~{times.idle_fraction:.0%} of each step" if times.idle_side != "none"
+        else "inference and trainer are balanced",
+    ]
+    if split and (split.inference_nodes, split.trainer_nodes) != (_inference_nodes(placement), len(placement.trainer)):
+        summary.append(f"suggestion: {split.inference_nodes} inference : {split.trainer_nodes} trainer nodes "
+                       f"would take ~{split.times.step_seconds:,.0f} s per step "
+                       f"(now ~{times.step_seconds:,.0f} s)")
+    return {
+        "weight_sync": dataclasses.asdict(sync),
+        "step": dataclasses.asdict(times),
+        "suggested_split": ({"inference_nodes": split.inference_nodes, "trainer_nodes": split.trainer_nodes,
+                             "step_seconds": split.times.step_seconds} if split else None),
+        "summary": summary,
+    }
+
+
+def _inference_nodes(placement: Placement) -> int:
+    return len({s.node for rp in placement.inference for s in rp.slots})
+
+
+def _process_count(m: Manifest, group: str) -> int:
+    if group == "trainer":
+        return m.trainer.ranks or m.trainer.world_size
+    return m.inference.groups[group].replicas
+
+
+def _g(n: float) -> str:
+    return f"{n / GIB:,.1f}"
+
+
+def _inference_fixes(m: Manifest, gpus_per_replica: int, gpus_per_node: int) -> str:
+    fixes = []
+    if m.inference.precision != "fp8" and m.inference.engine == "vllm":
+        fixes.append("precision: fp8 (halves the weights)")
+    if m.inference.kv_cache_dtype != "fp8" and m.inference.engine == "vllm":
+        fixes.append("kv_cache_dtype: fp8")
+    if gpus_per_replica < gpus_per_node:
+        fixes.append(f"more GPUs per replica (tp*dp up to {gpus_per_node})")
+    else:
+        fixes.append("nodes_per_replica: +1 with a larger dp and ep")
+    fixes.append("a shorter orchestrator.seq_len")
+    return "try " + "; or ".join(fixes)
+
+
+def _trainer_fixes(m: Manifest, tmem) -> str:
+    t = m.trainer
+    fixes = []
+    if not t.optimizer.cpu_offload and tmem.optimizer_state + tmem.master_weights > 0:
+        fixes.append(f"optimizer.cpu_offload: true (frees {_g(tmem.optimizer_state + tmem.master_weights)} GiB)")
+    if not t.activation_checkpointing:
+        fixes.append("activation_checkpointing: true")
+    if tmem.activations > tmem.params:
+        fixes.append(f"cp: {t.cp * 2} (halves activations per GPU)")
+    fixes.append(f"more trainer GPUs (dp_shard: {t.dp_shard * 2} on twice the nodes)")
+    return "try " + "; or ".join(fixes)

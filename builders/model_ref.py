@@ -1,0 +1,67 @@
+"""Resolve what a manifest says about its model: a stable reference and the architecture facts file.
+
+Pure: reads only the files the manifest names. The reference uses paths as written in the manifest
+(never absolute ones), so the plan hash does not depend on where the checkout lives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from primebuild.errors import Problem, UserError
+from primebuild.manifest.load import LoadedManifest, load_manifest
+
+
+def model_reference(loaded: LoadedManifest) -> dict:
+    model = loaded.manifest.model
+    kind = model.source_kind
+    ref: dict = {"source": kind, "dtype": model.dtype}
+    if kind == "hf":
+        ref.update(repo=model.hf, revision=model.revision)
+    elif kind == "path":
+        ref.update(path=model.path)
+    elif kind == "from_manifest":
+        ref.update(manifest=model.from_manifest)
+    else:
+        ref.update(init=model.init, tokenizer=model.tokenizer)
+    if model.facts:
+        ref["facts"] = model.facts
+    return ref
+
+
+def facts_file(loaded: LoadedManifest, _depth: int = 0) -> tuple[Path, str]:
+    """The HF config.json-style file holding the architecture, and how to show it to a person."""
+    model = loaded.manifest.model
+    if model.facts:
+        return loaded.resolve(model.facts), model.facts
+    kind = model.source_kind
+    if kind == "hf":
+        name = model.hf.rsplit("/", 1)[-1].lower()  # type: ignore[union-attr]
+        return loaded.path.parent.resolve() / "models" / f"{name}.json", f"models/{name}.json"
+    if kind == "path":
+        return loaded.resolve(model.path) / "config.json", f"{model.path}/config.json"  # type: ignore[operator]
+    if _depth > 8:
+        raise UserError(Problem("model.from_manifest chain is longer than 8", file=str(loaded.path),
+                                field="model.from_manifest"))
+    parent_path = loaded.resolve(model.from_manifest)  # type: ignore[arg-type]
+    if not parent_path.is_file():
+        raise UserError(loaded.source.problem(("model", "from_manifest"), f"manifest not found: {parent_path}",
+                                              hint="the path is relative to this manifest"))
+    return facts_file(load_manifest(parent_path), _depth + 1)
+
+
+def read_facts_json(loaded: LoadedManifest) -> tuple[dict, str]:
+    path, shown = facts_file(loaded)
+    if not path.is_file():
+        field = ("model", "facts") if loaded.manifest.model.facts else ("model",)
+        raise UserError(loaded.source.problem(
+            field, f"architecture facts not found: {shown}",
+            hint="add the model's config.json under manifests/models/, or set model.facts"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(Problem(f"not valid JSON: {err}", file=str(path))) from None
+    if not isinstance(data, dict):
+        raise UserError(Problem("config must be a JSON object", file=str(path)))
+    return data, shown

@@ -1,0 +1,123 @@
+"""Load a manifest: read, compose, migrate, validate. Every problem is reported at once, located."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+
+from primebuild.errors import Problem, UserError
+from primebuild.manifest.compose import apply_sets, load_composed
+from primebuild.manifest.schema import Manifest
+from primebuild.manifest.versions import check_and_migrate
+from primebuild.manifest.yaml_source import Path_, SourceMap
+
+
+@dataclass(frozen=True)
+class LoadedManifest:
+    manifest: Manifest
+    path: Path  # the manifest file as given
+    files: list[Path]  # every file read (extends chain included), resolved
+    document: dict  # the composed document, before defaults
+    source: SourceMap = field(repr=False)
+    notes: list[str] = field(default_factory=list)  # migration notes to show the user
+
+    @property
+    def manifest_hash(self) -> str:
+        """sha256 of the validated manifest with defaults filled in: formatting and comments don't count."""
+        return sha256_json(self.manifest.model_dump(mode="json"))
+
+    def resolve(self, relative: str) -> Path:
+        """A path written in the manifest, relative to the manifest's folder."""
+        return (self.path.parent / relative).resolve()
+
+
+def canonical_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def sha256_json(value: object) -> str:
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> LoadedManifest:
+    path = Path(path)
+    shown = str(path)
+    doc, source, files = load_composed(path, display=shown)
+    doc, notes = check_and_migrate(doc, source, shown)
+    if sets:
+        doc = apply_sets(doc, list(sets), source)
+    try:
+        manifest = Manifest.model_validate(doc)
+    except ValidationError as err:
+        raise UserError(_sorted(source.problems + validation_problems(err, source))) from None
+    if source.problems:
+        raise UserError(_sorted(source.problems))
+    return LoadedManifest(manifest=manifest, path=path, files=files, document=doc, source=source, notes=notes)
+
+
+def validation_problems(err: ValidationError, source: SourceMap) -> list[Problem]:
+    problems = []
+    for e in err.errors(include_url=False):
+        path = _clean_loc(e["loc"])
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            name = str(path[-1])
+            known = _fields_at(Manifest, path[:-1])
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else (
+                f"known fields here: {', '.join(sorted(known))}" if known else None)
+            problems.append(source.problem(path, f"unknown field {name!r}", hint=hint))
+        elif kind == "missing":
+            problems.append(source.problem(path, "required field is missing"))
+        elif kind == "literal_error":
+            expected = e.get("ctx", {}).get("expected", "")
+            problems.append(source.problem(path, f"got {e.get('input')!r}; expected one of {expected}"))
+        elif kind == "union_tag_invalid" or kind == "union_tag_not_found":
+            problems.append(source.problem(path, e["msg"], hint="target.kind is one of local, ssh, slurm, kubernetes"))
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            problems.append(source.problem(path, msg))
+    return problems
+
+
+def _sorted(problems: list[Problem]) -> list[Problem]:
+    return sorted(problems, key=lambda p: (p.file or "", p.line or 0, p.column or 0, p.field or ""))
+
+
+def _clean_loc(loc: tuple) -> Path_:
+    """Drop pydantic's internal union/tag markers from an error location."""
+    out: list = []
+    for part in loc:
+        if isinstance(part, str) and (part.startswith("function-") or part in {"local", "ssh", "slurm", "kubernetes"}
+                                      and out and out[-1] == "target"):
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+def _fields_at(model: type[BaseModel], path: Path_) -> list[str]:
+    """Field names valid at `path` (for did-you-mean hints)."""
+    current: object = model
+    for part in path:
+        if isinstance(part, int):
+            continue
+        fields = getattr(current, "model_fields", None)
+        if not fields or part not in fields:
+            return []
+        current = _model_of(fields[part].annotation)
+    return list(getattr(current, "model_fields", {}))
+
+
+def _model_of(annotation: object) -> object:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None

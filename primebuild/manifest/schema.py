@@ -1,0 +1,334 @@
+"""Manifest schema v1 (`apiVersion: primebuild/v1`, `kind: Experiment`).
+
+A manifest says *what* to run; the plan compiler decides *where* and *how*. Every field is typed,
+bounded and documented here, and `primebuild schema` exports this as JSON Schema for editors.
+Cross-field rules that need the hardware or the model (GPU counts, divisibility) live in the plan
+compiler, which can name concrete fixes; rules that only need the manifest itself live here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+API_VERSION = "primebuild/v1"
+
+SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+ENV_NAME = r"^[A-Z_][A-Z0-9_]*$"
+
+
+class Strict(BaseModel):
+    """Base for every manifest section: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Port = Annotated[int, Field(ge=1024, le=65535)]
+
+
+# --- model -----------------------------------------------------------------------------------------
+
+
+class Model(Strict):
+    """Where the weights come from. Exactly one of `hf`, `path`, `from_manifest`, `init`."""
+
+    hf: str | None = Field(None, description="Hugging Face repo id, e.g. 'zai-org/GLM-5'.",
+                           pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$", max_length=256)
+    revision: str = Field("main", description="Branch, tag or commit of `hf`; the lock pins it to a commit.",
+                          pattern=r"^[A-Za-z0-9_./-]+$", max_length=128)
+    path: str | None = Field(None, description="A local HF-layout folder (relative to the manifest).")
+    from_manifest: str | None = Field(
+        None, description="Another manifest (relative to this one) whose output model this one starts from.")
+    init: Literal["random"] | None = Field(
+        None, description="Build fresh random weights from the architecture facts (tiny models only).")
+    facts: str | None = Field(
+        None,
+        description="Architecture facts in HF config.json form (relative to the manifest). Default: "
+        "manifests/models/<last part of hf id, lower-case>.json, or the folder's config.json.")
+    tokenizer: str | None = Field(None, description="Tokenizer to build with `init: random` (e.g. 'char').")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Model:
+        given = [k for k in ("hf", "path", "from_manifest", "init") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of hf, path, from_manifest, init (got {', '.join(given) or 'none'})")
+        if self.init is not None and self.facts is None:
+            raise ValueError("`init: random` needs `facts:` (a config.json with the architecture)")
+        return self
+
+    @property
+    def source_kind(self) -> str:
+        return next(k for k in ("hf", "path", "from_manifest", "init") if getattr(self, k) is not None)
+
+
+# --- hardware --------------------------------------------------------------------------------------
+
+GpuType = Literal["h100", "h200", "b200", "cpu"]
+
+
+class Hardware(Strict):
+    nodes: PositiveInt = Field(1, le=4096)
+    gpus_per_node: int = Field(8, ge=0, le=64, description="0 for CPU-only machines.")
+    gpu: GpuType = "h200"
+    gpu_memory_gb: float | None = Field(None, gt=0, le=1024, description="Override the GPU type's memory.")
+    host_memory_gb: float = Field(1024, gt=0, description="RAM per node (CPU offload, CPU runs).")
+    cpus_per_node: PositiveInt = Field(64, le=4096)
+    intra_node_bandwidth_gb_s: float = Field(450, gt=0, description="GPU-GPU inside a node, GB/s per GPU.")
+    inter_node_bandwidth_gb_s: float = Field(50, gt=0, description="Network per GPU between nodes, GB/s.")
+    storage_bandwidth_gb_s: float = Field(10, gt=0, description="Shared filesystem read/write per node, GB/s.")
+
+    @model_validator(mode="after")
+    def _cpu_has_no_gpus(self) -> Hardware:
+        if self.gpu == "cpu" and self.gpus_per_node != 0:
+            raise ValueError("gpu: cpu needs gpus_per_node: 0")
+        if self.gpu != "cpu" and self.gpus_per_node == 0:
+            raise ValueError(f"gpu: {self.gpu} needs gpus_per_node >= 1 (or use gpu: cpu)")
+        return self
+
+
+# --- inference -------------------------------------------------------------------------------------
+
+
+class InferenceGroup(Strict):
+    """One group of identical inference replicas (a whole group, or the prefill/decode half of one)."""
+
+    replicas: PositiveInt = 1
+    nodes_per_replica: PositiveInt = 1
+    tp: PositiveInt = Field(1, description="Tensor parallel size (inside a node).")
+    dp: PositiveInt = Field(1, description="Data parallel ranks inside one replica (vLLM DP attention).")
+    ep: PositiveInt = Field(1, description="Expert parallel size; must divide tp*dp.")
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.dp
+
+
+class Disaggregation(Strict):
+    """Prefill/decode split: prompts are prefilled on one group and KV caches shipped to the other."""
+
+    prefill: InferenceGroup
+    decode: InferenceGroup
+    kv_connector: str = Field("P2pNcclConnector", description="vLLM KV-transfer connector.")
+
+
+class Inference(Strict):
+    engine: Literal["embedded", "vllm"] = "embedded"
+    replicas: PositiveInt = 1
+    nodes_per_replica: PositiveInt = 1
+    tp: PositiveInt = 1
+    dp: PositiveInt = 1
+    ep: PositiveInt = 1
+    disaggregation: Disaggregation | None = None
+    precision: Literal["fp32", "bf16", "fp8"] = "bf16"
+    kv_cache_dtype: Literal["auto", "bf16", "fp8"] = "auto"
+    max_num_seqs: PositiveInt = Field(256, le=65536)
+    gpu_memory_utilization: float = Field(0.9, gt=0.05, le=0.98)
+    router_replay: bool = Field(False, description="Return routed experts so the trainer replays them (MoE).")
+    host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 only on trusted cluster networks.")
+    port: Port = 8000
+    threads: PositiveInt | None = Field(None, le=1024, description="CPU threads per process (CPU runs).")
+
+    @property
+    def groups(self) -> dict[str, InferenceGroup]:
+        """The replica groups to place: {'inference': …} or {'prefill': …, 'decode': …}."""
+        if self.disaggregation:
+            return {"prefill": self.disaggregation.prefill, "decode": self.disaggregation.decode}
+        return {"inference": InferenceGroup(replicas=self.replicas, nodes_per_replica=self.nodes_per_replica,
+                                            tp=self.tp, dp=self.dp, ep=self.ep)}
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9.:-]{1,253}", v):
+            raise ValueError("must be an IP address or host name")
+        return v
+
+    @model_validator(mode="after")
+    def _kv_fp8_needs_support(self) -> Inference:
+        if self.engine == "embedded" and self.precision == "fp8":
+            raise ValueError("the embedded engine runs fp32/bf16; use engine: vllm for fp8")
+        if self.disaggregation and self.engine != "vllm":
+            raise ValueError("prefill/decode disaggregation needs engine: vllm")
+        return self
+
+
+# --- trainer ---------------------------------------------------------------------------------------
+
+
+class Optimizer(Strict):
+    name: Literal["adamw"] = "adamw"
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    cpu_offload: bool = Field(False, description="Keep optimizer state and fp32 master weights in host RAM.")
+
+
+class Trainer(Strict):
+    nodes: PositiveInt | None = Field(None, description="Nodes for the trainer; default: all not used by inference.")
+    ranks: PositiveInt | None = Field(None, le=64, description="Processes on CPU-only hardware.")
+    dp_shard: PositiveInt = Field(1, description="FSDP shard degree.")
+    dp_replicate: PositiveInt = Field(1, description="HSDP replicate degree.")
+    cp: PositiveInt = Field(1, description="Context parallel degree.")
+    tp: PositiveInt = Field(1, description="Tensor parallel degree (inside a node).")
+    ep: PositiveInt = Field(1, description="Expert parallel degree; must divide dp_shard*cp.")
+    precision: Literal["fp32", "bf16", "fp8"] = "bf16"
+    activation_checkpointing: bool = True
+    optimizer: Optimizer = Optimizer()
+    micro_batch_tokens: PositiveInt = Field(8192, le=1 << 24)
+    logprob_chunk_tokens: PositiveInt = Field(
+        8192, le=1 << 24, description="Tokens per chunk when computing log-probs: bounds the fp32 logits held.")
+    checkpoint_every: PositiveInt = 50
+    rendezvous_port: Port = 29500
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_shard * self.dp_replicate * self.cp * self.tp
+
+
+# --- orchestrator and algorithm --------------------------------------------------------------------
+
+
+class Loss(Strict):
+    name: Literal["dppo-kl", "aipo", "grpo", "cispo"] = "dppo-kl"
+    kl_tau: float = Field(1e-3, ge=0)
+    mask_bound: float = Field(0.2, gt=0, description="DPPO: mask tokens whose probability gap exceeds this.")
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    is_cap: float = Field(2.0, gt=0, description="AIPO/CISPO importance-weight cap.")
+
+
+class Orchestrator(Strict):
+    rollouts_per_step: PositiveInt = Field(256, le=1 << 20, description="Samples per trainer step.")
+    group_size: PositiveInt = Field(8, le=1024, description="Samples per prompt (group-relative advantage).")
+    max_off_policy_steps: int = Field(1, ge=0, le=64, description="0 = synchronous RL.")
+    seq_len: PositiveInt = Field(4096, le=1 << 21)
+    max_completion_tokens: PositiveInt = Field(1024, le=1 << 21)
+    max_steps: PositiveInt = Field(100, le=10_000_000)
+    temperature: float = Field(1.0, ge=0, le=10)
+    top_p: float = Field(1.0, gt=0, le=1)
+    lr: float = Field(1e-6, gt=0, le=1)
+    warmup_steps: int = Field(0, ge=0)
+    loss: Loss = Loss()
+    normalize_advantage_std: bool = False
+    eval_every: int = Field(0, ge=0, description="0 = evaluate only before and after.")
+    eval_prompts: PositiveInt = 200
+    port: Port = 8500
+
+    @model_validator(mode="after")
+    def _shapes(self) -> Orchestrator:
+        if self.rollouts_per_step % self.group_size:
+            raise ValueError(f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of group_size "
+                             f"({self.group_size})")
+        if self.max_completion_tokens > self.seq_len:
+            raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) exceeds seq_len ({self.seq_len})")
+        return self
+
+
+class SFT(Strict):
+    """Supervised warm-start training (used by a manifest whose output model another one consumes)."""
+
+    steps: PositiveInt = Field(150, le=10_000_000)
+    batch_size: PositiveInt = 64
+    lr: float = Field(1e-3, gt=0, le=1)
+    warmup_steps: int = Field(50, ge=0)
+
+
+class Environment(Strict):
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)
+    version: str = Field("latest", pattern=r"^[A-Za-z0-9_.+-]+$", max_length=64)
+    args: dict[str, Any] = Field(default_factory=dict)
+    weight: float = Field(1.0, gt=0)
+
+
+class WeightSync(Strict):
+    mode: Literal["filesystem", "broadcast"] = "filesystem"
+    port: Port = 29600
+
+
+class Image(Strict):
+    base: str = Field("python:3.11-slim", description="Base image reference; the lock pins it to a digest.",
+                      pattern=r"^[A-Za-z0-9_.\-/:@]+$", max_length=255)
+    python: str = Field("3.11", pattern=r"^3\.\d+$", max_length=8)
+    extras: list[Literal["gpu", "test"]] = Field(default_factory=list)
+
+
+# --- targets ---------------------------------------------------------------------------------------
+
+
+class LocalTarget(Strict):
+    kind: Literal["local"] = "local"
+
+
+class SshTarget(Strict):
+    kind: Literal["ssh"]
+    hosts: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9.:_-]+$", max_length=253)]] = Field(min_length=1)
+    user: str | None = Field(None, pattern=r"^[a-z_][a-z0-9_-]*$", max_length=32)
+    port: int = Field(22, ge=1, le=65535)
+    workdir: str = "~/primebuild"
+
+
+class SlurmTarget(Strict):
+    kind: Literal["slurm"]
+    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    account: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    qos: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    time: str = Field("24:00:00", pattern=r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
+
+
+class KubernetesTarget(Strict):
+    kind: Literal["kubernetes"]
+    namespace: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    service_account: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+Target = Annotated[LocalTarget | SshTarget | SlurmTarget | KubernetesTarget, Field(discriminator="kind")]
+
+
+# --- the manifest ----------------------------------------------------------------------------------
+
+
+class Manifest(Strict):
+    apiVersion: Literal["primebuild/v1"] = Field(description="Schema version of this file.")
+    kind: Literal["Experiment"] = "Experiment"
+    name: str = Field(description="Safe for file names and shells: letters, digits, '.', '_', '-'; at most 63.")
+    description: str = ""
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    model: Model
+    hardware: Hardware = Hardware()
+    inference: Inference = Inference()
+    trainer: Trainer = Trainer()
+    orchestrator: Orchestrator = Orchestrator()
+    sft: SFT | None = Field(None, description="Present for a supervised warm-start manifest (no RL).")
+    environments: list[Environment] = Field(min_length=1)
+    weight_sync: WeightSync = WeightSync()
+    image: Image = Image()
+    target: Target = LocalTarget()
+    secrets: list[Annotated[str, Field(pattern=ENV_NAME)]] = Field(
+        default_factory=list, description="Names of environment variables passed through; never their values.")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not re.fullmatch(SAFE_NAME, v):
+            raise ValueError(f"{v!r} is not a safe name: use 1-63 letters, digits, '.', '_' or '-', starting with "
+                             "a letter or digit (no path separators, spaces or shell characters)")
+        return v
+
+    @model_validator(mode="after")
+    def _cpu_runs_local(self) -> Manifest:
+        if self.hardware.gpu == "cpu" and self.inference.engine == "vllm":
+            raise ValueError("engine: vllm needs GPUs; use engine: embedded on gpu: cpu")
+        return self
+
+
+def json_schema() -> dict:
+    schema = Manifest.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://primebuild.dev/schema/v1/manifest.json"
+    schema["title"] = "primebuild manifest (apiVersion primebuild/v1)"
+    return schema
