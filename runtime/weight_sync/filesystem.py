@@ -1,0 +1,202 @@
+"""Step folders made visible atomically, and the readers' side of that contract.
+
+A step folder is written under a hidden staging name in the same parent directory, renamed into place
+(one atomic ``rename`` on POSIX), and then marked with a ``STABLE`` file (itself written by
+``os.replace``). Readers only trust folders that carry ``STABLE``: the rename alone is atomic on a local
+disk, the marker keeps the contract on shared filesystems where a directory rename is not a guarantee that
+every file inside is visible. Never a half-written folder.
+
+Used for published weights (``weights/step_k``) and trainer checkpoints (``checkpoints/step_k``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+STABLE = "STABLE"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def staging_dir(final: str | os.PathLike) -> Path:
+    """Deterministic hidden sibling of ``final`` (so every rank of a job agrees on it without talking)."""
+    final = Path(final)
+    return final.parent / f".{final.name}.staging"
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _write_marker(folder: Path, payload: dict) -> None:
+    tmp = folder / f".{STABLE}.tmp"
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, folder / STABLE)
+
+
+def begin(final: str | os.PathLike) -> Path:
+    """Create an empty staging folder for ``final`` (removing leftovers of a crashed earlier attempt)."""
+    stage = staging_dir(final)
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
+    return stage
+
+
+def commit(final: str | os.PathLike, step: int | None = None) -> Path:
+    """Move the staging folder of ``final`` into place and mark it STABLE. An existing ``final`` (a step
+    redone after a resume) is replaced: it disappears for an instant, it is never half-written."""
+    final = Path(final)
+    stage = staging_dir(final)
+    _fsync_tree(stage)
+    if final.exists():
+        trash = final.parent / f".{final.name}.trash"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.rename(final, trash)
+        os.rename(stage, final)
+        shutil.rmtree(trash)
+    else:
+        os.rename(stage, final)
+    _write_marker(final, {"step": step, "time": time.time()})
+    return final
+
+
+def publish_dir(final: str | os.PathLike, write: Callable[[Path], None], step: int | None = None) -> Path:
+    """Single-writer convenience: ``write(staging)`` fills the folder, then it becomes ``final``."""
+    stage = begin(final)
+    try:
+        write(stage)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return commit(final, step)
+
+
+def is_stable(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / STABLE).is_file()
+
+
+def stable_steps(root: str | os.PathLike) -> list[int]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and is_stable(p):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def latest_stable(root: str | os.PathLike) -> tuple[int, Path] | None:
+    """The newest ``step_k`` folder under ``root`` that carries STABLE, or None."""
+    steps = stable_steps(root)
+    if not steps:
+        return None
+    return steps[-1], step_dir(root, steps[-1])
+
+
+def wait_for_step(
+    root: str | os.PathLike, step: int, timeout_s: float, poll_s: float = 0.1
+) -> Path:
+    """Block until ``step_k`` (or a newer step) is stable; return the folder of the newest such step.
+    Raises TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        latest = latest_stable(root)
+        if latest is not None and latest[0] >= step:
+            return latest[1]
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no stable step >= {step} under {root} after {timeout_s:.0f}s")
+        time.sleep(poll_s)
+
+
+def prune(root: str | os.PathLike, keep_last: int) -> None:
+    """Remove all but the newest ``keep_last`` stable step folders (renamed away first, so a reader
+    never finds a folder that is being deleted under a stable name)."""
+    for s in stable_steps(root)[:-keep_last] if keep_last > 0 else []:
+        folder = step_dir(root, s)
+        trash = folder.parent / f".{folder.name}.trash"
+        os.rename(folder, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _safetensors_ready(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses non-contiguous tensors and tensors sharing storage: give it plain copies."""
+    out, seen = {}, set()
+    for k, t in state_dict.items():
+        t = t.detach().contiguous()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[k] = t
+    return out
+
+
+def write_hf_folder(
+    folder: Path,
+    state_dict: Mapping[str, torch.Tensor],
+    config,
+    tokenizer_src: str | os.PathLike | None,
+) -> None:
+    """Write ``config.json``, ``model.safetensors`` and the base model's tokenizer files into ``folder``.
+    ``config`` is a transformers PretrainedConfig; its ``dtype`` is set to the tensors' dtype."""
+    from safetensors.torch import save_file
+
+    tensors = _safetensors_ready(state_dict)
+    config = copy.deepcopy(config)
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        config.dtype = next(iter(dtypes))
+    config.save_pretrained(folder)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer_src is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_src) / name
+            if src.is_file():
+                shutil.copy2(src, folder / name)
+
+
+def publish_hf_weights(
+    weights_dir: str | os.PathLike,
+    step: int,
+    state_dict: Mapping[str, torch.Tensor],
+    config,
+    tokenizer_src: str | os.PathLike | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Publish ``weights_dir/step_{k:06d}`` in HF layout, atomically; optionally prune older steps."""
+    final = publish_dir(
+        step_dir(weights_dir, step), lambda d: write_hf_folder(d, state_dict, config, tokenizer_src), step
+    )
+    if keep_last:
+        prune(weights_dir, keep_last)
+    return final

@@ -1,0 +1,96 @@
+"""Weight broadcast between real processes over gloo on 127.0.0.1."""
+
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+
+from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender, _buckets
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "embed.weight": torch.randn(300, 64, generator=g),  # 76.8 kB: a bucket of its own
+        "layer.norm": torch.randn(64, generator=g).to(torch.bfloat16),
+        "layer.scale": torch.tensor(float(step)),  # 0-dim
+        "layer.count": torch.arange(5, dtype=torch.int64) * step,
+        "layer.t": torch.randn(8, 4, generator=g).t(),  # non-contiguous view
+    }
+
+
+def sender_main(init_method, world_size, steps):
+    torch.set_num_threads(1)
+    sender = BroadcastSender(init_method, world_size, timeout_s=60, bucket_mb=0.01)  # ~10 kB buckets
+    for step in steps:
+        sender.send(make_state(step), step)
+    sender.close()
+
+
+def receiver_main(init_method, world_size, rank, queue):
+    torch.set_num_threads(1)
+    receiver = BroadcastReceiver(init_method, world_size, rank, timeout_s=60)
+    got = []
+    while (update := receiver.recv()) is not None:
+        got.append(update)
+    try:  # checked here: tensors put on a queue would die with this process
+        check(got, [7])
+        queue.put("ok")
+    except AssertionError as e:
+        queue.put(f"rank {rank}: {e!r}")
+
+
+def check(updates, steps):
+    assert [s for s, _ in updates] == steps
+    for step, state in updates:
+        want = make_state(step)
+        assert list(state) == list(want)
+        for k in want:
+            assert state[k].dtype == want[k].dtype and state[k].shape == want[k].shape
+            assert torch.equal(state[k], want[k]), k
+
+
+def test_buckets_never_split_a_tensor():
+    assert _buckets([4, 4, 10, 1, 1], 8) == [[0, 1], [2], [3, 4]]
+
+
+@pytest.mark.timeout(60)
+def test_sender_to_one_receiver_two_updates_then_close():
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=sender_main, args=(init, 2, [1, 2]))
+    proc.start()
+    try:
+        receiver = BroadcastReceiver(init, 2, 1, timeout_s=60)
+        updates = []
+        while (u := receiver.recv()) is not None:
+            updates.append(u)
+    finally:
+        proc.join(30)
+    assert proc.exitcode == 0
+    check(updates, [1, 2])
+
+
+@pytest.mark.timeout(60)
+def test_sender_to_two_receivers():
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=receiver_main, args=(init, 3, r, queue)) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        sender_main(init, 3, [7])
+        results = [queue.get(timeout=30) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+    assert all(p.exitcode == 0 for p in procs)
+    assert results == ["ok", "ok"]
