@@ -1,0 +1,554 @@
+"""Build the project's OCI image from locked inputs, bit-reproducibly and without a Docker daemon.
+
+Layers, from least to most often changed (so that a code change re-uses the requirements layer):
+  1. `/opt/primebuild/requirements.lock.txt`: the locked Python requirements, with hashes, as given;
+  2. `/opt/primebuild/src/`: the project code (git-tracked files, or an explicit file list);
+  3. `/opt/primebuild/run/`: the manifest, lock and plan this image was built for.
+On top of an optional base image read from a local OCI layout (`oci:DIR[:TAG]`, `oci:DIR@sha256:…`).
+A registry reference (`python:3.11-slim@sha256:…`) cannot be pulled here: it is recorded as the
+intended base (label and annotation `dev.primebuild.intended-base`), a warning says so, and the
+image holds only our layers. The Dockerfile written next to the layout does use it, and installs the
+requirements and the project, for people who build with docker.
+
+The image digest depends only on content: file bytes, git modes (not the checkout's umask or
+mtimes), the spec and SOURCE_DATE_EPOCH (0 by default), never on paths, clocks or users.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from primebuild.builders.oci import (
+    MEDIA_CONFIG,
+    MEDIA_MANIFEST,
+    REF_NAME,
+    BaseImage,
+    Descriptor,
+    Layer,
+    OciLayout,
+    TarEntry,
+    parse_oci_reference,
+    read_base_image,
+    rfc3339,
+)
+from primebuild.builders.store import Store, canonical_json
+from primebuild.errors import Problem, UserError
+
+log = logging.getLogger(__name__)
+
+BUILDER_ID = "primebuild.image"
+BUILDER_VERSION = 1  # bump whenever the bytes this module writes for the same spec change
+IMAGE_HOME = "/opt/primebuild"
+REQUIREMENTS_PATH = f"{IMAGE_HOME}/requirements.lock.txt"
+SRC_DIR = f"{IMAGE_HOME}/src"
+RUN_DIR = f"{IMAGE_HOME}/run"
+LABEL_PLAN_HASH = "dev.primebuild.plan.sha256"
+LABEL_REQUIREMENTS_HASH = "dev.primebuild.requirements.sha256"
+LABEL_INTENDED_BASE = "dev.primebuild.intended-base"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+TEMPLATES = Path(__file__).parent / "templates"
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """What goes into an image. Paths are read at build time; only their content matters."""
+
+    name: str = "primebuild"
+    tag: str = "latest"
+    base: str | None = None  # "oci:DIR[:TAG]", "oci:DIR@sha256:…" or a registry reference (recorded only)
+    requirements: Path | str | None = None  # a Path is read; a str is the requirements text itself
+    project_dir: Path | None = None
+    files: tuple[str, ...] | None = None  # relative to project_dir; None: the files git tracks there
+    manifest: Path | None = None
+    lock: Path | None = None
+    plan: Path | None = None
+    plan_hash: str | None = None  # recorded as label dev.primebuild.plan.sha256
+    version: str | None = None  # org.opencontainers.image.version
+    labels: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+    cmd: tuple[str, ...] = ()
+    source_date_epoch: int | None = None  # None: $SOURCE_DATE_EPOCH, else 0
+    architecture: str = "amd64"
+    os: str = "linux"
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    digest: str
+    diff_id: str
+    size: int
+    media_type: str
+    created_by: str
+
+
+@dataclass(frozen=True)
+class ImageResult:
+    digest: str  # manifest digest "sha256:…": the image's identity
+    layout_path: Path  # the OCI layout directory
+    config_digest: str
+    layers: tuple[LayerInfo, ...]
+    tag: str
+    dockerfile: Path
+    warnings: tuple[str, ...] = ()
+    store_path: Path | None = None  # the store entry holding layout and Dockerfile, when built there
+    cached: bool = False  # True when build_image_in_store found the entry already built
+
+    @property
+    def reference(self) -> str:
+        """What skopeo and umoci accept: `oci:<layout>:<tag>`."""
+        return f"oci:{self.layout_path}:{self.tag}"
+
+    @classmethod
+    def load(cls, out_dir: Path) -> ImageResult:
+        """Read the `image.json` summary that build_image writes next to the layout."""
+        record = json.loads((Path(out_dir) / "image.json").read_bytes())
+        return cls(
+            digest=record["digest"],
+            layout_path=Path(out_dir) / record["layout"],
+            config_digest=record["config_digest"],
+            layers=tuple(LayerInfo(**layer) for layer in record["layers"]),
+            tag=record["tag"],
+            dockerfile=Path(out_dir) / record["dockerfile"],
+            warnings=tuple(record["warnings"]),
+        )
+
+
+@dataclass
+class _Inputs:
+    """A spec with every file read and every reference resolved: all that the image bytes depend on."""
+
+    spec: ImageSpec
+    epoch: int
+    base: BaseImage | None
+    intended_base: str | None
+    requirements: bytes | None
+    project: list[TarEntry]  # paths relative to SRC_DIR
+    run_files: list[TarEntry]  # paths relative to RUN_DIR
+    warnings: list[str]
+
+    def fingerprint(self) -> dict[str, Any]:
+        spec = self.spec
+        return {
+            "builder": {"id": BUILDER_ID, "version": BUILDER_VERSION},
+            "name": spec.name,
+            "tag": spec.tag,
+            "epoch": self.epoch,
+            "platform": [spec.architecture, spec.os],
+            "base": self.base.manifest_digest if self.base else None,
+            "intended_base": self.intended_base,
+            "requirements": _sha256(self.requirements) if self.requirements is not None else None,
+            "project": [_entry_fingerprint(e) for e in self.project],
+            "run": [_entry_fingerprint(e) for e in self.run_files],
+            "plan_hash": spec.plan_hash,
+            "version": spec.version,
+            "labels": dict(spec.labels),
+            "env": dict(spec.env),
+            "cmd": list(spec.cmd),
+        }
+
+
+def build_image(spec: ImageSpec, out_dir: Path) -> ImageResult:
+    """Write `out_dir/oci` (OCI layout, tag `spec.tag`), `out_dir/docker/` (Dockerfile + context) and
+    `out_dir/image.json`. Same spec and same file contents -> same digest, on any machine."""
+    inputs = _resolve(spec)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserError(f"image output directory {out_dir} is not empty; choose a new one or delete it")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _write(inputs, out_dir)
+
+
+def image_store_inputs(spec: ImageSpec) -> dict[str, Any]:
+    """The store inputs (hence the key) of the image `spec` describes: reads every input file."""
+    return _resolve(spec).fingerprint()
+
+
+def build_image_in_store(spec: ImageSpec, store: Store | None = None) -> ImageResult:
+    """Build into the content-addressed store: an unchanged spec is a cache hit that writes nothing."""
+    store = store or Store()
+    inputs = _resolve(spec)
+    built = []
+    path = store.build(
+        f"image-{spec.name}", inputs.fingerprint(), lambda out: built.append(_write(inputs, out))
+    )
+    result = ImageResult.load(path)
+    return ImageResult(**{**result.__dict__, "store_path": path, "cached": not built})
+
+
+# ---- reading the inputs -------------------------------------------------------------------------------------
+
+
+def _resolve(spec: ImageSpec) -> _Inputs:
+    if not _NAME_RE.match(spec.name):
+        raise UserError(f"image name {spec.name!r} must be lower-case letters, digits and ._- (at most 64)")
+    if not _TAG_RE.match(spec.tag):
+        raise UserError(f"image tag {spec.tag!r} must be letters, digits and ._- (at most 128)")
+    warnings: list[str] = []
+    base = intended = None
+    if spec.base:
+        if parse_oci_reference(spec.base) is not None:
+            base = read_base_image(spec.base, architecture=spec.architecture, os_name=spec.os)
+        else:
+            intended = spec.base
+            warnings.append(
+                f"base image {spec.base!r} is a registry reference and there is no registry access: it is recorded "
+                f"as label {LABEL_INTENDED_BASE} and the image is built from scratch layers; to build on it, "
+                f"copy it into a local layout (`skopeo copy docker://{spec.base} oci:DIR:TAG`) and pass oci:DIR:TAG"
+            )
+            if "@sha256:" not in spec.base:
+                warnings.append(
+                    f"base image {spec.base!r} has no @sha256 digest: a tag can move, pin the digest"
+                )
+    requirements = _read_requirements(spec.requirements) if spec.requirements is not None else None
+    project = _project_entries(spec, warnings) if spec.project_dir is not None else []
+    if spec.files is not None and spec.project_dir is None:
+        raise UserError("ImageSpec.files needs project_dir (the files are relative to it)")
+    run_files = []
+    for role, path in (("manifest", spec.manifest), ("lock", spec.lock), ("plan", spec.plan)):
+        if path is not None:
+            run_files.append(
+                TarEntry(f"{role}{Path(path).suffix}", "file", 0o644, _read_file(Path(path), role))
+            )
+    for warning in warnings:
+        log.warning(warning)
+    return _Inputs(spec, _epoch(spec), base, intended, requirements, project, run_files, warnings)
+
+
+def _epoch(spec: ImageSpec) -> int:
+    if spec.source_date_epoch is not None:
+        return int(spec.source_date_epoch)
+    raw = os.environ.get("SOURCE_DATE_EPOCH", "0")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UserError(f"SOURCE_DATE_EPOCH={raw!r} is not an integer number of seconds") from None
+    if value < 0:
+        raise UserError(f"SOURCE_DATE_EPOCH={raw!r} must not be negative")
+    return value
+
+
+def _read_file(path: Path, role: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise UserError(f"cannot read the {role} file {path}: {err.strerror}") from err
+
+
+def _read_requirements(source: Path | str) -> bytes:
+    if isinstance(source, Path):
+        data, origin = _read_file(source, "requirements"), str(source)
+    else:
+        data, origin = source.encode(), "<requirements text>"
+    check_requirements(data.decode(), origin)
+    return data
+
+
+def check_requirements(text: str, origin: str = "<requirements>") -> None:
+    """Every requirement must be pinned (`==`) or a direct URL, and carry `--hash=`: pip's hash-checking
+    mode then installs exactly the locked artifacts or nothing."""
+    problems = []
+    logical: list[tuple[int, str]] = []
+    pending, start = "", 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = re.sub(r"(^|\s)#.*$", "", raw).rstrip()
+        if not pending:
+            start = number
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        logical.append((start, pending + line))
+        pending = ""
+    if pending:
+        logical.append((start, pending))
+    for number, line in logical:
+        body = line.strip()
+        if not body or (body.startswith("-") and not body.startswith(("-e", "--editable"))):
+            continue  # blank, or an option such as --index-url
+        requirement = body.split()[0]
+        if body.startswith(("-e", "--editable")):
+            problems.append(
+                Problem(f"editable requirement {body!r} cannot be locked", file=origin, line=number)
+            )
+        elif "--hash=" not in body:
+            problems.append(Problem(f"requirement {requirement!r} has no --hash", file=origin, line=number))
+        elif "==" not in requirement and " @ " not in body and "@" not in requirement:
+            problems.append(
+                Problem(f"requirement {requirement!r} is not pinned with ==", file=origin, line=number)
+            )
+    if problems:
+        hint = "generate locked requirements with `uv pip compile --generate-hashes`"
+        problems[-1] = Problem(problems[-1].message, file=origin, line=problems[-1].line, hint=hint)
+        raise UserError(problems)
+
+
+def _project_entries(spec: ImageSpec, warnings: list[str]) -> list[TarEntry]:
+    root = Path(spec.project_dir).resolve()  # type: ignore[arg-type]
+    if not root.is_dir():
+        raise UserError(f"project directory {root} does not exist")
+    listed = _git_files(root) if spec.files is None else [(f, None) for f in spec.files]
+    entries = []
+    for rel, git_mode in listed:
+        path = root / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            raise UserError(f"project file {rel!r} must be a relative path inside {root}")
+        if git_mode == "160000":
+            warnings.append(f"git submodule {rel} is not included in the image")
+            continue
+        if path.is_symlink():
+            entries.append(TarEntry(Path(rel).as_posix(), "symlink", 0o777, target=os.readlink(path)))
+        elif path.is_file():
+            executable = git_mode == "100755" if git_mode else bool(path.stat().st_mode & 0o111)
+            entries.append(
+                TarEntry(Path(rel).as_posix(), "file", 0o755 if executable else 0o644, path.read_bytes())
+            )
+        elif not path.exists() and git_mode:
+            warnings.append(f"tracked file {rel} is missing from the working tree and was left out")
+        else:
+            raise UserError(f"project file {path} is not a regular file or symlink")
+    return sorted(entries, key=lambda e: e.path)
+
+
+def _git_files(root: Path) -> list[tuple[str, str]]:
+    """(path, git mode) of every tracked file: modes come from git, so the checkout's umask is irrelevant."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-s", "-z"], capture_output=True, timeout=60
+        )
+    except FileNotFoundError as err:
+        raise UserError("git is not installed: pass ImageSpec.files to list the project files") from err
+    if done.returncode != 0:
+        raise UserError(
+            f"{root} is not a git checkout ({done.stderr.decode().strip()}); pass ImageSpec.files instead"
+        )
+    files = []
+    for record in done.stdout.decode().split("\0"):
+        if record:
+            meta, _, path = record.partition("\t")
+            files.append((path, meta.split()[0]))
+    return sorted(set(files))
+
+
+# ---- writing the image --------------------------------------------------------------------------------------
+
+
+def _write(inputs: _Inputs, out_dir: Path) -> ImageResult:
+    spec, epoch = inputs.spec, inputs.epoch
+    layout = OciLayout(out_dir / "oci")
+    base_config: dict[str, Any] = inputs.base.config if inputs.base else {}
+    if inputs.base:
+        for descriptor in inputs.base.layers:
+            layout.copy_blob(inputs.base.layout, descriptor)
+
+    home = IMAGE_HOME.lstrip("/")
+    layers: list[Layer] = []
+    if inputs.requirements is not None:
+        entry = TarEntry(REQUIREMENTS_PATH.lstrip("/"), "file", 0o644, inputs.requirements)
+        layers.append(
+            layout.write_layer([entry], mtime=epoch, created_by="primebuild: locked Python requirements")
+        )
+    if inputs.project:
+        moved = [_under(f"{home}/src", e) for e in inputs.project]
+        layers.append(layout.write_layer(moved, mtime=epoch, created_by="primebuild: project code"))
+    if inputs.run_files:
+        moved = [_under(f"{home}/run", e) for e in inputs.run_files]
+        layers.append(
+            layout.write_layer(moved, mtime=epoch, created_by="primebuild: manifest, lock and plan")
+        )
+
+    created = rfc3339(epoch)
+    labels = {**base_config.get("config", {}).get("Labels", {}), **_labels(inputs, created)}
+    env = _env(inputs, base_config.get("config", {}).get("Env", []))
+    image_config: dict[str, Any] = {
+        "Env": env,
+        "Entrypoint": ["primebuild"],
+        "WorkingDir": SRC_DIR,
+        "Labels": labels,
+    }
+    if spec.cmd:
+        image_config["Cmd"] = list(spec.cmd)
+    history = list(base_config.get("history", []))
+    history += [{"created": created, "created_by": layer.created_by} for layer in layers]
+    config = {
+        "created": created,
+        "architecture": base_config.get("architecture", spec.architecture),
+        "os": base_config.get("os", spec.os),
+        "config": image_config,
+        "rootfs": {
+            "type": "layers",
+            "diff_ids": list(base_config.get("rootfs", {}).get("diff_ids", []))
+            + [la.diff_id for la in layers],
+        },
+        "history": history,
+    }
+    config_descriptor = layout.write_json(config, MEDIA_CONFIG)
+    all_layers = (inputs.base.layers if inputs.base else []) + [la.descriptor for la in layers]
+    annotations = {"org.opencontainers.image.created": created, "org.opencontainers.image.title": spec.name}
+    if inputs.base:
+        annotations["org.opencontainers.image.base.digest"] = inputs.base.manifest_digest
+    if inputs.intended_base:
+        annotations[LABEL_INTENDED_BASE] = inputs.intended_base
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": MEDIA_MANIFEST,
+        "config": config_descriptor.to_json(),
+        "layers": [d.to_json() for d in all_layers],
+        "annotations": annotations,
+    }
+    manifest_descriptor = layout.write_json(manifest, MEDIA_MANIFEST)
+    layout.write_index(
+        [
+            Descriptor(
+                MEDIA_MANIFEST,
+                manifest_descriptor.digest,
+                manifest_descriptor.size,
+                annotations={REF_NAME: spec.tag},
+                platform={"architecture": config["architecture"], "os": config["os"]},
+            )
+        ]
+    )
+
+    dockerfile = _write_docker_context(
+        inputs, out_dir / "docker", manifest_descriptor.digest, labels, env, image_config
+    )
+    base_diff_ids = base_config.get("rootfs", {}).get("diff_ids", [])
+    layer_infos = tuple(
+        LayerInfo(d.digest, diff_id, d.size, d.media_type, "base image")
+        for d, diff_id in zip(inputs.base.layers if inputs.base else [], base_diff_ids, strict=True)
+    ) + tuple(
+        LayerInfo(
+            la.descriptor.digest, la.diff_id, la.descriptor.size, la.descriptor.media_type, la.created_by
+        )
+        for la in layers
+    )
+    result = ImageResult(
+        digest=manifest_descriptor.digest,
+        layout_path=layout.root,
+        config_digest=config_descriptor.digest,
+        layers=layer_infos,
+        tag=spec.tag,
+        dockerfile=dockerfile,
+        warnings=tuple(inputs.warnings),
+    )
+    summary = {
+        "digest": result.digest,
+        "config_digest": result.config_digest,
+        "tag": result.tag,
+        "layout": "oci",
+        "dockerfile": "docker/Dockerfile",
+        "layers": [layer.__dict__ for layer in layer_infos],
+        "warnings": list(result.warnings),
+    }
+    (out_dir / "image.json").write_bytes(canonical_json(summary) + b"\n")
+    return result
+
+
+def _under(prefix: str, entry: TarEntry) -> TarEntry:
+    return TarEntry(f"{prefix}/{entry.path}", entry.kind, entry.mode, entry.data, entry.target)
+
+
+def _labels(inputs: _Inputs, created: str) -> dict[str, str]:
+    spec = inputs.spec
+    labels = {"org.opencontainers.image.title": spec.name, "org.opencontainers.image.created": created}
+    if spec.version:
+        labels["org.opencontainers.image.version"] = spec.version
+    if spec.plan_hash:
+        labels[LABEL_PLAN_HASH] = spec.plan_hash
+    if inputs.requirements is not None:
+        labels[LABEL_REQUIREMENTS_HASH] = "sha256:" + _sha256(inputs.requirements)
+    if inputs.intended_base:
+        labels[LABEL_INTENDED_BASE] = inputs.intended_base
+    labels.update(spec.labels)
+    return labels
+
+
+def _env(inputs: _Inputs, base_env: list[str]) -> list[str]:
+    """Base image variables first, ours override by name; the order is fixed, so the config is too."""
+    merged = dict(item.split("=", 1) for item in base_env if "=" in item)
+    merged.setdefault("PATH", DEFAULT_PATH)
+    merged["PYTHONUNBUFFERED"] = "1"
+    for entry in inputs.run_files:
+        role = entry.path.split(".")[0]
+        merged[f"PRIMEBUILD_{role.upper()}"] = f"{RUN_DIR}/{entry.path}"
+    merged.update(inputs.spec.env)
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
+def _write_docker_context(
+    inputs: _Inputs,
+    context: Path,
+    digest: str,
+    labels: dict[str, str],
+    env: list[str],
+    image_config: dict[str, Any],
+) -> Path:
+    import jinja2  # only image builds need it
+
+    context.mkdir(parents=True)
+    if inputs.requirements is not None:
+        (context / "requirements.lock.txt").write_bytes(inputs.requirements)
+    for prefix, entries in (("src", inputs.project), ("run", inputs.run_files)):
+        for entry in entries:
+            target = context / prefix / entry.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if entry.kind == "symlink":
+                os.symlink(entry.target, target)
+            else:
+                target.write_bytes(entry.data)
+                os.chmod(target, entry.mode)
+    if inputs.base:
+        base_note = (
+            f"local OCI layout image {inputs.base.manifest_digest}: load it into docker, then pass its name"
+        )
+    else:
+        base_note = None
+    env_template = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env_template.filters["json"] = lambda value: json.dumps(value, ensure_ascii=False)
+    text = env_template.get_template("Dockerfile.j2").render(
+        image_name=inputs.spec.name,
+        tag=inputs.spec.tag,
+        digest_note=digest,
+        base_image=inputs.intended_base or ("" if inputs.base else "scratch"),
+        base_note=base_note,
+        python_base=inputs.base is not None or inputs.intended_base is not None,
+        epoch=inputs.epoch,
+        requirements=inputs.requirements is not None,
+        requirements_path=REQUIREMENTS_PATH,
+        project=bool(inputs.project),
+        src_dir=SRC_DIR,
+        run_files=bool(inputs.run_files),
+        run_dir=RUN_DIR,
+        env=[item.split("=", 1) for item in env],
+        labels=sorted(labels.items()),
+        workdir=image_config["WorkingDir"],
+        entrypoint=image_config["Entrypoint"],
+        cmd=image_config.get("Cmd"),
+    )
+    dockerfile = context / "Dockerfile"
+    dockerfile.write_text(text)
+    return dockerfile
+
+
+def _entry_fingerprint(entry: TarEntry) -> list[Any]:
+    return [entry.path, entry.kind, entry.mode, _sha256(entry.data) if entry.kind == "file" else entry.target]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
