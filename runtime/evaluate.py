@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from primebuild.runtime.envs.base import Environment
+from primebuild.runtime.envs.base import Environment, Task
 
 
 def greedy_complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 16) -> list[str]:
@@ -49,7 +49,15 @@ def evaluate_model(
     model, tokenizer, env: Environment, n: int = 200, max_new_tokens: int = 16, batch_size: int = 200
 ) -> float:
     """Mean reward of greedy completions over the first `n` of `env.eval_tasks()`."""
-    tasks = env.eval_tasks()[:n]
+    return evaluate_tasks(model, tokenizer, env, env.eval_tasks()[:n], max_new_tokens, batch_size)
+
+
+def evaluate_tasks(
+    model, tokenizer, env: Environment, tasks: list[Task], max_new_tokens: int = 16, batch_size: int = 200
+) -> float:
+    """Mean reward of greedy completions over `tasks`, scored by `env`."""
+    if not tasks:
+        raise ValueError("no tasks to evaluate")
     was_training = model.training
     model.eval()
     try:
