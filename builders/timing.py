@@ -1,0 +1,284 @@
+"""Throughput model: seconds per RL step for rollouts (inference), training and weight sync.
+
+Roofline estimates, stated so that a person can check them by hand (docs/planning.md):
+- prefill is compute bound: 2·N·tokens + attention flops at an assumed MFU;
+- decode is memory-bandwidth bound: every step reads the weights the batch touches plus the KV cache
+  of every sequence, at an assumed fraction of HBM bandwidth (compute is checked too);
+- training costs 6·N·tokens + 3× the forward attention flops at an assumed MFU.
+N is `ModelFacts.matmul_params_per_token()` (active params without the embedding lookup).
+Inference and training overlap (asynchronous RL, one step off-policy), so a step takes the longer of
+the two, and the other side idles for the difference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from primebuild.builders.hardware import GpuSpec, gpu_spec
+from primebuild.builders.memory import kv_dtype_bytes, weight_bytes
+from primebuild.builders.model_facts import ModelFacts
+from primebuild.errors import UserError
+
+# Assumed efficiencies (fractions of the dense peak). MFU 0.35 is what well-tuned FSDP/EP trainers
+# report for large MoE models in bf16; prefill with long prompts reaches somewhat more; decode kernels
+# reach 50-70% of HBM bandwidth at useful batch sizes.
+TRAINER_MFU = 0.35
+PREFILL_MFU = 0.40
+DECODE_BANDWIDTH_EFFICIENCY = 0.6
+
+
+def _gpu(gpu: GpuSpec | str) -> GpuSpec:
+    return gpu if isinstance(gpu, GpuSpec) else gpu_spec(gpu)
+
+
+# ---- weight sync --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    mode: str
+    bytes: int  # size of one full set of weights in the sync dtype
+    seconds: float
+    write_seconds: float  # filesystem: trainer writes; broadcast: gathering onto trainer rank 0
+    read_seconds: float  # filesystem: replicas read; broadcast: the broadcast itself
+
+
+def weight_sync_estimate(
+    facts: ModelFacts,
+    *,
+    dtype: str,
+    bandwidth_bytes_per_s: float,
+    mode: str = "filesystem",
+    trainer_gpus: int,
+    inference_gpus: int,
+    inference_replicas: int = 1,
+) -> WeightSync:
+    """Time to move one step's weights from the trainer to every inference replica.
+
+    filesystem: the trainer ranks write one copy (their shards, in parallel) to shared storage, then
+      every inference replica reads a whole copy; `bandwidth_bytes_per_s` is the storage's aggregate
+      bandwidth, shared by concurrent readers:  seconds = bytes·(1 + replicas) / bandwidth.
+    broadcast: trainer ranks gather each bucket onto rank 0, which NCCL-broadcasts it to all inference
+      GPUs over the inter-node network (pipelined, so each link carries the bytes once):
+      seconds = bytes·(trainer_gpus − 1)/trainer_gpus / bandwidth + bytes / bandwidth.
+    """
+    if mode not in ("filesystem", "broadcast"):
+        raise UserError(f"weight_sync.mode: unknown value '{mode}'", hint="use 'filesystem' or 'broadcast'")
+    if bandwidth_bytes_per_s <= 0:
+        raise UserError("weight sync bandwidth must be positive")
+    if min(trainer_gpus, inference_gpus, inference_replicas) < 1 or inference_replicas > inference_gpus:
+        raise UserError("weight sync needs ≥ 1 trainer GPU and 1 ≤ inference_replicas ≤ inference_gpus")
+    size = sum(weight_bytes(facts, dtype))
+    if mode == "filesystem":
+        write = size / bandwidth_bytes_per_s
+        read = inference_replicas * size / bandwidth_bytes_per_s
+    else:
+        write = size * (trainer_gpus - 1) / trainer_gpus / bandwidth_bytes_per_s
+        read = size / bandwidth_bytes_per_s
+    return WeightSync(mode=mode, bytes=size, seconds=write + read, write_seconds=write, read_seconds=read)
+
+
+# ---- flops and bytes per token ------------------------------------------------------------------
+
+
+def _attended_pairs(seq_len: int, topk: int) -> int:
+    """(query, key) pairs of causal attention over seq_len tokens, each query seeing ≤ topk keys."""
+    full = seq_len * (seq_len + 1) // 2
+    if not topk or seq_len <= topk:
+        return full
+    return topk * (topk + 1) // 2 + (seq_len - topk) * topk
+
+
+def attention_forward_flops(facts: ModelFacts, seq_len: int) -> int:
+    """Forward flops of attention scores and weighted values for one causal sequence:
+    layers · [2 · pairs · heads · (d_qk + d_v)  +  2 · all_pairs · index_heads · index_dim]
+    (pairs capped at index_topk keys per query with DSA; the indexer itself scores all pairs)."""
+    d_v = facts.v_head_dim or facts.head_dim
+    pairs = _attended_pairs(seq_len, facts.index_topk)
+    all_pairs = seq_len * (seq_len + 1) // 2
+    per_layer = (2 * pairs * facts.num_attention_heads * (facts.head_dim + d_v)
+                 + 2 * all_pairs * facts.index_n_heads * facts.index_head_dim)
+    return facts.num_layers * per_layer
+
+
+def distinct_experts(facts: ModelFacts, batch: int) -> float:
+    """Expected experts per MoE layer that a batch of tokens routes to (uniform routing):
+    E · (1 − (1 − k/E)^batch). One token reads k experts; large batches read all E."""
+    if not facts.is_moe:
+        return 0.0
+    e, k = facts.num_experts, facts.experts_per_token
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def kv_read_bytes(facts: ModelFacts, context: int, kv_bytes: float) -> float:
+    """KV-cache bytes one decode step reads for one sequence at `context` tokens: attention reads
+    min(context, index_topk) cached tokens per layer, a DSA indexer reads all its keys."""
+    attention, indexer = facts.kv_elements_per_token_per_layer()
+    attended = min(context, facts.index_topk) if facts.index_topk else context
+    return facts.num_layers * (attended * attention + context * indexer) * kv_bytes
+
+
+# ---- step time ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    prefill_seconds: float
+    decode_seconds: float
+    rollout_seconds: float  # prefill + decode (colocated) or the longer of the two (P/D split)
+    train_seconds: float
+    step_seconds: float  # max(rollout, train): the two sides overlap
+    idle_side: str  # "trainer" (waits for rollouts), "inference" (waits for the trainer) or "none"
+    idle_fraction: float  # share of the step the idle side waits
+    decode_batch_per_replica: int
+    decode_waves: int  # rounds of decoding when not all sequences fit in the KV cache at once
+    decode_step_seconds: float
+    tokens_per_step: int
+
+
+def step_time_estimate(
+    facts: ModelFacts,
+    *,
+    rollouts_per_step: int,
+    group_size: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    inference_gpus: int,
+    inference_replicas: int,
+    trainer_gpus: int,
+    gpu: GpuSpec | str,
+    precision: str = "bf16",
+    trainer_precision: str = "bf16",
+    kv_cache_dtype: str = "auto",
+    prefill_gpus: int = 0,
+    max_concurrent_seqs_per_replica: int | None = None,
+    trainer_mfu: float = TRAINER_MFU,
+    prefill_mfu: float = PREFILL_MFU,
+    decode_bandwidth_efficiency: float = DECODE_BANDWIDTH_EFFICIENCY,
+) -> StepTimes:
+    """Seconds for one RL step (see docs/planning.md for the formulas and their limits).
+
+    rollouts_per_step counts completions (sequences); group_size of them share a prompt, which is
+    prefilled once (prefix caching). prefill_gpus > 0 splits prefill and decode (P/D): prefill runs on
+    those GPUs, decode on the other inference_gpus − prefill_gpus in `inference_replicas` engines.
+    max_concurrent_seqs_per_replica (from inference_memory_per_gpu) caps the decode batch.
+    """
+    spec = _gpu(gpu)
+    for name, value in dict(rollouts_per_step=rollouts_per_step, group_size=group_size,
+                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            inference_gpus=inference_gpus, inference_replicas=inference_replicas,
+                            trainer_gpus=trainer_gpus).items():
+        if value < 1:
+            raise UserError(f"{name} must be ≥ 1, got {value}")
+    decode_gpus = inference_gpus - prefill_gpus
+    if prefill_gpus < 0 or decode_gpus < inference_replicas:
+        raise UserError(f"prefill_gpus={prefill_gpus} leaves {decode_gpus} decode GPUs for "
+                        f"{inference_replicas} replicas")
+
+    # Prefill: compute bound, each prompt once per group.
+    n_mm = facts.matmul_params_per_token()
+    prompts = math.ceil(rollouts_per_step / group_size)
+    prefill_flops = prompts * (2 * n_mm * prompt_tokens + attention_forward_flops(facts, prompt_tokens))
+    prefill_pool = prefill_gpus or inference_gpus
+    prefill_seconds = prefill_flops / (prefill_pool * spec.flops(precision) * prefill_mfu)
+
+    # Decode: bandwidth bound; every step reads the touched weights plus each sequence's KV cache.
+    gpus_per_replica = decode_gpus / inference_replicas
+    seqs = math.ceil(rollouts_per_step / inference_replicas)
+    batch = seqs if max_concurrent_seqs_per_replica is None else min(seqs, max_concurrent_seqs_per_replica)
+    if batch < 1:
+        raise UserError("no full-length sequence fits in an inference replica's KV cache",
+                        hint="use more GPUs per replica, fp8 weights or KV cache, or a shorter seq_len")
+    waves = math.ceil(seqs / batch)
+    non_expert_bytes, expert_bytes = weight_bytes(facts, precision)
+    embedding_bytes = facts.vocab_size * facts.hidden_size * 2  # only looked up, not read whole
+    per_expert = expert_bytes / (facts.num_moe_layers * facts.num_experts) if facts.is_moe else 0
+    weights_read = (non_expert_bytes - embedding_bytes
+                    + facts.num_moe_layers * distinct_experts(facts, batch) * per_expert)
+    context = prompt_tokens + completion_tokens / 2  # average over the decode
+    kv_read = batch * kv_read_bytes(facts, math.ceil(context), kv_dtype_bytes(kv_cache_dtype))
+    memory_time = (weights_read + kv_read) / (gpus_per_replica * spec.hbm_bytes_per_s
+                                              * decode_bandwidth_efficiency)
+    decode_flops = batch * (2 * n_mm + 2 * facts.num_layers * facts.num_attention_heads
+                            * (facts.head_dim + (facts.v_head_dim or facts.head_dim))
+                            * (min(context, facts.index_topk) if facts.index_topk else context))
+    compute_time = decode_flops / (gpus_per_replica * spec.flops(precision) * prefill_mfu)
+    decode_step = max(memory_time, compute_time)
+    decode_seconds = waves * completion_tokens * decode_step
+
+    rollout_seconds = (max(prefill_seconds, decode_seconds) if prefill_gpus
+                       else prefill_seconds + decode_seconds)
+
+    # Training: 6·N per token plus backward-inclusive attention (3× forward).
+    seq_len = prompt_tokens + completion_tokens
+    tokens = rollouts_per_step * seq_len
+    train_flops = 6 * n_mm * tokens + 3 * rollouts_per_step * attention_forward_flops(facts, seq_len)
+    train_seconds = train_flops / (trainer_gpus * spec.flops(trainer_precision) * trainer_mfu)
+
+    step = max(rollout_seconds, train_seconds)
+    if math.isclose(rollout_seconds, train_seconds, rel_tol=1e-9):
+        idle_side, idle = "none", 0.0
+    elif rollout_seconds > train_seconds:
+        idle_side, idle = "trainer", 1 - train_seconds / step
+    else:
+        idle_side, idle = "inference", 1 - rollout_seconds / step
+    return StepTimes(
+        prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, rollout_seconds=rollout_seconds,
+        train_seconds=train_seconds, step_seconds=step, idle_side=idle_side, idle_fraction=idle,
+        decode_batch_per_replica=batch, decode_waves=waves, decode_step_seconds=decode_step,
+        tokens_per_step=tokens,
+    )
+
+
+@dataclass(frozen=True)
+class Split:
+    inference_nodes: int
+    trainer_nodes: int
+    inference_replicas: int
+    times: StepTimes
+
+
+def suggest_split(
+    facts: ModelFacts,
+    *,
+    total_nodes: int,
+    gpus_per_inference_replica: int,
+    gpu: GpuSpec | str,
+    min_inference_nodes: int = 1,
+    min_trainer_nodes: int = 1,
+    **step_kwargs,
+) -> Split:
+    """The whole-node inference:trainer split with the shortest step (ties: fewer inference nodes).
+
+    Tries every split with at least min_* nodes per side; inference nodes hold as many replicas of
+    gpus_per_inference_replica GPUs as fit. step_kwargs go to step_time_estimate (everything but the
+    GPU counts and replicas, which this function chooses).
+    """
+    spec = _gpu(gpu)
+    best: Split | None = None
+    for inference_nodes in range(max(1, min_inference_nodes), total_nodes - max(1, min_trainer_nodes) + 1):
+        inference_gpus = inference_nodes * spec.gpus_per_node
+        prefill = step_kwargs.get("prefill_gpus", 0)
+        replicas = (inference_gpus - prefill) // gpus_per_inference_replica
+        if replicas < 1:
+            continue
+        times = step_time_estimate(
+            facts, inference_gpus=inference_gpus, inference_replicas=replicas,
+            trainer_gpus=(total_nodes - inference_nodes) * spec.gpus_per_node, gpu=spec, **step_kwargs,
+        )
+        candidate = Split(inference_nodes, total_nodes - inference_nodes, replicas, times)
+        if best is None or times.step_seconds < best.times.step_seconds * (1 - 1e-9):
+            best = candidate
+    if best is None:
+        raise UserError(f"no inference:trainer split of {total_nodes} nodes fits "
+                        f"(replicas of {gpus_per_inference_replica} GPUs, ≥ {min_inference_nodes} inference "
+                        f"and ≥ {min_trainer_nodes} trainer nodes)",
+                        hint="add nodes or use smaller inference replicas")
+    return best
+
+
+__all__ = [
+    "StepTimes", "Split", "WeightSync", "attention_forward_flops", "distinct_experts", "kv_read_bytes",
+    "step_time_estimate", "suggest_split", "weight_sync_estimate",
+]
