@@ -1,0 +1,60 @@
+"""Trainer checkpoints: model + optimizer + step, sharded with torch.distributed.checkpoint (DCP).
+
+Every rank writes its own shards into one staging folder, then rank 0 renames it to
+``checkpoints/step_{k:06d}`` and marks it STABLE (weight_sync.filesystem), so a crash mid-save leaves the
+previous checkpoint as the newest stable one. DCP re-shards on load, so a run may resume on a different
+number of ranks. The learning rate is a function of the step, so the step is all the schedule needs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from primebuild.runtime.weight_sync import filesystem as fs
+
+from .model import DistEnv
+
+STATE_FILE = "trainer_state.json"
+
+
+def _barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def save_checkpoint(
+    root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv,
+    keep_last: int | None = None,
+) -> Path:
+    final = fs.step_dir(root, step)
+    if env.is_main:
+        fs.begin(final)
+    _barrier(env)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(fs.staging_dir(final)))
+    _barrier(env)
+    if env.is_main:
+        state = {"step": step, "world_size": env.world_size}
+        (fs.staging_dir(final) / STATE_FILE).write_text(json.dumps(state))
+        fs.commit(final, step)
+        if keep_last:
+            fs.prune(root, keep_last)
+    _barrier(env)
+    return final
+
+
+def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Restore model and optimizer in place; returns the step the checkpoint was taken after."""
+    folder = Path(folder)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(json.loads((folder / STATE_FILE).read_text())["step"])

@@ -1,0 +1,279 @@
+"""The trainer process: one optimizer step per rollout batch, new weights published after each.
+
+    python -m primebuild.runtime.trainer.main --config trainer.json                  # one process
+    torchrun --nproc_per_node=N -m primebuild.runtime.trainer.main --config trainer.json
+
+Loop for k = 1, 2, ... (steps are 1-based; see batch.py for the file contract):
+  1. wait for ``<run_dir>/rollouts/step_{k:06d}.pt`` — rank 0 polls and tells the others, so all ranks
+     agree; a ``<run_dir>/STOP`` file ends the run before step k, ``max_steps`` after it, and
+     ``rollout_timeout_s`` without a batch is an error;
+  2. every rank loads the whole batch, packs it the same way and takes its own micro-batches; losses are
+     sums divided by one constant of the step, so the gradient does not depend on the number of ranks;
+  3. clip the gradient norm, AdamW step (linear warm-up of the lr);
+  4. publish the weights: ``weights/step_{k:06d}/`` in HF layout (filesystem) or a broadcast to the
+     inference workers (broadcast);
+  5. append metrics to ``<run_dir>/metrics.jsonl``; every ``checkpoint_every`` steps, and when the run
+     ends, save ``checkpoints/step_{k:06d}/``; with ``resume`` the run continues after the newest one.
+
+Metrics (one JSON line each, see metrics.py), means are over trained tokens of the whole step:
+  loss, mismatch_kl (KL(inference ‖ trainer), see losses.py), masked_fraction, importance_ratio, entropy,
+  grad_norm (before clipping), lr, tokens, samples, reward_mean, advantage_abs_mean, async_lag_mean/max
+  (k − 1 − policy_version of a sample: how many optimizer steps behind its sampler was),
+  padding_fraction, skipped_step (1 when the gradient was not finite and the step was skipped),
+  wait_s, step_s, publish_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from primebuild.errors import UserError
+from primebuild.runtime.weight_sync import filesystem as fs
+
+from .batch import load_batch, loss_normalizer, pack
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import TrainerConfig, load_config
+from .losses import resolve_loss
+from .metrics import MetricsWriter
+from .model import DTYPES, DistEnv, autocast_context, full_state_dict, init_distributed, load_model, token_logprobs
+
+__all__ = ["TrainerConfig", "run_trainer", "main"]
+
+log = logging.getLogger("primebuild.trainer")
+
+_STOP, _READY, _TIMEOUT = 0, 1, 2
+
+
+def rollout_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "rollouts" / f"step_{step:06d}.pt"
+
+
+def wait_for_batch(config: TrainerConfig, step: int, env: DistEnv) -> Path | None:
+    """Rank 0 polls the file system and broadcasts its verdict, so no two ranks ever disagree."""
+    run_dir = config.run_path
+    path = rollout_path(run_dir, step)
+    verdict = _READY
+    if env.is_main:
+        deadline = time.monotonic() + config.rollout_timeout_s
+        while True:
+            if (run_dir / "STOP").exists():
+                verdict = _STOP
+                break
+            if path.exists():
+                break
+            if time.monotonic() >= deadline:
+                verdict = _TIMEOUT
+                break
+            time.sleep(config.poll_interval_s)
+    if env.distributed:
+        flag = torch.tensor([verdict], dtype=torch.int64, device=env.device)
+        dist.broadcast(flag, src=0)
+        verdict = int(flag.item())
+    if verdict == _TIMEOUT:
+        raise TimeoutError(
+            f"no rollout batch {path} after {config.rollout_timeout_s:.0f}s; is the orchestrator running? "
+            f"(create {run_dir / 'STOP'} to end a run cleanly)"
+        )
+    return path if verdict == _READY else None
+
+
+def lr_at(config: TrainerConfig, step: int) -> float:
+    if config.warmup_steps <= 0:
+        return config.lr
+    return config.lr * min(1.0, step / config.warmup_steps)
+
+
+def _grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor, its value is the global norm
+        norm = norm.full_tensor()
+    return norm
+
+
+def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: DistEnv, step: int) -> dict:
+    """One optimizer step on ``batch``; returns the step's metrics (identical on every rank)."""
+    meta_temp = batch.metadata.get("temperature")
+    if meta_temp is not None and abs(float(meta_temp) - config.temperature) > 1e-9:
+        raise UserError(
+            f"rollouts for step {step} were sampled at temperature {meta_temp}, the trainer scores at "
+            f"{config.temperature}",
+            hint="set trainer temperature to the sampling temperature, or log-probs will not match",
+        )
+    samples = batch.samples
+    normalizer = loss_normalizer(
+        samples, config.loss_normalizer, config.max_completion_tokens or batch.metadata.get("max_completion_tokens")
+    )
+    mine = pack(samples, config.micro_batch_tokens, env.world_size, config.pad_token_id)[env.rank]
+
+    # Sums over this rank's tokens: loss, tokens, mismatch_kl, masked, ratio, entropy, real, padded.
+    totals = torch.zeros(8, dtype=torch.float64)
+    for mb in mine:
+        mb.input_ids = mb.input_ids.to(env.device)
+        mb.attention_mask = mb.attention_mask.to(env.device)
+        mask = mb.loss_mask.to(env.device)
+        with autocast_context(env, config.dtype):
+            lp, entropy = token_logprobs(model, mb, config.temperature)
+        loss_sum, m = loss_fn(lp, mb.inference_logprobs.to(env.device), mb.advantages.to(env.device), mask)
+        # FSDP2 averages gradients over ranks; scaling by world_size turns that back into the sum that
+        # one rank holding every micro-batch would compute.
+        (loss_sum * (env.world_size / normalizer)).backward()
+        totals += torch.stack(
+            [
+                loss_sum.detach().double().cpu(),
+                m["tokens"].double().cpu(),
+                m["mismatch_kl"].double().cpu(),
+                m["masked"].double().cpu(),
+                m["ratio"].double().cpu(),
+                torch.where(mask, entropy, 0.0).sum().double().cpu(),
+                torch.tensor(0.0 if mb.is_empty else float(mb.attention_mask.sum()), dtype=torch.float64),
+                torch.tensor(0.0 if mb.is_empty else float(mb.padded_tokens), dtype=torch.float64),
+            ]
+        )
+    if env.distributed:
+        t = totals.to(env.device)
+        dist.all_reduce(t)
+        totals = t.cpu()
+
+    grad_norm = _grad_norm(model, config.max_grad_norm)
+    lr = lr_at(config, step)
+    skipped = not torch.isfinite(grad_norm).item()
+    if skipped:
+        log.warning("step %d: gradient norm is %s; skipping the update", step, grad_norm.item())
+    else:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    loss, tokens, kl, masked, ratio, ent, real, padded = totals.tolist()
+    n_tok = max(tokens, 1.0)
+    lags = [step - 1 - s.policy_version for s in samples]
+    return {
+        "loss": loss / normalizer,
+        "mismatch_kl": kl / n_tok,
+        "masked_fraction": masked / n_tok,
+        "importance_ratio": ratio / n_tok,
+        "entropy": ent / n_tok,
+        "grad_norm": grad_norm.item(),
+        "lr": lr,
+        "tokens": tokens,
+        "samples": len(samples),
+        "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
+        "advantage_abs_mean": sum(abs(s.advantage) for s in samples) / max(1, len(samples)),
+        "async_lag_mean": sum(lags) / max(1, len(lags)),
+        "async_lag_max": max(lags, default=0),
+        "padding_fraction": 1.0 - real / padded if padded else 0.0,
+        "skipped_step": float(skipped),
+    }
+
+
+class WeightPublisher:
+    """Filesystem: ``weights/step_k`` folders. Broadcast: rank 0 sends to the inference workers."""
+
+    def __init__(self, config: TrainerConfig, env: DistEnv):
+        self.config, self.env = config, env
+        self.weights_dir = config.run_path / "weights"
+        self.sender = None
+        if config.weight_sync == "broadcast" and env.is_main:
+            from primebuild.runtime.weight_sync.broadcast import BroadcastSender
+
+            self.sender = BroadcastSender(
+                config.broadcast_init_method,
+                config.broadcast_world_size,
+                backend="nccl" if env.device.type == "cuda" else "gloo",
+                timeout_s=config.broadcast_timeout_s,
+                device=env.device,
+            )
+
+    def publish(self, model, step: int) -> None:
+        state = full_state_dict(model, DTYPES[self.config.dtype])  # collective: all ranks
+        if not self.env.is_main:
+            return
+        if self.sender is not None:
+            self.sender.send(state, step)
+        else:
+            config = model.config
+            fs.publish_hf_weights(
+                self.weights_dir, step, state, config, self.config.model_path, self.config.keep_weights
+            )
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+def run_trainer(config: TrainerConfig) -> None:
+    env = init_distributed()
+    logging.basicConfig(level=logging.INFO, format=f"[trainer rank {env.rank}] %(message)s")
+    torch.manual_seed(config.seed)
+    run_dir = config.run_path
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    loss_fn = resolve_loss(config.loss, config.loss_params)
+    model = load_model(config.model_path, env, config.dtype, config.activation_checkpointing)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+    )
+    ckpt_dir = run_dir / "checkpoints"
+    start = 1
+    if config.resume:
+        latest = fs.latest_stable(ckpt_dir)
+        if latest is not None:
+            start = load_checkpoint(latest[1], model, optimizer) + 1
+            log.info("resumed from %s; next step %d", latest[1], start)
+        elif env.is_main:
+            log.info("resume: no stable checkpoint under %s, starting at step 1", ckpt_dir)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", enabled=env.is_main)
+    publisher = WeightPublisher(config, env)
+    last_done, last_saved = start - 1, start - 1
+    try:
+        for step in range(start, config.max_steps + 1):
+            t0 = time.monotonic()
+            path = wait_for_batch(config, step, env)
+            if path is None:
+                log.info("STOP file found before step %d; stopping", step)
+                break
+            t1 = time.monotonic()
+            stats = train_step(model, optimizer, load_batch(path), config, loss_fn, env, step)
+            t2 = time.monotonic()
+            publisher.publish(model, step)
+            stats.update(wait_s=t1 - t0, step_s=t2 - t1, publish_s=time.monotonic() - t2)
+            metrics.write(step, stats)
+            last_done = step
+            if env.is_main:
+                log.info(
+                    "step %d loss %.4g mismatch_kl %.3g grad_norm %.3g", step, stats["loss"],
+                    stats["mismatch_kl"], stats["grad_norm"],
+                )
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                save_checkpoint(ckpt_dir, step, model, optimizer, env, config.keep_checkpoints)
+                last_saved = step
+        if last_done > last_saved:  # the end of a run is always resumable
+            save_checkpoint(ckpt_dir, last_done, model, optimizer, env, config.keep_checkpoints)
+    finally:
+        publisher.close()
+        if env.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m primebuild.runtime.trainer.main")
+    parser.add_argument("--config", required=True, help="TrainerConfig as JSON")
+    args = parser.parse_args(argv)
+    try:
+        run_trainer(load_config(args.config))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The policy model: loading, FSDP2 sharding, per-token log-probs, and the full weights for publishing."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .batch import MicroBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed() -> DistEnv:
+    """Join the torchrun job if there is one (nccl on CUDA, gloo on CPU); one process needs no group."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return DistEnv(rank=rank, world_size=world_size, device=device)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of transformer blocks (``model.model.layers`` for Qwen3 / Qwen3-MoE / Llama-likes)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: no model.layers ModuleList to shard per block")
+    return layers
+
+
+def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool) -> nn.Module:
+    """Load the HF causal LM with fp32 master weights, and shard it with FSDP2 when there are several
+    ranks: one FSDP unit per decoder block (its all-gather overlaps the previous block's compute) plus
+    the root for embeddings, final norm and head. Parameters are computed in ``compute_dtype``;
+    gradients are reduced in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    if activation_checkpointing:
+        # Non-reentrant checkpointing composes with FSDP2's hooks; blocks recompute in backward.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.to(env.device)
+    if env.distributed:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    model.train()
+    return model
+
+
+def autocast_context(env: DistEnv, compute_dtype: str):
+    """One rank has no FSDP mixed-precision policy; autocast gives it the same fp32-master/bf16-compute
+    split. With FSDP (or fp32) this is a no-op."""
+    enabled = compute_dtype != "float32" and not env.distributed
+    return torch.autocast(env.device.type, dtype=DTYPES[compute_dtype], enabled=enabled)
+
+
+def token_logprobs(
+    model: nn.Module, mb: MicroBatch, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of every token given its prefix, and the policy's entropy there (no gradient).
+
+    Both are [B, T] and aligned with ``mb.input_ids``: column t describes token t, predicted by the
+    logits at t-1; column 0 has no prediction and is 0. Logits are divided by the sampling temperature
+    so that the trainer scores the same distribution the inference server sampled from.
+    """
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    logits = logits[:, :-1].float() / temperature
+    targets = mb.input_ids[:, 1:]
+    log_norm = torch.logsumexp(logits, dim=-1)
+    lp = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = log_norm - (probs * logits).sum(-1)
+    pad = torch.zeros_like(lp[:, :1])
+    return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)
+
+
+def full_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All-gather the full (unsharded) weights to CPU on rank 0, in HF checkpoint naming and ``dtype``.
+    Every rank must call it (it is a collective); ranks other than 0 get an empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    sd = {k: v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu() for k, v in sd.items()}
+    text_config = model.config.get_text_config()
+    if getattr(text_config, "tie_word_embeddings", False):
+        for key in (getattr(model, "all_tied_weights_keys", None) or {}):
+            sd.pop(key, None)  # HF ties it again on load, as save_pretrained does
+    try:  # transformers 5 fuses some weights on load (MoE experts); publish the checkpoint's own naming
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return sd
+    return dict(revert_weight_conversion(model, sd))

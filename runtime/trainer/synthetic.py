@@ -1,0 +1,81 @@
+"""A tiny random model and synthetic rollout batches: the trainer's smoke fixture (tests, laptop demos).
+
+Inference log-probs are computed the way an inference server would: one unpadded HF forward per sample
+under the base weights, so at step 1 (fp32 on both sides) the trainer's mismatch KL must be ~0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .advantages import group_relative_advantages
+from .batch import Sample, TrainBatch, save_batch
+
+
+def make_tiny_model(path: str | Path, moe: bool = False, seed: int = 0, vocab_size: int = 96) -> Path:
+    """Save a random Qwen3 (or Qwen3-MoE) with hidden 64 and 2 layers under ``path``."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+    )
+    if moe:
+        config = Qwen3MoeConfig(
+            intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **common
+        )
+    else:
+        config = Qwen3Config(intermediate_size=128, **common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    path = Path(path)
+    model.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def hf_completion_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0):
+    ids = torch.tensor([prompt_ids + completion_ids])
+    logits = model(input_ids=ids).logits[0].float() / temperature
+    p = len(prompt_ids)
+    lp = torch.log_softmax(logits[p - 1 : -1], dim=-1)
+    return lp.gather(-1, torch.tensor(completion_ids).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def make_batch(
+    model, step: int, num_prompts: int = 4, group_size: int = 4, seed: int = 0, policy_version: int = 0
+) -> TrainBatch:
+    """Random prompts and completions of varied length, rewards in {0, 1}, group-relative advantages."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    vocab = model.config.vocab_size
+    samples = []
+    for i in range(num_prompts):
+        prompt = torch.randint(1, vocab, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
+        rewards = torch.randint(0, 2, (group_size,), generator=g).float()
+        adv = group_relative_advantages(rewards.unsqueeze(0))[0].tolist()
+        for j in range(group_size):
+            n = int(torch.randint(1, 12, (1,), generator=g))
+            completion = torch.randint(1, vocab, (n,), generator=g).tolist()
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    completion_ids=completion,
+                    inference_logprobs=hf_completion_logprobs(model, prompt, completion),
+                    advantage=adv[j],
+                    reward=float(rewards[j]),
+                    policy_version=policy_version,
+                    env_id="synthetic",
+                )
+            )
+    return TrainBatch(step=step, samples=samples, metadata={"temperature": 1.0})
+
+
+def write_rollouts(run_dir: str | Path, model_path: str | Path, steps: range, **kwargs) -> None:
+    """Write ``rollouts/step_k.pt`` for every k in ``steps``, all sampled from the base model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    for k in steps:
+        save_batch(Path(run_dir) / "rollouts" / f"step_{k:06d}.pt", make_batch(model, k, **kwargs))
