@@ -248,6 +248,8 @@ def _read_file(path: Path, role: str) -> bytes:
 def _read_requirements(source: Path | str) -> bytes:
     if isinstance(source, Path):
         data, origin = _read_file(source, "requirements"), str(source)
+    elif "\n" not in source.strip() and source.strip().endswith(".txt") and Path(source.strip()).exists():
+        raise UserError(f"requirements {source!r} looks like a file name: pass Path({source!r}) to read it")
     else:
         data, origin = source.encode(), "<requirements text>"
     check_requirements(data.decode(), origin)
@@ -273,10 +275,21 @@ def check_requirements(text: str, origin: str = "<requirements>") -> None:
         logical.append((start, pending))
     for number, line in logical:
         body = line.strip()
-        if not body or (body.startswith("-") and not body.startswith(("-e", "--editable"))):
+        if not body or (
+            body.startswith("-")
+            and not body.startswith(("-e", "--editable", "-r", "--requirement", "-c", "--constraint"))
+        ):
             continue  # blank, or an option such as --index-url
         requirement = body.split()[0]
-        if body.startswith(("-e", "--editable")):
+        if requirement in ("-r", "--requirement", "-c", "--constraint") or body.startswith(("-r", "-c")):
+            problems.append(
+                Problem(
+                    f"{body!r} refers to another file, which the image would not hold: inline it",
+                    file=origin,
+                    line=number,
+                )
+            )
+        elif body.startswith(("-e", "--editable")):
             problems.append(
                 Problem(f"editable requirement {body!r} cannot be locked", file=origin, line=number)
             )

@@ -367,7 +367,8 @@ class Store:
     def _locked(self, key: str, *, blocking: bool = True) -> Iterator[bool]:
         locks = self.root / ".locks"
         locks.mkdir(parents=True, exist_ok=True)
-        fd = os.open(locks / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        # Read-only is enough for flock, so users sharing a store can lock each other's lock files.
+        fd = os.open(locks / f"{key}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)

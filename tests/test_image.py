@@ -315,17 +315,21 @@ def test_requirements_must_be_locked_with_hashes(tmp_path: Path):
     check_requirements(REQUIREMENTS)
     with pytest.raises(UserError) as err:
         check_requirements(
-            "torch==2.13.0\nnumpy>=1 --hash=sha256:00\n-e ./local\n--index-url https://x\n", "req.txt"
+            "torch==2.13.0\nnumpy>=1 --hash=sha256:00\n-e ./local\n--index-url https://x\n-r more.txt\n",
+            "req.txt",
         )
     text = str(err.value)
     assert "req.txt:1: requirement 'torch==2.13.0' has no --hash" in text
     assert "req.txt:2: requirement 'numpy>=1' is not pinned with ==" in text
     assert "req.txt:3: editable requirement" in text and "uv pip compile --generate-hashes" in text
+    assert "req.txt:5: '-r more.txt' refers to another file" in text
     path = tmp_path / "requirements.txt"
     path.write_text("fastapi==0.110\n")
     with pytest.raises(UserError, match="requirements.txt:1"):
         build_image(ImageSpec(requirements=path), tmp_path / "out")
     path.write_text(REQUIREMENTS)
+    with pytest.raises(UserError, match="looks like a file name"):
+        build_image(ImageSpec(requirements=str(path)), tmp_path / "o0")
     from_path = build_image(ImageSpec(requirements=path), tmp_path / "o1")
     assert from_path.digest == build_image(ImageSpec(requirements=REQUIREMENTS), tmp_path / "o2").digest
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from primebuild.builders.store import ENTRY_FILE, Store, default_store_root
 
+from primebuild.builders.store import ENTRY_FILE, Store, default_store_root
 from primebuild.errors import UserError
 
 
@@ -161,21 +162,32 @@ def test_failed_build_leaves_nothing(store: Store):
     assert store.build("ckpt", {}, write_tree).is_dir()
 
 
-def _slow_build(root: str, counter: str) -> str:
-    def builder(out: Path) -> None:
-        with open(counter, "a") as f:
-            f.write("built\n")
-        time.sleep(0.5)
-        write_tree(out)
+BUILD_SCRIPT = """
+import sys, time
+from pathlib import Path
+from primebuild.builders.store import Store
 
-    return str(Store(root).build("shared", {"v": 1}, builder))
+def builder(out):
+    with open(sys.argv[2], "a") as f:
+        f.write("built\\n")
+    time.sleep(0.5)  # long enough for the other processes to reach the lock
+    (out / "weights.bin").write_bytes(b"w" * 1024)
+
+print(Store(sys.argv[1]).build("shared", {"v": 1}, builder))
+"""
 
 
 def test_concurrent_builders_of_one_key_build_once(tmp_path: Path):
     root, counter = str(tmp_path / "store"), str(tmp_path / "counter")
-    with multiprocessing.get_context("fork").Pool(3) as pool:
-        paths = pool.starmap(_slow_build, [(root, counter)] * 3)
-    assert len(set(paths)) == 1
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILD_SCRIPT, root, counter], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    paths = [proc.communicate(timeout=60)[0].strip() for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0, 0]
+    assert len(set(paths)) == 1 and paths[0]
     assert Path(counter).read_text() == "built\n"
     Store(root).verify(Path(paths[0]), full=True)
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from primebuild.builders.store import Store
 
+from primebuild.builders.store import Store
 from primebuild.cli import main
 
 
