@@ -13,6 +13,7 @@ the two, and the other side idles for the difference.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from primebuild.builders.hardware import GpuSpec, gpu_spec
@@ -247,13 +248,15 @@ def suggest_split(
     gpu: GpuSpec | str,
     min_inference_nodes: int = 1,
     min_trainer_nodes: int = 1,
+    trainer_fits: Callable[[int], bool] | None = None,
     **step_kwargs,
 ) -> Split:
     """The whole-node inference:trainer split with the shortest step (ties: fewer inference nodes).
 
     Tries every split with at least min_* nodes per side; inference nodes hold as many replicas of
     gpus_per_inference_replica GPUs as fit. step_kwargs go to step_time_estimate (everything but the
-    GPU counts and replicas, which this function chooses).
+    GPU counts and replicas, which this function chooses). trainer_fits(trainer_gpus), when given, rules
+    out splits whose trainer does not fit in memory (e.g. a closure over trainer_memory_per_gpu).
     """
     spec = _gpu(gpu)
     best: Split | None = None
@@ -261,11 +264,12 @@ def suggest_split(
         inference_gpus = inference_nodes * spec.gpus_per_node
         prefill = step_kwargs.get("prefill_gpus", 0)
         replicas = (inference_gpus - prefill) // gpus_per_inference_replica
-        if replicas < 1:
+        trainer_gpus = (total_nodes - inference_nodes) * spec.gpus_per_node
+        if replicas < 1 or (trainer_fits is not None and not trainer_fits(trainer_gpus)):
             continue
         times = step_time_estimate(
             facts, inference_gpus=inference_gpus, inference_replicas=replicas,
-            trainer_gpus=(total_nodes - inference_nodes) * spec.gpus_per_node, gpu=spec, **step_kwargs,
+            trainer_gpus=trainer_gpus, gpu=spec, **step_kwargs,
         )
         candidate = Split(inference_nodes, total_nodes - inference_nodes, replicas, times)
         if best is None or times.step_seconds < best.times.step_seconds * (1 - 1e-9):
@@ -273,7 +277,7 @@ def suggest_split(
     if best is None:
         raise UserError(f"no inference:trainer split of {total_nodes} nodes fits "
                         f"(replicas of {gpus_per_inference_replica} GPUs, ≥ {min_inference_nodes} inference "
-                        f"and ≥ {min_trainer_nodes} trainer nodes)",
+                        f"and ≥ {min_trainer_nodes} trainer nodes, trainer fitting in memory)",
                         hint="add nodes or use smaller inference replicas")
     return best
 

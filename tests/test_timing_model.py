@@ -124,5 +124,9 @@ def test_suggest_split_is_the_best_whole_node_split():
         other = step_time_estimate(f, inference_gpus=inference_nodes * 8, inference_replicas=inference_nodes // 2,
                                    trainer_gpus=(28 - inference_nodes) * 8, gpu="h200", **kw)
         assert best.times.step_seconds <= other.step_seconds * (1 + 1e-9)
+    # a memory check that only admits ≥ 16 trainer nodes moves the answer there
+    constrained = suggest_split(f, total_nodes=28, gpus_per_inference_replica=16, gpu="h200",
+                                trainer_fits=lambda gpus: gpus >= 16 * 8, **kw)
+    assert constrained.trainer_nodes >= 16
     with pytest.raises(UserError, match="no inference:trainer split"):
         suggest_split(f, total_nodes=2, gpus_per_inference_replica=16, gpu="h200", **kw)
