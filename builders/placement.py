@@ -108,6 +108,7 @@ def place(m: Manifest) -> tuple[Placement | None, list[Problem]]:
     cursor = _Cursor(hw.nodes, hw.gpus_per_node)
     replicas: list[ReplicaPlacement] = []
     for name, group in m.inference.groups.items():
+        path = f"{section}.{name}" if m.inference.disaggregation else section
         cursor.fresh_node()  # groups never share a node: different roles, different failure domains
         for r in range(group.replicas):
             if group.nodes_per_replica > 1:
@@ -118,7 +119,8 @@ def place(m: Manifest) -> tuple[Placement | None, list[Problem]]:
             if any(s is None for s in slots):
                 need = _inference_nodes(m)
                 return None, [Problem(
-                    f"inference needs {need} nodes but the cluster has {hw.nodes}", field=f"{section}.replicas",
+                    f"inference needs {need} nodes but the cluster has {hw.nodes} ({name} replica {r} is the "
+                    "first that does not fit)", field=f"{path}.replicas",
                     hint="lower replicas, or add nodes under hardware.nodes")]
             replicas.append(ReplicaPlacement(name, r, tuple(slots)))  # type: ignore[arg-type]
     cursor.fresh_node()

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import types
+import typing
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel
+
 from primebuild.errors import Problem, UserError
+from primebuild.manifest.schema import Manifest
 from primebuild.manifest.yaml_source import Path_, SourceMap, parse_yaml, read_text
 
 MAX_EXTENDS_DEPTH = 16
@@ -33,6 +40,7 @@ def load_composed(path: Path, *, display: str | None = None, _chain: tuple[Path,
     parents = doc.pop("extends", None)
     if parents is None:
         return doc, source, [resolved]
+    as_list = isinstance(parents, list)
     if isinstance(parents, str):
         parents = [parents]
     if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
@@ -46,6 +54,10 @@ def load_composed(path: Path, *, display: str | None = None, _chain: tuple[Path,
             raise UserError(source.problem(("extends", i), f"extended file not found: {parent_path}",
                                            hint="paths in `extends:` are relative to the manifest that names them"))
         shown_parent = str(Path(shown).parent / parent)
+        if parent_path.resolve() in (*_chain, resolved):  # report the cycle where the looping entry is written
+            cycle = " -> ".join(str(f) for f in (*_chain, resolved, parent_path.resolve()))
+            raise UserError(source.problem(("extends", i) if as_list else ("extends",),
+                                           f"`extends:` cycle: {cycle}", hint="remove one of the references"))
         parent_doc, parent_source, parent_files = load_composed(parent_path, display=shown_parent,
                                                                 _chain=(*_chain, resolved))
         merged = deep_merge(merged, parent_doc, merged_source, parent_source, ())
@@ -94,6 +106,8 @@ def apply_sets(doc: dict, sets: list[str], source: SourceMap) -> dict:
                 value = raw
         except UserError:
             value = raw  # not valid YAML on its own: take it as a plain string
+        if isinstance(value, (bool, int, float)) and _holds_text(parts):
+            value = raw.strip()  # typed by the schema: `--set image.python=3.12` means the text "3.12"
         out = _set_path(out, parts, value)
         for loc_path in [p for p in source.locations if p[: len(parts)] == tuple(parts)]:
             del source.locations[loc_path]
@@ -110,3 +124,29 @@ def _set_path(doc: dict, parts: list[str], value: object) -> dict:
     child = out.get(head)
     out[head] = _set_path(child if isinstance(child, dict) else {}, rest, value)
     return out
+
+
+def _holds_text(parts: list[str]) -> bool:
+    """Whether the schema field at `parts` takes only text (str, a Literal of strings, or either or None)."""
+    models: list[object] = [Manifest]
+    annotation: object = None
+    for part in parts:
+        found = [m.model_fields[part] for m in models if part in getattr(m, "model_fields", {})]
+        if not found:
+            return False
+        annotation = found[0].annotation
+        models = [a for a in _alternatives(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    options = [a for a in _alternatives(annotation) if a is not type(None)]
+    return bool(options) and all(
+        a is str or (typing.get_origin(a) is Literal and all(isinstance(v, str) for v in typing.get_args(a)))
+        for a in options)
+
+
+def _alternatives(annotation: object) -> list[object]:
+    """The types a field admits: unions flattened, Annotated unwrapped."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _alternatives(typing.get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        return [x for arg in typing.get_args(annotation) for x in _alternatives(arg)]
+    return [annotation]

@@ -1,0 +1,89 @@
+"""Shared fixtures: the repo's paths, a scratch manifest folder, and the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFESTS = REPO / "manifests"
+SHIPPED = sorted(MANIFESTS.glob("*.yaml"))
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def text(self) -> str:
+        return self.out + self.err
+
+
+def run_cli(*args: str, cwd: Path | str | None = None, timeout: float = 30, env: dict | None = None) -> CliResult:
+    """The real `primebuild` in a fresh interpreter: exit code, stdout, stderr."""
+    proc = subprocess.run([sys.executable, "-m", "primebuild.cli", *map(str, args)], cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "200", **(env or {})})
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def call_cli(capsys: pytest.CaptureFixture, *args: str) -> CliResult:
+    """`primebuild.cli.main` in this interpreter (fast), with its output captured."""
+    from primebuild.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return CliResult(code, captured.out, captured.err)
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A scratch folder holding a copy of manifests/models/ so that `facts: models/x.json` resolves."""
+    shutil.copytree(MANIFESTS / "models", tmp_path / "models")
+    return tmp_path
+
+
+def write(folder: Path, name: str, text: str | bytes) -> Path:
+    path = folder / name
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    return path
+
+
+# A minimal valid CPU manifest (the tiny reverse-text model); tests edit copies of it.
+CPU_MANIFEST = """\
+apiVersion: primebuild/v1
+name: tiny
+model:
+  init: random
+  facts: models/reverse-text-tiny.json
+  tokenizer: char
+  dtype: float32
+hardware:
+  gpu: cpu
+  gpus_per_node: 0
+  cpus_per_node: 2
+  host_memory_gb: 16
+inference:
+  engine: embedded
+  precision: fp32
+trainer:
+  ranks: 1
+  precision: fp32
+  micro_batch_tokens: 4096
+orchestrator:
+  seq_len: 64
+  max_completion_tokens: 16
+  rollouts_per_step: 64
+  group_size: 8
+environments:
+  - id: reverse-text
+"""
