@@ -64,7 +64,11 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
     model.config.use_cache = False
     if activation_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks; blocks recompute in backward.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.to(env.device)
     if env.distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
