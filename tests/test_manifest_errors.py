@@ -264,8 +264,9 @@ def test_older_apiversion_migrates_with_a_note(workdir: Path):
 
     plan = json.loads(result.out)
     trainer = next(p for p in plan["processes"] if p["role"] == "trainer")
-    assert trainer["config"]["parallel"]["dp_shard"] == 2
-    assert "--nproc-per-node" in trainer["argv"] and trainer["argv"][trainer["argv"].index("--nproc-per-node") + 1] == "2"
+    argv = trainer["argv"]
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"  # fsdp: 2 became dp_shard: 2
+    assert next(p for p in plan["processes"] if p["role"] == "orchestrator")["config"]["rollouts_per_step"] == 64
 
 
 def test_v1alpha1_with_old_and_new_name_is_refused(workdir: Path, capsys, monkeypatch):
