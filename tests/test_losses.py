@@ -13,7 +13,7 @@ LP = [-1.0, -1.0, -2.0, -0.5, -0.1]  # trainer
 ILP = [-1.2, -0.5, -1.0, -0.5, -3.0]  # inference
 ADV = [1.0, -1.0, 1.0, -1.0, 5.0]
 MASK = [True, True, True, True, False]
-DELTA = [a - b for a, b in zip(LP, ILP)]  # 0.2, -0.5, -1.0, 0.0, 2.9
+DELTA = [a - b for a, b in zip(LP, ILP, strict=True)]  # 0.2, -0.5, -1.0, 0.0, 2.9
 RATIO = [math.exp(d) for d in DELTA]
 
 
@@ -27,14 +27,14 @@ def run(name, **params):
 
 
 def expected_mismatch_kl_sum():
-    return sum(math.exp(d) - d - 1 for d, m in zip(DELTA, MASK) if m)
+    return sum(math.exp(d) - d - 1 for d, m in zip(DELTA, MASK, strict=True) if m)
 
 
 def check_common(metrics, masked):
     assert metrics["tokens"] == 4
     assert metrics["mismatch_kl"] == pytest.approx(expected_mismatch_kl_sum(), rel=1e-12)
     assert metrics["masked"] == masked
-    assert metrics["ratio"] == pytest.approx(sum(r for r, m in zip(RATIO, MASK) if m), rel=1e-12)
+    assert metrics["ratio"] == pytest.approx(sum(r for r, m in zip(RATIO, MASK, strict=True) if m), rel=1e-12)
 
 
 def test_registry_names():

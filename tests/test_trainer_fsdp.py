@@ -41,8 +41,15 @@ def test_two_ranks_match_one_rank(tmp_path):
     cfg.write_text(json.dumps({"run_dir": str(runs["two"]), "checkpoint_every": 3, **common}))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        "-m", "primebuild.runtime.trainer.main", "--config", str(cfg),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "primebuild.runtime.trainer.main",
+        "--config",
+        str(cfg),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -35,7 +35,9 @@ def new_run(tmp_path, tiny, name="run", **overrides):
     (run / "rollouts").mkdir(parents=True)
     for f in rollouts.iterdir():
         (run / "rollouts" / f.name).write_bytes(f.read_bytes())
-    cfg = dict(model_path=str(model), run_dir=str(run), max_steps=3, lr=1e-3, micro_batch_tokens=64, loss="dppo-kl")
+    cfg = dict(
+        model_path=str(model), run_dir=str(run), max_steps=3, lr=1e-3, micro_batch_tokens=64, loss="dppo-kl"
+    )
     cfg.update(overrides)
     return TrainerConfig(**cfg)
 

@@ -84,8 +84,14 @@ def test_prune_keeps_newest(tmp_path):
 def test_hf_weights_roundtrip_with_tied_embeddings(tmp_path):
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
     )
     model = AutoModelForCausalLM.from_config(cfg)
     folder = publish_hf_weights(tmp_path / "weights", 1, model.state_dict(), model.config)

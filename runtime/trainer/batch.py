@@ -57,7 +57,9 @@ class Sample:
                 hint="send exactly one log-prob per sampled completion token",
             )
         if self.completion_mask is not None and len(self.completion_mask) != n:
-            raise UserError(f"{where}: completion_mask has {len(self.completion_mask)} entries for {n} tokens")
+            raise UserError(
+                f"{where}: completion_mask has {len(self.completion_mask)} entries for {n} tokens"
+            )
 
     @property
     def num_tokens(self) -> int:

@@ -30,7 +30,11 @@ def _barrier(env: DistEnv) -> None:
 
 
 def save_checkpoint(
-    root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv,
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
     keep_last: int | None = None,
 ) -> Path:
     final = fs.step_dir(root, step)

@@ -59,7 +59,9 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _broadcast_needs_wiring(self) -> TrainerConfig:
-        if self.weight_sync == "broadcast" and (not self.broadcast_init_method or not self.broadcast_world_size):
+        if self.weight_sync == "broadcast" and (
+            not self.broadcast_init_method or not self.broadcast_world_size
+        ):
             raise ValueError("weight_sync 'broadcast' needs broadcast_init_method and broadcast_world_size")
         return self
 
@@ -75,7 +77,9 @@ def load_config(path: str | Path) -> TrainerConfig:
     except FileNotFoundError as e:
         raise UserError(f"{path}: trainer config not found") from e
     except json.JSONDecodeError as e:
-        raise UserError(Problem(f"not valid JSON: {e.msg}", file=str(path), line=e.lineno, column=e.colno)) from e
+        raise UserError(
+            Problem(f"not valid JSON: {e.msg}", file=str(path), line=e.lineno, column=e.colno)
+        ) from e
     try:
         return TrainerConfig.model_validate(data)
     except ValidationError as e:

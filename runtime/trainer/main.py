@@ -42,7 +42,15 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainerConfig, load_config
 from .losses import resolve_loss
 from .metrics import MetricsWriter
-from .model import DTYPES, DistEnv, autocast_context, full_state_dict, init_distributed, load_model, token_logprobs
+from .model import (
+    DTYPES,
+    DistEnv,
+    autocast_context,
+    full_state_dict,
+    init_distributed,
+    load_model,
+    token_logprobs,
+)
 
 __all__ = ["TrainerConfig", "run_trainer", "main"]
 
@@ -108,7 +116,9 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
         )
     samples = batch.samples
     normalizer = loss_normalizer(
-        samples, config.loss_normalizer, config.max_completion_tokens or batch.metadata.get("max_completion_tokens")
+        samples,
+        config.loss_normalizer,
+        config.max_completion_tokens or batch.metadata.get("max_completion_tokens"),
     )
     mine = pack(samples, config.micro_batch_tokens, env.world_size, config.pad_token_id)[env.rank]
 
@@ -249,8 +259,11 @@ def run_trainer(config: TrainerConfig) -> None:
             last_done = step
             if env.is_main:
                 log.info(
-                    "step %d loss %.4g mismatch_kl %.3g grad_norm %.3g", step, stats["loss"],
-                    stats["mismatch_kl"], stats["grad_norm"],
+                    "step %d loss %.4g mismatch_kl %.3g grad_norm %.3g",
+                    step,
+                    stats["loss"],
+                    stats["mismatch_kl"],
+                    stats["grad_norm"],
                 )
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 save_checkpoint(ckpt_dir, step, model, optimizer, env, config.keep_checkpoints)

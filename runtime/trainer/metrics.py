@@ -30,7 +30,12 @@ class MetricsWriter:
             # JSON has no NaN/inf: write null rather than an invalid line.
             lines.append(
                 json.dumps(
-                    {"step": step, "role": self.role, "name": name, "value": value if math.isfinite(value) else None}
+                    {
+                        "step": step,
+                        "role": self.role,
+                        "name": name,
+                        "value": value if math.isfinite(value) else None,
+                    }
                 )
             )
         self.path.parent.mkdir(parents=True, exist_ok=True)

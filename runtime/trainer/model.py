@@ -53,7 +53,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool) -> nn.Module:
+def load_model(
+    model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool
+) -> nn.Module:
     """Load the HF causal LM with fp32 master weights, and shard it with FSDP2 when there are several
     ranks: one FSDP unit per decoder block (its all-gather overlaps the previous block's compute) plus
     the root for embeddings, final norm and head. Parameters are computed in ``compute_dtype``;
@@ -88,9 +90,7 @@ def autocast_context(env: DistEnv, compute_dtype: str):
     return torch.autocast(env.device.type, dtype=DTYPES[compute_dtype], enabled=enabled)
 
 
-def token_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of every token given its prefix, and the policy's entropy there (no gradient).
 
     Both are [B, T] and aligned with ``mb.input_ids``: column t describes token t, predicted by the
@@ -117,10 +117,12 @@ def full_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Ten
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
-    sd = {k: v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu() for k, v in sd.items()}
+    sd = {
+        k: v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu() for k, v in sd.items()
+    }
     text_config = model.config.get_text_config()
     if getattr(text_config, "tie_word_embeddings", False):
-        for key in (getattr(model, "all_tied_weights_keys", None) or {}):
+        for key in getattr(model, "all_tied_weights_keys", None) or {}:
             sd.pop(key, None)  # HF ties it again on load, as save_pretrained does
     try:  # transformers 5 fuses some weights on load (MoE experts); publish the checkpoint's own naming
         from transformers.core_model_loading import revert_weight_conversion

@@ -19,8 +19,14 @@ def make_tiny_model(path: str | Path, moe: bool = False, seed: int = 0, vocab_si
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
     )
     if moe:
         config = Qwen3MoeConfig(
@@ -51,7 +57,7 @@ def make_batch(
     g = torch.Generator().manual_seed(seed * 1000 + step)
     vocab = model.config.vocab_size
     samples = []
-    for i in range(num_prompts):
+    for _ in range(num_prompts):
         prompt = torch.randint(1, vocab, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
         rewards = torch.randint(0, 2, (group_size,), generator=g).float()
         adv = group_relative_advantages(rewards.unsqueeze(0))[0].tolist()

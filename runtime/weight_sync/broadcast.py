@@ -109,7 +109,9 @@ class BroadcastSender:
             ],
         }
         blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(self.device)
-        _broadcast(self._group, torch.tensor([KIND_WEIGHTS, blob.numel()], dtype=torch.int64, device=self.device))
+        _broadcast(
+            self._group, torch.tensor([KIND_WEIGHTS, blob.numel()], dtype=torch.int64, device=self.device)
+        )
         _broadcast(self._group, blob)
         for bucket in _buckets([r.numel() for r in raw], self.bucket_bytes):
             payload = torch.cat([raw[i].to(self.device) for i in bucket])

@@ -124,9 +124,7 @@ def latest_stable(root: str | os.PathLike) -> tuple[int, Path] | None:
     return steps[-1], step_dir(root, steps[-1])
 
 
-def wait_for_step(
-    root: str | os.PathLike, step: int, timeout_s: float, poll_s: float = 0.1
-) -> Path:
+def wait_for_step(root: str | os.PathLike, step: int, timeout_s: float, poll_s: float = 0.1) -> Path:
     """Block until ``step_k`` (or a newer step) is stable; return the folder of the newest such step.
     Raises TimeoutError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
