@@ -14,4 +14,5 @@ for top in MAPPED:
     package_dir[f"primebuild.{top}"] = top
     packages += [f"primebuild.{top}"] + [f"primebuild.{top}.{p}" for p in find_packages(where=top)]
 
-setup(packages=packages, package_dir=package_dir, package_data={"primebuild": ["py.typed"]})
+setup(packages=packages, package_dir=package_dir,
+      package_data={"primebuild": ["py.typed"], "primebuild.builders": ["templates/*.j2"]})

@@ -157,6 +157,8 @@ def _trainer_processes(m: Manifest, slots: tuple[Slot, ...]) -> list[ProcessSpec
                         "--rdzv-id", m.name, "--rdzv-endpoint", f"{{host:{slots[0].node}}}:{t.rendezvous_port}"]
         argv = ["{python}", "-m", "torch.distributed.run", *launcher, "--nproc-per-node", str(nproc),
                 "-m", "primebuild.runtime.trainer.main", "--config", "{config}"]
+        if nproc == 1 and len(slots) == 1:  # one rank needs no launcher (and no rendezvous port)
+            argv = ["{python}", "-m", "primebuild.runtime.trainer.main", "--config", "{config}"]
         ports = {"rendezvous": t.rendezvous_port} if rank == 0 and len(slots) > 1 else {}
         if m.weight_sync.mode == "broadcast" and rank == 0:
             ports["weight_broadcast"] = m.weight_sync.port
@@ -168,18 +170,29 @@ def _trainer_processes(m: Manifest, slots: tuple[Slot, ...]) -> list[ProcessSpec
 
 
 def _trainer_config(m: Manifest) -> dict:
+    """The trainer's TrainerConfig (runtime/trainer/config.py); FSDP degree comes from torchrun's world."""
     t, o = m.trainer, m.orchestrator
     return {
-        "model_path": "{model_path}", "run_dir": "{run_dir}", "seed": m.seed,
-        "loss": o.loss.model_dump(mode="json"), "lr": o.lr, "warmup_steps": o.warmup_steps,
-        "optimizer": t.optimizer.model_dump(mode="json"), "micro_batch_tokens": t.micro_batch_tokens,
-        "logprob_chunk_tokens": t.logprob_chunk_tokens,
-        "max_steps": o.max_steps, "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[t.precision],
+        "model_path": "{model_path}", "run_dir": "{run_dir}", "seed": m.seed, "resume": True,
+        "loss": o.loss.name, "loss_params": _loss_params(o.loss), "temperature": max(o.temperature, 1e-6),
+        "max_completion_tokens": o.max_completion_tokens,
+        "lr": o.lr, "warmup_steps": o.warmup_steps, "optimizer": t.optimizer.name, "betas": list(t.optimizer.betas),
+        "weight_decay": t.optimizer.weight_decay, "max_grad_norm": t.optimizer.max_grad_norm,
+        "micro_batch_tokens": t.micro_batch_tokens, "max_steps": o.max_steps,
+        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[t.precision],
         "activation_checkpointing": t.activation_checkpointing, "checkpoint_every": t.checkpoint_every,
-        "weight_sync": m.weight_sync.mode, "parallel": {"dp_shard": t.dp_shard, "dp_replicate": t.dp_replicate,
-                                                        "cp": t.cp, "tp": t.tp, "ep": t.ep},
-        "router_replay": m.inference.router_replay,
+        "weight_sync": "filesystem",
     }
+
+
+def _loss_params(loss) -> dict:
+    """Manifest loss fields -> the keyword parameters of runtime/trainer/losses.py."""
+    return {
+        "dppo-kl": {"delta": loss.mask_bound, "kl_tau": loss.kl_tau},
+        "aipo": {"rho": loss.is_cap},
+        "grpo": {"eps_low": loss.clip_low, "eps_high": loss.clip_high},
+        "cispo": {"eps_high": loss.is_cap},
+    }[loss.name]
 
 
 def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec]) -> ProcessSpec:

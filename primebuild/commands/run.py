@@ -1,0 +1,120 @@
+"""`primebuild run`: execute a plan (local target), or continue a stopped run with --resume."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from primebuild.commands.options import print_notes, set_option
+from primebuild.errors import UserError
+
+
+@click.command("run")
+@click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=str))
+@set_option
+@click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs"),
+              show_default=True, help="Where run folders are created.")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Continue a stopped run from its folder (checkpoints and rollouts on disk).")
+@click.option("--quiet", is_flag=True, help="Only progress lines, not every process's log lines.")
+def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_dir: Path | None, quiet: bool) -> None:
+    """Run MANIFEST on this machine: build its model, start every process, report the result."""
+    from primebuild.builders.plan import compile_plan, render_json
+    from primebuild.builders.store import Store
+    from primebuild.manifest.load import load_manifest
+
+    started = time.monotonic()
+    if resume_dir is not None:
+        if manifest or sets:
+            raise UserError("--resume takes the run folder only: its plan and manifest are already recorded")
+        run_dir = resume_dir.resolve()
+        plan = json.loads((run_dir / "plan.json").read_text())
+        (run_dir / "STOP").unlink(missing_ok=True)
+        click.echo(f"resuming {run_dir}")
+        _supervise(plan, run_dir, quiet, started, {})
+        return
+    if manifest is None:
+        raise UserError("give a manifest (e.g. manifests/reverse-text.yaml) or --resume RUN_DIR")
+
+    loaded = load_manifest(manifest, sets)
+    print_notes(loaded.notes)
+    m = loaded.manifest
+    if m.target.kind != "local":
+        raise UserError(f"target {m.target.kind}: `primebuild run` executes local plans only so far",
+                        hint="render the plan with `primebuild plan -o json` and start `primebuild worker` on each "
+                             "host; Slurm/Kubernetes/SSH renderers are not built yet")
+    store = Store()
+    from primebuild.runtime.derivations import output_of, resolve_model
+
+    if m.sft is not None:  # a model-building manifest: its output is the run
+        built = output_of(loaded, store, click.echo)
+        click.echo(f"{m.name}: {built.path} ({'cache hit' if built.cache_hit else 'built'} in {built.seconds:.2f} s); "
+                   f"held-out reward {built.info.get('eval_reward')}")
+        return
+
+    plan = compile_plan(loaded)
+    model = resolve_model(loaded, store, click.echo)
+    click.echo(f"model: {model.path} ({'cache hit' if model.cache_hit else 'built'} in {model.seconds:.2f} s)")
+
+    run_dir = (runs_dir / f"{m.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=False)
+    (run_dir / "plan.json").write_text(render_json(plan))
+    (run_dir / "manifest.json").write_text(json.dumps(loaded.document, indent=2, sort_keys=True))
+    for path in loaded.files:
+        (run_dir / "manifests").mkdir(exist_ok=True)
+        (run_dir / "manifests" / path.name).write_bytes(path.read_bytes())
+    hosts = ["127.0.0.1"] * m.hardware.nodes
+    (run_dir / "rendezvous.json").write_text(json.dumps({"hosts": hosts, "model_path": str(model.path)}, indent=2))
+    (run_dir / "run.json").write_text(json.dumps(
+        {"plan_hash": plan["plan_hash"], "manifest_hash": loaded.manifest_hash, "code_version": _code_version(),
+         "model_path": str(model.path), "model_cache_hit": model.cache_hit}, indent=2, sort_keys=True))
+    click.echo(f"run folder: {run_dir}")
+    extra = {"sft": model.info, "model_seconds": round(model.seconds, 2)}
+    _supervise(plan, run_dir, quiet, started, extra)
+
+
+def _supervise(plan: dict, run_dir: Path, quiet: bool, started: float, extra: dict) -> None:
+    from primebuild.runtime.report import write_report, write_summary
+    from primebuild.runtime.supervisor import supervise
+
+    outcome = supervise(plan, run_dir, echo=click.echo, quiet=quiet)
+    wall = time.monotonic() - started
+    previous = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    summary = write_summary(run_dir, {**extra, "wall_seconds": round(previous.get("wall_seconds", 0) + wall, 2),
+                                      "outcome": outcome.message})
+    report = write_report(run_dir)
+    if "eval_reward_before" in summary:
+        click.echo(f"eval reward before RL (SFT model): {summary['eval_reward_before']:.4f}")
+    if "eval_reward_after" in summary:
+        click.echo(f"eval reward after RL:              {summary['eval_reward_after']:.4f} "
+                   f"(gain {summary['eval_reward_gain']:+.4f})")
+    click.echo(f"wall time {summary['wall_seconds']:.1f} s; summary {run_dir / 'summary.json'}"
+               + (f"; report {report}" if report else ""))
+    if not outcome.ok:
+        raise click.exceptions.Exit(_fail(outcome))
+    click.echo(outcome.message)
+
+
+def _fail(outcome) -> int:
+    click.echo(f"error: {outcome.message}", err=True)
+    return outcome.exit_code
+
+
+def _code_version() -> str:
+    import subprocess
+
+    try:
+        here = Path(__file__).resolve().parents[2]
+        rev = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        if rev.returncode == 0:
+            return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from primebuild import __version__
+
+    return __version__

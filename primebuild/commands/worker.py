@@ -1,0 +1,19 @@
+"""`primebuild worker`: run one process of a plan on this host (what every target starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("worker")
+@click.option("--plan", "plan_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--process", "name", required=True, help="Process name from the plan.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Run folder (default: the plan's folder).")
+def command(plan_path: Path, name: str, run_dir: Path | None) -> None:
+    """Become process NAME of the plan (exec)."""
+    from primebuild.runtime.worker import exec_process
+
+    exec_process(plan_path, name, (run_dir or plan_path.parent).resolve())

@@ -1,0 +1,129 @@
+"""Models as derivations: resolve a manifest's model to a local HF folder, building it in the store.
+
+- `init: random` -> a store entry keyed by the architecture facts, tokenizer and seed;
+- a manifest with an `sft:` section -> a store entry keyed by that manifest's hash plus its input
+  model's store key (so changing the SFT recipe or the init rebuilds, and nothing else does);
+- `from_manifest:` -> the output of that manifest, built on first use and reused afterwards;
+- `path:` -> the folder itself; `hf:` -> huggingface_hub's snapshot at the given revision.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from primebuild.builders.model_ref import facts_file
+from primebuild.builders.store import Store
+from primebuild.errors import UserError
+from primebuild.manifest.load import LoadedManifest, load_manifest
+
+# Bump when what a builder writes changes: the store key must change with it.
+RANDOM_INIT_BUILDER = "random-init/1"
+SFT_BUILDER = "sft/1"
+
+
+@dataclass
+class Resolved:
+    path: Path
+    cache_hit: bool
+    seconds: float
+    info: dict
+
+
+def resolve_model(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
+    """The folder holding the weights this manifest starts from."""
+    m = loaded.manifest.model
+    kind = m.source_kind
+    if kind == "path":
+        path = loaded.resolve(m.path)  # type: ignore[arg-type]
+        if not (path / "config.json").is_file():
+            raise UserError(loaded.source.problem(("model", "path"), f"{path} has no config.json",
+                                                  hint="point model.path at an HF-layout folder"))
+        return Resolved(path, True, 0.0, {"source": "path"})
+    if kind == "hf":
+        from huggingface_hub import snapshot_download
+
+        started = time.perf_counter()
+        path = Path(snapshot_download(m.hf, revision=m.revision))  # type: ignore[arg-type]
+        return Resolved(path, False, time.perf_counter() - started, {"source": "hf", "repo": m.hf})
+    if kind == "init":
+        return _random_init(loaded, store)
+    parent = load_manifest(loaded.resolve(m.from_manifest))  # type: ignore[arg-type]
+    return output_of(parent, store, echo)
+
+
+def output_of(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
+    """What a manifest produces: the SFT-trained model of an `sft:` manifest."""
+    if loaded.manifest.sft is None:
+        raise UserError(f"{loaded.path}: this manifest produces no model (it has no `sft:` section)",
+                        hint="model.from_manifest must name a manifest with an `sft:` section")
+    base = resolve_model(loaded, store, echo)
+    sft = loaded.manifest.sft
+    env = loaded.manifest.environments[0]
+    inputs = {"builder": SFT_BUILDER, "manifest_hash": loaded.manifest_hash, "base": _store_ref(store, base.path)}
+    key = store.key(loaded.manifest.name, inputs)
+    started = time.perf_counter()
+    hit = store.lookup(key)
+    if hit is not None:
+        info = json.loads((hit / "sft_metrics.json").read_text())
+        return Resolved(hit, True, time.perf_counter() - started, info)
+    echo(f"building {loaded.manifest.name} (SFT, {sft.steps} steps) into the store …")
+    metrics: dict = {}
+
+    def build(out: Path) -> None:
+        from primebuild.runtime.sft import SFTConfig, run_sft
+
+        model_dir = out / "model-staging"
+        result = run_sft(SFTConfig(out_dir=str(model_dir), steps=sft.steps, seed=loaded.manifest.seed,
+                                   env_id=env.id, init_model_dir=str(base.path), lr=sft.lr,
+                                   warmup_steps=sft.warmup_steps, batch_size=sft.batch_size))
+        _move_contents(model_dir, out)
+        metrics.update(result)
+        (out / "sft_metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+
+    path = store.build(loaded.manifest.name, inputs, build)
+    return Resolved(path, False, time.perf_counter() - started, metrics)
+
+
+def _random_init(loaded: LoadedManifest, store: Store) -> Resolved:
+    m = loaded.manifest.model
+    facts_path, _ = facts_file(loaded)
+    facts = json.loads(facts_path.read_text())
+    if m.tokenizer != "char":
+        raise UserError(loaded.source.problem(("model", "tokenizer"), f"unknown tokenizer {m.tokenizer!r}",
+                                              hint="`init: random` builds tokenizer: char"))
+    arch = {k: v for k, v in facts.items() if not k.startswith("_")}
+    inputs = {"builder": RANDOM_INIT_BUILDER, "facts": arch, "tokenizer": m.tokenizer, "seed": loaded.manifest.seed}
+    started = time.perf_counter()
+
+    def build(out: Path) -> None:
+        from primebuild.runtime.models.char_tokenizer import build_char_tokenizer
+        from primebuild.runtime.models.tiny import init_tiny_model, save_hf_folder, tiny_config
+
+        config = tiny_config(hidden_size=arch["hidden_size"], num_layers=arch["num_hidden_layers"],
+                             num_heads=arch["num_attention_heads"], num_kv_heads=arch["num_key_value_heads"],
+                             intermediate_size=arch["intermediate_size"])
+        staging = out / "staging"
+        save_hf_folder(init_tiny_model(config, loaded.manifest.seed), build_char_tokenizer(), staging)
+        _move_contents(staging, out)
+
+    hit = store.lookup(store.key(f"{loaded.manifest.name}-init", inputs)) is not None
+    path = store.build(f"{loaded.manifest.name}-init", inputs, build)
+    return Resolved(path, hit, time.perf_counter() - started, {"source": "init"})
+
+
+def _move_contents(src: Path, dst: Path) -> None:
+    """The savers refuse an existing folder; the store hands the builder an empty one: move up."""
+    for item in src.iterdir():
+        item.rename(dst / item.name)
+    src.rmdir()
+
+
+def _store_ref(store: Store, path: Path) -> str:
+    """A machine-independent name for an input: its store entry name, else the path itself."""
+    try:
+        return path.resolve().relative_to(store.root.resolve()).parts[0]
+    except ValueError:
+        return str(path)

@@ -1,0 +1,88 @@
+"""The orchestrator's view of an inference server: sampling, evaluation and the weight-update calls.
+
+It speaks the OpenAI-compatible contract of docs/inference.md (the embedded engine and vLLM alike), and
+rides out a server restart: a failed request is retried until `retry_seconds` pass, so a restarted
+replica costs a delay, never a lost or duplicated sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import httpx
+
+log = logging.getLogger("primebuild.orchestrator")
+
+
+class InferenceUnavailable(RuntimeError):
+    pass
+
+
+class InferenceClient:
+    def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, retry_seconds: float = 120.0):
+        self.base_url = base_url.rstrip("/")  # ends in /v1
+        self.root = self.base_url.removesuffix("/v1")
+        self.model = model
+        self.retry_seconds = retry_seconds
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=limits, headers=headers)
+
+    @classmethod
+    def from_env(cls, base_url: str, model: str, **kw) -> InferenceClient:
+        return cls(base_url, model, admin_token=os.environ.get("PRIMEBUILD_ADMIN_TOKEN"), **kw)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def _post(self, path: str, body: dict, *, root: bool = False) -> dict:
+        url = (self.root if root else self.base_url) + path
+        deadline = asyncio.get_running_loop().time() + self.retry_seconds
+        delay = 0.2
+        while True:
+            try:
+                response = await self.http.post(url, json=body)
+            except (httpx.TransportError, httpx.RemoteProtocolError) as err:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise InferenceUnavailable(f"{url}: {err}") from err
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            if response.status_code >= 500 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(delay)
+                continue
+            if response.status_code >= 400:
+                raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
+            return response.json()
+
+    async def complete(self, prompt: str, *, n: int, temperature: float, top_p: float, max_tokens: int,
+                       seed: int | None = None) -> dict:
+        body = {"model": self.model, "prompt": prompt, "n": n, "temperature": temperature, "top_p": top_p,
+                "max_tokens": max_tokens, "logprobs": 0}
+        if seed is not None:
+            body["seed"] = seed
+        return await self._post("/completions", body)
+
+    async def version(self) -> int:
+        """The server's policy version; waits for a restarting server to come back."""
+        deadline = asyncio.get_running_loop().time() + self.retry_seconds
+        while True:
+            try:
+                response = await self.http.get(self.root + "/health")
+                if response.status_code == 200:
+                    return int(response.json()["policy_version"])
+            except httpx.TransportError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise InferenceUnavailable(f"{self.root}/health did not answer for {self.retry_seconds:.0f} s")
+            await asyncio.sleep(0.25)
+
+    async def update_weights(self, path: str, version: int) -> None:
+        """Pause -> load the step folder -> resume. In-flight requests resume on the new weights."""
+        await self._post("/pause", {}, root=True)
+        try:
+            await self._post("/update_weights", {"path": path, "version": version, "in_flight": "resume"}, root=True)
+        finally:
+            await self._post("/resume", {}, root=True)

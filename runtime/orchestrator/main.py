@@ -1,0 +1,237 @@
+"""The orchestrator: turns inference samples into trainer batches and keeps both sides busy.
+
+Steps are 1-based, like the trainer's. Step k, in order:
+  1. wait until the trainer has published a policy no older than k - 1 - max_off_policy_steps
+     (0 = synchronous RL; 1 lets step k's rollouts overlap the training of step k-1);
+  2. if the servers run an older policy: pause -> update_weights -> resume on every server;
+  3. draw rollouts_per_step / group_size tasks (seeded by step, so a resumed run draws the same ones),
+     ask for group_size samples of each, score them, compute group-relative advantages;
+  4. write rollouts/step_k.pt atomically; the trainer picks it up.
+Versions: the base model is policy version 0; weights/step_k (trained on batch k) is version k.
+
+Resume: the next step is the first batch not yet on disk, so a restarted orchestrator neither loses nor
+repeats a step; a restarted inference server comes back on version 0 and gets the latest weights pushed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from primebuild.runtime.envs.registry import load_environment
+from primebuild.runtime.orchestrator.client import InferenceClient
+from primebuild.runtime.trainer.advantages import advantages_by_group
+from primebuild.runtime.trainer.batch import Sample, TrainBatch, save_batch
+from primebuild.runtime.trainer.metrics import MetricsWriter
+from primebuild.runtime.weight_sync.filesystem import latest_stable
+
+log = logging.getLogger("primebuild.orchestrator")
+
+
+def batch_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "rollouts" / f"step_{step:06d}.pt"
+
+
+@dataclass
+class OrchestratorConfig:
+    run_dir: str
+    served_model_name: str
+    endpoints: dict[str, list[str]]
+    environments: list[dict]
+    seed: int = 0
+    rollouts_per_step: int = 128
+    group_size: int = 8
+    max_off_policy_steps: int = 1
+    max_completion_tokens: int = 16
+    max_steps: int = 100
+    temperature: float = 1.0
+    top_p: float = 1.0
+    normalize_advantage_std: bool = False
+    eval_every: int = 0
+    eval_prompts: int = 200
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict) -> OrchestratorConfig:
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        return cls(**{k: v for k, v in data.items() if k in known},
+                   extra={k: v for k, v in data.items() if k not in known})
+
+
+class Orchestrator:
+    def __init__(self, cfg: OrchestratorConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.weights_dir = self.run_dir / "weights"
+        urls = cfg.endpoints.get("inference") or cfg.endpoints.get("decode") or []
+        if not urls:
+            raise ValueError("the plan gives the orchestrator no inference endpoints")
+        self.clients = [InferenceClient.from_env(u, cfg.served_model_name) for u in urls]
+        if len(cfg.environments) != 1:
+            raise ValueError("this orchestrator mixes no environments yet: give exactly one")
+        e = cfg.environments[0]
+        version = e.get("version")
+        self.env = load_environment(e["id"], None if version in (None, "latest") else version, e.get("args") or {})
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", role="orchestrator")
+        self.server_version = 0
+
+    # --- policy versions -------------------------------------------------------------------------
+
+    def latest_version(self) -> tuple[int, Path | None]:
+        found = latest_stable(self.weights_dir)
+        if found is None:
+            return 0, None
+        return found
+
+    async def wait_for_version(self, at_least: int) -> int:
+        while True:
+            version, _ = self.latest_version()
+            if version >= at_least:
+                return version
+            if self.stop_requested():
+                raise asyncio.CancelledError
+            await asyncio.sleep(0.02)
+
+    async def sync_servers(self) -> None:
+        """Bring every server to the newest published policy (also after a server restarted)."""
+        version, path = self.latest_version()
+        versions = await asyncio.gather(*(c.version() for c in self.clients))
+        stale = [c for c, v in zip(self.clients, versions, strict=True) if v != version]
+        if path is not None and stale:
+            await asyncio.gather(*(c.update_weights(str(path), version) for c in stale))
+        self.server_version = version
+
+    def stop_requested(self) -> bool:
+        return (self.run_dir / "STOP").exists()
+
+    # --- sampling --------------------------------------------------------------------------------
+
+    async def sample_group(self, index: int, task, step: int) -> list[tuple[Sample, str]]:
+        cfg = self.cfg
+        client = self.clients[index % len(self.clients)]
+        response = await client.complete(
+            self.env.format_prompt(task), n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
+            max_tokens=cfg.max_completion_tokens, seed=cfg.seed * 1_000_003 + step * 10_007 + index)
+        out = []
+        for choice in response["choices"]:
+            reward = float(self.env.score(task, choice["text"]))
+            out.append((Sample(
+                prompt_ids=list(choice["prompt_token_ids"]), completion_ids=list(choice["token_ids"]),
+                inference_logprobs=[float(x) for x in choice["token_logprobs"]], advantage=0.0, reward=reward,
+                policy_version=int(choice["policy_version"]), env_id=self.env.id), choice["text"]))
+        return out
+
+    async def make_batch(self, step: int) -> TrainBatch:
+        cfg = self.cfg
+        rng = random.Random(cfg.seed * 1_000_003 + step)
+        tasks = self.env.sample_tasks(rng, cfg.rollouts_per_step // cfg.group_size)
+        groups = await asyncio.gather(*(self.sample_group(i, t, step) for i, t in enumerate(tasks)))
+        samples = [s for group in groups for s, _ in group]
+        group_ids = [i for i, group in enumerate(groups) for _ in group]
+        advantages = advantages_by_group([s.reward for s in samples], group_ids, cfg.normalize_advantage_std)
+        for s, a in zip(samples, advantages, strict=True):
+            s.advantage = a
+        return TrainBatch(step=step, samples=samples, metadata={"max_completion_tokens": cfg.max_completion_tokens})
+
+    async def evaluate(self) -> float:
+        tasks = self.env.eval_tasks()[: self.cfg.eval_prompts]
+
+        async def one(i: int, task) -> float:
+            r = await self.clients[i % len(self.clients)].complete(
+                self.env.format_prompt(task), n=1, temperature=0.0, top_p=1.0,
+                max_tokens=self.cfg.max_completion_tokens)
+            return float(self.env.score(task, r["choices"][0]["text"]))
+
+        scores = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+        return sum(scores) / len(scores)
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def first_missing_step(self) -> int:
+        step = 1
+        while batch_path(self.run_dir, step).exists():
+            step += 1
+        return step
+
+    async def run(self) -> dict:
+        cfg = self.cfg
+        started = time.monotonic()
+        start = self.first_missing_step()
+        await self.sync_servers()
+        summary_path = self.run_dir / "orchestrator.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        if "eval_reward_before" not in summary:
+            summary["eval_reward_before"] = await self.evaluate()
+            self.metrics.write(0, {"eval_reward": summary["eval_reward_before"],
+                                   "eval_policy_version": self.server_version})
+            _write_json(summary_path, summary)
+        log.info("eval reward before RL: %.4f; starting at step %d", summary["eval_reward_before"], start)
+
+        for step in range(start, cfg.max_steps + 1):
+            if self.stop_requested():
+                log.info("stop requested: leaving after step %d", step - 1)
+                break
+            t0 = time.monotonic()
+            await self.wait_for_version(step - 1 - cfg.max_off_policy_steps)
+            waited = time.monotonic() - t0
+            await self.sync_servers()
+            t1 = time.monotonic()
+            batch = await self.make_batch(step)
+            generation = time.monotonic() - t1
+            save_batch(batch_path(self.run_dir, step), batch)
+            rewards = [s.reward for s in batch.samples]
+            tokens = sum(len(s.completion_ids) for s in batch.samples)
+            mean = sum(rewards) / len(rewards)
+            self.metrics.write(step, {
+                "reward_mean": mean,
+                "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+                "off_policy_lag": step - 1 - min(s.policy_version for s in batch.samples),
+                "policy_version": self.server_version, "generation_seconds": generation,
+                "wait_seconds": waited, "tokens_per_s": tokens / max(generation, 1e-9),
+                "completion_tokens": tokens})
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                self.metrics.write(step, {"eval_reward": await self.evaluate(),
+                                          "eval_policy_version": self.server_version})
+
+        final = await self.wait_for_version(cfg.max_steps)
+        await self.sync_servers()
+        summary["eval_reward_after"] = await self.evaluate()
+        summary["final_policy_version"] = final
+        summary["orchestrator_seconds"] = round(time.monotonic() - started, 2)
+        self.metrics.write(cfg.max_steps, {"eval_reward": summary["eval_reward_after"], "eval_policy_version": final})
+        _write_json(summary_path, summary)
+        log.info("eval reward after RL: %.4f (policy version %d)", summary["eval_reward_after"], final)
+        for c in self.clients:
+            await c.close()
+        return summary
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="primebuild-orchestrator")
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
+    cfg = OrchestratorConfig.from_json(json.loads(Path(args.config).read_text()))
+    try:
+        asyncio.run(Orchestrator(cfg).run())
+    except asyncio.CancelledError:
+        log.info("stopped before the last step")
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""The live progress line of a run, read from metrics.jsonl as the processes write it.
+
+One line per trained step: reward of its rollouts, the trainer's mismatch KL, off-policy lag,
+inference tokens/s and the policy version that sampled it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class Progress:
+    def __init__(self, metrics_path: Path, echo):
+        self.path = metrics_path
+        self.echo = echo
+        self.offset = 0
+        self.partial = ""
+        self.steps: dict[tuple[str, int], dict] = {}
+        self.printed: set[int] = set()
+
+    def poll(self) -> None:
+        import json
+
+        try:
+            with open(self.path) as f:
+                f.seek(self.offset)
+                chunk = f.read()
+                self.offset = f.tell()
+        except FileNotFoundError:
+            return
+        text = self.partial + chunk
+        lines = text.split("\n")
+        self.partial = lines.pop()
+        evals = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self.steps.setdefault((row["role"], row["step"]), {})[row["name"]] = row["value"]
+            if row["name"] == "eval_reward":
+                evals.append((row["role"], row["step"]))
+        for key in evals:
+            values = self.steps[key]
+            self.echo(f"held-out eval reward {values['eval_reward']:.4f} "
+                      f"(policy version {values.get('eval_policy_version', '?'):.0f})")
+        for (role, step), values in sorted(self.steps.items(), key=lambda kv: kv[0][1]):
+            if role != "trainer" or step in self.printed or not any("loss" in k for k in values):
+                continue
+            orch = self.steps.get(("orchestrator", step), {})
+            if "reward_mean" not in orch:
+                continue
+            self.printed.add(step)
+            kl = next((v for k, v in values.items() if "mismatch_kl" in k), None)
+            self.echo(
+                f"step {step:4d} | reward {orch['reward_mean']:.3f} | mismatch KL "
+                f"{kl if kl is None else f'{kl:.2e}'} | lag {orch.get('off_policy_lag', '?')} | "
+                f"{orch.get('tokens_per_s', 0):,.0f} tok/s | sampled by v{orch.get('policy_version', '?')}")

@@ -1,0 +1,76 @@
+"""The run report: a PNG of reward, mismatch KL and throughput per step, and summary.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Every complete line of metrics.jsonl (a line being written right now is skipped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def series(rows: list[dict], role: str, name_contains: str) -> tuple[list[int], list[float]]:
+    points: dict[int, float] = {}
+    for r in rows:
+        if r["role"] == role and name_contains in r["name"] and isinstance(r["value"], int | float):
+            points[r["step"]] = float(r["value"])  # a resumed step overwrites the earlier attempt
+    steps = sorted(points)
+    return steps, [points[s] for s in steps]
+
+
+def write_report(run_dir: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if not rows:
+        return None
+    panels = [("orchestrator", "reward_mean", "rollout reward (mean)"),
+              ("trainer", "mismatch_kl", "mismatch KL (trainer vs inference)"),
+              ("orchestrator", "tokens_per_s", "inference tokens/s")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (role, name, title) in zip(axes, panels, strict=True):
+        xs, ys = series(rows, role, name)
+        ax.plot(xs, ys, marker=".", linewidth=1)
+        if name == "reward_mean":
+            ex, ey = series(rows, "orchestrator", "eval_reward")
+            ax.plot(ex, ey, "o--", label="held-out eval (greedy)")
+            ax.legend()
+        if name == "mismatch_kl" and ys and min(ys) > 0:
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    out = run_dir / "report.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def write_summary(run_dir: Path, extra: dict) -> dict:
+    orchestrator = run_dir / "orchestrator.json"
+    summary = json.loads(orchestrator.read_text()) if orchestrator.exists() else {}
+    summary.update(extra)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    _, kl = series(rows, "trainer", "mismatch_kl")
+    if kl:
+        summary["mismatch_kl_max"] = max(kl)
+        summary["mismatch_kl_mean"] = sum(kl) / len(kl)
+    if "eval_reward_before" in summary and "eval_reward_after" in summary:
+        summary["eval_reward_gain"] = summary["eval_reward_after"] - summary["eval_reward_before"]
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True))
+    tmp.replace(run_dir / "summary.json")
+    return summary

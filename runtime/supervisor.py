@@ -1,0 +1,227 @@
+"""The local target: start a plan's processes on this machine and watch them.
+
+- Processes start in the plan's start order; each order waits until the previous ones are healthy
+  (an HTTP health check, or simply alive).
+- Every process is `primebuild worker --plan … --process NAME` in its own session; its output goes to
+  logs/NAME.log and, prefixed with its name, to the terminal.
+- A process that dies is restarted when its restart policy says so; otherwise everything is torn down
+  at once (fail fast) and the exit code names what failed.
+- The run ends when the orchestrator exits 0 and the trainer has finished.
+- Ctrl-C (or a STOP file in the run folder) asks the trainer to checkpoint and the orchestrator to stop, waits a bounded
+  time, then stops everything; `primebuild run --resume RUN_DIR` continues from there.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from primebuild.runtime.progress import Progress
+
+GRACE_SECONDS = 60
+
+
+@dataclass
+class Running:
+    spec: dict
+    popen: subprocess.Popen
+    log: TextIO
+    restarts: int = 0
+    pump: threading.Thread | None = None
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    message: str
+    exit_code: int
+    failed: list[str] = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(self, plan: dict, run_dir: Path, *, echo=print, quiet: bool = False):
+        self.plan = plan
+        self.run_dir = run_dir
+        self.echo = echo
+        self.quiet = quiet
+        self.plan_path = run_dir / "plan.json"
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.running: dict[str, Running] = {}
+        self.lock = threading.Lock()
+        # The admin token lives only in this process tree's environment: never in a file or a log.
+        self.admin_token = secrets.token_urlsafe(24)
+        self.progress = Progress(run_dir / "metrics.jsonl", echo)
+
+    # --- starting --------------------------------------------------------------------------------
+
+    def _spawn(self, spec: dict, restarts: int = 0) -> Running:
+        name = spec["name"]
+        env = dict(os.environ, PRIMEBUILD_ADMIN_TOKEN=self.admin_token, PYTHONUNBUFFERED="1")
+        argv = [sys.executable, "-m", "primebuild.cli", "worker", "--plan", str(self.plan_path),
+                "--process", name, "--run-dir", str(self.run_dir)]
+        log = open(self.logs / f"{name}.log", "a", buffering=1)  # noqa: SIM115 (closed in _reap)
+        log.write(f"--- start {time.strftime('%Y-%m-%dT%H:%M:%S')} (restart {restarts}) ---\n")
+        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=env, start_new_session=True, text=True, bufsize=1)
+        running = Running(spec, popen, log, restarts)
+        running.pump = threading.Thread(target=self._pump, args=(name, popen, log), daemon=True)
+        running.pump.start()
+        return running
+
+    def _pump(self, name: str, popen: subprocess.Popen, log: TextIO) -> None:
+        assert popen.stdout is not None
+        for line in popen.stdout:
+            log.write(line)
+            if not self.quiet:
+                self.echo(f"[{name}] {line.rstrip()}")
+
+    def _healthy(self, running: Running, deadline: float) -> bool:
+        health = running.spec.get("health") or {"kind": "process"}
+        while time.monotonic() < deadline:
+            if running.popen.poll() is not None:
+                return False
+            if health["kind"] == "process":
+                return True
+            url = health["url"].replace("{host:" + str(running.spec["node"]) + "}", "127.0.0.1")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (loopback only)
+                    if response.status == 200:
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.2)
+        return False
+
+    def start(self) -> Outcome | None:
+        orders = sorted({p["start_order"] for p in self.plan["processes"]})
+        for order in orders:
+            group = [p for p in self.plan["processes"] if p["start_order"] == order]
+            for spec in group:
+                self.running[spec["name"]] = self._spawn(spec)
+            for spec in group:
+                timeout = (spec.get("health") or {}).get("timeout_s", 300)
+                if not self._healthy(self.running[spec["name"]], time.monotonic() + timeout):
+                    code = self.running[spec["name"]].popen.poll()
+                    self.stop_all()
+                    return Outcome(False, f"{spec['name']} did not become healthy "
+                                   f"({'exited with code ' + str(code) if code is not None else 'timed out'}); "
+                                   f"see {self.logs / (spec['name'] + '.log')}", 1, [spec["name"]])
+        return None
+
+    # --- watching --------------------------------------------------------------------------------
+
+    def watch(self) -> Outcome:
+        interrupted = False
+        stop_file = self.run_dir / "STOP"
+        stop_deadline = None
+        try:
+            while True:
+                try:
+                    self.progress.poll()
+                    outcome = self._check()
+                    if outcome is not None:
+                        return outcome
+                    if stop_deadline is not None and time.monotonic() > stop_deadline:
+                        self.stop_all()
+                        return Outcome(False, "stopped on request; resume with `primebuild run --resume "
+                                       f"{self.run_dir}`", 130)
+                    time.sleep(0.2)
+                except KeyboardInterrupt:
+                    if interrupted:
+                        self.stop_all()
+                        return Outcome(False, "interrupted twice: stopped without waiting", 130)
+                    interrupted = True
+                    self.echo("stopping: the trainer checkpoints, then everything stops (Ctrl-C again to force)")
+                    stop_file.touch()
+                    stop_deadline = time.monotonic() + GRACE_SECONDS
+        finally:
+            self.progress.poll()
+
+    def _check(self) -> Outcome | None:
+        roles_done = {"orchestrator": False, "trainer": False}
+        for name, running in list(self.running.items()):
+            code = running.popen.poll()
+            if code is None:
+                continue
+            role = running.spec["role"]
+            if code == 0 and role in roles_done:
+                roles_done[role] = True
+                continue
+            policy = running.spec.get("restart") or {}
+            if code != 0 and policy.get("policy") == "on-failure" and running.restarts < policy.get("max_restarts", 0):
+                self.echo(f"{name} exited with code {code}: restarting "
+                          f"({running.restarts + 1}/{policy['max_restarts']})")
+                self._reap(running)
+                replacement = self._spawn(running.spec, running.restarts + 1)
+                self.running[name] = replacement
+                if not self._healthy(replacement, time.monotonic() + (running.spec.get("health") or {}).get("timeout_s", 300)):
+                    self.stop_all()
+                    return Outcome(False, f"{name} failed again after a restart; see {self.logs / (name + '.log')}",
+                                   1, [name])
+                continue
+            if code == 0:
+                self.stop_all()
+                return Outcome(False, f"{name} ({role}) exited before the run finished", 1, [name])
+            self.stop_all()
+            return Outcome(False, f"{name} ({role}) exited with code {code}; see {self.logs / (name + '.log')}",
+                           code if 0 < code < 128 else 1, [name])
+        orchestrator_done = all(self.running[p["name"]].popen.poll() == 0
+                                for p in self.plan["processes"] if p["role"] == "orchestrator")
+        trainers_done = all(self.running[p["name"]].popen.poll() == 0
+                            for p in self.plan["processes"] if p["role"] == "trainer")
+        if orchestrator_done and trainers_done:
+            stopped = (self.run_dir / "STOP").exists()
+            self.stop_all()
+            if stopped:
+                return Outcome(False, f"stopped on request; resume with `primebuild run --resume {self.run_dir}`", 130)
+            return Outcome(True, "run complete", 0)
+        return None
+
+    # --- stopping --------------------------------------------------------------------------------
+
+    def _reap(self, running: Running) -> None:
+        if running.pump:
+            running.pump.join(timeout=2)
+        running.log.close()
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        for running in self.running.values():
+            if running.popen.poll() is None:
+                try:
+                    os.killpg(running.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for running in self.running.values():
+            try:
+                running.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(running.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                running.popen.wait()
+            if not running.log.closed:
+                self._reap(running)
+
+
+def supervise(plan: dict, run_dir: Path, *, echo=print, quiet: bool = False) -> Outcome:
+    supervisor = Supervisor(plan, run_dir, echo=echo, quiet=quiet)
+    try:
+        failure = supervisor.start()
+        if failure is not None:
+            return failure
+        return supervisor.watch()
+    except BaseException:
+        supervisor.stop_all()
+        raise
