@@ -94,3 +94,57 @@ def test_sender_to_two_receivers():
             p.join(30)
     assert all(p.exitcode == 0 for p in procs)
     assert results == ["ok", "ok"]
+
+
+def trainer_main(cfg_json):
+    torch.set_num_threads(1)
+    from primebuild.runtime.trainer.config import TrainerConfig
+    from primebuild.runtime.trainer.main import run_trainer
+
+    run_trainer(TrainerConfig.model_validate_json(cfg_json))
+
+
+@pytest.mark.timeout(120)
+def test_trainer_broadcasts_each_step(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from primebuild.runtime.trainer.checkpoint import load_checkpoint
+    from primebuild.runtime.trainer.config import TrainerConfig
+    from primebuild.runtime.trainer.synthetic import make_tiny_model, write_rollouts
+    from primebuild.runtime.weight_sync.filesystem import latest_stable
+
+    model_path = make_tiny_model(tmp_path / "model")
+    run = tmp_path / "run"
+    write_rollouts(run, model_path, range(1, 3), num_prompts=2)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    cfg = TrainerConfig(
+        model_path=str(model_path),
+        run_dir=str(run),
+        max_steps=2,
+        lr=1e-3,
+        weight_sync="broadcast",
+        broadcast_init_method=init,
+        broadcast_world_size=2,
+        broadcast_timeout_s=60,
+    )
+    proc = mp.get_context("spawn").Process(target=trainer_main, args=(cfg.model_dump_json(),))
+    proc.start()
+    try:
+        receiver = BroadcastReceiver(init, 2, 1, timeout_s=60)
+        updates = []
+        while (u := receiver.recv()) is not None:
+            updates.append(u)
+    finally:
+        proc.join(60)
+    assert proc.exitcode == 0
+    assert [s for s, _ in updates] == [1, 2]
+    assert not (run / "weights").exists()  # broadcast mode writes no weight folders
+
+    # The last update equals the trainer's final parameters (restored from its checkpoint), in HF naming.
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    load_checkpoint(latest_stable(run / "checkpoints")[1], model, torch.optim.AdamW(model.parameters()))
+    sent = updates[-1][1]
+    expected = model.state_dict()
+    assert set(sent) == set(expected) - {"lm_head.weight"}  # tied head travels once, as in safetensors
+    for k, v in sent.items():
+        assert torch.equal(v, expected[k]), k
