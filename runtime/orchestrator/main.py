@@ -137,7 +137,8 @@ class Orchestrator:
         advantages = advantages_by_group([s.reward for s in samples], group_ids, cfg.normalize_advantage_std)
         for s, a in zip(samples, advantages, strict=True):
             s.advantage = a
-        return TrainBatch(step=step, samples=samples, metadata={"max_completion_tokens": cfg.max_completion_tokens})
+        return TrainBatch(step=step, samples=samples, metadata={"max_completion_tokens": cfg.max_completion_tokens,
+                                                                  "temperature": cfg.temperature})
 
     async def evaluate(self) -> float:
         tasks = self.env.eval_tasks()[: self.cfg.eval_prompts]
