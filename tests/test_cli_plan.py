@@ -1,0 +1,124 @@
+"""`primebuild plan | validate | schema` as a person runs them: exit codes, byte-identical JSON across
+processes and working directories, no torch import, and the committed JSON Schema kept up to date."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import MANIFESTS, REPO, SHIPPED, call_cli, run_cli
+from primebuild.builders.plan import plan_hash
+
+SCHEMA_LINE = "# yaml-language-server: $schema=schema.v1.json"
+
+
+def test_glm5_plan_is_byte_identical_across_processes_and_working_directories(tmp_path):
+    first = run_cli("plan", "manifests/glm5.yaml", "-o", "json")
+    second = run_cli("plan", "manifests/glm5.yaml", "-o", "json")
+    elsewhere = run_cli("plan", str(MANIFESTS / "glm5.yaml"), "-o", "json", cwd=tmp_path)
+    for result in (first, second, elsewhere):
+        assert result.code == 0, result.err
+        assert result.err == ""
+    assert first.out == second.out == elsewhere.out
+    plan = json.loads(first.out)
+    assert plan["plan_hash"] == plan_hash(plan)
+    owners = [(p["node"], g) for p in plan["processes"] for g in p["gpus"]]
+    assert len(owners) == len(set(owners)) == 224
+    assert {"prefill", "decode", "trainer", "orchestrator"} <= {p["role"] for p in plan["processes"]}
+    assert first.out.endswith("}\n") and "\n" not in first.out[:-1]  # one canonical line
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "reverse-text", "reverse-text-sft"])
+def test_other_shipped_manifests_plan(name, capsys):
+    result = call_cli(capsys, "plan", str(MANIFESTS / f"{name}.yaml"), "-o", "json")
+    assert result.code == 0, result.err
+    plan = json.loads(result.out)
+    assert plan["fits"] and plan["plan_hash"] == plan_hash(plan)
+
+
+def test_text_plan_and_validate_output(capsys):
+    result = call_cli(capsys, "plan", str(MANIFESTS / "qwen3-30b-a3b.yaml"))
+    assert result.code == 0, result.err
+    for expected in ("qwen3-30b-a3b-math", "node map", "inference-0", "trainer", "orchestrator", "fits"):
+        assert expected in result.out
+    result = call_cli(capsys, "validate", str(MANIFESTS / "glm5.yaml"), "-o", "json")
+    assert result.code == 0
+    assert json.loads(result.out) == {"valid": True, "name": "glm5-swe", "files": 1,
+                                      "manifest_hash": json.loads(result.out)["manifest_hash"]}
+    result = call_cli(capsys, "validate", str(MANIFESTS / "glm5.yaml"))
+    assert result.code == 0 and "valid (glm5-swe" in result.out
+
+
+def test_plan_and_validate_never_import_torch(tmp_path):
+    script = f"""
+import contextlib, io, json, sys
+from primebuild.cli import main
+codes = []
+with contextlib.redirect_stdout(io.StringIO()):
+    codes.append(main(["validate", {str(MANIFESTS / 'glm5.yaml')!r}]))
+    codes.append(main(["plan", {str(MANIFESTS / 'glm5.yaml')!r}, "-o", "json"]))
+    codes.append(main(["plan", {str(MANIFESTS / 'reverse-text.yaml')!r}]))
+    codes.append(main(["schema"]))
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "vllm", "numpy"))
+print(json.dumps({{"codes": codes, "heavy": heavy}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"codes": [0, 0, 0, 0], "heavy": []}
+
+
+def test_committed_schema_is_up_to_date():
+    result = run_cli("schema")
+    assert result.code == 0, result.err
+    committed = (MANIFESTS / "schema.v1.json").read_text()
+    assert json.loads(result.out) == json.loads(committed), "run: primebuild schema > manifests/schema.v1.json"
+    assert result.out.strip() == committed.strip()
+    schema = json.loads(committed)
+    assert schema["$schema"].startswith("https://json-schema.org/")
+    assert schema["additionalProperties"] is False and "apiVersion" in schema["required"]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_manifest_points_editors_at_the_schema(path):
+    assert path.read_text().splitlines()[0] == SCHEMA_LINE
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_manifest_satisfies_the_json_schema(path):
+    """What an editor checks (the JSON Schema) agrees with what primebuild accepts."""
+    jsonschema = pytest.importorskip("jsonschema")
+    import yaml
+
+    schema = json.loads((MANIFESTS / "schema.v1.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(yaml.safe_load(path.read_text()))
+
+
+def test_the_json_schema_rejects_what_primebuild_rejects():
+    jsonschema = pytest.importorskip("jsonschema")
+    import yaml
+
+    validator = jsonschema.Draft202012Validator(json.loads((MANIFESTS / "schema.v1.json").read_text()))
+    doc = yaml.safe_load((MANIFESTS / "reverse-text.yaml").read_text())
+    for bad in ({"trainer": {"dp_shrd": 2}}, {"hardware": {"gpu": "a100"}}, {"orchestrator": {"temperature": 99}},
+                {"secrets": ["hf-token"]}):
+        section, value = next(iter(bad.items()))
+        broken = {**doc, section: value if isinstance(value, list) else {**doc.get(section, {}), **value}}
+        assert list(validator.iter_errors(broken)), bad
+
+
+def test_debug_flag_shows_the_traceback_of_a_user_error(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: primebuild/v1\nname: [x\n")
+    quiet = call_cli(capsys, "validate", str(bad))
+    loud = call_cli(capsys, "--debug", "validate", str(bad))
+    assert quiet.code == loud.code == 2
+    assert "Traceback" not in quiet.text and "Traceback" in loud.err and "UserError" in loud.err
+
+
+def test_unknown_flag_and_missing_argument_exit_2(capsys):
+    assert call_cli(capsys, "plan").code == 2
+    assert call_cli(capsys, "plan", str(REPO / "manifests" / "glm5.yaml"), "-o", "yaml").code == 2

@@ -1,0 +1,191 @@
+"""The plan compiler on the shipped manifests: placement, processes, hash, and what a plan must not hold."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+
+import pytest
+
+from conftest import MANIFESTS, REPO
+from primebuild.builders.plan import PLAN_VERSION, compile_plan, render_json
+from primebuild.manifest.load import load_manifest
+
+PROCESS_KEYS = {"name", "role", "node", "gpus", "argv", "env", "ports"}
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, dict]:
+    return {name: compile_plan(load_manifest(MANIFESTS / f"{name}.yaml"))
+            for name in ("glm5", "qwen3-30b-a3b", "reverse-text", "reverse-text-sft")}
+
+
+def independent_hash(plan: dict) -> str:
+    """sha256 of the canonical JSON of everything but the hash itself, written out here on purpose."""
+    content = {k: v for k, v in plan.items() if k != "plan_hash"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def gpu_owners(plan: dict) -> Counter:
+    return Counter((p["node"], g) for p in plan["processes"] for g in p["gpus"])
+
+
+@pytest.mark.parametrize("name", ["glm5", "qwen3-30b-a3b", "reverse-text", "reverse-text-sft"])
+def test_plan_shape_and_hash(plans, name):
+    plan = plans[name]
+    assert plan["plan_version"] == PLAN_VERSION
+    assert plan["fits"] is True
+    assert plan["plan_hash"] == independent_hash(plan)
+    assert len(plan["plan_hash"]) == 64
+    for p in plan["processes"]:
+        assert PROCESS_KEYS <= set(p), p["name"]
+        assert all(isinstance(a, str) for a in p["argv"]) and p["argv"]
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in p["env"].items())
+        assert all(isinstance(v, int) for v in p["ports"].values())
+        assert 0 <= p["node"] < plan["hardware"]["nodes"]
+    names = [p["name"] for p in plan["processes"]]
+    assert len(names) == len(set(names))
+    assert [n["index"] for n in plan["nodes"]] == list(range(plan["hardware"]["nodes"]))
+    # the node map and the processes tell the same story
+    for node in plan["nodes"]:
+        assert sorted(node["processes"]) == sorted(p["name"] for p in plan["processes"] if p["node"] == node["index"])
+        for gpu in node["gpus"]:
+            owner = next((p for p in plan["processes"] if p["node"] == node["index"] and gpu["index"] in p["gpus"]),
+                         None)
+            assert gpu["process"] == (owner["name"] if owner else None)
+    # strict JSON: no NaN/Infinity that other languages cannot read
+    json.loads(render_json(plan), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    # start order: inference, then trainer, then orchestrator
+    order = {p["role"]: p["start_order"] for p in plan["processes"]}
+    assert max(v for k, v in order.items() if k in ("inference", "prefill", "decode")) < order["trainer"] \
+        < order["orchestrator"]
+
+
+def test_glm5_every_gpu_assigned_exactly_once(plans):
+    plan = plans["glm5"]
+    owners = gpu_owners(plan)
+    assert len(owners) == 224 == 28 * 8
+    assert set(owners.values()) == {1}
+    assert set(owners) == {(n, g) for n in range(28) for g in range(8)}
+    assert all(gpu["process"] is not None for node in plan["nodes"] for gpu in node["gpus"])
+    roles = Counter(p["role"] for p in plan["processes"])
+    assert {"prefill", "decode", "trainer", "orchestrator"} <= set(roles)
+    assert roles["orchestrator"] == 1
+    gpus_by_role = Counter()
+    for p in plan["processes"]:
+        gpus_by_role[p["role"]] += len(p["gpus"])
+    assert gpus_by_role == Counter(prefill=32, decode=96, trainer=96)  # 4x8, 6x2x8, 12 nodes x8
+
+
+def test_glm5_processes_wire_up(plans):
+    procs = {p["name"]: p for p in plans["glm5"]["processes"]}
+    prefill, head, follower = procs["prefill-0"], procs["decode-0-n0"], procs["decode-0-n1"]
+
+    def arg(p, flag):
+        return p["argv"][p["argv"].index(flag) + 1]
+
+    assert prefill["argv"][:2] == ["vllm", "serve"]
+    assert arg(prefill, "--tensor-parallel-size") == "8"
+    assert json.loads(arg(prefill, "--kv-transfer-config"))["kv_role"] == "kv_producer"
+    assert json.loads(arg(head, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
+    assert "--enable-return-routed-experts" in prefill["argv"] and "--enable-expert-parallel" in head["argv"]
+    # a two-node decode replica: DP 16 over 8+8 GPUs, the second node headless and pointed at the first
+    assert arg(head, "--data-parallel-size") == "16" and arg(head, "--data-parallel-size-local") == "8"
+    assert arg(follower, "--data-parallel-address") == f"{{host:{head['node']}}}"
+    assert "--headless" in follower["argv"] and arg(follower, "--data-parallel-start-rank") == "8"
+    assert "http" in head["ports"] and not follower["ports"]
+    # inference HTTP ports never collide on a node
+    for node in plans["glm5"]["nodes"]:
+        ports = [v for name in node["processes"] for v in procs[name]["ports"].values()]
+        assert len(ports) == len(set(ports))
+    # the trainer: 12 torchrun nodes that rendezvous at the first one
+    trainers = [p for p in procs.values() if p["role"] == "trainer"]
+    assert len(trainers) == 12
+    assert {arg(t, "--nnodes") for t in trainers} == {"12"}
+    assert sorted(int(arg(t, "--node-rank")) for t in trainers) == list(range(12))
+    assert {arg(t, "--rdzv-endpoint") for t in trainers} == {f"{{host:{trainers[0]['node']}}}:29500"}
+    # the orchestrator knows every inference head and no more
+    orch = procs["orchestrator"]
+    assert orch["gpus"] == [] and orch["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    endpoints = [e for urls in orch["config"]["endpoints"].values() for e in urls]
+    assert len(endpoints) == 4 + 6
+
+
+def test_glm5_memory_and_estimates(plans):
+    plan = plans["glm5"]
+    assert set(plan["memory"]) == {"prefill", "decode", "trainer"}
+    for group, mem in plan["memory"].items():
+        assert mem["fits"] and 0 < mem["used_bytes"] <= mem["capacity_bytes"], group
+    assert plan["estimates"]["summary"]
+    assert plan["model"]["source"] == "hf" and plan["model"]["repo"] == "zai-org/GLM-5"
+
+
+def test_qwen3_layout(plans):
+    plan = plans["qwen3-30b-a3b"]
+    owners = gpu_owners(plan)
+    assert len(owners) == 16 and set(owners.values()) == {1}
+    roles = Counter(p["role"] for p in plan["processes"])
+    assert roles == {"inference": 4, "trainer": 1, "orchestrator": 1}
+    inference = [p for p in plan["processes"] if p["role"] == "inference"]
+    assert [p["gpus"] for p in inference] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert {p["node"] for p in inference} == {0}
+    assert [p["ports"]["http"] for p in inference] == [8000, 8001, 8002, 8003]
+    assert [p["env"]["CUDA_VISIBLE_DEVICES"] for p in inference] == ["0,1", "2,3", "4,5", "6,7"]
+    trainer = next(p for p in plan["processes"] if p["role"] == "trainer")
+    assert trainer["node"] == 1 and trainer["gpus"] == list(range(8))
+
+
+@pytest.mark.parametrize("name", ["reverse-text", "reverse-text-sft"])
+def test_cpu_plans(plans, name):
+    plan = plans[name]
+    assert plan["hardware"]["gpu"] == "cpu" and len(plan["nodes"]) == 1
+    assert all(p["gpus"] == [] and p["node"] == 0 for p in plan["processes"])
+    assert all(p["env"]["CUDA_VISIBLE_DEVICES"] == "" for p in plan["processes"])
+    assert {p["role"] for p in plan["processes"]} == {"inference", "trainer", "orchestrator"}
+    # CPU processes never oversubscribe the node's threads
+    assert all(int(p["env"].get("OMP_NUM_THREADS", "1")) <= plan["hardware"]["cpus_per_node"]
+               for p in plan["processes"])
+
+
+def test_reverse_text_starts_from_the_sft_output(plans):
+    model = plans["reverse-text"]["model"]
+    assert model["source"] == "from_manifest" and model["manifest"] == "reverse-text-sft.yaml"
+    assert model["architecture"] == plans["reverse-text-sft"]["model"]["architecture"]
+    assert model["total_params"] == plans["reverse-text-sft"]["model"]["total_params"]
+
+
+def test_plan_holds_no_secret_values_and_no_machine_paths(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_very_secret_value_123")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_secret_456")
+    text = render_json(compile_plan(load_manifest(MANIFESTS / "glm5.yaml")))
+    assert "very_secret" not in text and "secret_456" not in text
+    assert '"secrets":["HF_TOKEN","WANDB_API_KEY"]' in text  # names only
+    assert str(REPO) not in text and "/home/" not in text and "/tmp/" not in text
+
+
+def test_compile_is_pure_and_repeatable():
+    loaded = load_manifest(MANIFESTS / "glm5.yaml")
+    first = render_json(compile_plan(loaded))
+    again = render_json(compile_plan(loaded))
+    fresh = render_json(compile_plan(load_manifest(MANIFESTS / "glm5.yaml")))
+    assert first == again == fresh
+
+
+def test_formatting_and_comments_do_not_change_the_plan(tmp_path):
+    import shutil
+
+    shutil.copytree(MANIFESTS / "models", tmp_path / "models")
+    text = (MANIFESTS / "qwen3-30b-a3b.yaml").read_text()
+    reformatted = "# a new comment\n" + text.replace("hardware:\n", "\nhardware:   # the cluster\n")
+    (tmp_path / "qwen3-30b-a3b.yaml").write_text(reformatted)
+    a = compile_plan(load_manifest(MANIFESTS / "qwen3-30b-a3b.yaml"))
+    b = compile_plan(load_manifest(tmp_path / "qwen3-30b-a3b.yaml"))
+    assert a["plan_hash"] == b["plan_hash"]
+
+
+def test_a_real_change_changes_the_hash():
+    a = compile_plan(load_manifest(MANIFESTS / "qwen3-30b-a3b.yaml"))
+    b = compile_plan(load_manifest(MANIFESTS / "qwen3-30b-a3b.yaml", ["inference.port=9000"]))
+    assert a["plan_hash"] != b["plan_hash"] and a["manifest_hash"] != b["manifest_hash"]
