@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -45,8 +46,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-@dataclass(frozen=True)
-class SeqUpdate:
+class SeqUpdate(NamedTuple):
     """What one sequence produced in one engine step (new tokens only), or how it finished."""
 
     index: int  # choice index inside its request

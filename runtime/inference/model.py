@@ -162,19 +162,23 @@ class ModelConfig:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: one matmul instead of three
+    """One decoder layer, rearranged for few kernel launches per step (the cost on CPU at small sizes).
+
+    RMSNorm weights are folded into the matmul that follows them (rms(x) * w @ W.T == rms(x) @ (W * w).T),
+    the q and k norms become one [heads + kv_heads, head_dim] scale, and the 1/sqrt(head_dim) softmax
+    scale is folded into the query heads' part of it (RoPE is linear, so the order does not matter).
+    """
+
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden], input norm folded in
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]
     o_proj: torch.Tensor
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
     # Dense MLP, or shared-nothing experts for a sparse layer.
-    gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden], post-attention norm folded in
     down: torch.Tensor | None = None  # [hidden, intermediate]
-    router: torch.Tensor | None = None  # [experts, hidden]
-    experts_gate_up: torch.Tensor | None = None  # [experts, 2 * moe_intermediate, hidden]
+    router: torch.Tensor | None = None  # [experts, hidden], norm folded in
+    experts_gate_up: torch.Tensor | None = None  # [experts, 2 * moe_intermediate, hidden], norm folded in
     experts_down: torch.Tensor | None = None  # [experts, hidden, moe_intermediate]
 
 
@@ -182,8 +186,7 @@ class LayerWeights:
 class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
-    final_norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: torch.Tensor  # final norm folded in (a separate tensor even when embeddings are tied)
 
 
 class _TensorSource:
@@ -244,41 +247,48 @@ def load_weights(
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
+        input_norm = get(p + "input_layernorm.weight", (h,))
+        post_norm = get(p + "post_attention_layernorm.weight", (h,))
         q_bias = maybe(p + "self_attn.q_proj.bias", (q_out,)) if c.attention_bias else None
         layer = LayerWeights(
-            input_norm=get(p + "input_layernorm.weight", (h,)),
             qkv=torch.cat(
                 [
                     get(p + "self_attn.q_proj.weight", (q_out, h)),
                     get(p + "self_attn.k_proj.weight", (kv_out, h)),
                     get(p + "self_attn.v_proj.weight", (kv_out, h)),
                 ]
-            ),
+            )
+            * input_norm[None, :],
             qkv_bias=None
             if q_bias is None
             else torch.cat(
                 [q_bias, get(p + "self_attn.k_proj.bias", (kv_out,)), get(p + "self_attn.v_proj.bias", (kv_out,))]
             ),
-            q_norm=get(p + "self_attn.q_norm.weight", (d,)),
-            k_norm=get(p + "self_attn.k_norm.weight", (d,)),
+            qk_norm=torch.cat(
+                [
+                    (get(p + "self_attn.q_norm.weight", (d,)) * d**-0.5).expand(c.num_heads, d),
+                    get(p + "self_attn.k_norm.weight", (d,)).expand(c.num_kv_heads, d),
+                ]
+            ),
             o_proj=get(p + "self_attn.o_proj.weight", (h, q_out)),
             o_bias=maybe(p + "self_attn.o_proj.bias", (h,)) if c.attention_bias else None,
-            post_norm=get(p + "post_attention_layernorm.weight", (h,)),
         )
         if c.sparse_layers and c.sparse_layers[i]:
             _load_experts(layer, p + "mlp.", c, get, source)
+            layer.router = layer.router * post_norm[None, :]
+            layer.experts_gate_up = layer.experts_gate_up * post_norm[None, None, :]
         else:
             inter = c.intermediate_size
             layer.gate_up = torch.cat(
                 [get(p + "mlp.gate_proj.weight", (inter, h)), get(p + "mlp.up_proj.weight", (inter, h))]
-            )
+            ) * post_norm[None, :]
             layer.down = get(p + "mlp.down_proj.weight", (h, inter))
         layers.append(layer)
     embed = get("model.embed_tokens.weight", (c.vocab_size, h))
-    lm_head = embed if c.tie_word_embeddings or not source.has("lm_head.weight") else None
-    if lm_head is None:
-        lm_head = get("lm_head.weight", (c.vocab_size, h))
-    return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)), lm_head=lm_head)
+    tied = c.tie_word_embeddings or not source.has("lm_head.weight")
+    lm_head = embed if tied else get("lm_head.weight", (c.vocab_size, h))
+    lm_head = lm_head * get("model.norm.weight", (h,))[None, :]
+    return ModelWeights(embed=embed, layers=layers, lm_head=lm_head)
 
 
 def _load_experts(layer: LayerWeights, prefix: str, c: ModelConfig, get, source: _TensorSource) -> None:
@@ -312,13 +322,14 @@ class RotaryTable:
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        # HF rotates with cat(-x2, x1) * sin; we use roll(x) = cat(x2, x1) times cat(-sin, sin): same bits.
+        half = d // 2
+        sin = emb.sin()
+        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device=device, dtype=dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 class Qwen3Forward:
@@ -329,24 +340,33 @@ class Qwen3Forward:
         self.weights = weights
         self.rope = rope
         c = config
-        self._split = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
-        self._scale = c.head_dim**-0.5
+        self._split = ((c.num_heads + c.num_kv_heads) * c.head_dim, c.num_kv_heads * c.head_dim)
+        self._heads = (c.num_heads, c.num_kv_heads)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm without its weight (folded into the next matmul)."""
+        return F.rms_norm(x, (self.config.hidden_size,), None, self.config.rms_norm_eps)
 
     def _qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Normed input -> q (pre-scaled), k with q/k norm and RoPE applied, and v: [..., heads, D] each."""
         c = self.config
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split(self._split, dim=-1)
+        qk, v = F.linear(x, layer.qkv, layer.qkv_bias).split(self._split, dim=-1)
         lead = x.shape[:-1]
-        q = F.rms_norm(q.view(*lead, c.num_heads, c.head_dim), (c.head_dim,), layer.q_norm, c.rms_norm_eps)
-        k = F.rms_norm(k.view(*lead, c.num_kv_heads, c.head_dim), (c.head_dim,), layer.k_norm, c.rms_norm_eps)
-        v = v.view(*lead, c.num_kv_heads, c.head_dim)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        qk = F.rms_norm(qk.view(*lead, -1, c.head_dim), (c.head_dim,), None, c.rms_norm_eps) * layer.qk_norm
+        q, k = _rotate(qk, cos, sin).split(self._heads, dim=-2)
+        return q, k, v.view(*lead, c.num_kv_heads, c.head_dim)
+
+    @staticmethod
+    def _residual(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is None and x.dim() == 2:
+            return torch.addmm(x, a, weight.t())  # the residual add rides along with the matmul
+        return x + F.linear(a, weight, bias)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor, routed: list | None) -> torch.Tensor:
         if layer.router is None:
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, layer.down)
-        return self._moe(layer, x, routed)
+            return F.silu(gate).mul_(up), layer.down
+        return self._moe(layer, x, routed), None
 
     def _moe(self, layer: LayerWeights, x: torch.Tensor, routed: list | None) -> torch.Tensor:
         c = self.config
@@ -379,9 +399,12 @@ class Qwen3Forward:
         return out.view(shape)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        hidden = F.rms_norm(hidden, (c.hidden_size,), self.weights.final_norm, c.rms_norm_eps)
-        return F.linear(hidden, self.weights.lm_head).float()
+        return F.linear(self._norm(hidden), self.weights.lm_head).float()
+
+    def _ffn(self, layer: LayerWeights, x: torch.Tensor, routed: list | None) -> torch.Tensor:
+        """x + MLP(norm(x)); a dense MLP's down projection carries the residual add."""
+        out, down = self._mlp(layer, self._norm(x), routed)
+        return x + out if down is None else self._residual(x, out, down, None)
 
     @torch.inference_mode()
     def prefill(
@@ -396,20 +419,18 @@ class Qwen3Forward:
         w = self.weights
         batch, steps = tokens.shape
         cos = self.rope.cos[:steps][:, None, :]
-        sin = self.rope.sin[:steps][:, None, :]
+        sin = self.rope.sin_signed[:steps][:, None, :]
         x = F.embedding(tokens, w.embed)
         for index, layer in enumerate(w.layers):
-            h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-            q, k, v = self._qkv(layer, h, cos, sin)  # [B, T, heads, D]
+            q, k, v = self._qkv(layer, self._norm(x), cos, sin)  # [B, T, heads, D]
             k, v = k.transpose(1, 2), v.transpose(1, 2)
             cache.k[index][slots, :, :steps] = k
             cache.v[index][slots, :, :steps] = v
             attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k, v, is_causal=True, scale=self._scale, enable_gqa=c.num_kv_heads != c.num_heads
+                q.transpose(1, 2), k, v, is_causal=True, scale=1.0, enable_gqa=c.num_kv_heads != c.num_heads
             )
             x = x + F.linear(attn.transpose(1, 2).reshape(batch, steps, -1), layer.o_proj, layer.o_bias)
-            h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
-            x = x + self._mlp(layer, h, routed)
+            x = self._ffn(layer, x, routed)
         last = x[torch.arange(batch, device=x.device), lengths - 1]
         return self._logits(last)
 
@@ -421,27 +442,30 @@ class Qwen3Forward:
         c = self.config
         w = self.weights
         batch = tokens.shape[0]
-        rows = torch.arange(batch, device=tokens.device)
         cos = self.rope.cos[positions][:, None, :]
-        sin = self.rope.sin[positions][:, None, :]
+        sin = self.rope.sin_signed[positions][:, None, :]
+        # Where each new K/V row goes in a flat [slots * kv_heads * capacity, head_dim] view of a layer.
+        heads = torch.arange(c.num_kv_heads, device=tokens.device)
+        rows = torch.arange(batch, device=tokens.device)
+        flat_rows = ((rows[:, None] * c.num_kv_heads + heads[None, :]) * cache.capacity + positions[:, None]).flatten()
         # Query heads that share a KV head become the "query length" axis: GQA without repeating K/V.
         groups = c.num_heads // c.num_kv_heads
-        visible = (torch.arange(max_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+        hidden = torch.arange(max_len, device=tokens.device)[None, :] > positions[:, None]
+        bias = torch.zeros(batch, 1, 1, max_len, dtype=self.weights.embed.dtype, device=tokens.device)
+        bias.masked_fill_(hidden[:, None, None, :], float("-inf"))
         x = F.embedding(tokens, w.embed)
         for index, layer in enumerate(w.layers):
-            h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-            q, k, v = self._qkv(layer, h, cos, sin)  # [B, heads, D]
+            q, k, v = self._qkv(layer, self._norm(x), cos, sin)  # [B, heads, D]
             keys, values = cache.k[index], cache.v[index]
-            keys[rows, :, positions] = k
-            values[rows, :, positions] = v
-            attn = F.scaled_dot_product_attention(
-                q.view(batch, c.num_kv_heads, groups, c.head_dim),
-                keys[:batch, :, :max_len],
-                values[:batch, :, :max_len],
-                attn_mask=visible,
-                scale=self._scale,
-            )
-            x = x + F.linear(attn.reshape(batch, -1), layer.o_proj, layer.o_bias)
-            h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
-            x = x + self._mlp(layer, h, routed)
+            keys.view(-1, c.head_dim).index_copy_(0, flat_rows, k.reshape(-1, c.head_dim))
+            values.view(-1, c.head_dim).index_copy_(0, flat_rows, v.reshape(-1, c.head_dim))
+            q = q.view(batch, c.num_kv_heads, groups, c.head_dim)
+            keys, values = keys[:batch, :, :max_len], values[:batch, :, :max_len]
+            if batch == 1:  # SDPA's fused kernel wins for one sequence (nothing to mask)
+                attn = F.scaled_dot_product_attention(q, keys, values, scale=1.0)
+            else:  # for many short rows, two batched matmuls beat SDPA's per-row overhead on CPU
+                scores = torch.matmul(q, keys.transpose(-1, -2)).add_(bias)
+                attn = torch.matmul(torch.softmax(scores, dim=-1), values)
+            x = self._residual(x, attn.reshape(batch, -1), layer.o_proj, layer.o_bias)
+            x = self._ffn(layer, x, routed)
         return self._logits(x)

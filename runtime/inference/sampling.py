@@ -51,6 +51,10 @@ def sample(
     """Draw one token per row of `logits` [B, V] (float32) according to that row's parameters."""
     batch = logits.shape[0]
     device = logits.device
+    if all(p.temperature == 0 for p in params) and not any(p.top_logprobs for p in params):
+        tokens = logits.argmax(dim=-1)  # greedy fast path: the common case in evaluation
+        chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        return SampleOutput(tokens=tokens.tolist(), logprobs=chosen.tolist(), top=None)
     temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     greedy = temperatures == 0
     all_greedy = bool(greedy.all())

@@ -1,0 +1,147 @@
+"""OpenAI request bodies (with the extensions RL needs) and OpenAI-shaped errors.
+
+Bodies are parsed by hand (not by FastAPI) so that every malformed input becomes a 4xx in OpenAI's
+error shape, `{"error": {"message", "type", "param", "code"}}`, never a 422 in another shape or a 500.
+Unknown fields are ignored, as the OpenAI API does for fields a client library adds.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .sampling import SamplingParams
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+class ApiError(Exception):
+    """An error that becomes an HTTP response with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "internal_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class CommonRequest(_Body):
+    model: str
+    max_tokens: int | None = Field(None, ge=1, lt=2**31)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)
+    n: int | None = Field(None, ge=1, lt=2**31)
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
+    return_routed_experts: bool = False
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ApiError(400, f"stop: give at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        return stops
+
+    def sampling(self, max_tokens: int, top_logprobs: int) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ApiError(400, f"{name} is not supported by this engine (use 0)", param=name)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            n=self.n or 1,
+            stop=self.stop_list(),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            top_logprobs=top_logprobs,
+            return_routed_experts=self.return_routed_experts,
+        )
+
+
+class CompletionRequest(CommonRequest):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        if any(part.type != "text" or part.text is None for part in self.content):
+            raise ApiError(400, "only text content parts are supported", param="messages")
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
+    add_generation_prompt: bool = True
+
+
+class UpdateWeightsRequest(_Body):
+    path: str = Field(min_length=1)
+    version: Int64
+    in_flight: Literal["resume", "finish"] = "resume"
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """Bytes -> validated request, or an ApiError(400) that says what is wrong and where."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # bad UTF-8, bad JSON, absurd nesting
+        raise ApiError(400, f"request body is not valid JSON: {str(err)[:200]}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
