@@ -1,14 +1,16 @@
 """Accelerator facts the planner sizes against.
 
 FLOP/s are dense (no 2:4 sparsity) tensor-core peaks; NVIDIA's headline numbers are "with sparsity",
-i.e. twice these. Memory is what `nvidia-smi --query-gpu=memory.total` reports (MiB), which is what
-PyTorch and vLLM can actually allocate from, not the marketing GB.
+i.e. twice these. Memory is the total CUDA reports (`torch.cuda.mem_get_info()[1]`, what vLLM's
+gpu_memory_utilization multiplies), not the marketing GB: measured on an H200 it is 150,109,880,320
+bytes, 613 MiB less than nvidia-smi's 143771 MiB. H100 and B200 use nvidia-smi's figure (not measured
+here), which may be as much higher.
 
 Sources (public spec sheets):
 - H100 SXM: https://www.nvidia.com/en-us/data-center/h100/ — 80 GB HBM3, 3.35 TB/s, BF16 1,979 and
   FP8 3,958 TFLOP/s with sparsity, NVLink 900 GB/s. nvidia-smi: 81559 MiB.
 - H200 SXM: https://www.nvidia.com/en-us/data-center/h200/ — 141 GB HBM3e, 4.8 TB/s, same tensor
-  cores as H100, NVLink 900 GB/s. nvidia-smi: 143771 MiB.
+  cores as H100, NVLink 900 GB/s. nvidia-smi: 143771 MiB; CUDA: 150,109,880,320 bytes.
 - B200 (HGX/DGX B200): https://www.nvidia.com/en-us/data-center/dgx-b200/ — 1,440 GB and 64 TB/s of
   HBM3e for 8 GPUs (180 GB, 8 TB/s each), 72 PFLOP/s FP8 training for 8 GPUs with sparsity (4.5
   dense per GPU), BF16 half of that, NVLink 5 at 1.8 TB/s. nvidia-smi: 183359 MiB.
@@ -52,7 +54,7 @@ _GPUS: dict[str, GpuSpec] = {
         hbm_bytes_per_s=3.35 * TERA, nvlink_bytes_per_s=450e9, network_bytes_per_s=50e9,
     ),
     "h200": GpuSpec(
-        name="h200", memory_bytes=143771 * MIB, bf16_flops=989.5 * TERA, fp8_flops=1979 * TERA,
+        name="h200", memory_bytes=150_109_880_320, bf16_flops=989.5 * TERA, fp8_flops=1979 * TERA,
         hbm_bytes_per_s=4.8 * TERA, nvlink_bytes_per_s=450e9, network_bytes_per_s=50e9,
     ),
     "b200": GpuSpec(

@@ -31,15 +31,22 @@ DTYPE_BYTES: dict[str, float] = {
 # Optimizer states per parameter (kept in the master dtype).
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "muon": 1}
 
-# Fixed per-process costs: the CUDA context with cuBLAS/cuDNN workspaces (~0.5-1 GiB measured on
-# H100) and NCCL's buffers for each communicator (FSDP, EP all-to-all, TP, CP each get one).
+# Fixed per-process costs: the CUDA context with cuBLAS workspaces (measured on an H200 with torch 2.11:
+# 0.58 GiB outside PyTorch's allocator; 1 GiB leaves room for cuDNN and other libraries) and NCCL's
+# buffers for each communicator (FSDP, EP all-to-all, TP, CP each get one).
 CUDA_CONTEXT_BYTES = 1 * GIB
 NCCL_BUFFER_BYTES = 2 * GIB
 # The caching allocator never packs perfectly; 5% of what is allocated is a typical loss at steady state.
 FRAGMENTATION_FRACTION = 0.05
-# Cross-entropy over the full vocabulary keeps fp32 logits for the backward and then holds their
-# gradient of the same size: 2 × 4 bytes per (token, vocab entry) at the peak.
-LOGITS_BYTES_PER_ELEMENT = 8
+# Cross-entropy over the full vocabulary: bf16 logits, their fp32 upcast, fp32 log-softmax kept for the
+# backward and its gradient. Measured on an H200 (torch 2.11, bf16 lm_head + F.cross_entropy on fp32,
+# 8192 tokens × 32000 vocab): 11.4 bytes per (token, vocab entry) at the peak.
+LOGITS_BYTES_PER_ELEMENT = 12
+# Real saved-for-backward bytes over the tensor count of `layer_activation_bytes`, measured on an H200
+# with transformers 5.17 eager Qwen3 (1.75×) and Qwen3-MoE (1.86×) layers in bf16, 8192 tokens: RMSNorm
+# upcasts to fp32, RoPE and SiLU keep extra copies, MoE dispatch keeps gathered token copies. Fused or
+# compiled layers (torchtitan with torch.compile) come close to 1.0: pass activation_factor=1.0 there.
+HF_EAGER_ACTIVATION_FACTOR = 1.85
 # FP8 checkpoints (DeepSeek-V3 / GLM-5 style) keep one fp32 scale per 128×128 weight block.
 FP8_BLOCK = 128 * 128
 FP8_SCALE_BYTES = 4
@@ -176,6 +183,7 @@ def trainer_memory_per_gpu(
     activation_dtype: str = "bf16",
     logits_chunk_tokens: int | None = None,
     overhead_bytes: int | None = None,
+    activation_factor: float = HF_EAGER_ACTIVATION_FACTOR,
 ) -> TrainerMemory:
     """Peak bytes on one trainer GPU.
 
@@ -188,11 +196,11 @@ def trainer_memory_per_gpu(
     fsdp_buffers      = largest gathered layer L (params/tp, experts/ep) · (2 · bytes(param) + bytes(grad))
                         when shards > 1: the current and prefetched layer, and one layer's unsharded grads
     tokens_per_gpu    = ceil(micro_batch_tokens / cp)
-    activations       = tokens_per_gpu / tp · (num_layers · h · act_bytes + max_layer_activation)
+    activations       = tokens_per_gpu / tp · (num_layers · h · act_bytes + f · max_layer_activation)
                         with full activation checkpointing (each layer's input kept, one layer live);
-                        tokens_per_gpu / tp · Σ_layers layer_activation without it (TP with sequence
-                        parallelism splits every activation)
-    logits            = min(tokens_per_gpu, logits_chunk_tokens) · ceil(vocab / tp) · 8  (fp32 logits + grad)
+                        tokens_per_gpu / tp · f · Σ_layers layer_activation without it (TP with sequence
+                        parallelism splits every activation); f = activation_factor (measured eager 1.85)
+    logits            = min(tokens_per_gpu, logits_chunk_tokens) · ceil(vocab / tp) · 12  (measured peak)
     overhead          = CUDA context (1 GiB) + NCCL (2 GiB) + 5% of everything else
     """
     _positive(dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, ep=ep, tp=tp,
@@ -241,10 +249,10 @@ def trainer_memory_per_gpu(
     dense_act = layer_activation_bytes(facts, moe_layer=False, act_bytes=a_bytes)
     moe_act = layer_activation_bytes(facts, moe_layer=True, act_bytes=a_bytes) if facts.num_moe_layers else 0
     if activation_checkpointing:
-        per_token = facts.num_layers * facts.hidden_size * a_bytes + max(
+        per_token = facts.num_layers * facts.hidden_size * a_bytes + activation_factor * max(
             dense_act if facts.num_dense_layers else 0, moe_act)
     else:
-        per_token = facts.num_dense_layers * dense_act + facts.num_moe_layers * moe_act
+        per_token = activation_factor * (facts.num_dense_layers * dense_act + facts.num_moe_layers * moe_act)
     activations = math.ceil(tokens * per_token / tp)
 
     logit_tokens = min(tokens, logits_chunk_tokens) if logits_chunk_tokens else tokens

@@ -267,8 +267,9 @@ def suggest_split(
         trainer_gpus = (total_nodes - inference_nodes) * spec.gpus_per_node
         if replicas < 1 or (trainer_fits is not None and not trainer_fits(trainer_gpus)):
             continue
+        # GPUs left over after whole replicas idle: count only those that serve
         times = step_time_estimate(
-            facts, inference_gpus=inference_gpus, inference_replicas=replicas,
+            facts, inference_gpus=replicas * gpus_per_inference_replica + prefill, inference_replicas=replicas,
             trainer_gpus=trainer_gpus, gpu=spec, **step_kwargs,
         )
         candidate = Split(inference_nodes, total_nodes - inference_nodes, replicas, times)

@@ -12,6 +12,7 @@ from primebuild.builders.hardware import GIB, gpu_spec, known_gpus
 from primebuild.builders.memory import (
     CUDA_CONTEXT_BYTES,
     CUDA_GRAPH_BYTES,
+    HF_EAGER_ACTIVATION_FACTOR,
     NCCL_BUFFER_BYTES,
     inference_memory_per_gpu,
     layer_activation_bytes,
@@ -35,7 +36,8 @@ MOE = ModelFacts(architecture="tiny-moe", hidden_size=8, num_layers=3, num_atten
 
 
 def trainer(facts=DENSE, **kw):
-    args = dict(dp_shard=2, micro_batch_tokens=4, seq_len=4, gpu_memory_bytes=10**9, overhead_bytes=0)
+    args = dict(dp_shard=2, micro_batch_tokens=4, seq_len=4, gpu_memory_bytes=10**9, overhead_bytes=0,
+                activation_factor=1.0)
     return trainer_memory_per_gpu(facts, **{**args, **kw})
 
 
@@ -54,16 +56,16 @@ def test_trainer_by_hand():
     # checkpointing keeps 2 layers × h × 2 bytes plus one live layer: 4 tokens × (32 + 208)
     assert layer_activation_bytes(DENSE, moe_layer=False, act_bytes=2) == 208
     assert m.activations == 4 * (32 + 208) == 960
-    assert m.logits == 4 * 10 * 8  # fp32 logits and their gradient
-    allocated = 1352 + 2704 + 2704 + 5408 + 4736 + 960 + 320
+    assert m.logits == 4 * 10 * 12  # measured cross-entropy peak: 12 bytes per logit
+    allocated = 1352 + 2704 + 2704 + 5408 + 4736 + 960 + 480
     assert m.overhead == math.ceil(0.05 * allocated)
-    assert m.total == allocated + m.overhead == 19094
+    assert m.total == allocated + m.overhead == 19262
     assert m.tokens_per_gpu == 4 and m.host_bytes == 0
 
 
 def test_trainer_fits_is_an_exact_boundary():
-    assert trainer(gpu_memory_bytes=19094).fits and trainer(gpu_memory_bytes=19094).free == 0
-    tight = trainer(gpu_memory_bytes=19093)
+    assert trainer(gpu_memory_bytes=19262).fits and trainer(gpu_memory_bytes=19262).free == 0
+    tight = trainer(gpu_memory_bytes=19261)
     assert not tight.fits and tight.free == -1
 
 
@@ -71,10 +73,17 @@ def test_trainer_without_checkpointing_keeps_every_layer():
     assert trainer(activation_checkpointing=False).activations == 4 * 2 * 208
 
 
+def test_activation_factor_scales_layer_activations_not_checkpointed_inputs():
+    # default: measured eager-transformers factor on the live layer; the kept layer inputs are exact
+    assert trainer(activation_factor=HF_EAGER_ACTIVATION_FACTOR).activations == math.ceil(
+        4 * (32 + HF_EAGER_ACTIVATION_FACTOR * 208))
+    assert trainer(activation_checkpointing=False, activation_factor=2.0).activations == 4 * 2 * 2 * 208
+
+
 def test_trainer_cpu_offload_moves_master_and_optimizer_to_host():
     m = trainer(optimizer_cpu_offload=True)
     assert (m.master_weights, m.optimizer_state, m.host_bytes) == (0, 0, 2704 + 5408)
-    allocated = 1352 + 2704 + 4736 + 960 + 320
+    allocated = 1352 + 2704 + 4736 + 960 + 480
     assert m.total == allocated + math.ceil(0.05 * allocated)
 
 
@@ -85,7 +94,7 @@ def test_trainer_cp_and_tp_split_tokens_params_and_vocab():
     tp = trainer(tp=2)
     assert tp.params == 2 * 338
     assert tp.activations == 4 * 240 // 2  # sequence parallel splits the activations
-    assert tp.logits == 4 * 5 * 8  # vocab-parallel loss
+    assert tp.logits == 4 * 5 * 12  # vocab-parallel loss
     assert tp.fsdp_buffers == math.ceil(592 / 2) * 8
 
 
@@ -95,7 +104,7 @@ def test_trainer_dtype_and_optimizer_choices():
     sgd = trainer(optimizer="sgd")
     assert sgd.optimizer_state == 0
     chunked = trainer(logits_chunk_tokens=1)
-    assert chunked.logits == 1 * 10 * 8
+    assert chunked.logits == 1 * 10 * 12
     assert trainer(overhead_bytes=None).overhead >= CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES
 
 
@@ -200,7 +209,7 @@ def test_glm5_layouts_on_h200():
 
 
 def test_gpu_table():
-    assert gpu_spec("H200").memory_bytes == 143771 * 1024**2
+    assert gpu_spec("H200").memory_bytes == 150_109_880_320  # CUDA's total, measured on an H200
     assert gpu_spec("h100").hbm_bytes_per_s < gpu_spec("h200").hbm_bytes_per_s < gpu_spec("b200").hbm_bytes_per_s
     assert gpu_spec("cpu", host_memory_bytes=16 * GIB).memory_bytes == 16 * GIB
     with pytest.raises(UserError, match="host memory"):

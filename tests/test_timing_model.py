@@ -121,7 +121,8 @@ def test_suggest_split_is_the_best_whole_node_split():
                          min_trainer_nodes=8, **kw)
     assert best.inference_nodes + best.trainer_nodes == 28 and best.trainer_nodes >= 8
     for inference_nodes in range(2, 21):  # a 16-GPU replica needs 2 nodes; ≥ 8 trainer nodes
-        other = step_time_estimate(f, inference_gpus=inference_nodes * 8, inference_replicas=inference_nodes // 2,
+        replicas = inference_nodes // 2  # an odd node's spare GPUs serve no replica
+        other = step_time_estimate(f, inference_gpus=replicas * 16, inference_replicas=replicas,
                                    trainer_gpus=(28 - inference_nodes) * 8, gpu="h200", **kw)
         assert best.times.step_seconds <= other.step_seconds * (1 + 1e-9)
     # a memory check that only admits ≥ 16 trainer nodes moves the answer there
