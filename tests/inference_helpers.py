@@ -128,3 +128,46 @@ def running_server(app, timeout: float = 30.0):
     finally:
         server.should_exit = True
         thread.join(timeout=timeout)
+
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+class Served:
+    """An engine + app on a real uvicorn server; `url` is the base, `v1` the OpenAI base URL."""
+
+    def __init__(self, url: str, engine):
+        self.url = url
+        self.v1 = url + "/v1"
+        self.engine = engine
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.v1, api_key="unused", max_retries=0, **kwargs)
+
+    def admin(self, path: str, body: dict | None = None, token: str | None = ADMIN_TOKEN):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=60)
+
+
+@contextlib.contextmanager
+def serve_folder(folder: Path, name: str = "tiny", **engine_kwargs):
+    """Engine over `folder`, served as model `name`, admin token ADMIN_TOKEN; shut down on exit."""
+    from primebuild.runtime.inference.engine import Engine
+    from primebuild.runtime.inference.server import create_app
+    from primebuild.runtime.inference.tokenizer import ServedTokenizer
+
+    tokenizer = ServedTokenizer(folder)
+    engine_kwargs.setdefault("max_num_seqs", 64)
+    engine_kwargs.setdefault("max_model_len", 512)
+    engine = Engine(folder, device="cpu", eos_token_ids=tokenizer.eos_token_ids, detokenize=tokenizer.decode,
+                    **engine_kwargs)
+    app = create_app(engine, tokenizer, served_model_name=name, admin_token=ADMIN_TOKEN)
+    try:
+        with running_server(app) as url:
+            yield Served(url, engine)
+    finally:
+        engine.shutdown()
