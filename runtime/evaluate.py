@@ -1,10 +1,11 @@
 """Greedy evaluation: mean reward of a model over an environment's fixed held-out tasks.
 
-A lean batched loop on the HF model instead of `generate`: prompts are left-padded into one batch,
-every step re-runs the whole (short) sequence and appends the argmax token. Without a KV cache there
-is no cache bookkeeping to get wrong, and on the tiny model (sequences under 30 tokens) a step is a
-few milliseconds, so 200 prompts take well under a second. Left padding needs explicit
-`position_ids = cumsum(attention_mask) - 1` so that each prompt starts at position 0.
+A lean batched loop on the HF model instead of `generate` (which spends most of its time in
+per-call Python set-up on a model this small): prompts are left-padded into one batch, a first
+forward fills the KV cache, then each step feeds only the argmax token of every row. Left padding
+needs explicit `position_ids = cumsum(attention_mask) - 1` so that each prompt starts at position 0.
+The KV cache matters even here: re-running whole sequences made 200 prompts cost ~2 s instead of a
+fraction of that.
 """
 
 from __future__ import annotations
@@ -21,28 +22,45 @@ def greedy_complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    prompt_len = ids.shape[1]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache_arg = _cache_argument_name(model)
     finished = torch.zeros(len(prompts), dtype=torch.bool)
+    generated = []
+    cache = None
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1
-            ).logits
-            next_token = logits[:, -1].argmax(-1)
-            # A finished row keeps emitting padding that attention ignores.
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_arg: cache},
+            )
+            cache = out.cache if cache_arg == "cache" else out.past_key_values
+            next_token = out.logits[:, -1].argmax(-1)
+            # A finished row keeps emitting padding, which the attention mask hides.
             next_token = torch.where(finished, torch.full_like(next_token, pad), next_token)
-            ids = torch.cat([ids, next_token[:, None]], dim=1)
+            generated.append(next_token)
             mask = torch.cat([mask, (~finished).long()[:, None]], dim=1)
             finished |= next_token == eos
             if bool(finished.all()):
                 break
+            # Only the new token goes in next time; the cache holds the rest.
+            ids, positions = next_token[:, None], positions[:, -1:] + 1
     completions = []
-    for row in ids[:, prompt_len:].tolist():
+    for row in torch.stack(generated, dim=1).tolist() if generated else [[] for _ in prompts]:
         if eos in row:
             row = row[: row.index(eos)]
         completions.append(tokenizer.decode(row, skip_special_tokens=True))
     return completions
+
+
+def _cache_argument_name(model) -> str:
+    """transformers 5 renamed `past_key_values` to `cache` (calibration.md); accept both."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def evaluate_model(

@@ -104,10 +104,12 @@ def test_sft_continues_from_an_existing_folder(tmp_path):
 def test_cli_writes_a_loadable_folder_and_prints_metrics(tmp_path):
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "primebuild.runtime.sft", "--out", str(out), "--steps", "3", "--seed", "1"]
+    cmd += ["--no-early-stop"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["metrics"]["steps"] == 3 and 0.0 <= report["metrics"]["eval_reward"] <= 1.0
+    assert report["config"]["stop_at_reward"] is None
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already exists" in again.stderr
@@ -117,7 +119,8 @@ def test_cli_writes_a_loadable_folder_and_prints_metrics(tmp_path):
 def test_150_steps_lift_the_reward_far_above_random_init(tmp_path):
     env = ReverseTextEnv()
     random_init = evaluate_greedy(build_tiny_model(tmp_path / "init", seed=0), env)
-    metrics = run_sft(SFTConfig(out_dir=str(tmp_path / "sft"), steps=150, seed=0))
+    metrics = run_sft(SFTConfig(out_dir=str(tmp_path / "sft"), steps=150, seed=0, stop_at_reward=None))
+    assert metrics["steps"] == 150
     assert random_init < 0.05
     assert metrics["eval_reward"] > 0.6
     assert metrics["final_loss"] < 1.0
@@ -128,7 +131,8 @@ def test_150_steps_lift_the_reward_far_above_random_init(tmp_path):
 @pytest.mark.slow
 def test_stop_at_rl_start_reward_lands_in_the_rl_band(tmp_path):
     metrics = run_sft(
-        SFTConfig(out_dir=str(tmp_path / "sft"), steps=300, seed=1, stop_at_reward=RL_START_REWARD)
+        SFTConfig(out_dir=str(tmp_path / "sft"), seed=1)  # the defaults
     )
+    assert metrics["steps"] < 300
     assert metrics["validation_reward"] >= RL_START_REWARD
     assert 0.70 <= metrics["eval_reward"] <= 0.86  # held out: never used to decide when to stop
