@@ -11,10 +11,9 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Environment
 from primebuild.runtime.envs.reverse_text import ReverseTextEnv
-
-from primebuild.errors import UserError
 
 BUILTIN: dict[str, Callable[..., Environment]] = {
     ReverseTextEnv.id: ReverseTextEnv,

@@ -21,10 +21,9 @@ import random
 import string
 import zlib
 
+from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Task
 from primebuild.runtime.models.char_tokenizer import SEPARATOR
-
-from primebuild.errors import UserError
 
 ENV_ID = "reverse-text"
 ENV_VERSION = "1"

@@ -27,9 +27,8 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from primebuild.runtime.envs.base import Task
-
 from primebuild.errors import UserError
+from primebuild.runtime.envs.base import Task
 
 VERIFIERS_TASK = "verifiers_task"  # key in Task.info holding the wrapped vf.Task
 

@@ -13,9 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from primebuild.runtime.models.char_tokenizer import BOS, EOS, PAD, VOCAB, build_char_tokenizer
-
 from primebuild.errors import UserError
+from primebuild.runtime.models.char_tokenizer import BOS, EOS, PAD, VOCAB, build_char_tokenizer
 
 MAX_POSITIONS = 128  # reverse-text sequences are <= 28 tokens; headroom for other toy tasks
 
