@@ -63,15 +63,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement) -> tuple[dict, dic
                 hint=_inference_fixes(m, g.tp * g.dp, hw.gpus_per_node)))
 
     t = m.trainer
-    param = _DTYPE[t.precision]
-    tmem = trainer_memory_per_gpu(
-        f, param_dtype=param, master_dtype=None if param == "fp32" else "fp32", grad_dtype="fp32",
-        optimizer=t.optimizer.name, optimizer_cpu_offload=t.optimizer.cpu_offload, dp_shard=t.dp_shard,
-        dp_replicate=t.dp_replicate, cp=t.cp, ep=t.ep, tp=t.tp,
-        activation_checkpointing=t.activation_checkpointing, micro_batch_tokens=t.micro_batch_tokens,
-        seq_len=m.orchestrator.seq_len, gpu_memory_bytes=capacity,
-        activation_dtype="fp32" if param == "fp32" else "bf16", logits_chunk_tokens=t.logprob_chunk_tokens,
-        overhead_bytes=CPU_PROCESS_OVERHEAD if cpu else None)
+    tmem = _trainer_memory(m, f, capacity, t.dp_shard)
     breakdown = {k: getattr(tmem, k) for k in ("params", "grads", "optimizer_state", "master_weights",
                                                 "fsdp_buffers", "activations", "logits", "overhead")}
     memory["trainer"] = {"role": "trainer", "capacity_bytes": capacity, "budget_bytes": capacity,
@@ -97,11 +89,24 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement) -> tuple[dict, dic
                 f"all processes together need {_g(total)} GiB but the node has {hw.host_memory_gb:g} GiB",
                 field="hardware.host_memory_gb", hint="lower inference.max_num_seqs or use a smaller model"))
 
-    estimates = _estimates(m, f, placement, spec, memory)
+    estimates = _estimates(m, f, placement, spec, memory, capacity)
     return memory, estimates, problems, warnings
 
 
-def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: dict) -> dict:
+def _trainer_memory(m: Manifest, f: ModelFacts, capacity: int, dp_shard: int):
+    t = m.trainer
+    param = _DTYPE[t.precision]
+    return trainer_memory_per_gpu(
+        f, param_dtype=param, master_dtype=None if param == "fp32" else "fp32", grad_dtype="fp32",
+        optimizer=t.optimizer.name, optimizer_cpu_offload=t.optimizer.cpu_offload, dp_shard=dp_shard,
+        dp_replicate=t.dp_replicate, cp=t.cp, ep=t.ep, tp=t.tp,
+        activation_checkpointing=t.activation_checkpointing, micro_batch_tokens=t.micro_batch_tokens,
+        seq_len=m.orchestrator.seq_len, gpu_memory_bytes=capacity,
+        activation_dtype="fp32" if param == "fp32" else "bf16", logits_chunk_tokens=t.logprob_chunk_tokens,
+        overhead_bytes=CPU_PROCESS_OVERHEAD if m.hardware.gpu == "cpu" else None)
+
+
+def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: dict, capacity: int) -> dict:
     hw, o = m.hardware, m.orchestrator
     inference_gpus = sum(len(s.gpus) for rp in placement.inference for s in rp.slots)
     trainer_gpus = sum(len(s.gpus) for s in placement.trainer)
@@ -134,8 +139,16 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
     split = None
     if hw.nodes > 1:
         try:
+            other = m.trainer.dp_replicate * m.trainer.cp * m.trainer.tp
+
+            def trainer_fits(gpus: int) -> bool:  # the same layout, FSDP over whatever GPUs remain
+                shard = gpus // other
+                if shard < 1 or (shard * m.trainer.cp) % m.trainer.ep:
+                    return False
+                return _trainer_memory(m, f, capacity, shard).fits
+
             split = suggest_split(f, total_nodes=hw.nodes, gpus_per_inference_replica=per_replica, gpu=spec,
-                                  **step_kwargs)
+                                  trainer_fits=trainer_fits, **step_kwargs)
         except UserError:
             split = None
     summary = [

@@ -63,8 +63,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        cli.main(args=argv, prog_name="primebuild", standalone_mode=False)
-        return 0
+        result = cli.main(args=argv, prog_name="primebuild", standalone_mode=False)
+        # click returns (not raises) the code of a `click.exceptions.Exit` without standalone mode
+        return result if isinstance(result, int) else 0
     except UserError as err:
         if debug:
             traceback.print_exc()

@@ -54,5 +54,5 @@ class Progress:
             kl = next((v for k, v in values.items() if "mismatch_kl" in k), None)
             self.echo(
                 f"step {step:4d} | reward {orch['reward_mean']:.3f} | mismatch KL "
-                f"{kl if kl is None else f'{kl:.2e}'} | lag {orch.get('off_policy_lag', '?')} | "
-                f"{orch.get('tokens_per_s', 0):,.0f} tok/s | sampled by v{orch.get('policy_version', '?')}")
+                f"{kl if kl is None else f'{kl:.2e}'} | lag {orch.get('off_policy_lag', 0):.0f} | "
+                f"{orch.get('tokens_per_s', 0):,.0f} tok/s | sampled by v{orch.get('policy_version', 0):.0f}")

@@ -80,6 +80,7 @@ class Orchestrator:
         self.env = load_environment(e["id"], None if version in (None, "latest") else version, e.get("args") or {})
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", role="orchestrator")
         self.server_version = 0
+        self.sync_lock = asyncio.Lock()
 
     # --- policy versions -------------------------------------------------------------------------
 
@@ -100,6 +101,10 @@ class Orchestrator:
 
     async def sync_servers(self) -> None:
         """Bring every server to the newest published policy (also after a server restarted)."""
+        async with self.sync_lock:
+            await self._sync_servers()
+
+    async def _sync_servers(self) -> None:
         version, path = self.latest_version()
         versions = await asyncio.gather(*(c.version() for c in self.clients))
         stale = [c for c, v in zip(self.clients, versions, strict=True) if v != version]
@@ -115,9 +120,15 @@ class Orchestrator:
     async def sample_group(self, index: int, task, step: int) -> list[tuple[Sample, str]]:
         cfg = self.cfg
         client = self.clients[index % len(self.clients)]
-        response = await client.complete(
-            self.env.format_prompt(task), n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
-            max_tokens=cfg.max_completion_tokens, seed=cfg.seed * 1_000_003 + step * 10_007 + index)
+        while True:
+            response = await client.complete(
+                self.env.format_prompt(task), n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
+                max_tokens=cfg.max_completion_tokens, seed=cfg.seed * 1_000_003 + step * 10_007 + index)
+            if min(int(c["policy_version"]) for c in response["choices"]) >= self.server_version:
+                break
+            # The server restarted on the base weights: give it the current policy, sample again.
+            log.info("a server answered with an older policy than v%d: re-syncing it", self.server_version)
+            await self.sync_servers()
         out = []
         for choice in response["choices"]:
             reward = float(self.env.score(task, choice["text"]))

@@ -1,0 +1,219 @@
+"""`primebuild run` end to end on the local target: real processes, a real store, tiny step counts.
+
+Every test runs the same path as the README's main job (SFT derivation in the store, embedded inference
+server, trainer, orchestrator, supervisor), shrunk with `--set` so that a run takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_RL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40"]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A copy of the reverse-text manifests with a short SFT, and a private store."""
+    root = tmp_path_factory.mktemp("run")
+    manifests = root / "manifests"
+    shutil.copytree(REPO / "manifests" / "models", manifests / "models")
+    sft = yaml.safe_load((REPO / "manifests" / "reverse-text-sft.yaml").read_text())
+    sft["sft"]["steps"] = 40
+    sft["sft"]["warmup_steps"] = 10
+    (manifests / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
+    shutil.copy(REPO / "manifests" / "reverse-text.yaml", manifests / "reverse-text.yaml")
+    (root / "store").mkdir()
+    return root
+
+
+def _env(workspace: Path) -> dict:
+    return {**os.environ, "PRIMEBUILD_STORE": str(workspace / "store"), "PYTHONUNBUFFERED": "1"}
+
+
+def _run(workspace: Path, runs: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text.yaml"),
+         "--runs-dir", str(runs), "--quiet", *SMALL_RL, *args],
+        capture_output=True, text=True, env=_env(workspace), timeout=280)
+
+
+def _start(workspace: Path, runs: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text.yaml"),
+         "--runs-dir", str(runs), "--quiet", *SMALL_RL, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(workspace))
+
+
+def _run_dir(runs: Path) -> Path:
+    (found,) = [p for p in runs.iterdir() if p.is_dir()]
+    return found
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _trained_steps(run_dir: Path) -> list[int]:
+    return sorted(r["step"] for r in _metrics(run_dir) if r["role"] == "trainer" and r["name"] == "loss")
+
+
+def _wait_for_trained(run_dir_parent: Path, step: int, proc: subprocess.Popen, timeout: float = 200) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        dirs = [p for p in run_dir_parent.iterdir() if p.is_dir()] if run_dir_parent.exists() else []
+        if dirs and (dirs[0] / "metrics.jsonl").exists() and step in _trained_steps(dirs[0]):
+            return dirs[0]
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} was not trained within {timeout} s")
+
+
+def test_run_completes_with_summary_report_and_records(workspace: Path, tmp_path: Path):
+    runs = tmp_path / "runs"
+    result = _run(workspace, runs, "--set", "orchestrator.max_steps=3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    run_dir = _run_dir(runs)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("eval_reward_before", "eval_reward_after", "wall_seconds", "mismatch_kl_max"):
+        assert key in summary, summary
+    assert 0.0 <= summary["eval_reward_before"] <= 1.0 and 0.0 <= summary["eval_reward_after"] <= 1.0
+    assert summary["final_policy_version"] == 3
+    assert _trained_steps(run_dir) == [1, 2, 3]
+    rollouts = sorted(p.name for p in (run_dir / "rollouts").iterdir())
+    assert rollouts == ["step_000001.pt", "step_000002.pt", "step_000003.pt"]
+    assert (run_dir / "weights" / "step_000003" / "STABLE").exists()
+    assert (run_dir / "report.png").stat().st_size > 1000
+    # the run records exactly what ran
+    plan = json.loads((run_dir / "plan.json").read_text())
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["plan_hash"] == plan["plan_hash"]
+    assert (run_dir / "manifests" / "reverse-text.yaml").exists()
+    for name in ("inference-0", "trainer", "orchestrator"):
+        assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
+    # nothing secret lands in the run folder: the admin token lives only in the processes' environment
+    everything = "".join(p.read_text(errors="ignore") for p in run_dir.rglob("*") if p.is_file()
+                         and p.suffix in {".json", ".log", ".jsonl"})
+    assert "Bearer" not in everything and "PRIMEBUILD_ADMIN_TOKEN=" not in everything
+
+
+def test_store_reuses_the_sft_model(workspace: Path, tmp_path: Path):
+    """The SFT derivation built by the first run (or built now) is a cache hit the second time."""
+    sft = workspace / "manifests" / "reverse-text-sft.yaml"
+    first = subprocess.run([sys.executable, "-m", "primebuild.cli", "run", str(sft)], capture_output=True,
+                           text=True, env=_env(workspace), timeout=200)
+    assert first.returncode == 0, first.stderr
+    started = time.monotonic()
+    second = subprocess.run([sys.executable, "-m", "primebuild.cli", "run", str(sft)], capture_output=True,
+                            text=True, env=_env(workspace), timeout=60)
+    assert second.returncode == 0, second.stderr
+    assert "cache hit" in second.stdout
+    print(f"cache hit as a whole process: {time.monotonic() - started:.2f} s")
+    entry = second.stdout.split(": ", 1)[1].split(" ", 1)[0]
+    assert entry in first.stdout  # the same store entry
+
+
+def test_synchronous_fp32_mismatch_kl_is_tiny(workspace: Path, tmp_path: Path):
+    """With max_off_policy_steps 0 the trainer scores exactly the weights that sampled: KL ~ 0."""
+    runs = tmp_path / "runs"
+    result = _run(workspace, runs, "--set", "orchestrator.max_steps=3",
+                  "--set", "orchestrator.max_off_policy_steps=0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = _run_dir(runs)
+    kls = [r["value"] for r in _metrics(run_dir) if r["role"] == "trainer" and r["name"] == "mismatch_kl"]
+    lags = [r["value"] for r in _metrics(run_dir) if r["role"] == "trainer" and r["name"] == "async_lag_max"]
+    assert len(kls) == 3 and all(abs(k) < 1e-3 for k in kls), kls
+    assert lags == [0, 0, 0]
+
+
+def test_killed_inference_is_restarted_and_no_step_is_lost(workspace: Path, tmp_path: Path):
+    runs = tmp_path / "runs"
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=6")
+    try:
+        run_dir = _wait_for_trained(runs, 2, proc)
+        victim = _pid_of(run_dir, "primebuild.runtime.inference.server")
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "restarting" in out
+    assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # each step exactly once
+    assert "restart 1" in (run_dir / "logs" / "inference-0.log").read_text()
+
+
+def test_interrupt_checkpoints_and_resume_continues_the_step_sequence(workspace: Path, tmp_path: Path):
+    runs = tmp_path / "runs"
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=6")
+    try:
+        run_dir = _wait_for_trained(runs, 2, proc)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert "--resume" in out
+    done = _trained_steps(run_dir)
+    assert done and done == list(range(1, len(done) + 1)) and len(done) < 6
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if (p / "STABLE").exists())
+    assert checkpoints and checkpoints[-1] == f"step_{done[-1]:06d}"
+
+    resumed = subprocess.run([sys.executable, "-m", "primebuild.cli", "run", "--resume", str(run_dir), "--quiet"],
+                             capture_output=True, text=True, env=_env(workspace), timeout=240)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_policy_version"] == 6 and "eval_reward_before" in summary
+
+
+def test_a_crashing_trainer_stops_the_run_with_a_clear_message(workspace: Path, tmp_path: Path):
+    """Fail fast: the trainer has no restart policy; its failure tears everything down and is named."""
+    runs = tmp_path / "runs"
+    result = _run(workspace, runs, "--set", "orchestrator.max_steps=2", "--set", "orchestrator.lr=2.0",
+                  "--set", "trainer.micro_batch_tokens=1")
+    # micro_batch_tokens=1 is refused by the planner before anything starts: a clean exit 2
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "micro_batch_tokens" in result.stderr and "Traceback" not in result.stderr
+    assert not runs.exists() or not any(runs.iterdir())  # nothing half-written
+
+    bad_model = workspace / "broken-model"
+    bad_model.mkdir(exist_ok=True)
+    (bad_model / "config.json").write_text("{}")
+    broken = workspace / "manifests" / "broken.yaml"
+    doc = yaml.safe_load((workspace / "manifests" / "reverse-text.yaml").read_text())
+    doc["model"] = {"path": str(bad_model), "facts": "models/reverse-text-tiny.json", "dtype": "float32"}
+    broken.write_text(yaml.safe_dump(doc))
+    result = subprocess.run([sys.executable, "-m", "primebuild.cli", "run", str(broken), "--runs-dir", str(runs),
+                             "--quiet", *SMALL_RL], capture_output=True, text=True, env=_env(workspace), timeout=120)
+    assert result.returncode != 0
+    assert "inference-0" in result.stderr and "logs" in result.stderr
+
+
+def _pid_of(run_dir: Path, needle: str) -> int:
+    """The process whose command line contains `needle` and whose environment names this run folder."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = (entry / "environ").read_bytes().decode(errors="ignore")
+        except OSError:
+            continue
+        if needle in cmdline and f"PRIMEBUILD_RUN_DIR={run_dir}" in environ:
+            return int(entry.name)
+    raise AssertionError(f"no process {needle} for {run_dir}")
