@@ -25,6 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_match_one_rank(tmp_path):
     model = make_tiny_model(tmp_path / "model")
