@@ -13,11 +13,29 @@ from primebuild.manifest.load import load_manifest
 @manifest_argument
 @set_option
 @output_option
-def command(manifest: str, sets: tuple[str, ...], output: str) -> None:
+@click.option("--locked", is_flag=True,
+              help="Use the manifest's lock (lockfiles/<stem>.lock); refuse it when stale or incomplete.")
+@click.option("--lock", "lock_path", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="Use this lock file instead of the default one (implies --locked).")
+@click.option("--image-digest", default=None, metavar="sha256:…",
+              help="Name the image built for this plan (`primebuild build`) in the plan's `image` field.")
+def command(manifest: str, sets: tuple[str, ...], output: str, locked: bool, lock_path: str | None,
+            image_digest: str | None) -> None:
     """Compile MANIFEST into a launch plan and print it."""
     loaded = load_manifest(manifest, sets)
     print_notes(loaded.notes)
-    plan = compile_plan(loaded)
+    lock = None
+    if locked or lock_path:
+        from primebuild.builders.lock import unpinned
+        from primebuild.builders.lock_check import load_lock_for
+
+        lock = load_lock_for(loaded, lock_path, require_fresh=True)
+        print_notes([f"lock entry not pinned: {line}" for line in unpinned(lock)])
+    plan = compile_plan(loaded, lock)
+    if image_digest:
+        from primebuild.builders.lock import plan_with_image
+
+        plan = plan_with_image(plan, image_digest)
     if output == "json":
         click.echo(render_json(plan), nl=False)
     else:
