@@ -1,0 +1,127 @@
+"""`primebuild replay RUN_DIR`: check that a recorded run still compiles to the same plan, then rerun it.
+
+A run folder records the composed manifest (`manifest.json`), the files it was read from
+(`manifests/`), the plan (`plan.json`), the code version (`run.json`) and, when there was one, the
+lock (`lock.json`). Replay recompiles the recorded manifest with today's code and refuses, showing
+the plan differences field by field, when the plan hash is not the recorded one (code, model facts
+or lock changed). Then it starts the run through `primebuild run`, exactly as a person would.
+
+Relative paths in a manifest (`facts: models/x.json`, `from_manifest: x.yaml`) are resolved in a
+manifest folder: `--manifest-dir`, else the first of ./manifests and the checkout's manifests/ that
+holds a byte-identical copy of a recorded manifest file. The recorded manifest is placed in a
+scratch folder that mirrors that folder (symlinks), so that nothing is written into the checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import click
+
+from primebuild.commands.options import output_option
+from primebuild.errors import UserError
+
+
+@click.command("replay")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--manifest-dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Folder the recorded manifest's relative paths refer to (default: found by content).")
+@click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the new run folder is created (default: beside RUN_DIR).")
+@click.option("--check", "check_only", is_flag=True, help="Only verify the plan hash; start nothing.")
+@click.option("--quiet", is_flag=True, help="Only progress lines, not every process's log lines.")
+@output_option
+def command(run_dir: Path, manifest_dir: Path | None, runs_dir: Path | None, check_only: bool, quiet: bool,
+            output: str) -> None:
+    """Verify RUN_DIR's recorded plan against today's code and rerun it."""
+    run_dir = run_dir.resolve()
+    base_dir = manifest_dir.resolve() if manifest_dir else find_manifest_dir(run_dir)
+    with tempfile.TemporaryDirectory(prefix="primebuild-replay-") as tmp:
+        manifest_path = stage_manifest(run_dir, base_dir, Path(tmp))
+        plan = verify(run_dir, manifest_path)
+        if output == "json":
+            click.echo(json.dumps({"run_dir": str(run_dir), "plan_hash": plan["plan_hash"], "verified": True,
+                                   "started": not check_only}, indent=2, sort_keys=True))
+        else:
+            click.echo(f"plan {plan['plan_hash'][:16]} matches the recorded run {run_dir.name}")
+        if check_only:
+            return
+        from primebuild.commands.run import command as run_command
+
+        argv = [str(manifest_path), "--runs-dir", str(runs_dir or run_dir.parent)] + (["--quiet"] if quiet else [])
+        run_command.main(argv, standalone_mode=False)
+
+
+def verify(run_dir: Path, manifest_path: Path) -> dict:
+    """Recompile the recorded manifest (with the recorded lock, if the plan used one) and compare."""
+    from primebuild.builders.diff import diff_values, render_changes
+    from primebuild.builders.lock import RUN_LOCK_NAME, lock_hash, read_lock
+    from primebuild.builders.plan import compile_plan
+    from primebuild.manifest.load import load_manifest
+
+    recorded = _read_json(run_dir / "plan.json")
+    lock = None
+    if recorded.get("lock_hash"):
+        lock_file = run_dir / RUN_LOCK_NAME
+        if not lock_file.is_file():
+            raise UserError(f"{run_dir}: the recorded plan was made with a lock, but {RUN_LOCK_NAME} is missing")
+        lock = read_lock(lock_file)
+        if lock_hash(lock) != recorded["lock_hash"]:
+            raise UserError(f"{lock_file} is not the lock the run used (its hash differs from the plan's lock_hash)")
+    plan = compile_plan(load_manifest(manifest_path), lock)
+    if recorded.get("image"):  # the plan named an image: name the same one
+        from primebuild.builders.lock import plan_with_image
+
+        plan = plan_with_image(plan, recorded["image"]["digest"])
+    if plan["plan_hash"] != recorded.get("plan_hash"):
+        changes = diff_values({k: v for k, v in recorded.items() if k != "plan_hash"},
+                              {k: v for k, v in plan.items() if k != "plan_hash"})
+        code = _read_json(run_dir / "run.json").get("code_version", "unknown") if (run_dir / "run.json").exists() \
+            else "unknown"
+        raise UserError(
+            f"{run_dir}: today's plan differs from the recorded one (recorded {str(recorded.get('plan_hash'))[:16]}, "
+            f"now {plan['plan_hash'][:16]}; the run was made by code {code}):\n"
+            + "\n".join(f"    {line}" for line in render_changes(changes).splitlines()),
+            hint="check out the recorded code version, or start a new run with `primebuild run`")
+    return plan
+
+
+def find_manifest_dir(run_dir: Path) -> Path:
+    from primebuild.builders.python_env import PROJECT_DIR
+
+    copies = {p.name: p.read_bytes() for p in sorted((run_dir / "manifests").glob("*")) if p.is_file()}
+    candidates = [Path.cwd() / "manifests", PROJECT_DIR / "manifests"]
+    for folder in candidates:
+        if any((folder / name).is_file() and (folder / name).read_bytes() == data for name, data in copies.items()):
+            return folder.resolve()
+    for folder in candidates:
+        if folder.is_dir():
+            return folder.resolve()
+    raise UserError(f"cannot tell which folder {run_dir}'s manifest paths are relative to",
+                    hint="pass --manifest-dir (the folder that held the manifest)")
+
+
+def stage_manifest(run_dir: Path, base_dir: Path, scratch: Path) -> Path:
+    """Write the recorded composed manifest into `scratch`, next to links to everything in `base_dir`."""
+    document = _read_json(run_dir / "manifest.json")
+    for entry in sorted(base_dir.iterdir()):
+        os.symlink(entry, scratch / entry.name)
+    name = f"replay-{document.get('name', 'manifest')}.json"
+    target = scratch / name
+    target.write_text(json.dumps(document, indent=2, sort_keys=True))
+    return target
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except OSError as err:
+        raise UserError(f"{path.parent} is not a run folder: cannot read {path.name} ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return value
