@@ -92,9 +92,24 @@ def bench_http(folder: Path, threads: int, clients: int, repeats: int) -> float:
     port = free_port()
     env = dict(os.environ, PRIMEBUILD_ADMIN_TOKEN="bench")
     server = subprocess.Popen(
-        [sys.executable, "-m", "primebuild.runtime.inference.server", "--model", str(folder), "--port", str(port),
-         "--served-model-name", "bench", "--num-threads", str(threads), "--max-model-len", "128"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "primebuild.runtime.inference.server",
+            "--model",
+            str(folder),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "bench",
+            "--num-threads",
+            str(threads),
+            "--max-model-len",
+            "128",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -111,10 +126,14 @@ def bench_http(folder: Path, threads: int, clients: int, repeats: int) -> float:
         prompts = prompts_for(clients, 32)
 
         async def once() -> tuple[float, int]:
-            async with httpx.AsyncClient(base_url=base, timeout=300, limits=httpx.Limits(max_connections=clients)) as c:
+            async with httpx.AsyncClient(
+                base_url=base, timeout=300, limits=httpx.Limits(max_connections=clients)
+            ) as c:
                 body = dict(model="bench", max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
                 start = time.perf_counter()
-                replies = await asyncio.gather(*(c.post("/v1/completions", json={**body, "prompt": p}) for p in prompts))
+                replies = await asyncio.gather(
+                    *(c.post("/v1/completions", json={**body, "prompt": p}) for p in prompts)
+                )
                 wall = time.perf_counter() - start
             return wall, sum(r.json()["usage"]["completion_tokens"] for r in replies)
 
@@ -139,9 +158,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"torch {torch.__version__}, {args.threads} threads, fp32, greedy, prompt {PROMPT_LEN}, "
-          f"{NEW_TOKENS} new tokens, median of {args.repeats}")
-    print(f"{'model':<12} {'batch':>5} {'generate tok/s':>15} {'engine tok/s':>13} {'ratio':>6} {'same tokens':>12}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, fp32, greedy, prompt {PROMPT_LEN}, "
+        f"{NEW_TOKENS} new tokens, median of {args.repeats}"
+    )
+    print(
+        f"{'model':<12} {'batch':>5} {'generate tok/s':>15} {'engine tok/s':>13} {'ratio':>6} {'same tokens':>12}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name, kwargs in MODELS.items():
             if name == "20M" and args.skip_20m:
@@ -156,8 +179,11 @@ def main() -> None:
                     [hf_runner(folder, prompts), engine_runner(engine, prompts)], args.repeats
                 )
                 total = batch * NEW_TOKENS
-                print(f"{name:<12} {batch:>5} {total / hf_time:>15.0f} {total / engine_time:>13.0f} "
-                      f"{hf_time / engine_time:>5.2f}x {str(hf_tokens == engine_tokens):>12}", flush=True)
+                print(
+                    f"{name:<12} {batch:>5} {total / hf_time:>15.0f} {total / engine_time:>13.0f} "
+                    f"{hf_time / engine_time:>5.2f}x {str(hf_tokens == engine_tokens):>12}",
+                    flush=True,
+                )
             engine.shutdown()
         if not args.skip_http:
             folder = Path(tmp) / "tiny"

@@ -58,7 +58,13 @@ def _common(seed: int) -> dict:
 
 def save_model(folder: Path, kind: str = "dense", seed: int = 0, with_tokenizer: bool = True) -> Path:
     """Write a tiny random model folder; the same (kind, seed) always gives the same weights."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        GenerationConfig,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if kind == "dense":
@@ -91,7 +97,9 @@ def load_hf(folder: Path):
     return model
 
 
-def teacher_forced_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0):
+def teacher_forced_logprobs(
+    model, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+):
     """Log-prob of each completion token under the HF model (reference for the engine's log-probs)."""
     ids = torch.tensor([prompt_ids + completion_ids])
     with torch.no_grad():
@@ -163,8 +171,13 @@ def serve_folder(folder: Path, name: str = "tiny", **engine_kwargs):
     tokenizer = ServedTokenizer(folder)
     engine_kwargs.setdefault("max_num_seqs", 64)
     engine_kwargs.setdefault("max_model_len", 512)
-    engine = Engine(folder, device="cpu", eos_token_ids=tokenizer.eos_token_ids, detokenize=tokenizer.decode,
-                    **engine_kwargs)
+    engine = Engine(
+        folder,
+        device="cpu",
+        eos_token_ids=tokenizer.eos_token_ids,
+        detokenize=tokenizer.decode,
+        **engine_kwargs,
+    )
     app = create_app(engine, tokenizer, served_model_name=name, admin_token=ADMIN_TOKEN)
     try:
         with running_server(app) as url:

@@ -42,19 +42,31 @@ def test_requests_join_and_leave_between_decode_steps(setup):
             # Submit the next prompt from inside the engine loop: it must join mid-flight.
             if len(result.token_ids) == 2 and pending:
                 prompt, length, res = pending.pop(0)
-                engine.submit(prompt, SamplingParams(max_tokens=length, temperature=0, ignore_eos=True),
-                              sink_for(res))
+                engine.submit(
+                    prompt, SamplingParams(max_tokens=length, temperature=0, ignore_eos=True), sink_for(res)
+                )
+
         return sink
 
     pending = list(zip(prompts[1:], lengths[1:], results[1:], strict=True))
     steps_before = engine.metrics.decode_steps
-    engine.submit(prompts[0], SamplingParams(max_tokens=lengths[0], temperature=0, ignore_eos=True),
-                  sink_for(results[0]))
+    engine.submit(
+        prompts[0],
+        SamplingParams(max_tokens=lengths[0], temperature=0, ignore_eos=True),
+        sink_for(results[0]),
+    )
     assert done.wait(60)
     for prompt, length, result in zip(prompts, lengths, results, strict=True):
         ids = torch.tensor([prompt])
-        want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=length,
-                           min_new_tokens=length, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        want = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=length,
+            min_new_tokens=length,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         assert result.token_ids == want
         assert result.finish_reason == "length"
     assert engine.metrics.decode_steps > steps_before
@@ -105,7 +117,9 @@ def test_stop_token_ids_and_eos(setup):
     engine, _ = setup
     free = engine.generate([[1, 5, 6]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0][0]
     stop_at = free.token_ids[3]
-    cut = engine.generate([[1, 5, 6]], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_at]))[0][0]
+    cut = engine.generate(
+        [[1, 5, 6]], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_at])
+    )[0][0]
     assert cut.finish_reason == "stop"
     assert cut.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
 
@@ -115,8 +129,9 @@ def test_routed_experts_match_hf_router(setup):
     if not engine.config.is_moe:
         pytest.skip("dense model has no experts")
     prompt = [1, 9, 10, 11]
-    result = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                      return_routed_experts=True))[0][0]
+    result = engine.generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_routed_experts=True)
+    )[0][0]
     fed = prompt + result.token_ids[:-1]  # the last sampled token is never fed through the model
     assert len(result.routed_experts) == len(fed)
     with torch.no_grad():

@@ -24,16 +24,22 @@ json_values = st.recursive(
 numbers = st.one_of(st.integers(-5, 70), st.integers(), st.floats(), st.none(), st.text(max_size=3))
 messages = st.lists(
     st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant", "robot", 3]),
-         "content": st.one_of(st.text(max_size=20), st.none(), json_values)}
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "robot", 3]),
+            "content": st.one_of(st.text(max_size=20), st.none(), json_values),
+        }
     ),
     max_size=3,
 )
 plausible = st.fixed_dictionaries(
     {"model": st.sampled_from(["tiny", "tiny", "other", 7])},
     optional={
-        "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-3, 40), max_size=10),
-                            st.lists(st.text(max_size=5), max_size=3), json_values),
+        "prompt": st.one_of(
+            st.text(max_size=30),
+            st.lists(st.integers(-3, 40), max_size=10),
+            st.lists(st.text(max_size=5), max_size=3),
+            json_values,
+        ),
         "messages": messages,
         "max_tokens": numbers,
         "max_completion_tokens": numbers,
@@ -69,12 +75,16 @@ def server(tmp_path_factory):
         yield served
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(endpoint=st.sampled_from(ENDPOINTS), body=bodies)
 def test_fuzzed_bodies_get_2xx_or_json_4xx(server, endpoint, body):
-    reply = httpx.post(server.url + endpoint, content=body, headers={"content-type": "application/json"},
-                       timeout=60)
+    reply = httpx.post(
+        server.url + endpoint, content=body, headers={"content-type": "application/json"}, timeout=60
+    )
     assert 200 <= reply.status_code < 500, (reply.status_code, reply.text[:300])
     if reply.status_code >= 400:
         error = reply.json()["error"]

@@ -37,9 +37,16 @@ def served(request, tmp_path_factory):
 def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def assert_close(got: list[float], want: list[float]) -> None:
@@ -50,8 +57,9 @@ def assert_close(got: list[float], want: list[float]) -> None:
 def test_completion_greedy_matches_generate_and_logprobs_match_hf(served):
     client = served.openai()
     prompt = [1, 11, 8, 15, 15, 18]
-    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
-                                      extra_body={"ignore_eos": True}, logprobs=0)
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}, logprobs=0
+    )
     choice = reply.choices[0]
     extra = choice.model_extra
     assert extra["prompt_token_ids"] == prompt
@@ -66,18 +74,36 @@ def test_completion_greedy_matches_generate_and_logprobs_match_hf(served):
 
 def test_sampled_logprobs_match_hf_with_temperature(served):
     client = served.openai()
-    reply = client.completions.create(model="tiny", prompt="hello world", max_tokens=20, temperature=0.7, n=3,
-                                      seed=5, extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model="tiny",
+        prompt="hello world",
+        max_tokens=20,
+        temperature=0.7,
+        n=3,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     assert len(reply.choices) == 3
     for choice in reply.choices:
         extra = choice.model_extra
-        want = teacher_forced_logprobs(served.hf, extra["prompt_token_ids"], extra["token_ids"], temperature=0.7)
+        want = teacher_forced_logprobs(
+            served.hf, extra["prompt_token_ids"], extra["token_ids"], temperature=0.7
+        )
         assert_close(extra["token_logprobs"], want)
     # n > 1 samples independently, and the seed makes the whole reply reproducible.
     assert len({tuple(c.model_extra["token_ids"]) for c in reply.choices}) > 1
-    again = client.completions.create(model="tiny", prompt="hello world", max_tokens=20, temperature=0.7, n=3,
-                                      seed=5, extra_body={"ignore_eos": True})
-    assert [c.model_extra["token_ids"] for c in again.choices] == [c.model_extra["token_ids"] for c in reply.choices]
+    again = client.completions.create(
+        model="tiny",
+        prompt="hello world",
+        max_tokens=20,
+        temperature=0.7,
+        n=3,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.model_extra["token_ids"] for c in again.choices] == [
+        c.model_extra["token_ids"] for c in reply.choices
+    ]
 
 
 def test_chat_uses_template_and_logprobs_match_hf(served):
@@ -85,8 +111,9 @@ def test_chat_uses_template_and_logprobs_match_hf(served):
 
     client = served.openai()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "reverse abc"}]
-    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, logprobs=True,
-                                           top_logprobs=3)
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=16, logprobs=True, top_logprobs=3
+    )
     choice = reply.choices[0]
     extra = choice.model_extra
     template = AutoTokenizer.from_pretrained(served.folder).apply_chat_template(
@@ -116,10 +143,18 @@ def test_streaming_equals_non_streaming(served):
             final = piece
     assert text == full.text and ids == full.model_extra["token_ids"]
     assert logprobs == full.model_extra["token_logprobs"]
-    assert final.finish_reason == "length" and final.model_extra["prompt_token_ids"] == full.model_extra["prompt_token_ids"]
+    assert (
+        final.finish_reason == "length"
+        and final.model_extra["prompt_token_ids"] == full.model_extra["prompt_token_ids"]
+    )
 
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-                                          stream=True, stream_options={"include_usage": True})
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(chat)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
@@ -127,12 +162,19 @@ def test_streaming_equals_non_streaming(served):
 
 def test_stop_strings_and_token_id_prompts(served):
     client = served.openai()
-    base = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0]
+    base = client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
     assert len(base.text) >= 4
     stop = base.text[2:4]
-    cut = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=30, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
+    cut = client.completions.create(
+        model="tiny",
+        prompt=[5, 6, 7],
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    ).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.text == base.text[: base.text.find(stop)]
     assert cut.model_extra["token_ids"] == base.model_extra["token_ids"][: len(cut.model_extra["token_ids"])]
@@ -141,19 +183,28 @@ def test_stop_strings_and_token_id_prompts(served):
 def test_sixty_four_concurrent_requests_are_batched(served):
     async def main():
         client = openai.AsyncOpenAI(base_url=served.v1, api_key="unused", max_retries=0)
-        replies = await asyncio.gather(*(
-            client.completions.create(model="tiny", prompt=[1, 4 + i % 26], max_tokens=24, temperature=1.0,
-                                      extra_body={"ignore_eos": True})
-            for i in range(64)
-        ))
+        replies = await asyncio.gather(
+            *(
+                client.completions.create(
+                    model="tiny",
+                    prompt=[1, 4 + i % 26],
+                    max_tokens=24,
+                    temperature=1.0,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(64)
+            )
+        )
         await client.close()
         return replies
 
     before = _decode_histogram(served.url)
     replies = asyncio.run(main())
     assert len(replies) == 64
-    assert all(r.choices[0].finish_reason == "length" and len(r.choices[0].model_extra["token_ids"]) == 24
-               for r in replies)
+    assert all(
+        r.choices[0].finish_reason == "length" and len(r.choices[0].model_extra["token_ids"]) == 24
+        for r in replies
+    )
     after = _decode_histogram(served.url)
     steps = after["count"] - before["count"]
     tokens_in_steps = after["sum"] - before["sum"]
@@ -208,8 +259,9 @@ def test_malformed_json_and_client_errors(served):
     with pytest.raises(openai.NotFoundError):
         served.openai().completions.create(model="other", prompt="a")
     with pytest.raises(openai.BadRequestError):
-        served.openai().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}],
-                                                max_tokens=100000)
+        served.openai().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=100000
+        )
     assert httpx.get(served.url + "/nowhere").json()["error"]["message"]
     assert httpx.get(served.url + "/health").json()["status"] == "ok"
 
@@ -231,5 +283,30 @@ def test_pause_holds_generation_until_resume(served):
             client.with_options(timeout=0.5).completions.create(model="tiny", prompt="ab", max_tokens=4)
     finally:
         assert served.admin("/resume").status_code == 200
-    reply = client.completions.create(model="tiny", prompt="ab", max_tokens=4, extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model="tiny", prompt="ab", max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert len(reply.choices[0].model_extra["token_ids"]) == 4
+
+
+def test_routed_experts_on_request(served):
+    reply = httpx.post(
+        served.v1 + "/completions",
+        json={
+            "model": "tiny",
+            "prompt": [1, 5, 6],
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "return_routed_experts": True,
+        },
+    )
+    choice = reply.json()["choices"][0]
+    config = served.engine.config
+    if not config.is_moe:
+        assert "routed_experts" not in choice
+        return
+    routed = choice["routed_experts"]
+    assert len(routed) == 3 + 4 - 1  # every position fed through the model
+    assert all(
+        len(pos) == sum(config.sparse_layers) and len(pos[0]) == config.num_experts_per_tok for pos in routed
+    )

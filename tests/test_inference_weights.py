@@ -3,6 +3,7 @@ was in flight either resumes on the new weights or finishes on the old ones, and
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -39,14 +40,20 @@ def test_update_serves_new_version_with_new_logprobs(folders):
         want = teacher_forced_logprobs(folders["hf1"], after["prompt_token_ids"], after["token_ids"])
         assert max(abs(a - b) for a, b in zip(after["token_logprobs"], want, strict=True)) < TOL
         assert httpx.get(server.url + "/health").json()["policy_version"] == 1
-        assert "primebuild_inference_policy_version{model=\"tiny\"} 1" in httpx.get(server.url + "/metrics").text
+        assert (
+            'primebuild_inference_policy_version{model="tiny"} 1' in httpx.get(server.url + "/metrics").text
+        )
 
 
 def test_bad_update_keeps_serving_old_weights(folders, tmp_path):
     wide = save_model(tmp_path / "other", "moe", seed=0, with_tokenizer=False)
     with serve_folder(folders["v0"]) as server:
-        for body in ({"path": str(tmp_path / "missing"), "version": 1}, {"path": str(wide), "version": 1},
-                     {"version": 1}, {"path": str(folders["v1"]), "version": "x"}):
+        for body in (
+            {"path": str(tmp_path / "missing"), "version": 1},
+            {"path": str(wide), "version": 1},
+            {"version": 1},
+            {"path": str(folders["v1"]), "version": "x"},
+        ):
             reply = server.admin("/update_weights", body)
             assert reply.status_code == 400, body
             assert reply.json()["error"]["message"]
@@ -55,8 +62,15 @@ def test_bad_update_keeps_serving_old_weights(folders, tmp_path):
 
 def _stream_with_update(server, update_body: dict, max_tokens: int = 300) -> tuple[dict, list]:
     """Stream one long completion; after its first tokens, pause, start the update, resume."""
-    body = {"model": "tiny", "prompt": [1, 11, 8, 15], "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 1.0, "seed": 3, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": [1, 11, 8, 15],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 3,
+        "stream": True,
+    }
     updates: list = []
     final: dict = {}
     ids: list[int] = []
@@ -67,8 +81,6 @@ def _stream_with_update(server, update_body: dict, max_tokens: int = 300) -> tup
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            import json
-
             choice = json.loads(line[6:])["choices"][0]
             ids += choice["token_ids"]
             logprobs += choice["token_logprobs"]
@@ -76,7 +88,8 @@ def _stream_with_update(server, update_body: dict, max_tokens: int = 300) -> tup
             if updater is None:
                 assert server.admin("/pause").status_code == 200
                 updater = threading.Thread(
-                    target=lambda: updates.append(server.admin("/update_weights", update_body)))
+                    target=lambda: updates.append(server.admin("/update_weights", update_body))
+                )
                 updater.start()
                 if update_body.get("in_flight") != "finish":
                     updater.join(timeout=30)  # a resume-mode swap happens even while paused

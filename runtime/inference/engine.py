@@ -29,8 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -230,7 +230,9 @@ class Engine:
             self._cv.notify()
         return request
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, timeout: float = 600) -> list[list[ChoiceResult]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, timeout: float = 600
+    ) -> list[list[ChoiceResult]]:
         """Blocking convenience for benchmarks and tests: all prompts, all n choices, in order."""
         results = [[ChoiceResult(i, list(p)) for i in range(params.n)] for p in prompts]
         remaining = [len(prompts) * params.n]
@@ -266,7 +268,9 @@ class Engine:
     def paused(self) -> bool:
         return self._paused
 
-    def update_weights(self, path: str | Path, version: int, in_flight: str = "resume", timeout: float = 600) -> None:
+    def update_weights(
+        self, path: str | Path, version: int, in_flight: str = "resume", timeout: float = 600
+    ) -> None:
         """Load an HF step folder and swap it in between two steps (blocks until swapped)."""
         if in_flight not in ("resume", "finish"):
             raise UserError(f"in_flight must be 'resume' or 'finish', not {in_flight!r}")
@@ -440,7 +444,9 @@ class Engine:
         max_len = max(positions) + 1
         self.cache.ensure(max_len)
         routed = [] if any(s.params.return_routed_experts for s in seqs) else None
-        logits = self.forward.decode(tokens, torch.tensor(positions, device=self.device), self.cache, max_len, routed)
+        logits = self.forward.decode(
+            tokens, torch.tensor(positions, device=self.device), self.cache, max_len, routed
+        )
         self.metrics.observe_decode_batch(batch)
         if routed is not None:
             per_layer = [layer.tolist() for layer in routed]
@@ -467,7 +473,9 @@ class Engine:
                 top_logprobs=None if out.top is None else (tuple(out.top[row]),),
                 finish_reason=reason,
                 stop_text=stop_text,
-                routed_experts=seq.routed if reason and seq.params.return_routed_experts else None,
+                routed_experts=seq.routed
+                if reason and seq.params.return_routed_experts and self.config.is_moe
+                else None,
             )
             by_request.setdefault(seq.request.id, (seq.request, []))[1].append(update)
             if reason:

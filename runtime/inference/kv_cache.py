@@ -40,7 +40,10 @@ class KVCache:
     def _alloc(self, length: int) -> list[torch.Tensor]:
         seqs, heads, _, dim = self._shape
         # Zeros, not empty: masked attention multiplies unused V entries by 0, and 0 * NaN is NaN.
-        return [torch.zeros(seqs, heads, length, dim, dtype=self._dtype, device=self._device) for _ in range(self._layers)]
+        return [
+            torch.zeros(seqs, heads, length, dim, dtype=self._dtype, device=self._device)
+            for _ in range(self._layers)
+        ]
 
     def ensure(self, length: int) -> None:
         """Make room for `length` positions per slot (copying what is cached when growing)."""

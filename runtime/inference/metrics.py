@@ -19,8 +19,12 @@ def render(engine: Engine, model_name: str) -> str:
         lines.append(f"{PREFIX}_{name}{{{label}}} {value}")
 
     metric("requests_running", "gauge", "Sequences in the running batch.", stats["running"])
-    metric("requests_waiting", "gauge", "Requests and preempted sequences waiting for a slot.", stats["waiting"])
-    metric("kv_cache_usage_ratio", "gauge", "Cached tokens / (max_num_seqs * max_model_len).", stats["kv_usage"])
+    metric(
+        "requests_waiting", "gauge", "Requests and preempted sequences waiting for a slot.", stats["waiting"]
+    )
+    metric(
+        "kv_cache_usage_ratio", "gauge", "Cached tokens / (max_num_seqs * max_model_len).", stats["kv_usage"]
+    )
     metric("kv_cache_bytes", "gauge", "Bytes allocated for the KV cache.", stats["kv_bytes"])
     metric("policy_version", "gauge", "Version of the weights being served.", stats["policy_version"])
     metric("paused", "gauge", "1 while generation is paused by /pause.", int(stats["paused"]))

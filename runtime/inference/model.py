@@ -95,7 +95,10 @@ class ModelConfig:
             sparse_step = int(raw.get("decoder_sparse_step", 1) or 1)
             mlp_only = set(raw.get("mlp_only_layers") or [])
             sparse = tuple(
-                model_type == "qwen3_moe" and num_experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0
+                model_type == "qwen3_moe"
+                and num_experts > 0
+                and i not in mlp_only
+                and (i + 1) % sparse_step == 0
                 for i in range(num_layers)
             )
             return cls(
@@ -196,7 +199,9 @@ class _TensorSource:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise UserError(
-                Problem("no *.safetensors files", file=str(folder), hint="save the model with save_pretrained")
+                Problem(
+                    "no *.safetensors files", file=str(folder), hint="save the model with save_pretrained"
+                )
             )
         self._where: dict[str, Path] = {}
         for file in files:
@@ -212,7 +217,11 @@ class _TensorSource:
     def get(self, key: str) -> torch.Tensor:
         if key not in self._where:
             raise UserError(
-                Problem(f"tensor {key!r} is missing", file=str(self.folder), hint="is this the right architecture?")
+                Problem(
+                    f"tensor {key!r} is missing",
+                    file=str(self.folder),
+                    hint="is this the right architecture?",
+                )
             )
         file = self._where[key]
         if file not in self._handles:
@@ -262,7 +271,11 @@ def load_weights(
             qkv_bias=None
             if q_bias is None
             else torch.cat(
-                [q_bias, get(p + "self_attn.k_proj.bias", (kv_out,)), get(p + "self_attn.v_proj.bias", (kv_out,))]
+                [
+                    q_bias,
+                    get(p + "self_attn.k_proj.bias", (kv_out,)),
+                    get(p + "self_attn.v_proj.bias", (kv_out,)),
+                ]
             ),
             qk_norm=torch.cat(
                 [
@@ -279,9 +292,12 @@ def load_weights(
             layer.experts_gate_up = layer.experts_gate_up * post_norm[None, None, :]
         else:
             inter = c.intermediate_size
-            layer.gate_up = torch.cat(
-                [get(p + "mlp.gate_proj.weight", (inter, h)), get(p + "mlp.up_proj.weight", (inter, h))]
-            ) * post_norm[None, :]
+            layer.gate_up = (
+                torch.cat(
+                    [get(p + "mlp.gate_proj.weight", (inter, h)), get(p + "mlp.up_proj.weight", (inter, h))]
+                )
+                * post_norm[None, :]
+            )
             layer.down = get(p + "mlp.down_proj.weight", (h, inter))
         layers.append(layer)
     embed = get("model.embed_tokens.weight", (c.vocab_size, h))
@@ -310,7 +326,9 @@ def _load_experts(layer: LayerWeights, prefix: str, c: ModelConfig, get, source:
             for e in range(n)
         ]
     )
-    layer.experts_down = torch.stack([get(f"{prefix}experts.{e}.down_proj.weight", (h, inter)) for e in range(n)])
+    layer.experts_down = torch.stack(
+        [get(f"{prefix}experts.{e}.down_proj.weight", (h, inter)) for e in range(n)]
+    )
 
 
 class RotaryTable:
@@ -357,7 +375,9 @@ class Qwen3Forward:
         return q, k, v.view(*lead, c.num_kv_heads, c.head_dim)
 
     @staticmethod
-    def _residual(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _residual(
+        x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         if bias is None and x.dim() == 2:
             return torch.addmm(x, a, weight.t())  # the residual add rides along with the matmul
         return x + F.linear(a, weight, bias)
@@ -408,7 +428,12 @@ class Qwen3Forward:
 
     @torch.inference_mode()
     def prefill(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache, routed: list | None = None
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+        cache,
+        routed: list | None = None,
     ) -> torch.Tensor:
         """Right-padded prompts [B, T] from position 0 into cache `slots`; logits [B, V] at each last token.
 
@@ -447,7 +472,9 @@ class Qwen3Forward:
         # Where each new K/V row goes in a flat [slots * kv_heads * capacity, head_dim] view of a layer.
         heads = torch.arange(c.num_kv_heads, device=tokens.device)
         rows = torch.arange(batch, device=tokens.device)
-        flat_rows = ((rows[:, None] * c.num_kv_heads + heads[None, :]) * cache.capacity + positions[:, None]).flatten()
+        flat_rows = (
+            (rows[:, None] * c.num_kv_heads + heads[None, :]) * cache.capacity + positions[:, None]
+        ).flatten()
         # Query heads that share a KV head become the "query length" axis: GQA without repeating K/V.
         groups = c.num_heads // c.num_kv_heads
         hidden = torch.arange(max_len, device=tokens.device)[None, :] > positions[:, None]

@@ -25,7 +25,15 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 class ApiError(Exception):
     """An error that becomes an HTTP response with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message

@@ -86,7 +86,13 @@ def sample(
         values, indices = logprobs.topk(min(wanted, logprobs.shape[-1]), dim=-1)
         values, indices = values.tolist(), indices.tolist()
         top = [
-            list(zip(indices[row][: params[row].top_logprobs], values[row][: params[row].top_logprobs], strict=True))
+            list(
+                zip(
+                    indices[row][: params[row].top_logprobs],
+                    values[row][: params[row].top_logprobs],
+                    strict=True,
+                )
+            )
             for row in range(batch)
         ]
     return SampleOutput(tokens=tokens.tolist(), logprobs=chosen.tolist(), top=top)

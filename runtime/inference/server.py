@@ -200,13 +200,17 @@ def create_app(
     def check_model(name: str) -> None:
         if name != served_model_name:
             raise ApiError(
-                404, f"The model `{name}` does not exist; this server serves `{served_model_name}`.",
-                param="model", code="model_not_found",
+                404,
+                f"The model `{name}` does not exist; this server serves `{served_model_name}`.",
+                param="model",
+                code="model_not_found",
             )
 
     def check_ids(ids: list[int], param: str) -> None:
         if any(t >= vocab_size for t in ids):
-            raise ApiError(400, f"{param}: token ids must be below the vocabulary size {vocab_size}", param=param)
+            raise ApiError(
+                400, f"{param}: token ids must be below the vocabulary size {vocab_size}", param=param
+            )
 
     def check_limits(prompts: list[list[int]], params: SamplingParams) -> None:
         if params.n > engine.max_num_seqs:
@@ -220,7 +224,8 @@ def create_app(
                     400,
                     f"This model's maximum context length is {engine.max_model_len} tokens; the prompt has "
                     f"{len(prompt)} tokens and max_tokens is {params.max_tokens}.",
-                    param="max_tokens", code="context_length_exceeded",
+                    param="max_tokens",
+                    code="context_length_exceeded",
                 )
 
     def completion_prompts(prompt) -> list[list[int]]:
@@ -243,8 +248,11 @@ def create_app(
     def usage(prompts, choices) -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
         completion_tokens = sum(len(c.result.token_ids) for c in choices)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     def sse(data: dict | str) -> str:
         return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
@@ -254,7 +262,8 @@ def create_app(
         generation = _Generation(engine, prompts, params)
         choices = [
             _Choice(p * params.n + i, prompts[p], tokenizer, params.stop)
-            for p in range(len(prompts)) for i in range(params.n)
+            for p in range(len(prompts))
+            for i in range(params.n)
         ]
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served_model_name}
 
@@ -292,8 +301,18 @@ def create_app(
     # ------------------------------------------------------------------ OpenAI endpoints
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "primebuild", "max_model_len": engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "primebuild",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -311,12 +330,19 @@ def create_app(
             out = []
             for c in choices:
                 r = c.result
-                out.append({
-                    "index": r.index, "text": c.text(), "finish_reason": r.finish_reason,
-                    "logprobs": _completion_logprobs(tokenizer, r.token_ids, r.logprobs, r.top_logprobs, top > 0, 0)
-                    if want_logprobs else None,
-                    **c.extensions(),
-                })
+                out.append(
+                    {
+                        "index": r.index,
+                        "text": c.text(),
+                        "finish_reason": r.finish_reason,
+                        "logprobs": _completion_logprobs(
+                            tokenizer, r.token_ids, r.logprobs, r.top_logprobs, top > 0, 0
+                        )
+                        if want_logprobs
+                        else None,
+                        **c.extensions(),
+                    }
+                )
             return {**meta, "object": "text_completion", "choices": out, "usage": usage_}
 
         def chunk(meta, c: _Choice, before: int):
@@ -325,10 +351,17 @@ def create_app(
             delta = c.delta()
             new = slice(before, None)
             item = {
-                "index": r.index, "text": delta, "finish_reason": r.finish_reason,
-                "logprobs": _completion_logprobs(tokenizer, r.token_ids[new], r.logprobs[new], r.top_logprobs[new],
-                                                 top > 0, offset) if want_logprobs else None,
-                "token_ids": r.token_ids[new], "token_logprobs": r.logprobs[new], "policy_versions": r.versions[new],
+                "index": r.index,
+                "text": delta,
+                "finish_reason": r.finish_reason,
+                "logprobs": _completion_logprobs(
+                    tokenizer, r.token_ids[new], r.logprobs[new], r.top_logprobs[new], top > 0, offset
+                )
+                if want_logprobs
+                else None,
+                "token_ids": r.token_ids[new],
+                "token_logprobs": r.logprobs[new],
+                "policy_versions": r.versions[new],
             }
             if r.finish_reason is not None:
                 final = c.extensions()
@@ -345,15 +378,22 @@ def create_app(
         body: ChatRequest = parse_body(await request.body(), ChatRequest)
         check_model(body.model)
         if not tokenizer.has_chat_template:
-            raise ApiError(400, "the served model's tokenizer has no chat template; use /v1/completions",
-                           param="messages")
+            raise ApiError(
+                400,
+                "the served model's tokenizer has no chat template; use /v1/completions",
+                param="messages",
+            )
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
         except Exception as err:  # a template may raise on inputs it does not accept
-            raise ApiError(400, f"the chat template rejected the messages: {str(err)[:200]}", param="messages") from None
+            raise ApiError(
+                400, f"the chat template rejected the messages: {str(err)[:200]}", param="messages"
+            ) from None
         check_ids(prompt, "messages")
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.max_model_len - len(prompt))
+        max_tokens = (
+            body.max_completion_tokens or body.max_tokens or max(1, engine.max_model_len - len(prompt))
+        )
         top = (body.top_logprobs or 0) if body.logprobs else 0
         params = body.sampling(max_tokens, top)
         check_limits([prompt], params)
@@ -363,14 +403,19 @@ def create_app(
             out = []
             for c in choices:
                 r = c.result
-                out.append({
-                    "index": r.index,
-                    "message": {"role": "assistant", "content": c.text()},
-                    "finish_reason": r.finish_reason,
-                    "logprobs": _chat_logprobs(tokenizer, r.token_ids, r.logprobs, r.top_logprobs, top > 0)
-                    if want_logprobs else None,
-                    **c.extensions(),
-                })
+                out.append(
+                    {
+                        "index": r.index,
+                        "message": {"role": "assistant", "content": c.text()},
+                        "finish_reason": r.finish_reason,
+                        "logprobs": _chat_logprobs(
+                            tokenizer, r.token_ids, r.logprobs, r.top_logprobs, top > 0
+                        )
+                        if want_logprobs
+                        else None,
+                        **c.extensions(),
+                    }
+                )
             return {**meta, "object": "chat.completion", "choices": out, "usage": usage_}
 
         def chunk(meta, c: _Choice, before: int):
@@ -380,10 +425,17 @@ def create_app(
             if before == 0:
                 delta["role"] = "assistant"
             item = {
-                "index": r.index, "delta": delta, "finish_reason": r.finish_reason,
-                "logprobs": _chat_logprobs(tokenizer, r.token_ids[new], r.logprobs[new], r.top_logprobs[new], top > 0)
-                if want_logprobs else None,
-                "token_ids": r.token_ids[new], "token_logprobs": r.logprobs[new], "policy_versions": r.versions[new],
+                "index": r.index,
+                "delta": delta,
+                "finish_reason": r.finish_reason,
+                "logprobs": _chat_logprobs(
+                    tokenizer, r.token_ids[new], r.logprobs[new], r.top_logprobs[new], top > 0
+                )
+                if want_logprobs
+                else None,
+                "token_ids": r.token_ids[new],
+                "token_logprobs": r.logprobs[new],
+                "policy_versions": r.versions[new],
             }
             if r.finish_reason is not None:
                 final = c.extensions()
@@ -398,21 +450,33 @@ def create_app(
     # ------------------------------------------------------------------ operations
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": served_model_name, "policy_version": engine.version,
-                "paused": engine.paused}
+        return {
+            "status": "ok",
+            "model": served_model_name,
+            "policy_version": engine.version,
+            "paused": engine.paused,
+        }
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus.render(engine, served_model_name),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            prometheus.render(engine, served_model_name),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
 
     def authorize(request: Request) -> None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if not admin_token or scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), admin_token.encode()
+        if (
+            not admin_token
+            or scheme.lower() != "bearer"
+            or not hmac.compare_digest(given.strip().encode(), admin_token.encode())
         ):
-            raise ApiError(401, "admin calls need 'Authorization: Bearer <admin token>'",
-                           code="unauthorized", kind="authentication_error")
+            raise ApiError(
+                401,
+                "admin calls need 'Authorization: Bearer <admin token>'",
+                code="unauthorized",
+                kind="authentication_error",
+            )
 
     @app.post("/pause")
     async def pause(request: Request):
@@ -438,7 +502,11 @@ def create_app(
         except TimeoutError as err:
             raise ApiError(409, str(err)) from None
         log.info("weights updated to version %s from %s", body.version, body.path)
-        return {"status": "ok", "policy_version": engine.version, "seconds": round(time.monotonic() - started, 3)}
+        return {
+            "status": "ok",
+            "policy_version": engine.version,
+            "seconds": round(time.monotonic() - started, 3),
+        }
 
     return app
 
@@ -477,14 +545,21 @@ def serve(
         eos_token_ids=tokenizer.eos_token_ids,
         detokenize=tokenizer.decode,
     )
-    app = create_app(engine, tokenizer, served_model_name=served_model_name, admin_token=admin_token,
-                     shutdown_engine_on_exit=True)
+    app = create_app(
+        engine,
+        tokenizer,
+        served_model_name=served_model_name,
+        admin_token=admin_token,
+        shutdown_engine_on_exit=True,
+    )
     uvicorn.run(app, host=host, port=port, log_level="info")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m primebuild.runtime.inference.server",
-                                     description="Serve an HF Qwen3 / Qwen3-MoE folder over an OpenAI-compatible API.")
+    parser = argparse.ArgumentParser(
+        prog="python -m primebuild.runtime.inference.server",
+        description="Serve an HF Qwen3 / Qwen3-MoE folder over an OpenAI-compatible API.",
+    )
     parser.add_argument("--model", required=True, help="HF model folder")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -500,11 +575,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         serve(
-            model_path=args.model, host=args.host, port=args.port,
+            model_path=args.model,
+            host=args.host,
+            port=args.port,
             served_model_name=args.served_model_name or os.path.basename(os.path.normpath(args.model)),
-            admin_token_env=args.admin_token_env, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
-            num_threads=args.num_threads, policy_version=args.policy_version,
+            admin_token_env=args.admin_token_env,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            dtype=args.dtype,
+            seed=args.seed,
+            num_threads=args.num_threads,
+            policy_version=args.policy_version,
         )
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -13,6 +13,8 @@ class ServedTokenizer:
         from transformers import AutoTokenizer
 
         path = Path(model_path)
+        if not path.is_dir():
+            raise UserError(Problem("model folder does not exist", file=str(path), hint="check --model"))
         try:
             self._tok = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as err:
@@ -32,7 +34,9 @@ class ServedTokenizer:
             file = path / name
             if file.is_file():
                 value = json.loads(file.read_text()).get("eos_token_id")
-                ids.update([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
+                ids.update(
+                    [value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)]
+                )
         if self._tok.eos_token_id is not None:
             ids.add(self._tok.eos_token_id)
         return ids
