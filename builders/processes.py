@@ -182,6 +182,7 @@ def _trainer_config(m: Manifest) -> dict:
         "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[t.precision],
         "activation_checkpointing": t.activation_checkpointing, "checkpoint_every": t.checkpoint_every,
         "weight_sync": "filesystem",
+        "poll_interval_s": 0.01,  # a new batch is a file: noticing it late idles the trainer for nothing
     }
 
 

@@ -1,7 +1,8 @@
 """The live progress line of a run, read from metrics.jsonl as the processes write it.
 
-One line per trained step: reward of its rollouts, the trainer's mismatch KL, off-policy lag,
-inference tokens/s and the policy version that sampled it.
+One line per trained step: reward of its rollouts, the trainer's KL to the sampling policy (behaviour:
+numerics plus async staleness; mismatch: numerics alone, on samples drawn with the trained weights, "-"
+when every sample is stale), off-policy lag, inference tokens/s and the policy version that sampled it.
 """
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ class Progress:
             if "reward_mean" not in orch:
                 continue
             self.printed.add(step)
-            kl = next((v for k, v in values.items() if "mismatch_kl" in k), None)
+            mismatch, behaviour = values.get("mismatch_kl"), values.get("behaviour_kl")
             self.echo(
-                f"step {step:4d} | reward {orch['reward_mean']:.3f} | mismatch KL "
-                f"{kl if kl is None else f'{kl:.2e}'} | lag {orch.get('off_policy_lag', 0):.0f} | "
+                f"step {step:4d} | reward {orch['reward_mean']:.3f} | KL behaviour "
+                f"{_fmt(behaviour)} mismatch {_fmt(mismatch)} | lag {orch.get('off_policy_lag', 0):.0f} | "
                 f"{orch.get('tokens_per_s', 0):,.0f} tok/s | sampled by v{orch.get('policy_version', 0):.0f}")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"

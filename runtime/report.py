@@ -19,10 +19,10 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def series(rows: list[dict], role: str, name_contains: str) -> tuple[list[int], list[float]]:
+def series(rows: list[dict], role: str, name: str) -> tuple[list[int], list[float]]:
     points: dict[int, float] = {}
     for r in rows:
-        if r["role"] == role and name_contains in r["name"] and isinstance(r["value"], int | float):
+        if r["role"] == role and r["name"] == name and isinstance(r["value"], int | float):
             points[r["step"]] = float(r["value"])  # a resumed step overwrites the earlier attempt
     steps = sorted(points)
     return steps, [points[s] for s in steps]
@@ -38,7 +38,7 @@ def write_report(run_dir: Path) -> Path | None:
     if not rows:
         return None
     panels = [("orchestrator", "reward_mean", "rollout reward (mean)"),
-              ("trainer", "mismatch_kl", "mismatch KL (trainer vs inference)"),
+              ("trainer", "behaviour_kl", "KL(inference || trainer)"),
               ("orchestrator", "tokens_per_s", "inference tokens/s")]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (role, name, title) in zip(axes, panels, strict=True):
@@ -48,8 +48,13 @@ def write_report(run_dir: Path) -> Path | None:
             ex, ey = series(rows, "orchestrator", "eval_reward")
             ax.plot(ex, ey, "o--", label="held-out eval (greedy)")
             ax.legend()
-        if name == "mismatch_kl" and ys and min(ys) > 0:
-            ax.set_yscale("log")
+        if name == "behaviour_kl":
+            ax.lines[-1].set_label("behaviour (all samples)")
+            mx, my = series(rows, "trainer", "mismatch_kl")
+            ax.plot(mx, my, "s", label="mismatch (samples of the trained weights)")
+            ax.legend()
+            if ys and min(ys + my) > 0:
+                ax.set_yscale("log")
         ax.set_title(title)
         ax.set_xlabel("step")
     fig.tight_layout()
@@ -64,10 +69,11 @@ def write_summary(run_dir: Path, extra: dict) -> dict:
     summary = json.loads(orchestrator.read_text()) if orchestrator.exists() else {}
     summary.update(extra)
     rows = read_metrics(run_dir / "metrics.jsonl")
-    _, kl = series(rows, "trainer", "mismatch_kl")
-    if kl:
-        summary["mismatch_kl_max"] = max(kl)
-        summary["mismatch_kl_mean"] = sum(kl) / len(kl)
+    for name in ("mismatch_kl", "behaviour_kl"):
+        _, kl = series(rows, "trainer", name)
+        if kl:
+            summary[f"{name}_max"] = max(kl)
+            summary[f"{name}_mean"] = sum(kl) / len(kl)
     if "eval_reward_before" in summary and "eval_reward_after" in summary:
         summary["eval_reward_gain"] = summary["eval_reward_after"] - summary["eval_reward_before"]
     tmp = run_dir / "summary.json.tmp"

@@ -59,7 +59,7 @@ def test_two_ranks_match_one_rank(tmp_path):
     two = read_metrics(runs["two"] / "metrics.jsonl")
     assert sorted(two) == [1, 2, 3]
     for step in (1, 2, 3):
-        for name in ("loss", "grad_norm", "mismatch_kl", "entropy", "tokens", "masked_fraction"):
+        for name in ("loss", "grad_norm", "behaviour_kl", "entropy", "tokens", "masked_fraction"):
             assert two[step][name] == pytest.approx(one[step][name], rel=1e-5, abs=1e-7), (step, name)
     assert one[3]["loss"] != one[1]["loss"]  # the trajectory moved
     w1 = load_file(step_dir(runs["one"] / "weights", 3) / "model.safetensors")

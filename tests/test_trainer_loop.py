@@ -48,8 +48,11 @@ def test_step1_mismatch_kl_is_zero_and_weights_publish_atomically(tmp_path, tiny
     m = read_metrics(cfg.run_path / "metrics.jsonl")
     assert sorted(m) == [1, 2]
     # Same fp32 weights on both sides and logprobs from an unpadded HF forward: no mismatch.
-    assert m[1]["mismatch_kl"] < 1e-6
-    assert m[2]["mismatch_kl"] > 1e-6  # step-2 rollouts come from the base model, one step stale
+    assert m[1]["mismatch_kl"] < 1e-6 and m[1]["behaviour_kl"] < 1e-6
+    # step-2 rollouts come from the base model, one step stale: no same-weights tokens to measure the
+    # engine-vs-trainer mismatch on, and the behaviour KL shows the staleness
+    assert m[2]["mismatch_kl"] is None
+    assert m[2]["behaviour_kl"] > 1e-6
     assert m[2]["async_lag_mean"] == 1.0
     assert m[1]["lr"] == pytest.approx(5e-4) and m[2]["lr"] == pytest.approx(1e-3)
     assert m[1]["tokens"] > 0 and 0 < m[1]["entropy"] < 5.0
@@ -94,7 +97,7 @@ def test_resume_continues_identically(tmp_path, tiny):
     a = read_metrics(straight.run_path / "metrics.jsonl")
     b = read_metrics(first.run_path / "metrics.jsonl")
     for step in (1, 2, 3, 4):
-        for name in ("loss", "grad_norm", "mismatch_kl", "entropy"):
+        for name in ("loss", "grad_norm", "behaviour_kl", "entropy"):
             assert b[step][name] == pytest.approx(a[step][name], rel=1e-9, abs=1e-12), (step, name)
     wa = load_file(step_dir(straight.run_path / "weights", 4) / "model.safetensors")
     wb = load_file(step_dir(first.run_path / "weights", 4) / "model.safetensors")

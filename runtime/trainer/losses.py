@@ -41,15 +41,20 @@ from primebuild.errors import UserError
 LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
 
+def kl_per_token(delta: Tensor) -> Tensor:
+    """exp(Δ) − Δ − 1 per token (detached, at least fp32: bf16 metrics would round to nothing)."""
+    d = delta.detach()
+    d = d.to(torch.promote_types(d.dtype, torch.float32))
+    return torch.exp(d) - d - 1
+
+
 def _common_metrics(delta: Tensor, loss_mask: Tensor, masked: Tensor) -> dict[str, Tensor]:
     with torch.no_grad():
-        d = delta.detach()
-        d = d.to(torch.promote_types(d.dtype, torch.float32))  # bf16 metrics would round to nothing
-        kl = torch.exp(d) - d - 1
+        d = delta.detach().to(torch.promote_types(delta.dtype, torch.float32))
         m = loss_mask
         return {
             "tokens": m.sum().float(),
-            "mismatch_kl": torch.where(m, kl, 0.0).sum(),
+            "mismatch_kl": torch.where(m, kl_per_token(delta), 0.0).sum(),
             "masked": (masked & m).sum().float(),
             "ratio": torch.where(m, torch.exp(d), 0.0).sum(),
         }

@@ -16,7 +16,8 @@ Loop for k = 1, 2, ... (steps are 1-based; see batch.py for the file contract):
      ends, save ``checkpoints/step_{k:06d}/``; with ``resume`` the run continues after the newest one.
 
 Metrics (one JSON line each, see metrics.py), means are over trained tokens of the whole step:
-  loss, mismatch_kl (KL(inference ‖ trainer), see losses.py), masked_fraction, importance_ratio, entropy,
+  loss, behaviour_kl (KL(inference ‖ trainer) over all tokens, see losses.py), mismatch_kl (the same over
+  samples drawn with exactly the weights being trained: engine numerics only), masked_fraction, importance_ratio, entropy,
   grad_norm (before clipping), lr, tokens, samples, reward_mean, advantage_abs_mean, async_lag_mean/max
   (k − 1 − policy_version of a sample: how many optimizer steps behind its sampler was),
   padding_fraction, skipped_step (1 when the gradient was not finite and the step was skipped),
@@ -40,7 +41,7 @@ from primebuild.runtime.weight_sync import filesystem as fs
 from .batch import load_batch, loss_normalizer, pack
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainerConfig, load_config
-from .losses import resolve_loss
+from .losses import kl_per_token, resolve_loss
 from .metrics import MetricsWriter
 from .model import (
     DTYPES,
@@ -122,15 +123,20 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
     )
     mine = pack(samples, config.micro_batch_tokens, env.world_size, config.pad_token_id)[env.rank]
 
-    # Sums over this rank's tokens: loss, tokens, mismatch_kl, masked, ratio, entropy, real, padded.
-    totals = torch.zeros(8, dtype=torch.float64)
+    # Sums over this rank's tokens: loss, tokens, kl, masked, ratio, entropy, real, padded, and the
+    # tokens and kl of "fresh" samples, drawn with exactly the weights being trained (version step-1).
+    totals = torch.zeros(10, dtype=torch.float64)
     for mb in mine:
         mb.input_ids = mb.input_ids.to(env.device)
         mb.attention_mask = mb.attention_mask.to(env.device)
         mask = mb.loss_mask.to(env.device)
         with autocast_context(env, config.dtype):
             lp, entropy = token_logprobs(model, mb, config.temperature)
-        loss_sum, m = loss_fn(lp, mb.inference_logprobs.to(env.device), mb.advantages.to(env.device), mask)
+        inference_lp = mb.inference_logprobs.to(env.device)
+        loss_sum, m = loss_fn(lp, inference_lp, mb.advantages.to(env.device), mask)
+        fresh_rows = torch.tensor([samples[i].policy_version == step - 1 for i in mb.sample_indices],
+                                  dtype=torch.bool, device=env.device)
+        fresh = mask & fresh_rows[:, None] if len(mb.sample_indices) else torch.zeros_like(mask)
         # FSDP2 averages gradients over ranks; scaling by world_size turns that back into the sum that
         # one rank holding every micro-batch would compute.
         (loss_sum * (env.world_size / normalizer)).backward()
@@ -144,6 +150,8 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
                 torch.where(mask, entropy, 0.0).sum().double().cpu(),
                 torch.tensor(0.0 if mb.is_empty else float(mb.attention_mask.sum()), dtype=torch.float64),
                 torch.tensor(0.0 if mb.is_empty else float(mb.padded_tokens), dtype=torch.float64),
+                fresh.sum().double().cpu(),
+                torch.where(fresh, kl_per_token(lp - inference_lp), 0.0).sum().double().cpu(),
             ]
         )
     if env.distributed:
@@ -162,12 +170,16 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
-    loss, tokens, kl, masked, ratio, ent, real, padded = totals.tolist()
+    loss, tokens, kl, masked, ratio, ent, real, padded, fresh_tokens, fresh_kl = totals.tolist()
     n_tok = max(tokens, 1.0)
     lags = [step - 1 - s.policy_version for s in samples]
     return {
         "loss": loss / normalizer,
-        "mismatch_kl": kl / n_tok,
+        # KL(inference ‖ trainer) over every token: engine numerics plus the staleness of async samples
+        "behaviour_kl": kl / n_tok,
+        # the same over samples drawn with the very weights being trained: engine vs trainer numerics only
+        # (NaN -> null in metrics.jsonl when the whole batch is stale, as in steady-state async RL)
+        "mismatch_kl": fresh_kl / fresh_tokens if fresh_tokens else float("nan"),
         "masked_fraction": masked / n_tok,
         "importance_ratio": ratio / n_tok,
         "entropy": ent / n_tok,
@@ -259,9 +271,10 @@ def run_trainer(config: TrainerConfig) -> None:
             last_done = step
             if env.is_main:
                 log.info(
-                    "step %d loss %.4g mismatch_kl %.3g grad_norm %.3g",
+                    "step %d loss %.4g behaviour_kl %.3g mismatch_kl %.3g grad_norm %.3g",
                     step,
                     stats["loss"],
+                    stats["behaviour_kl"],
                     stats["mismatch_kl"],
                     stats["grad_norm"],
                 )
