@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import configparser
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -38,8 +39,20 @@ def variant_request(variant: str, python: str, extras: list[str], project_dir: P
         "python": python,
         "platform": PLATFORM,
         "extras": wanted,
-        "pyproject_sha256": hashlib.sha256((project_dir / "pyproject.toml").read_bytes()).hexdigest(),
+        "dependencies_sha256": dependencies_hash(project_dir / "pyproject.toml", wanted),
     }
+
+
+def dependencies_hash(pyproject: Path, extras: list[str]) -> str:
+    """sha256 of what resolution reads from pyproject.toml: requires-python, the dependencies and the
+    requested extras. Editing a comment, a tool's settings or another extra leaves locks fresh."""
+    import tomllib
+
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    optional = project.get("optional-dependencies", {})
+    relevant = {"requires-python": project.get("requires-python"), "dependencies": project.get("dependencies", []),
+                "extras": {name: optional.get(name) for name in extras}}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 
 def resolve_variant(request: dict, *, project_dir: Path = PROJECT_DIR, offline: bool = False) -> dict:

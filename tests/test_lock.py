@@ -199,19 +199,23 @@ def test_uv_resolves_a_small_project_with_hashes(tmp_path: Path):
     assert all(h.startswith("sha256:") for h in resolved["packages"]["click"]["hashes"])
 
 
-def test_same_manifest_and_lock_give_the_same_plan_hash_in_fresh_processes(tmp_path: Path):
-    manifest = REPO / "manifests" / "reverse-text.yaml"
+def test_same_manifest_and_lock_give_the_same_plan_hash_in_fresh_processes(project: Path, tmp_path: Path):
+    manifest = project / "manifests" / "tiny.yaml"
+    assert run_cli("lock", "--offline", manifest, timeout=300).code == 0
+    elsewhere_dir = tmp_path / "elsewhere"
+    elsewhere_dir.mkdir()
     here = run_cli("plan", "--locked", "-o", "json", manifest)
     assert here.code == 0, here.text
-    elsewhere = run_cli("plan", "--locked", "-o", "json", manifest, cwd=tmp_path)
+    elsewhere = run_cli("plan", "--locked", "-o", "json", manifest, cwd=elsewhere_dir)
     assert elsewhere.code == 0, elsewhere.text
     a, b = json.loads(here.out), json.loads(elsewhere.out)
     assert a["plan_hash"] == b["plan_hash"] and here.out == elsewhere.out
-    assert a["lock_hash"] == lockmod.lock_hash(lockmod.read_lock(REPO / "lockfiles" / "reverse-text.lock"))
+    assert a["lock_hash"] == lockmod.lock_hash(lockmod.read_lock(project / "lockfiles" / "tiny.lock"))
 
 
 @pytest.mark.parametrize("name", ["reverse-text", "reverse-text-sft", "glm5", "qwen3-30b-a3b"])
 def test_committed_locks_are_fresh(name: str):
+    """Guard: after changing a manifest, the schema or the dependencies, run `primebuild lock manifests/X.yaml`."""
     loaded = load_manifest(MANIFESTS / f"{name}.yaml")
     lock = load_lock_for(loaded, None, require_fresh=True)
     assert lock["python"]["cpu"]["pinned"] and lock["python"]["gpu"]["pinned"]

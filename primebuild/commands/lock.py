@@ -35,8 +35,8 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: Path | None, update
     path = lock_path or lockmod.lock_path_for(loaded)
     previous = lockmod.read_lock(path) if path.is_file() else None
     siblings = sorted(p for p in path.parent.glob(f"*{lockmod.LOCK_SUFFIX}") if p != path)
-    echo = (lambda msg: click.echo(msg, err=True))
-    lock = lockmod.make_lock(loaded, previous, update=update, offline=offline, sibling_locks=siblings, echo=echo)
+    lock = lockmod.make_lock(loaded, previous, update=update, offline=offline, sibling_locks=siblings,
+                             echo=lambda msg: click.echo(msg, err=True))
     changes = diff_values(previous, lock) if previous is not None else []
     written = previous is None or bool(changes)
     if written:

@@ -1,0 +1,120 @@
+"""`primebuild replay`: a recorded run recompiles to the same plan hash, or is refused with a diff."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import CPU_MANIFEST, MANIFESTS, REPO, call_cli, run_cli, write
+
+from primebuild.builders.lock import lock_hash, read_lock, record_lock
+from primebuild.builders.lock_check import load_lock_for
+from primebuild.builders.plan import compile_plan, plan_hash, render_json
+from primebuild.manifest.load import load_manifest
+
+
+@pytest.fixture
+def locked(tmp_path: Path) -> Path:
+    """A copy of manifests/ with fresh locks in lockfiles/, made offline: the Python variants come from
+    the committed locks (siblings with the same request), so no test depends on PyPI or on the
+    committed locks being fresh for today's manifests."""
+    shutil.copytree(MANIFESTS, tmp_path / "manifests", ignore=shutil.ignore_patterns("*.lock"))
+    (tmp_path / "lockfiles").mkdir()
+    for committed in sorted((REPO / "lockfiles").glob("*.lock")):
+        shutil.copy(committed, tmp_path / "lockfiles" / f"committed-{committed.name}")
+    for name in ("reverse-text-sft", "reverse-text"):
+        result = run_cli("lock", "--offline", tmp_path / "manifests" / f"{name}.yaml", timeout=300)
+        assert result.code == 0, result.text
+    return tmp_path / "manifests"
+
+
+def record_run(run_dir: Path, manifest: Path, sets: tuple[str, ...] = (), locked: bool = False) -> dict:
+    """A run folder laid out as `primebuild run` writes it (plan, composed manifest, copies, run.json)."""
+    loaded = load_manifest(manifest, sets)
+    lock = load_lock_for(loaded, None, require_fresh=True) if locked else None
+    plan = compile_plan(loaded, lock)
+    run_dir.mkdir(parents=True)
+    (run_dir / "plan.json").write_text(render_json(plan))
+    (run_dir / "manifest.json").write_text(json.dumps(loaded.document, indent=2, sort_keys=True))
+    (run_dir / "manifests").mkdir()
+    for path in loaded.files:
+        (run_dir / "manifests" / path.name).write_bytes(path.read_bytes())
+    (run_dir / "run.json").write_text(json.dumps({"plan_hash": plan["plan_hash"], "code_version": "abc123",
+                                                  "manifest_hash": loaded.manifest_hash}))
+    if locked:
+        record_lock(run_dir, loaded)
+    return plan
+
+
+def test_replay_check_verifies_the_recorded_plan(tmp_path: Path, capsys):
+    run_dir = tmp_path / "runs" / "rt-1"
+    plan = record_run(run_dir, MANIFESTS / "reverse-text.yaml", ("orchestrator.max_steps=2",))
+    result = call_cli(capsys, "replay", "--check", "-o", "json", run_dir)  # manifest folder found by content
+    assert result.code == 0, result.text
+    assert json.loads(result.out) == {"run_dir": str(run_dir.resolve()), "plan_hash": plan["plan_hash"],
+                                      "verified": True, "started": False}
+
+
+def test_replay_refuses_when_todays_plan_differs(tmp_path: Path, capsys):
+    run_dir = tmp_path / "rt-1"
+    record_run(run_dir, MANIFESTS / "reverse-text.yaml")
+    recorded = json.loads((run_dir / "plan.json").read_text())
+    # what a code change looks like from the run folder: the plan compiled then is not today's plan
+    for process in recorded["processes"]:
+        if process["name"] == "trainer":
+            process["config"]["lr"] = 0.5
+    recorded["plan_hash"] = plan_hash(recorded)
+    (run_dir / "plan.json").write_text(render_json(recorded))
+    result = call_cli(capsys, "replay", "--check", run_dir)
+    assert result.code == 2
+    assert "today's plan differs from the recorded one" in result.err
+    assert "processes[trainer].config.lr: 0.5 -> 0.0002" in result.err
+    assert "code abc123" in result.err and "Traceback" not in result.err
+
+
+def test_replay_with_lock_checks_the_recorded_lock(tmp_path: Path, capsys, locked: Path):
+    run_dir = tmp_path / "rt-locked"
+    plan = record_run(run_dir, locked / "reverse-text.yaml", locked=True)
+    lock = read_lock(run_dir / "lock.json")
+    assert plan["lock_hash"] == lock_hash(lock)
+    ok = call_cli(capsys, "replay", "--check", "--manifest-dir", locked, run_dir)
+    assert ok.code == 0, ok.text
+    lock["environments"]["reverse-text"]["version"] = "2"
+    (run_dir / "lock.json").write_text(json.dumps(lock))
+    bad = call_cli(capsys, "replay", "--check", "--manifest-dir", locked, run_dir)
+    assert bad.code == 2 and "is not the lock the run used" in bad.err
+
+
+def test_replay_of_a_foreign_manifest_needs_its_folder_and_diff_of_run_folders(workdir: Path, capsys):
+    manifest = write(workdir, "tiny.yaml", CPU_MANIFEST)
+    record_run(workdir / "runs" / "a", manifest)
+    record_run(workdir / "runs" / "b", manifest, ("orchestrator.group_size=4",))
+    ok = call_cli(capsys, "replay", "--check", "--manifest-dir", workdir, workdir / "runs" / "a")
+    assert ok.code == 0, ok.text
+    same = call_cli(capsys, "diff", workdir / "runs" / "a", workdir / "runs" / "a")
+    assert same.code == 0 and "no differences (manifest, plan, run)" in same.out
+    result = call_cli(capsys, "diff", workdir / "runs" / "a", workdir / "runs" / "b")
+    assert result.code == 1
+    assert "manifest:\n" in result.out and "~ orchestrator.group_size: 8 -> 4" in result.out
+    assert "run:\n" in result.out and "~ plan_hash:" in result.out
+    not_a_run = call_cli(capsys, "replay", "--check", workdir)
+    assert not_a_run.code == 2 and "not a run folder" in not_a_run.err
+
+
+@pytest.mark.slow
+def test_replay_starts_the_same_plan(tmp_path: Path, capsys, monkeypatch):
+    """Replay goes through `primebuild run`: the new run folder holds the very plan that was recorded."""
+    monkeypatch.setenv("PRIMEBUILD_STORE", str(tmp_path / "store"))
+    manifests = tmp_path / "manifests"
+    shutil.copytree(MANIFESTS / "models", manifests / "models")
+    manifest = write(manifests, "tiny.yaml", CPU_MANIFEST)
+    sets = ("orchestrator.max_steps=2", "orchestrator.rollouts_per_step=16", "orchestrator.group_size=4")
+    original = tmp_path / "runs" / "tiny-original"
+    plan = record_run(original, manifest, sets)
+    result = call_cli(capsys, "replay", "--quiet", "--manifest-dir", manifests, original)
+    started = [p for p in (tmp_path / "runs").iterdir() if p != original]
+    assert len(started) == 1, result.text  # the run may fail for its own reasons; it must have started
+    assert json.loads((started[0] / "plan.json").read_text())["plan_hash"] == plan["plan_hash"]
+    assert (started[0] / "plan.json").read_text() == (original / "plan.json").read_text()
