@@ -103,7 +103,7 @@ def test_replay_of_a_foreign_manifest_needs_its_folder_and_diff_of_run_folders(w
     assert not_a_run.code == 2 and "not a run folder" in not_a_run.err
 
 
-@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_replay_starts_the_same_plan(tmp_path: Path, capsys, monkeypatch):
     """Replay goes through `primebuild run`: the new run folder holds the very plan that was recorded."""
     monkeypatch.setenv("PRIMEBUILD_STORE", str(tmp_path / "store"))
