@@ -25,7 +25,7 @@ def model_reference(loaded: LoadedManifest) -> dict:
         ref.update(manifest=model.from_manifest)
     else:
         ref.update(init=model.init, tokenizer=model.tokenizer)
-    if model.facts:
+    if model.facts is not None:
         ref["facts"] = model.facts
     return ref
 
@@ -33,7 +33,7 @@ def model_reference(loaded: LoadedManifest) -> dict:
 def facts_file(loaded: LoadedManifest, _depth: int = 0) -> tuple[Path, str]:
     """The HF config.json-style file holding the architecture, and how to show it to a person."""
     model = loaded.manifest.model
-    if model.facts:
+    if model.facts is not None:  # `facts: ""` is given (and not found), not absent
         return loaded.resolve(model.facts), model.facts
     kind = model.source_kind
     if kind == "hf":
@@ -54,7 +54,7 @@ def facts_file(loaded: LoadedManifest, _depth: int = 0) -> tuple[Path, str]:
 def read_facts_json(loaded: LoadedManifest) -> tuple[dict, str]:
     path, shown = facts_file(loaded)
     if not path.is_file():
-        field = ("model", "facts") if loaded.manifest.model.facts else ("model",)
+        field = ("model", "facts") if loaded.manifest.model.facts is not None else ("model",)
         raise UserError(loaded.source.problem(
             field, f"architecture facts not found: {shown}",
             hint="add the model's config.json under manifests/models/, or set model.facts"))

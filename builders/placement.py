@@ -96,6 +96,11 @@ def check_group_shape(name: str, group: InferenceGroup, gpus_per_node: int, path
 def place(m: Manifest) -> tuple[Placement | None, list[Problem]]:
     hw = m.hardware
     if hw.gpu == "cpu":
+        replicas = sum(g.replicas for g in m.inference.groups.values())
+        if replicas > hw.cpus_per_node:  # also keeps a typo like 1000000 from building a million processes
+            return None, [Problem(f"{replicas} inference replicas on one CPU node with {hw.cpus_per_node} CPUs",
+                                  field="inference.replicas",
+                                  hint=f"use at most {hw.cpus_per_node} replicas, or raise hardware.cpus_per_node")]
         return _place_cpu(m), []
     problems: list[Problem] = []
     section = "inference.disaggregation" if m.inference.disaggregation else "inference"
@@ -124,6 +129,11 @@ def place(m: Manifest) -> tuple[Placement | None, list[Problem]]:
                     hint="lower replicas, or add nodes under hardware.nodes")]
             replicas.append(ReplicaPlacement(name, r, tuple(slots)))  # type: ignore[arg-type]
     cursor.fresh_node()
+    last_port = m.inference.port + len(replicas) - 1 + (1000 if any(len(r.slots) > 1 for r in replicas) else 0)
+    if last_port > 65535:  # one HTTP port per replica (and a DP coordinator port for multi-node ones)
+        return None, [Problem(f"{len(replicas)} inference replicas from port {m.inference.port} need ports up to "
+                              f"{last_port}, beyond 65535", field="inference.port",
+                              hint="lower inference.port or the number of replicas")]
 
     free_nodes = hw.nodes - cursor.node
     trainer_nodes = m.trainer.nodes or free_nodes

@@ -147,8 +147,18 @@ def _cases() -> list[Case]:
         field="inference.router_replay", message="router_replay needs a MoE model", hint="router_replay: false")
     fat = edit(g, "cpu_offload: true}", "cpu_offload: false}")
     add(id="trainer-does-not-fit", text=fat, line=line_of(fat, "  dp_shard: 24"), field="trainer.dp_shard",
-        message=r"trainer: [\d.]+ GiB per GPU needed, 140.4 GiB available \(short by [\d.]+ GiB\)",
+        message=r"trainer: [\d.]+ GiB per GPU needed, [\d.]+ GiB available \(short by [\d.]+ GiB\)",
         hint=r"cpu_offload: true \(frees [\d.]+ GiB\)")
+    many = edit(cpu, "  engine: embedded", "  engine: embedded\n  replicas: 1000000")
+    add(id="cpu-replicas-beyond-cpus", text=many, line=line_of(many, "replicas"), field="inference.replicas",
+        message="1000000 inference replicas on one CPU node with 2 CPUs", hint="at most 2 replicas", subprocess=False)
+    q = (MANIFESTS / "qwen3-30b-a3b.yaml").read_text()
+    ports = edit(q, "  replicas: 4\n", "  replicas: 4\n  port: 65534\n")
+    add(id="inference-ports-beyond-65535", text=ports, line=line_of(ports, "port: 65534"), field="inference.port",
+        message="4 inference replicas from port 65534 need ports up to 65537", subprocess=False)
+    no_facts = edit(cpu, "  facts: models/reverse-text-tiny.json", '  facts: ""')
+    add(id="empty-facts-path", text=no_facts, line=line_of(no_facts, "facts"), field="model.facts",
+        message="architecture facts not found", subprocess=False)
     return cases
 
 
