@@ -206,6 +206,8 @@ def test_unsafe_python_tag_is_refused_and_never_executed(workdir: Path, capsys, 
     result = run_cli("plan", "m.yaml", cwd=workdir)
     assert result.code == 2 and "Traceback" not in result.text
     assert "m.yaml:2:7: name: unsupported YAML tag 'tag:yaml.org,2002:python/object/apply:os.system'" in result.err
+    assert "hint: manifests are plain data: remove the tag" in result.err
+    assert "valid string" not in result.err  # the refused value is not reported a second time as a type error
     assert not marker.exists()
     # the other constructors that PyYAML's unsafe loader would honour
     monkeypatch.chdir(workdir)

@@ -54,7 +54,10 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
     try:
         manifest = Manifest.model_validate(doc)
     except ValidationError as err:
-        raise UserError(_sorted(source.problems + validation_problems(err, source))) from None
+        # a refused tag leaves None behind: its "should be a string" would only repeat the real problem
+        reported = {p.field for p in source.problems}
+        schema = [p for p in validation_problems(err, source) if p.field not in reported]
+        raise UserError(_sorted(source.problems + schema)) from None
     if source.problems:
         raise UserError(_sorted(source.problems))
     return LoadedManifest(manifest=manifest, path=path, files=files, document=doc, source=source, notes=notes)

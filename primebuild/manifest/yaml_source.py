@@ -30,6 +30,7 @@ _SCALAR_TAGS = {f"{_CORE}{t}" for t in ("str", "int", "float", "bool", "null", "
 _MAP_TAG, _SEQ_TAG, _MERGE_TAG = f"{_CORE}map", f"{_CORE}seq", f"{_CORE}merge"
 
 Path_ = tuple[str | int, ...]
+_PLAIN = "manifests are plain data: remove the tag"
 
 
 @dataclass
@@ -153,12 +154,12 @@ class _Builder:
             return self._scalar(node, path)
         if isinstance(node, SequenceNode):
             if node.tag != _SEQ_TAG:
-                self.problems.append(self._at(node, f"unsupported YAML tag {node.tag!r}", path))
+                self.problems.append(self._at(node, f"unsupported YAML tag {node.tag!r}", path, hint=_PLAIN))
                 return None
             return [self.build(child, (*path, i), depth + 1) for i, child in enumerate(node.value)]
         if isinstance(node, MappingNode):
             if node.tag != _MAP_TAG:
-                self.problems.append(self._at(node, f"unsupported YAML tag {node.tag!r}", path))
+                self.problems.append(self._at(node, f"unsupported YAML tag {node.tag!r}", path, hint=_PLAIN))
                 return None
             return self._mapping(node, path, depth)
         self.problems.append(self._at(node, "unsupported YAML node", path))
@@ -166,8 +167,7 @@ class _Builder:
 
     def _scalar(self, node: ScalarNode, path: Path_) -> object:
         if node.tag not in _SCALAR_TAGS:
-            self.problems.append(self._at(node, f"unsupported YAML tag {node.tag!r}", path,
-                                          hint="manifests are plain data: remove the tag"))
+            self.problems.append(self._at(node, f"unsupported YAML tag {node.tag!r}", path, hint=_PLAIN))
             return None
         if node.tag.endswith(":timestamp"):
             return node.value  # keep dates as written; no field needs a datetime
