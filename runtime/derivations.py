@@ -69,7 +69,8 @@ def output_of(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
     if hit is not None:
         info = json.loads((hit / "sft_metrics.json").read_text())
         return Resolved(hit, True, time.perf_counter() - started, info)
-    echo(f"building {loaded.manifest.name} (SFT, {sft.steps} steps) into the store …")
+    until = f", until reward {sft.stop_at_reward}" if sft.stop_at_reward is not None else ""
+    echo(f"building {loaded.manifest.name} (SFT, at most {sft.steps} steps{until}) into the store …")
     metrics: dict = {}
 
     def build(out: Path) -> None:
@@ -78,7 +79,8 @@ def output_of(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
         model_dir = out / "model-staging"
         result = run_sft(SFTConfig(out_dir=str(model_dir), steps=sft.steps, seed=loaded.manifest.seed,
                                    env_id=env.id, init_model_dir=str(base.path), lr=sft.lr,
-                                   warmup_steps=sft.warmup_steps, batch_size=sft.batch_size))
+                                   warmup_steps=sft.warmup_steps, batch_size=sft.batch_size,
+                                   stop_at_reward=sft.stop_at_reward))
         _move_contents(model_dir, out)
         metrics.update(result)
         (out / "sft_metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))

@@ -232,7 +232,9 @@ class Orchestrator(Strict):
 class SFT(Strict):
     """Supervised warm-start training (used by a manifest whose output model another one consumes)."""
 
-    steps: PositiveInt = Field(150, le=10_000_000)
+    steps: PositiveInt = Field(300, le=10_000_000, description="Step cap (exact count without stop_at_reward).")
+    stop_at_reward: float | None = Field(
+        None, ge=0, le=1, description="Stop once greedy reward on fixed training-side tasks reaches this.")
     batch_size: PositiveInt = 64
     lr: float = Field(1e-3, gt=0, le=1)
     warmup_steps: int = Field(50, ge=0)
