@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import MANIFESTS, REPO, SHIPPED, call_cli, run_cli
+
 from primebuild.builders.plan import plan_hash
 
 SCHEMA_LINE = "# yaml-language-server: $schema=schema.v1.json"

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import CPU_MANIFEST, call_cli, run_cli, write
+
 from primebuild.errors import UserError
 from primebuild.manifest.load import load_manifest
 

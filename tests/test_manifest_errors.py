@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import CPU_MANIFEST, MANIFESTS, call_cli, run_cli, write
 
 

@@ -7,8 +7,8 @@ import json
 from collections import Counter
 
 import pytest
-
 from conftest import MANIFESTS, REPO
+
 from primebuild.builders.plan import PLAN_VERSION, compile_plan, render_json
 from primebuild.manifest.load import load_manifest
 

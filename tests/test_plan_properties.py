@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import MANIFESTS, SHIPPED
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from conftest import MANIFESTS, SHIPPED
 from primebuild.builders.plan import compile_plan, plan_hash, render_json
 from primebuild.errors import UserError
 from primebuild.manifest.load import load_manifest

@@ -8,10 +8,9 @@ the file and line the value really came from.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import types
 import typing
+from pathlib import Path
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel
