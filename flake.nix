@@ -31,7 +31,7 @@
         uv
       ];
       # [project.optional-dependencies].test
-      testDeps = ps: with ps; [ pytest pytest-timeout hypothesis openai ];
+      testDeps = ps: with ps; [ pytest pytest-timeout hypothesis openai jsonschema ];
 
       primebuildFor = pkgs:
         let ps = pkgs.python311Packages;

@@ -161,7 +161,10 @@ def make_lock(loaded: LoadedManifest, previous: dict | None = None, *, update: b
             return None
         return old
 
-    model = keep(previous.get("model"), wanted["model"]) or resolve_model(loaded, offline=offline)
+    # A hub revision stays pinned until --update; a local folder or another manifest's output is
+    # re-resolved every time: its content (or its recipe) can change without the request changing.
+    kept_model = keep(previous.get("model"), wanted["model"]) if wanted["model"]["source"] == "hf" else None
+    model = kept_model or resolve_model(loaded, offline=offline)
     environments = {}
     for env_id, request in sorted(wanted["environments"].items()):
         environments[env_id] = keep((previous.get("environments") or {}).get(env_id), request) or \

@@ -74,12 +74,13 @@ def test_update_prints_what_changed(project: Path, capsys):
     manifest = project / "manifests" / "local.yaml"
     assert call_cli(capsys, "lock", "--offline", manifest).code == 0
     (project / "manifests" / "weights" / "tokenizer.json").write_text("{}")
-    kept = call_cli(capsys, "lock", "--offline", manifest)  # no --update: the pinned model entry is kept
-    assert kept.code == 0 and "up to date" in kept.out
-    result = call_cli(capsys, "lock", "--offline", "--update", manifest)
+    # a local folder is content, not a revision: plain `lock` picks the change up and says what changed
+    result = call_cli(capsys, "lock", "--offline", manifest)
     assert result.code == 0, result.text
     assert "+ model.files.tokenizer.json" in result.out
     assert "~ model.content_hash:" in result.out
+    again = call_cli(capsys, "lock", "--offline", "--update", manifest)
+    assert again.code == 0 and "up to date" in again.out
 
 
 def test_plan_locked_refuses_stale_lock_and_includes_lock_hash_when_fresh(project: Path, capsys):

@@ -70,7 +70,11 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     (run_dir / "rendezvous.json").write_text(json.dumps({"hosts": hosts, "model_path": str(model.path)}, indent=2))
     (run_dir / "run.json").write_text(json.dumps(
         {"plan_hash": plan["plan_hash"], "manifest_hash": loaded.manifest_hash, "code_version": _code_version(),
-         "model_path": str(model.path), "model_cache_hit": model.cache_hit}, indent=2, sort_keys=True))
+         "manifest_path": str(loaded.path.resolve()), "model_path": str(model.path),
+         "model_cache_hit": model.cache_hit}, indent=2, sort_keys=True))
+    from primebuild.builders.lock import record_lock
+
+    record_lock(run_dir, loaded)  # the lock as it was, when the manifest has one
     click.echo(f"run folder: {run_dir}")
     extra = {"sft": model.info, "model_seconds": round(model.seconds, 2)}
     _supervise(plan, run_dir, quiet, started, extra)
