@@ -58,7 +58,7 @@ def main() -> None:
         sync = run(0, args.steps, Path(tmp))
         asyn = run(args.off, args.steps, Path(tmp))
     print(f"{'mode':<22}{'RL loop s':>10}{'wall s':>9}{'trainer idle':>14}{'inference idle':>16}{'gen s':>8}{'train s':>9}")
-    for name, r in ((f"sync (off 0)", sync), (f"async (off {args.off})", asyn)):
+    for name, r in (("sync (off 0)", sync), (f"async (off {args.off})", asyn)):
         print(f"{name:<22}{r['rl_loop_seconds']:>10.1f}{r['wall_seconds']:>9.1f}{r['trainer_idle_fraction']:>14.0%}"
               f"{r['inference_idle_fraction']:>16.0%}{r['generation_seconds']:>8.1f}{r['train_seconds']:>9.1f}")
     print(f"speed-up of the RL loop, async vs sync: {sync['rl_loop_seconds'] / asyn['rl_loop_seconds']:.2f}x "
