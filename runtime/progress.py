@@ -1,27 +1,32 @@
-"""The live progress line of a run, read from metrics.jsonl as the processes write it.
+"""The progress of a run, read from metrics.jsonl as the processes write it.
 
 One line per trained step: reward of its rollouts, the trainer's KL to the sampling policy (behaviour:
 numerics plus async staleness; mismatch: numerics alone, on samples drawn with the trained weights, "-"
 when every sample is stale), off-policy lag, inference tokens/s and the policy version that sampled it.
+On a terminal, a live panel (rich) also shows the latest step, the best reward so far and the pace.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 
 class Progress:
-    def __init__(self, metrics_path: Path, echo):
+    def __init__(self, metrics_path: Path, echo, live=None):
         self.path = metrics_path
         self.echo = echo
+        self.live = live  # a rich.live.Live to refresh, or None (plain lines only)
         self.offset = 0
         self.partial = ""
         self.steps: dict[tuple[str, int], dict] = {}
         self.printed: set[int] = set()
+        self.started = time.monotonic()
+        self.last: dict = {}
+        self.evals: list[tuple[int, float]] = []
 
     def poll(self) -> None:
-        import json
-
         try:
             with open(self.path) as f:
                 f.seek(self.offset)
@@ -29,8 +34,7 @@ class Progress:
                 self.offset = f.tell()
         except FileNotFoundError:
             return
-        text = self.partial + chunk
-        lines = text.split("\n")
+        lines = (self.partial + chunk).split("\n")
         self.partial = lines.pop()
         evals = []
         for line in lines:
@@ -43,20 +47,42 @@ class Progress:
                 evals.append((row["role"], row["step"]))
         for key in evals:
             values = self.steps[key]
+            self.evals.append((key[1], values["eval_reward"]))
             self.echo(f"held-out eval reward {values['eval_reward']:.4f} "
-                      f"(policy version {values.get('eval_policy_version', '?'):.0f})")
+                      f"(policy version {values.get('eval_policy_version', 0):.0f})")
         for (role, step), values in sorted(self.steps.items(), key=lambda kv: kv[0][1]):
-            if role != "trainer" or step in self.printed or not any("loss" in k for k in values):
+            if role != "trainer" or step in self.printed or "loss" not in values:
                 continue
             orch = self.steps.get(("orchestrator", step), {})
             if "reward_mean" not in orch:
                 continue
             self.printed.add(step)
-            mismatch, behaviour = values.get("mismatch_kl"), values.get("behaviour_kl")
+            self.last = {"step": step, **orch, **values}
             self.echo(
                 f"step {step:4d} | reward {orch['reward_mean']:.3f} | KL behaviour "
-                f"{_fmt(behaviour)} mismatch {_fmt(mismatch)} | lag {orch.get('off_policy_lag', 0):.0f} | "
-                f"{orch.get('tokens_per_s', 0):,.0f} tok/s | sampled by v{orch.get('policy_version', 0):.0f}")
+                f"{_fmt(values.get('behaviour_kl'))} mismatch {_fmt(values.get('mismatch_kl'))} | lag "
+                f"{orch.get('off_policy_lag', 0):.0f} | {orch.get('tokens_per_s', 0):,.0f} tok/s | "
+                f"sampled by v{orch.get('policy_version', 0):.0f}")
+        if self.live is not None:
+            self.live.update(self.panel())
+
+    def panel(self):
+        from rich.table import Table
+
+        table = Table(title="primebuild run", show_edge=False, expand=False)
+        for column in ("step", "reward", "best eval", "KL behaviour", "KL mismatch", "lag", "tok/s",
+                       "weights", "elapsed"):
+            table.add_column(column, justify="right")
+        last = self.last
+        best = max((r for _, r in self.evals), default=None)
+        table.add_row(
+            str(last.get("step", "-")), f"{last['reward_mean']:.3f}" if "reward_mean" in last else "-",
+            f"{best:.3f}" if best is not None else "-", _fmt(last.get("behaviour_kl")),
+            _fmt(last.get("mismatch_kl")), f"{last.get('off_policy_lag', 0):.0f}" if last else "-",
+            f"{last.get('tokens_per_s', 0):,.0f}" if last else "-",
+            f"v{last.get('policy_version', 0):.0f}" if last else "-",
+            f"{time.monotonic() - self.started:,.0f} s")
+        return table
 
 
 def _fmt(value: float | None) -> str:

@@ -48,7 +48,7 @@ class Outcome:
 
 
 class Supervisor:
-    def __init__(self, plan: dict, run_dir: Path, *, echo=print, quiet: bool = False):
+    def __init__(self, plan: dict, run_dir: Path, *, echo=print, quiet: bool = False, live=None):
         self.plan = plan
         self.run_dir = run_dir
         self.echo = echo
@@ -60,7 +60,7 @@ class Supervisor:
         self.lock = threading.Lock()
         # The admin token lives only in this process tree's environment: never in a file or a log.
         self.admin_token = secrets.token_urlsafe(24)
-        self.progress = Progress(run_dir / "metrics.jsonl", echo)
+        self.progress = Progress(run_dir / "metrics.jsonl", echo, live)
 
     # --- starting --------------------------------------------------------------------------------
 
@@ -215,8 +215,8 @@ class Supervisor:
                 self._reap(running)
 
 
-def supervise(plan: dict, run_dir: Path, *, echo=print, quiet: bool = False) -> Outcome:
-    supervisor = Supervisor(plan, run_dir, echo=echo, quiet=quiet)
+def supervise(plan: dict, run_dir: Path, *, echo=print, quiet: bool = False, live=None) -> Outcome:
+    supervisor = Supervisor(plan, run_dir, echo=echo, quiet=quiet, live=live)
     try:
         failure = supervisor.start()
         if failure is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -84,7 +85,17 @@ def _supervise(plan: dict, run_dir: Path, quiet: bool, started: float, extra: di
     from primebuild.runtime.report import write_report, write_summary
     from primebuild.runtime.supervisor import supervise
 
-    outcome = supervise(plan, run_dir, echo=click.echo, quiet=quiet)
+    if sys.stdout.isatty():  # a live panel under the scrolling log lines
+        from rich.console import Console
+        from rich.live import Live
+
+        with Live(console=Console(), refresh_per_second=4) as live:
+            def echo(text: str) -> None:
+                live.console.print(text, markup=False, highlight=False)
+
+            outcome = supervise(plan, run_dir, echo=echo, quiet=quiet, live=live)
+    else:
+        outcome = supervise(plan, run_dir, echo=click.echo, quiet=quiet)
     wall = time.monotonic() - started
     previous = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     summary = write_summary(run_dir, {**extra, "wall_seconds": round(previous.get("wall_seconds", 0) + wall, 2),
