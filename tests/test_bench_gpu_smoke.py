@@ -1,0 +1,64 @@
+"""bench/gpu.py must work the first time it runs on a GPU machine: run every section at tiny sizes on CPU,
+and import primebuild the way the GPU machine will (from the checkout, not pip-installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_smoke_runs_every_section(tmp_path):
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu.py"), "--cpu-smoke", "--out", str(out), "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "OUT": ""},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    sections = data["sections"]
+    assert list(sections) == ["env", "fp8_check", "gemm", "engine", "trainer"]
+    assert all(entry["ok"] for entry in sections.values()), {k: v.get("error") for k, v in sections.items()}
+    assert "=== summary" in proc.stdout
+
+    gemm = sections["gemm"]["result"]["rows"]
+    assert len(gemm) == 7 and all("error" not in row and row["tflops"] > 0 for row in gemm)
+    for row in gemm:  # bf16 rounds the output only; every fp8 variant lands at e4m3's ~4 % error
+        bound = 5e-3 if row["variant"].startswith("bf16") else 0.06
+        assert 0 < row["rel_err_vs_fp32"] < bound, row
+
+    check = sections["fp8_check"]["result"]["rows"]
+    assert check and all(row["ref_vs_unquantised"] < 0.06 for row in check)
+
+    engine = sections["engine"]["result"]
+    assert [row["batch"] for row in engine["rows"]] == [1, 3]
+    for row in engine["rows"]:
+        assert row["engine_tok_s"] > 0 and row["generate_tok_s"] > 0 and 0 <= row["token_agreement"] <= 1
+
+    runs = sections["trainer"]["result"]["runs"]
+    assert runs and all(run["losses_finite"] and run["tokens_per_s"] > 0 and run["mfu_6N"] > 0 for run in runs)
+    # N excludes the (tied) embedding: per layer q,k,v,o + q/k norms + gate,up,down + 2 norms; plus final norm
+    h, inter, heads, kv, d, layers = 64, 128, 4, 2, 16, 2
+    per_layer = h * heads * d * 2 + h * kv * d * 2 + 2 * d + 3 * h * inter + 2 * h
+    assert runs[0]["params_non_embedding"] == layers * per_layer + h
+    assert runs[0]["tokens_per_step"] == 4 * 32
+
+
+def test_imports_primebuild_from_the_checkout_when_not_installed(tmp_path):
+    """-S skips .pth files, so the editable install is invisible: as on the GPU machine."""
+    code = (
+        f"import sys; sys.path.append({sysconfig.get_paths()['purelib']!r}); "
+        f"sys.path.insert(0, {str(REPO / 'bench')!r}); "
+        "import importlib.util; assert importlib.util.find_spec('primebuild') is None; "
+        "import gpu; gpu.import_primebuild_from_checkout(); "
+        "import primebuild.kernels.fp8, primebuild.runtime.inference.sampling; "
+        "assert importlib.util.find_spec('kernels') is None; print(primebuild.kernels.fp8.__file__)"
+    )
+    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == str(REPO / "kernels" / "fp8.py")
