@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,cl
   --format=csv >"$out_dir/gpu_nvidia_smi.txt" 2>&1 || true
 
 # SIGINT first: bench/gpu.py then saves what it measured; the JSON is also rewritten after every section.
-timeout --signal=INT --kill-after=20 "${GPU_BENCH_TIMEOUT_S:-330}" \
+timeout --signal=INT --kill-after=20 "${GPU_BENCH_TIMEOUT_S:-300}" \
   "$py" bench/gpu.py --out "$out_dir/gpu_results.json" "$@" 2>&1 | tee "$out_dir/gpu_bench.log"
 rc=${PIPESTATUS[0]}
 echo "bench/gpu.py exit code $rc (124: time limit); results in $out_dir/gpu_results.json"

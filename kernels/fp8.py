@@ -21,8 +21,8 @@ Backends of ``blockwise_scaled_mm`` (the product of already-quantised operands):
   ``scaled_mm_operands``) and refuses "fast accumulation" with block scales, so sums stay fp32. It
   writes bf16 only (with block scales); another ``out_dtype`` is a cast of that.
 - ``"auto"``: ``scaled_mm`` on a CUDA device of compute capability >= 9.0 when N and K are multiples of
-  128, else ``reference``. If the fast call is refused once (an older torch, cuBLAS or driver), a warning
-  is logged and this process uses the reference from then on.
+  128, else ``reference``. If the fast call refuses a weight shape (an older torch, cuBLAS or driver), a
+  warning is logged and that shape uses the reference from then on in this process.
 
 No Triton kernel here: cuBLAS's kernel is what vLLM/SGLang fall back to and beats a first Triton
 version; a Triton one could not be run or checked on the CPU-only machines where the tests run.
@@ -43,7 +43,8 @@ BLOCK = 128
 # A block of zeros gets this scale instead of 0, so that q = w / s stays 0 rather than NaN.
 _MIN_AMAX = 1e-12
 
-_FAST_REFUSED: dict[str, str] = {}  # device type -> why scaled_mm was refused (then auto uses reference)
+# (device type, N, K) -> why the fast GEMM refused that weight shape; "auto" then uses the reference for it.
+_FAST_REFUSED: dict[tuple[str, int, int], str] = {}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -159,11 +160,9 @@ def scaled_mm_api() -> str:
 
 
 def _scaled_mm_bf16(x_q, x_scales, w_q, w_scales) -> torch.Tensor:
-    if _working_api:
-        return _APIS[_working_api[0]](x_q, x_scales, w_q, w_scales)
-    names = ["torch._scaled_mm"]
-    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
-        names.insert(0, "F.scaled_mm")
+    """Try the entry point that worked before first, then the others; remember the one that works."""
+    names = [name for name in _APIS if name != "F.scaled_mm" or hasattr(F, "ScalingType")]
+    names.sort(key=lambda name: name not in _working_api)
     errors = []
     for name in names:
         try:
@@ -171,14 +170,14 @@ def _scaled_mm_bf16(x_q, x_scales, w_q, w_scales) -> torch.Tensor:
         except (RuntimeError, ValueError, TypeError) as err:
             errors.append(f"{name}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
             continue
-        _working_api.append(name)
+        _working_api[:] = [name]
         return y
     raise RuntimeError("block-scaled fp8 GEMM refused: " + " | ".join(errors))
 
 
 def fast_path_available(device: torch.device | str, n: int, k: int) -> bool:
     device = torch.device(device)
-    if device.type != "cuda" or n % BLOCK or k % BLOCK or device.type in _FAST_REFUSED:
+    if device.type != "cuda" or n % BLOCK or k % BLOCK or (device.type, n, k) in _FAST_REFUSED:
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
@@ -205,8 +204,8 @@ def blockwise_scaled_mm(
         except RuntimeError as err:
             if explicit:
                 raise
-            _FAST_REFUSED[x_q.device.type] = str(err)
-            log.warning("%s; this process uses the fp32 reference from now on", err)
+            _FAST_REFUSED[(x_q.device.type, n, k)] = str(err)
+            log.warning("%s; weights of shape %dx%d use the fp32 reference from now on", err, n, k)
     x = dequantize_activation(x_q, x_scales)
     w = dequantize_blockwise(w_q, w_scales)
     return (x @ w.t()).to(out_dtype)

@@ -155,6 +155,18 @@ def test_fast_path_calls_pass_torch_layout_checks(api, m, n, k):
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
 
 
+def test_refused_fast_path_names_every_entry_point_tried():
+    """On CPU torch has no block-scaled GEMM: an explicit scaled_mm backend must say so, not compute junk."""
+    x_q, x_s = quantize_activation(torch.randn(8, 256))
+    w_q, w_s = quantize_blockwise(weight(128, 256, 0))
+    with pytest.raises(RuntimeError, match="block-scaled fp8 GEMM refused") as refused:
+        fp8.blockwise_scaled_mm(x_q, x_s, w_q, w_s, backend="scaled_mm")
+    assert "torch._scaled_mm" in str(refused.value)
+    assert not fast_path_available("cpu", 128, 256)
+    auto = fp8.blockwise_scaled_mm(x_q, x_s, w_q, w_s, out_dtype=torch.float32)  # auto: the reference here
+    assert rel(auto, dequantize_activation(x_q, x_s) @ dequantize_blockwise(w_q, w_s).t()) < 1e-6
+
+
 def test_bad_inputs_are_refused():
     q, s = quantize_blockwise(weight(128, 256, 0))
     with pytest.raises(ValueError, match="backend"):
