@@ -22,7 +22,7 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     sections = data["sections"]
-    assert list(sections) == ["env", "fp8_check", "gemm", "engine", "trainer"]
+    assert list(sections) == ["env", "fp8_check", "gemm", "trainer", "engine", "trainer_large"]
     assert all(entry["ok"] for entry in sections.values()), {k: v.get("error") for k, v in sections.items()}
     assert "=== summary" in proc.stdout
 
@@ -40,7 +40,8 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     for row in engine["rows"]:
         assert row["engine_tok_s"] > 0 and row["generate_tok_s"] > 0 and 0 <= row["token_agreement"] <= 1
 
-    runs = sections["trainer"]["result"]["runs"]
+    runs = sections["trainer"]["result"]["runs"] + sections["trainer_large"]["result"]["runs"]
+    assert len(runs) == 2
     assert runs and all(run["losses_finite"] and run["tokens_per_s"] > 0 and run["mfu_6N"] > 0 for run in runs)
     # N excludes the (tied) embedding: per layer q,k,v,o + q/k norms + gate,up,down + 2 norms; plus final norm
     h, inter, heads, kv, d, layers = 64, 128, 4, 2, 16, 2
