@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -103,6 +104,9 @@ class Supervisor:
         return False
 
     def start(self) -> Outcome | None:
+        busy = ports_in_use(self.plan)
+        if busy:
+            return Outcome(False, ports_message(busy), 2)
         orders = sorted({p["start_order"] for p in self.plan["processes"]})
         for order in orders:
             group = [p for p in self.plan["processes"] if p["start_order"] == order]
@@ -213,6 +217,27 @@ class Supervisor:
                 running.popen.wait()
             if not running.log.closed:
                 self._reap(running)
+
+
+def ports_in_use(plan: dict) -> list[str]:
+    """Ports of the plan another program already holds (another run, say): a health check there would
+    answer for the wrong server."""
+    busy = []
+    for p in plan["processes"]:
+        for purpose, port in sorted(p["ports"].items()):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                # like the servers themselves: connections of a finished run in TIME_WAIT don't count
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    busy.append(f"{port} ({p['name']} {purpose})")
+    return busy
+
+
+def ports_message(busy: list[str]) -> str:
+    return (f"port(s) already in use: {', '.join(busy)}; another run may be going on "
+            "(stop it, or pick free ports, e.g. --set inference.port=8100)")
 
 
 def supervise(plan: dict, run_dir: Path, *, echo=print, quiet: bool = False, live=None) -> Outcome:

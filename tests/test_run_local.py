@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,17 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_RL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _small(*args: str) -> list[str]:
+    """Shrunk RL settings on a port nobody else on this machine holds."""
+    return [*SMALL_RL, "--set", f"inference.port={_free_port()}", *args]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,14 +58,14 @@ def _env(workspace: Path) -> dict:
 def _run(workspace: Path, runs: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text.yaml"),
-         "--runs-dir", str(runs), "--quiet", *SMALL_RL, *args],
+         "--runs-dir", str(runs), "--quiet", *_small(*args)],
         capture_output=True, text=True, env=_env(workspace), timeout=280)
 
 
 def _start(workspace: Path, runs: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text.yaml"),
-         "--runs-dir", str(runs), "--quiet", *SMALL_RL, *args],
+         "--runs-dir", str(runs), "--quiet", *_small(*args)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(workspace))
 
 
@@ -73,7 +85,7 @@ def _trained_steps(run_dir: Path) -> list[int]:
 def _wait_for_trained(run_dir_parent: Path, step: int, proc: subprocess.Popen, timeout: float = 200) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert proc.poll() is None, (proc.stdout.read() if proc.stdout else "") + _logs(run_dir_parent)
         dirs = [p for p in run_dir_parent.iterdir() if p.is_dir()] if run_dir_parent.exists() else []
         if dirs and (dirs[0] / "metrics.jsonl").exists() and step in _trained_steps(dirs[0]):
             return dirs[0]
@@ -84,7 +96,7 @@ def _wait_for_trained(run_dir_parent: Path, step: int, proc: subprocess.Popen, t
 def test_run_completes_with_summary_report_and_records(workspace: Path, tmp_path: Path):
     runs = tmp_path / "runs"
     result = _run(workspace, runs, "--set", "orchestrator.max_steps=3")
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr + _logs(runs)
     assert "Traceback" not in result.stdout + result.stderr
     run_dir = _run_dir(runs)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -150,7 +162,7 @@ def test_killed_inference_is_restarted_and_no_step_is_lost(workspace: Path, tmp_
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, out
+    assert proc.returncode == 0, out + _logs(runs)
     assert "restarting" in out
     assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # each step exactly once
     assert "restart 1" in (run_dir / "logs" / "inference-0.log").read_text()
@@ -166,7 +178,7 @@ def test_interrupt_checkpoints_and_resume_continues_the_step_sequence(workspace:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, out
+    assert proc.returncode == 130, out + _logs(runs)
     assert "--resume" in out
     done = _trained_steps(run_dir)
     assert done and done == list(range(1, len(done) + 1)) and len(done) < 6
@@ -175,16 +187,27 @@ def test_interrupt_checkpoints_and_resume_continues_the_step_sequence(workspace:
 
     resumed = subprocess.run([sys.executable, "-m", "primebuild.cli", "run", "--resume", str(run_dir), "--quiet"],
                              capture_output=True, text=True, env=_env(workspace), timeout=240)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr + _logs(runs)
     assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_policy_version"] == 6 and "eval_reward_before" in summary
 
 
+def test_a_port_held_by_another_program_is_refused_before_anything_starts(workspace: Path, tmp_path: Path):
+    runs = tmp_path / "runs"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = _run(workspace, runs, "--set", "orchestrator.max_steps=1", "--set", f"inference.port={port}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"port(s) already in use: {port}" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_crashing_trainer_stops_the_run_with_a_clear_message(workspace: Path, tmp_path: Path):
     """Fail fast: the trainer has no restart policy; its failure tears everything down and is named."""
     runs = tmp_path / "runs"
-    result = _run(workspace, runs, "--set", "orchestrator.max_steps=2", "--set", "orchestrator.lr=2.0",
+    result = _run(workspace, runs, "--set", "orchestrator.max_steps=2",
                   "--set", "trainer.micro_batch_tokens=1")
     # micro_batch_tokens=1 is refused by the planner before anything starts: a clean exit 2
     assert result.returncode == 2, result.stdout + result.stderr
@@ -199,9 +222,17 @@ def test_a_crashing_trainer_stops_the_run_with_a_clear_message(workspace: Path, 
     doc["model"] = {"path": str(bad_model), "facts": "models/reverse-text-tiny.json", "dtype": "float32"}
     broken.write_text(yaml.safe_dump(doc))
     result = subprocess.run([sys.executable, "-m", "primebuild.cli", "run", str(broken), "--runs-dir", str(runs),
-                             "--quiet", *SMALL_RL], capture_output=True, text=True, env=_env(workspace), timeout=120)
+                             "--quiet", *_small()], capture_output=True, text=True, env=_env(workspace), timeout=120)
     assert result.returncode != 0
     assert "inference-0" in result.stderr and "logs" in result.stderr
+
+
+def _logs(runs: Path) -> str:
+    """The tail of every process log of every run under `runs`, for assertion messages."""
+    out = []
+    for log in sorted(runs.glob("*/logs/*.log")) if runs.exists() else []:
+        out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="ignore").splitlines()[-15:]))
+    return "\n".join(out)
 
 
 def _pid_of(run_dir: Path, needle: str) -> int:

@@ -57,6 +57,11 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         return
 
     plan = compile_plan(loaded)
+    from primebuild.runtime.supervisor import ports_in_use, ports_message
+
+    busy = ports_in_use(plan)
+    if busy:  # before anything is built or written
+        raise UserError(ports_message(busy))
     model = resolve_model(loaded, store, click.echo)
     click.echo(f"model: {model.path} ({'cache hit' if model.cache_hit else 'built'} in {model.seconds:.2f} s)")
 
