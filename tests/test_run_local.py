@@ -116,6 +116,21 @@ def test_run_completes_with_summary_report_and_records(workspace: Path, tmp_path
     assert (run_dir / "manifests" / "reverse-text.yaml").exists()
     for name in ("inference-0", "trainer", "orchestrator"):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
+    # status, logs and stop read and write the run folder only
+    status = subprocess.run([sys.executable, "-m", "primebuild.cli", "status", str(run_dir), "-o", "json"],
+                            capture_output=True, text=True, timeout=60)
+    state = json.loads(status.stdout)
+    assert state["steps_trained"] == 3 and state["outcome"] == "run complete"
+    logs = subprocess.run([sys.executable, "-m", "primebuild.cli", "logs", str(run_dir), "trainer", "-n", "50"],
+                          capture_output=True, text=True, timeout=60)
+    assert logs.returncode == 0 and "step 3 loss" in logs.stdout
+    missing = subprocess.run([sys.executable, "-m", "primebuild.cli", "logs", str(run_dir), "nope"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "processes: inference-0, orchestrator, trainer" in missing.stderr
+    stop = subprocess.run([sys.executable, "-m", "primebuild.cli", "stop", str(run_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0 and (run_dir / "STOP").exists()
+    (run_dir / "STOP").unlink()
     # nothing secret lands in the run folder: the admin token lives only in the processes' environment
     everything = "".join(p.read_text(errors="ignore") for p in run_dir.rglob("*") if p.is_file()
                          and p.suffix in {".json", ".log", ".jsonl"})
