@@ -22,6 +22,7 @@ the old weights while new work waits. Every token records the version that produ
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import logging
@@ -38,7 +39,7 @@ from primebuild.errors import Problem, UserError
 
 from .kv_cache import KVCache
 from .model import ModelConfig, Qwen3Forward, RotaryTable, load_weights
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, make_generator, sample, sample_greedy
 
 log = logging.getLogger(__name__)
 
@@ -102,30 +103,54 @@ class ChoiceResult:
 class Request:
     """One API prompt: `params.n` sequences sharing a prompt prefill."""
 
-    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, sink):
+    def __init__(
+        self,
+        request_id: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink,
+        on_abort: Callable[[], None] | None = None,
+    ):
         self.id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
         self.sink: Callable[[list[SeqUpdate]], None] = sink
         self.aborted = False
         self.arrival = time.monotonic()
+        self._on_abort = on_abort
 
     def abort(self) -> None:
         """Thread-safe: the engine drops the request at its next step."""
         self.aborted = True
+        if self._on_abort is not None:
+            self._on_abort()
 
 
 class Sequence:
-    def __init__(self, request: Request, index: int, generator: torch.Generator | None):
+    def __init__(
+        self,
+        request: Request,
+        index: int,
+        generator: torch.Generator | None,
+        eos_token_ids: set[int] = frozenset(),
+        max_model_len: int = 1 << 62,
+    ):
+        params = request.params
         self.request = request
         self.index = index
-        self.params = request.params
+        self.params = params
         self.tokens = list(request.prompt_ids)  # prompt + generated; the last one is not yet in the cache
         self.prompt_len = len(request.prompt_ids)
         self.generator = generator
         self.slot = -1
         self.routed: list = []  # per fed position: [moe_layer][k]
         self.stop_scan_from = 0  # text offset already searched for stop strings
+        # Finish conditions, decided once here so that the per-token check is two look-ups.
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        )
+        self.length_limit = min(self.prompt_len + params.max_tokens, max_model_len)
+        self.plain_greedy = params.temperature == 0 and not params.top_logprobs
 
     @property
     def num_generated(self) -> int:
@@ -157,11 +182,7 @@ class EngineMetrics:
     def observe_decode_batch(self, size: int) -> None:
         self.decode_steps += 1
         self.decode_batch_sum += size
-        for i, bound in enumerate(DECODE_BATCH_BUCKETS):
-            if size <= bound:
-                self.decode_batch_counts[i] += 1
-                return
-        self.decode_batch_counts[-1] += 1
+        self.decode_batch_counts[bisect.bisect_left(DECODE_BATCH_BUCKETS, size)] += 1
 
 
 class Engine:
@@ -209,6 +230,7 @@ class Engine:
         self._swap: _Swap | None = None
         self._update_lock = threading.Lock()
         self._ids = itertools.count()
+        self._abort_pending = False  # set by Request.abort from any thread; read by the engine thread
         self._thread = threading.Thread(target=self._loop, name="primebuild-engine", daemon=True)
         self._thread.start()
 
@@ -224,7 +246,7 @@ class Engine:
             )
         if params.n > self.max_num_seqs:
             raise UserError(f"n ({params.n}) exceeds max_num_seqs ({self.max_num_seqs})")
-        request = Request(next(self._ids), list(prompt_ids), params, sink)
+        request = Request(next(self._ids), list(prompt_ids), params, sink, self._note_abort)
         with self._cv:
             self._incoming.append(request)
             self._cv.notify()
@@ -254,6 +276,9 @@ class Engine:
         if not done.wait(timeout):
             raise TimeoutError("generation did not finish in time")
         return results
+
+    def _note_abort(self) -> None:
+        self._abort_pending = True
 
     def pause(self) -> None:
         with self._cv:
@@ -360,6 +385,9 @@ class Engine:
             self._decode(self.running[:already_running])
 
     def _drop_aborted(self) -> None:
+        if not self._abort_pending:  # nothing to scan for: the common case, every step
+            return
+        self._abort_pending = False
         if any(_request_of(u).aborted for u in self.waiting):
             self.waiting = collections.deque(u for u in self.waiting if not _request_of(u).aborted)
         gone = [s for s in self.running if s.request.aborted]
@@ -399,7 +427,7 @@ class Engine:
                 seqs = []
                 for i in range(params.n):
                     generator = None if params.seed is None else make_generator(params.seed + i, self.device)
-                    seq = Sequence(unit, i, generator)
+                    seq = Sequence(unit, i, generator, self.eos_token_ids, self.max_model_len)
                     self._place(seq)
                     seqs.append(seq)
                 token_lists.append(unit.prompt_ids)
@@ -439,14 +467,12 @@ class Engine:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         batch = len(seqs)
-        tokens = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
-        positions = [len(s.tokens) - 1 for s in seqs]
-        max_len = max(positions) + 1
+        # One host-to-tensor conversion for both inputs: row b = (last token, its position).
+        inputs = torch.tensor([(s.tokens[-1], len(s.tokens) - 1) for s in seqs], device=self.device)
+        max_len = max(len(s.tokens) for s in seqs)
         self.cache.ensure(max_len)
-        routed = [] if any(s.params.return_routed_experts for s in seqs) else None
-        logits = self.forward.decode(
-            tokens, torch.tensor(positions, device=self.device), self.cache, max_len, routed
-        )
+        routed = [] if self.config.is_moe and any(s.params.return_routed_experts for s in seqs) else None
+        logits = self.forward.decode(inputs[:, 0], inputs[:, 1], self.cache, max_len, routed)
         self.metrics.observe_decode_batch(batch)
         if routed is not None:
             per_layer = [layer.tolist() for layer in routed]
@@ -457,50 +483,55 @@ class Engine:
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each sequence, record it, finish what is done, tell the sinks."""
-        out = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
+        if all(s.plain_greedy for s in seqs):
+            out = sample_greedy(logits)
+        else:
+            out = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
         by_request: dict[int, tuple[Request, list[SeqUpdate]]] = {}
         finished = []
-        version = self.version
-        for row, seq in enumerate(seqs):
-            token = out.tokens[row]
-            seq.tokens.append(token)
-            reason, stop_text = self._finish_reason(seq, token)
-            update = SeqUpdate(
-                index=seq.index,
-                token_ids=(token,),
-                logprobs=(out.logprobs[row],),
-                versions=(version,),
-                top_logprobs=None if out.top is None else (tuple(out.top[row]),),
-                finish_reason=reason,
-                stop_text=stop_text,
-                routed_experts=seq.routed
-                if reason and seq.params.return_routed_experts and self.config.is_moe
-                else None,
-            )
-            by_request.setdefault(seq.request.id, (seq.request, []))[1].append(update)
-            if reason:
+        versions = (self.version,)
+        tops = out.top or [None] * len(seqs)
+        for seq, token, logprob, top in zip(seqs, out.tokens, out.logprobs, tops, strict=True):
+            tokens = seq.tokens
+            tokens.append(token)
+            if token in seq.stop_ids:
+                reason, stop_text = "stop", None
+            elif seq.params.stop and self.detokenize is not None:
+                reason, stop_text = self._stop_string(seq)
+            else:
+                reason = stop_text = None
+            if reason is None and len(tokens) >= seq.length_limit:
+                reason = "length"
+            top = None if top is None else (tuple(top),)
+            if reason is None:
+                update = SeqUpdate(seq.index, (token,), (logprob,), versions, top)
+            else:
                 finished.append(seq)
+                routed = seq.routed if seq.params.return_routed_experts and self.config.is_moe else None
+                update = SeqUpdate(seq.index, (token,), (logprob,), versions, top, reason, stop_text, routed)
+            request = seq.request
+            entry = by_request.get(request.id)
+            if entry is None:
+                by_request[request.id] = (request, [update])
+            else:
+                entry[1].append(update)
         self.metrics.generation_tokens += len(seqs)
-        for seq in sorted(finished, key=lambda s: s.slot, reverse=True):
-            self._release(seq)
+        if finished:
+            self.metrics.requests_finished += len(finished)
+            for seq in sorted(finished, key=lambda s: s.slot, reverse=True):
+                self._release(seq)
         for request, updates in by_request.values():
-            if any(u.finish_reason for u in updates):
-                self.metrics.requests_finished += sum(1 for u in updates if u.finish_reason)
             self._deliver(request, updates)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, str | None]:
-        params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return "stop", None
-        if params.stop and self.detokenize is not None:
-            text = self.detokenize(seq.tokens[seq.prompt_len :])
-            longest = max(len(s) for s in params.stop)
-            for stop in params.stop:
-                if stop in text[max(0, seq.stop_scan_from - longest + 1) :]:
-                    return "stop", stop
-            seq.stop_scan_from = len(text)
-        if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
-            return "length", None
+    def _stop_string(self, seq: Sequence) -> tuple[str | None, str | None]:
+        """("stop", the string) if the text generated so far newly contains a stop string."""
+        stops = seq.params.stop
+        text = self.detokenize(seq.tokens[seq.prompt_len :])
+        longest = max(len(s) for s in stops)
+        for stop in stops:
+            if stop in text[max(0, seq.stop_scan_from - longest + 1) :]:
+                return "stop", stop
+        seq.stop_scan_from = len(text)
         return None, None
 
     def _release(self, seq: Sequence) -> None:

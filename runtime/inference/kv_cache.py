@@ -35,6 +35,7 @@ class KVCache:
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.rows = torch.arange(max_seqs, device=device)  # slot indices, sliced by the decode step
         self.ensure(min(initial_len, max_len))
 
     def _alloc(self, length: int) -> list[torch.Tensor]:

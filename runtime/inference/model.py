@@ -163,6 +163,62 @@ class ModelConfig:
         )
 
 
+# oneDNN's fp32 GEMM on packed weights beats the MKL GEMM that F.linear calls by 1.5-2.5x once a
+# matmul has a few rows (measured on an AVX-512 EPYC, where MKL takes its generic path); for a single
+# row, or a small weight and few rows, its fixed ~10 us call cost loses. Measured inside the decode
+# step, the crossover sat near 2^21 multiply-adds per call (tiny model: from 16-128 rows depending on
+# the matrix; a 20M model: from 2-8 rows).
+ONEDNN_MIN_MACS = 1 << 21
+# Packed copies double the dense weights in memory: only small models (where call overheads matter
+# most) get them, and only fp32 on CPU (bf16 matmuls already go through oneDNN).
+ONEDNN_MAX_PACKED_BYTES = 1 << 30
+
+
+def onednn_packing_available(device, dtype: torch.dtype) -> bool:
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class Linear:
+    """A weight [out, in] (+ bias) and, optionally, a oneDNN-packed copy used for calls with many rows."""
+
+    __slots__ = ("weight", "bias", "packed", "packed_from_rows")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.packed = None
+        self.packed_from_rows = 1 << 62
+
+    def pack(self, batch_hint: int = 64) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
+        self.packed_from_rows = max(2, -(-ONEDNN_MIN_MACS // self.weight.numel()))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, out]."""
+        if x.shape[0] >= self.packed_from_rows:
+            return _onednn_linear(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + x @ weight.T (+ bias), the add fused into the matmul; 2-D operands."""
+        if x.shape[0] >= self.packed_from_rows:
+            return _onednn_linear_add(x, residual, self.packed, self.bias, "add")
+        if self.bias is None:
+            return torch.addmm(residual, x, self.weight.t())
+        return residual + F.linear(x, self.weight, self.bias)
+
+
+if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    _onednn_linear = torch.ops.mkldnn._linear_pointwise.default
+    _onednn_linear_add = torch.ops.mkldnn._linear_pointwise.binary
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer, rearranged for few kernel launches per step (the cost on CPU at small sizes).
@@ -172,24 +228,35 @@ class LayerWeights:
     scale is folded into the query heads' part of it (RoPE is linear, so the order does not matter).
     """
 
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden], input norm folded in
-    qkv_bias: torch.Tensor | None
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden], input norm folded in
     qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    o_proj: Linear
     # Dense MLP, or shared-nothing experts for a sparse layer.
-    gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden], post-attention norm folded in
-    down: torch.Tensor | None = None  # [hidden, intermediate]
+    gate_up: Linear | None = None  # [2 * intermediate, hidden], post-attention norm folded in
+    down: Linear | None = None  # [hidden, intermediate]
     router: torch.Tensor | None = None  # [experts, hidden], norm folded in
     experts_gate_up: torch.Tensor | None = None  # [experts, 2 * moe_intermediate, hidden], norm folded in
     experts_down: torch.Tensor | None = None  # [experts, hidden, moe_intermediate]
+
+    def dense(self) -> list[Linear]:
+        return [m for m in (self.qkv, self.o_proj, self.gate_up, self.down) if m is not None]
 
 
 @dataclass
 class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
-    lm_head: torch.Tensor  # final norm folded in (a separate tensor even when embeddings are tied)
+    lm_head: Linear  # final norm folded in (a separate tensor even when embeddings are tied)
+
+    def pack_for_onednn(self) -> bool:
+        """Add oneDNN-packed copies of the dense matmul weights if the model is small enough."""
+        dense = [m for layer in self.layers for m in layer.dense()] + [self.lm_head]
+        size = sum(m.weight.numel() * m.weight.element_size() for m in dense)
+        if size > ONEDNN_MAX_PACKED_BYTES:
+            return False
+        for m in dense:
+            m.pack()
+        return True
 
 
 class _TensorSource:
@@ -260,22 +327,24 @@ def load_weights(
         post_norm = get(p + "post_attention_layernorm.weight", (h,))
         q_bias = maybe(p + "self_attn.q_proj.bias", (q_out,)) if c.attention_bias else None
         layer = LayerWeights(
-            qkv=torch.cat(
-                [
-                    get(p + "self_attn.q_proj.weight", (q_out, h)),
-                    get(p + "self_attn.k_proj.weight", (kv_out, h)),
-                    get(p + "self_attn.v_proj.weight", (kv_out, h)),
-                ]
-            )
-            * input_norm[None, :],
-            qkv_bias=None
-            if q_bias is None
-            else torch.cat(
-                [
-                    q_bias,
-                    get(p + "self_attn.k_proj.bias", (kv_out,)),
-                    get(p + "self_attn.v_proj.bias", (kv_out,)),
-                ]
+            qkv=Linear(
+                torch.cat(
+                    [
+                        get(p + "self_attn.q_proj.weight", (q_out, h)),
+                        get(p + "self_attn.k_proj.weight", (kv_out, h)),
+                        get(p + "self_attn.v_proj.weight", (kv_out, h)),
+                    ]
+                )
+                * input_norm[None, :],
+                None
+                if q_bias is None
+                else torch.cat(
+                    [
+                        q_bias,
+                        get(p + "self_attn.k_proj.bias", (kv_out,)),
+                        get(p + "self_attn.v_proj.bias", (kv_out,)),
+                    ]
+                ),
             ),
             qk_norm=torch.cat(
                 [
@@ -283,8 +352,10 @@ def load_weights(
                     get(p + "self_attn.k_norm.weight", (d,)).expand(c.num_kv_heads, d),
                 ]
             ),
-            o_proj=get(p + "self_attn.o_proj.weight", (h, q_out)),
-            o_bias=maybe(p + "self_attn.o_proj.bias", (h,)) if c.attention_bias else None,
+            o_proj=Linear(
+                get(p + "self_attn.o_proj.weight", (h, q_out)),
+                maybe(p + "self_attn.o_proj.bias", (h,)) if c.attention_bias else None,
+            ),
         )
         if c.sparse_layers and c.sparse_layers[i]:
             _load_experts(layer, p + "mlp.", c, get, source)
@@ -292,19 +363,22 @@ def load_weights(
             layer.experts_gate_up = layer.experts_gate_up * post_norm[None, None, :]
         else:
             inter = c.intermediate_size
-            layer.gate_up = (
+            layer.gate_up = Linear(
                 torch.cat(
                     [get(p + "mlp.gate_proj.weight", (inter, h)), get(p + "mlp.up_proj.weight", (inter, h))]
                 )
                 * post_norm[None, :]
             )
-            layer.down = get(p + "mlp.down_proj.weight", (h, inter))
+            layer.down = Linear(get(p + "mlp.down_proj.weight", (h, inter)))
         layers.append(layer)
     embed = get("model.embed_tokens.weight", (c.vocab_size, h))
     tied = c.tie_word_embeddings or not source.has("lm_head.weight")
     lm_head = embed if tied else get("lm_head.weight", (c.vocab_size, h))
-    lm_head = lm_head * get("model.norm.weight", (h,))[None, :]
-    return ModelWeights(embed=embed, layers=layers, lm_head=lm_head)
+    lm_head = Linear(lm_head * get("model.norm.weight", (h,))[None, :])
+    weights = ModelWeights(embed=embed, layers=layers, lm_head=lm_head)
+    if onednn_packing_available(device, dtype):
+        weights.pack_for_onednn()
+    return weights
 
 
 def _load_experts(layer: LayerWeights, prefix: str, c: ModelConfig, get, source: _TensorSource) -> None:
@@ -339,11 +413,14 @@ class RotaryTable:
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
         # HF rotates with cat(-x2, x1) * sin; we use roll(x) = cat(x2, x1) times cat(-sin, sin): same bits.
         half = d // 2
         sin = emb.sin()
-        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device=device, dtype=dtype)
+        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        # [max_len, 2, D]: a decode step gathers cos and sin of every row's position in one call.
+        self.cos_sin = torch.stack([emb.cos(), sin_signed], dim=1).to(device=device, dtype=dtype)
+        self.cos = self.cos_sin[:, 0]
+        self.sin_signed = self.cos_sin[:, 1]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -351,7 +428,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 
 
 class Qwen3Forward:
-    """Forward passes over one set of weights; `weights` may be swapped between calls."""
+    """Forward passes over one set of weights; `weights` may be swapped between calls.
+
+    The decode step is written for the CPU, where a tiny model's step costs about as much in per-call
+    overhead (a few microseconds per torch call) as in arithmetic: every call it makes is counted, and
+    shapes are arranged so that no call hides a copy (see `decode`).
+    """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, rope: RotaryTable):
         self.config = config
@@ -360,46 +442,40 @@ class Qwen3Forward:
         c = config
         self._split = ((c.num_heads + c.num_kv_heads) * c.head_dim, c.num_kv_heads * c.head_dim)
         self._heads = (c.num_heads, c.num_kv_heads)
+        device = rope.cos_sin.device
+        self._arange = torch.arange(rope.cos_sin.shape[0], device=device)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm without its weight (folded into the next matmul)."""
         return F.rms_norm(x, (self.config.hidden_size,), None, self.config.rms_norm_eps)
 
     def _qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Normed input -> q (pre-scaled), k with q/k norm and RoPE applied, and v: [..., heads, D] each."""
+        """Normed input [N, hidden] -> q (pre-scaled) and k with q/k norm and RoPE applied, [N, heads, D]
+        each, and v [N, kv_heads, D] (a view into the projection's output)."""
         c = self.config
-        qk, v = F.linear(x, layer.qkv, layer.qkv_bias).split(self._split, dim=-1)
-        lead = x.shape[:-1]
-        qk = F.rms_norm(qk.view(*lead, -1, c.head_dim), (c.head_dim,), None, c.rms_norm_eps) * layer.qk_norm
-        q, k = _rotate(qk, cos, sin).split(self._heads, dim=-2)
-        return q, k, v.view(*lead, c.num_kv_heads, c.head_dim)
-
-    @staticmethod
-    def _residual(
-        x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        if bias is None and x.dim() == 2:
-            return torch.addmm(x, a, weight.t())  # the residual add rides along with the matmul
-        return x + F.linear(a, weight, bias)
+        qk, v = layer.qkv(x).split(self._split, dim=-1)
+        qk = F.rms_norm(qk.view(x.shape[0], -1, c.head_dim), (c.head_dim,), None, c.rms_norm_eps)
+        q, k = _rotate(qk * layer.qk_norm, cos, sin).split(self._heads, dim=-2)
+        return q, k, v.view(x.shape[0], c.num_kv_heads, c.head_dim)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor, routed: list | None) -> torch.Tensor:
+        """x + MLP(norm(x)) for 2-D x; a dense MLP's down projection carries the residual add."""
+        normed = self._norm(x)
         if layer.router is None:
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            return F.silu(gate).mul_(up), layer.down
-        return self._moe(layer, x, routed), None
+            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+            return layer.down.add_to(x, F.silu(gate).mul_(up))
+        return x + self._moe(layer, normed, routed)
 
-    def _moe(self, layer: LayerWeights, x: torch.Tensor, routed: list | None) -> torch.Tensor:
+    def _moe(self, layer: LayerWeights, flat: torch.Tensor, routed: list | None) -> torch.Tensor:
         c = self.config
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
         router_logits = F.linear(flat, layer.router)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         top_weights, top_experts = torch.topk(probs, c.num_experts_per_tok, dim=-1)
         if c.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        top_weights = top_weights.to(x.dtype)
+        top_weights = top_weights.to(flat.dtype)
         if routed is not None:
-            routed.append(top_experts.view(*shape[:-1], -1))
+            routed.append(top_experts)
         # Group (token, slot) pairs by expert so that each expert runs one matmul over its tokens.
         by_expert = top_experts.flatten()
         order = torch.argsort(by_expert, stable=True)
@@ -416,15 +492,10 @@ class Qwen3Forward:
             y = F.linear(F.silu(gate) * up, layer.experts_down[expert])
             out.index_add_(0, tokens, y * weight_of[start : start + count, None])
             start += count
-        return out.view(shape)
+        return out
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._norm(hidden), self.weights.lm_head).float()
-
-    def _ffn(self, layer: LayerWeights, x: torch.Tensor, routed: list | None) -> torch.Tensor:
-        """x + MLP(norm(x)); a dense MLP's down projection carries the residual add."""
-        out, down = self._mlp(layer, self._norm(x), routed)
-        return x + out if down is None else self._residual(x, out, down, None)
+        return self.weights.lm_head(self._norm(hidden)).float()
 
     @torch.inference_mode()
     def prefill(
@@ -439,60 +510,63 @@ class Qwen3Forward:
 
         Padding sits after the real tokens, so causal attention never lets a real token see it; the
         padding's K/V written beyond a sequence's length is masked out later and then overwritten.
+        Matmuls run over the flattened [B * T, hidden] rows.
         """
         c = self.config
         w = self.weights
         batch, steps = tokens.shape
-        cos = self.rope.cos[:steps][:, None, :]
-        sin = self.rope.sin_signed[:steps][:, None, :]
-        x = F.embedding(tokens, w.embed)
+        rows = batch * steps
+        cos = self.rope.cos[:steps].repeat(batch, 1)[:, None, :]  # [B * T, 1, D]
+        sin = self.rope.sin_signed[:steps].repeat(batch, 1)[:, None, :]
+        x = F.embedding(tokens.flatten(), w.embed)
         for index, layer in enumerate(w.layers):
-            q, k, v = self._qkv(layer, self._norm(x), cos, sin)  # [B, T, heads, D]
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            q, k, v = self._qkv(layer, self._norm(x), cos, sin)  # [B * T, heads, D]
+            q = q.view(batch, steps, c.num_heads, c.head_dim).transpose(1, 2)
+            k = k.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            v = v.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
             cache.k[index][slots, :, :steps] = k
             cache.v[index][slots, :, :steps] = v
             attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k, v, is_causal=True, scale=1.0, enable_gqa=c.num_kv_heads != c.num_heads
+                q, k, v, is_causal=True, scale=1.0, enable_gqa=c.num_kv_heads != c.num_heads
             )
-            x = x + F.linear(attn.transpose(1, 2).reshape(batch, steps, -1), layer.o_proj, layer.o_bias)
-            x = self._ffn(layer, x, routed)
-        last = x[torch.arange(batch, device=x.device), lengths - 1]
+            x = layer.o_proj.add_to(x, attn.transpose(1, 2).reshape(rows, -1))
+            x = self._mlp(layer, x, routed)
+        if routed is not None:
+            routed[:] = [r.view(batch, steps, -1) for r in routed]
+        last = x.view(batch, steps, -1)[torch.arange(batch, device=x.device), lengths - 1]
         return self._logits(last)
 
     @torch.inference_mode()
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache, max_len: int, routed: list | None = None
     ) -> torch.Tensor:
-        """One new token per sequence; sequence b lives in cache slot b (the cache keeps them packed)."""
+        """One new token per sequence; sequence b lives in cache slot b (the cache keeps them packed).
+
+        Per layer: norm, fused QKV matmul, q/k norm and RoPE (4 calls), two K/V row writes, attention,
+        and the output projection and down projection each carry their residual add.
+        """
         c = self.config
         w = self.weights
         batch = tokens.shape[0]
-        cos = self.rope.cos[positions][:, None, :]
-        sin = self.rope.sin_signed[positions][:, None, :]
-        # Where each new K/V row goes in a flat [slots * kv_heads * capacity, head_dim] view of a layer.
-        heads = torch.arange(c.num_kv_heads, device=tokens.device)
-        rows = torch.arange(batch, device=tokens.device)
-        flat_rows = (
-            (rows[:, None] * c.num_kv_heads + heads[None, :]) * cache.capacity + positions[:, None]
-        ).flatten()
+        cos, sin = self.rope.cos_sin.index_select(0, positions).unsqueeze(2).unbind(1)  # [B, 1, D] each
+        rows = cache.rows[:batch]
         # Query heads that share a KV head become the "query length" axis: GQA without repeating K/V.
         groups = c.num_heads // c.num_kv_heads
-        hidden = torch.arange(max_len, device=tokens.device)[None, :] > positions[:, None]
-        bias = torch.zeros(batch, 1, 1, max_len, dtype=self.weights.embed.dtype, device=tokens.device)
-        bias.masked_fill_(hidden[:, None, None, :], float("-inf"))
-        x = F.embedding(tokens, w.embed)
+        if batch > 1:  # positions beyond a row's own length hold stale or padding K/V
+            hidden = (self._arange[:max_len] > positions[:, None]).view(batch, 1, 1, max_len)
+        x = w.embed.index_select(0, tokens)
         for index, layer in enumerate(w.layers):
             q, k, v = self._qkv(layer, self._norm(x), cos, sin)  # [B, heads, D]
             keys, values = cache.k[index], cache.v[index]
-            keys.view(-1, c.head_dim).index_copy_(0, flat_rows, k.reshape(-1, c.head_dim))
-            values.view(-1, c.head_dim).index_copy_(0, flat_rows, v.reshape(-1, c.head_dim))
+            keys[rows, :, positions] = k
+            values[rows, :, positions] = v
             q = q.view(batch, c.num_kv_heads, groups, c.head_dim)
             keys, values = keys[:batch, :, :max_len], values[:batch, :, :max_len]
             if batch == 1:  # SDPA's fused kernel wins for one sequence (nothing to mask)
                 attn = F.scaled_dot_product_attention(q, keys, values, scale=1.0)
             else:  # for many short rows, two batched matmuls beat SDPA's per-row overhead on CPU
-                scores = torch.matmul(q, keys.transpose(-1, -2)).add_(bias)
+                scores = torch.matmul(q, keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))
                 attn = torch.matmul(torch.softmax(scores, dim=-1), values)
-            x = self._residual(x, attn.reshape(batch, -1), layer.o_proj, layer.o_bias)
-            x = self._ffn(layer, x, routed)
+            x = layer.o_proj.add_to(x, attn.reshape(batch, -1))
+            x = self._mlp(layer, x, routed)
         return self._logits(x)
