@@ -67,22 +67,30 @@ class InferenceClient:
 
     async def version(self) -> int:
         """The server's policy version; waits for a restarting server to come back."""
+        return int((await self.health())["policy_version"])
+
+    async def received_version(self) -> int:
+        """Broadcast weight sync: the newest version the server has received and staged."""
+        return int((await self.health()).get("received_version", 0))
+
+    async def health(self) -> dict:
         deadline = asyncio.get_running_loop().time() + self.retry_seconds
         while True:
             try:
                 response = await self.http.get(self.root + "/health")
                 if response.status_code == 200:
-                    return int(response.json()["policy_version"])
+                    return response.json()
             except httpx.TransportError:
                 pass
             if asyncio.get_running_loop().time() > deadline:
                 raise InferenceUnavailable(f"{self.root}/health did not answer for {self.retry_seconds:.0f} s")
             await asyncio.sleep(0.25)
 
-    async def update_weights(self, path: str, version: int) -> None:
-        """Pause -> load the step folder -> resume. In-flight requests resume on the new weights."""
+    async def update_weights(self, body: dict) -> None:
+        """Pause -> swap in the weights named by `body` (a step folder or staged broadcast) -> resume.
+        In-flight requests resume on the new weights."""
         await self._post("/pause", {}, root=True)
         try:
-            await self._post("/update_weights", {"path": path, "version": version, "in_flight": "resume"}, root=True)
+            await self._post("/update_weights", {**body, "in_flight": "resume"}, root=True)
         finally:
             await self._post("/resume", {}, root=True)

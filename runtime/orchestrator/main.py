@@ -26,10 +26,10 @@ from pathlib import Path
 
 from primebuild.runtime.envs.registry import load_environment
 from primebuild.runtime.orchestrator.client import InferenceClient
+from primebuild.runtime.orchestrator.weights import weight_source
 from primebuild.runtime.trainer.advantages import advantages_by_group
 from primebuild.runtime.trainer.batch import Sample, TrainBatch, save_batch
 from primebuild.runtime.trainer.metrics import MetricsWriter
-from primebuild.runtime.weight_sync.filesystem import latest_stable
 
 log = logging.getLogger("primebuild.orchestrator")
 
@@ -55,6 +55,7 @@ class OrchestratorConfig:
     normalize_advantage_std: bool = False
     eval_every: int = 0
     eval_prompts: int = 200
+    weight_sync: str = "filesystem"
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -68,7 +69,6 @@ class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.weights_dir = self.run_dir / "weights"
         urls = cfg.endpoints.get("inference") or cfg.endpoints.get("decode") or []
         if not urls:
             raise ValueError("the plan gives the orchestrator no inference endpoints")
@@ -81,18 +81,13 @@ class Orchestrator:
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", role="orchestrator")
         self.server_version = 0
         self.sync_lock = asyncio.Lock()
+        self.weights = weight_source(cfg.weight_sync, self.run_dir)
 
     # --- policy versions -------------------------------------------------------------------------
 
-    def latest_version(self) -> tuple[int, Path | None]:
-        found = latest_stable(self.weights_dir)
-        if found is None:
-            return 0, None
-        return found
-
     async def wait_for_version(self, at_least: int) -> int:
         while True:
-            version, _ = self.latest_version()
+            version = await self.weights.latest(self.clients)
             if version >= at_least:
                 return version
             if self.stop_requested():
@@ -105,11 +100,11 @@ class Orchestrator:
             await self._sync_servers()
 
     async def _sync_servers(self) -> None:
-        version, path = self.latest_version()
+        version = await self.weights.latest(self.clients)
         versions = await asyncio.gather(*(c.version() for c in self.clients))
         stale = [c for c, v in zip(self.clients, versions, strict=True) if v != version]
-        if path is not None and stale:
-            await asyncio.gather(*(c.update_weights(str(path), version) for c in stale))
+        if version > 0 and stale:
+            await asyncio.gather(*(self.weights.load(c, version) for c in stale))
         self.server_version = version
 
     def stop_requested(self) -> bool:

@@ -1,0 +1,44 @@
+"""Where new policies come from, seen from the orchestrator: the two weight-sync modes.
+
+filesystem: the trainer publishes `weights/step_k/` (STABLE marker); a server loads it by path.
+broadcast:  the trainer sends each step over a torch.distributed group straight into every server,
+            which stages it; the orchestrator asks the servers what they hold (`/health`
+            `received_version`) and tells them when to swap it in. No weight folder is written.
+Either way the swap itself is the same choreography: pause -> update_weights -> resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from primebuild.runtime.orchestrator.client import InferenceClient
+from primebuild.runtime.weight_sync.filesystem import latest_stable, step_dir
+
+
+class FilesystemWeights:
+    def __init__(self, weights_dir: Path):
+        self.weights_dir = weights_dir
+
+    async def latest(self, clients: list[InferenceClient]) -> int:
+        found = latest_stable(self.weights_dir)
+        return 0 if found is None else found[0]
+
+    async def load(self, client: InferenceClient, version: int) -> None:
+        await client.update_weights({"path": str(step_dir(self.weights_dir, version)), "version": version})
+
+
+class BroadcastWeights:
+    async def latest(self, clients: list[InferenceClient]) -> int:
+        """The newest version every server has received (a swap needs all of them to have it)."""
+        received = await asyncio.gather(*(c.received_version() for c in clients))
+        return min(received)
+
+    async def load(self, client: InferenceClient, version: int) -> None:
+        await client.update_weights({"source": "broadcast", "version": version})
+
+
+def weight_source(mode: str, run_dir: Path) -> FilesystemWeights | BroadcastWeights:
+    if mode == "broadcast":
+        return BroadcastWeights()
+    return FilesystemWeights(run_dir / "weights")
