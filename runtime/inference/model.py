@@ -187,10 +187,11 @@ def onednn_packing_available(device, dtype: torch.dtype) -> bool:
 class Linear:
     """A weight [out, in] (+ bias) and, optionally, a oneDNN-packed copy used for calls with many rows."""
 
-    __slots__ = ("weight", "bias", "packed", "packed_from_rows")
+    __slots__ = ("weight", "weight_t", "bias", "packed", "packed_from_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight.contiguous()
+        self.weight_t = self.weight.t()  # a view, kept to save a call per matmul
         self.bias = bias
         self.packed = None
         self.packed_from_rows = 1 << 62
@@ -203,15 +204,17 @@ class Linear:
         """x [rows, in] -> [rows, out]."""
         if x.shape[0] >= self.packed_from_rows:
             return _onednn_linear(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T (+ bias), the add fused into the matmul; 2-D operands."""
         if x.shape[0] >= self.packed_from_rows:
             return _onednn_linear_add(x, residual, self.packed, self.bias, "add")
         if self.bias is None:
-            return torch.addmm(residual, x, self.weight.t())
-        return residual + F.linear(x, self.weight, self.bias)
+            return torch.addmm(residual, x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t).add_(residual)
 
 
 if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
@@ -226,6 +229,7 @@ class LayerWeights:
     RMSNorm weights are folded into the matmul that follows them (rms(x) * w @ W.T == rms(x) @ (W * w).T),
     the q and k norms become one [heads + kv_heads, head_dim] scale, and the 1/sqrt(head_dim) softmax
     scale is folded into the query heads' part of it (RoPE is linear, so the order does not matter).
+    Every norm weight also carries sqrt(its size): the forward normalises to unit length (`_unit`).
     """
 
     qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden], input norm folded in
@@ -317,14 +321,20 @@ def load_weights(
     def maybe(key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return get(key, shape) if source.has(key) else None
 
+    def norm_weight(key: str, size: int, scale: float = 1.0) -> torch.Tensor:
+        """An RMSNorm weight times sqrt(size), folded in fp32: the forward normalises rows to unit
+        length (x / |x|, one call fewer than x / rms(x)), and this puts the sqrt(size) back."""
+        source_weight = get(key, (size,)).to(torch.float32)
+        return (source_weight * (size**0.5 * scale)).to(dtype)
+
     c = config
     h, d = c.hidden_size, c.head_dim
     q_out, kv_out = c.num_heads * d, c.num_kv_heads * d
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        input_norm = get(p + "input_layernorm.weight", (h,))
-        post_norm = get(p + "post_attention_layernorm.weight", (h,))
+        input_norm = norm_weight(p + "input_layernorm.weight", h)
+        post_norm = norm_weight(p + "post_attention_layernorm.weight", h)
         q_bias = maybe(p + "self_attn.q_proj.bias", (q_out,)) if c.attention_bias else None
         layer = LayerWeights(
             qkv=Linear(
@@ -348,8 +358,8 @@ def load_weights(
             ),
             qk_norm=torch.cat(
                 [
-                    (get(p + "self_attn.q_norm.weight", (d,)) * d**-0.5).expand(c.num_heads, d),
-                    get(p + "self_attn.k_norm.weight", (d,)).expand(c.num_kv_heads, d),
+                    norm_weight(p + "self_attn.q_norm.weight", d, d**-0.5).expand(c.num_heads, d),
+                    norm_weight(p + "self_attn.k_norm.weight", d).expand(c.num_kv_heads, d),
                 ]
             ),
             o_proj=Linear(
@@ -374,7 +384,7 @@ def load_weights(
     embed = get("model.embed_tokens.weight", (c.vocab_size, h))
     tied = c.tie_word_embeddings or not source.has("lm_head.weight")
     lm_head = embed if tied else get("lm_head.weight", (c.vocab_size, h))
-    lm_head = Linear(lm_head * get("model.norm.weight", (h,))[None, :])
+    lm_head = Linear(lm_head * norm_weight("model.norm.weight", h)[None, :])
     weights = ModelWeights(embed=embed, layers=layers, lm_head=lm_head)
     if onednn_packing_available(device, dtype):
         weights.pack_for_onednn()
@@ -423,6 +433,18 @@ class RotaryTable:
         self.sin_signed = self.cos_sin[:, 1]
 
 
+def _unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(|x|^2 + n * eps) over the last axis (size n): RMSNorm divided by sqrt(n), in 4 calls
+    where F.rms_norm takes 7 kernels on CPU. The sqrt(n) lives in the weights (`norm_weight`).
+    Half-precision inputs are reduced in fp32, as HF's Qwen3RMSNorm does."""
+    if x.dtype != torch.float32:
+        wide = x.float()
+        return (wide * torch.linalg.vecdot(wide, wide).add_(x.shape[-1] * eps).rsqrt_()[..., None]).to(
+            x.dtype
+        )
+    return x * torch.linalg.vecdot(x, x).add_(x.shape[-1] * eps).rsqrt_().unsqueeze(-1)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
 
@@ -447,15 +469,15 @@ class Qwen3Forward:
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm without its weight (folded into the next matmul)."""
-        return F.rms_norm(x, (self.config.hidden_size,), None, self.config.rms_norm_eps)
+        return _unit(x, self.config.rms_norm_eps)
 
     def _qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Normed input [N, hidden] -> q (pre-scaled) and k with q/k norm and RoPE applied, [N, heads, D]
         each, and v [N, kv_heads, D] (a view into the projection's output)."""
         c = self.config
-        qk, v = layer.qkv(x).split(self._split, dim=-1)
-        qk = F.rms_norm(qk.view(x.shape[0], -1, c.head_dim), (c.head_dim,), None, c.rms_norm_eps)
-        q, k = _rotate(qk * layer.qk_norm, cos, sin).split(self._heads, dim=-2)
+        qk, v = layer.qkv(x).split_with_sizes(self._split, dim=-1)
+        qk = _unit(qk.view(x.shape[0], -1, c.head_dim), c.rms_norm_eps)
+        q, k = _rotate(qk * layer.qk_norm, cos, sin).split_with_sizes(self._heads, dim=-2)
         return q, k, v.view(x.shape[0], c.num_kv_heads, c.head_dim)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor, routed: list | None) -> torch.Tensor:
@@ -552,6 +574,7 @@ class Qwen3Forward:
         rows = cache.rows[:batch]
         # Query heads that share a KV head become the "query length" axis: GQA without repeating K/V.
         groups = c.num_heads // c.num_kv_heads
+        window = (batch, c.num_kv_heads, max_len, c.head_dim)
         if batch > 1:  # positions beyond a row's own length hold stale or padding K/V
             hidden = (self._arange[:max_len] > positions[:, None]).view(batch, 1, 1, max_len)
         x = w.embed.index_select(0, tokens)
@@ -561,7 +584,8 @@ class Qwen3Forward:
             keys[rows, :, positions] = k
             values[rows, :, positions] = v
             q = q.view(batch, c.num_kv_heads, groups, c.head_dim)
-            keys, values = keys[:batch, :, :max_len], values[:batch, :, :max_len]
+            # keys[:batch, :, :max_len] (likewise values), in one call instead of a parsed index.
+            keys, values = keys.as_strided(window, keys.stride()), values.as_strided(window, keys.stride())
             if batch == 1:  # SDPA's fused kernel wins for one sequence (nothing to mask)
                 attn = F.scaled_dot_product_attention(q, keys, values, scale=1.0)
             else:  # for many short rows, two batched matmuls beat SDPA's per-row overhead on CPU
