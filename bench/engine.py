@@ -1,10 +1,16 @@
 """Decode throughput of the embedded engine vs `transformers.generate`, plus tokens/s through HTTP.
 
 Same model, same prompts (16 random ids), same thread count, greedy, exactly 64 new tokens (EOS
-ignored by both). Tokens/s = batch * 64 / wall time of the whole call (prefill included for both).
-Medians of `--repeats` runs after one warm-up; the machine is shared, so expect +-20-30 %.
+ignored by both), and the tokens of both are compared. Tokens/s = batch * 64 / wall time of the whole
+call (prefill included for both). Medians of `--repeats` runs after one warm-up, the two contenders
+alternating run by run.
 
-    .venv/bin/python bench/engine.py [--threads 2] [--repeats 3] [--skip-20m] [--skip-http]
+The machine is shared, so wall times swing +-20-30 % with the load (printed with each row). The
+process CPU time of each call is reported too: with one intra-op thread it is the work each contender
+did (the engine thread's, as the caller only waits), and it moves far less with the load. Both
+ratios are printed; the wall ratio is the headline.
+
+    .venv/bin/python bench/engine.py [--threads 1] [--repeats 3] [--skip-20m] [--skip-http]
 """
 
 from __future__ import annotations
@@ -41,16 +47,23 @@ def prompts_for(batch: int, vocab: int) -> list[list[int]]:
     return torch.randint(4, vocab, (batch, PROMPT_LEN), generator=generator).tolist()
 
 
-def interleaved_medians(fns: list, repeats: int) -> list[tuple[float, object]]:
-    """Run the contenders alternately (load on a shared machine drifts), after one warm-up each."""
+def interleaved_medians(fns: list, repeats: int) -> list[tuple[float, float, object]]:
+    """Run the contenders alternately (load on a shared machine drifts), after one warm-up each.
+
+    Returns (median wall seconds, median process CPU seconds, last result) per contender.
+    """
     results = [fn() for fn in fns]
-    times: list[list[float]] = [[] for _ in fns]
+    walls: list[list[float]] = [[] for _ in fns]
+    cpus: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):
-            start = time.perf_counter()
+            cpu, start = time.process_time(), time.perf_counter()
             results[i] = fn()
-            times[i].append(time.perf_counter() - start)
-    return [(statistics.median(t), r) for t, r in zip(times, results, strict=True)]
+            walls[i].append(time.perf_counter() - start)
+            cpus[i].append(time.process_time() - cpu)
+    return [
+        (statistics.median(w), statistics.median(c), r) for w, c, r in zip(walls, cpus, results, strict=True)
+    ]
 
 
 def hf_runner(folder: Path, prompts: list[list[int]]):
@@ -150,7 +163,7 @@ def bench_http(folder: Path, threads: int, clients: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--skip-20m", action="store_true")
@@ -163,7 +176,8 @@ def main() -> None:
         f"{NEW_TOKENS} new tokens, median of {args.repeats}"
     )
     print(
-        f"{'model':<12} {'batch':>5} {'generate tok/s':>15} {'engine tok/s':>13} {'ratio':>6} {'same tokens':>12}"
+        f"{'model':<12} {'batch':>5} {'generate tok/s':>15} {'engine tok/s':>13} {'ratio':>6} "
+        f"{'CPU-time ratio':>15} {'same tokens':>12} {'load':>5}"
     )
     with tempfile.TemporaryDirectory() as tmp:
         for name, kwargs in MODELS.items():
@@ -175,13 +189,14 @@ def main() -> None:
             engine = Engine(folder, max_num_seqs=64, max_model_len=PROMPT_LEN + NEW_TOKENS, device="cpu")
             for batch in batches:
                 prompts = prompts_for(batch, 32)
-                (hf_time, hf_tokens), (engine_time, engine_tokens) = interleaved_medians(
+                (hf_time, hf_cpu, hf_tokens), (engine_time, engine_cpu, engine_tokens) = interleaved_medians(
                     [hf_runner(folder, prompts), engine_runner(engine, prompts)], args.repeats
                 )
                 total = batch * NEW_TOKENS
                 print(
                     f"{name:<12} {batch:>5} {total / hf_time:>15.0f} {total / engine_time:>13.0f} "
-                    f"{hf_time / engine_time:>5.2f}x {str(hf_tokens == engine_tokens):>12}",
+                    f"{hf_time / engine_time:>5.2f}x {hf_cpu / engine_cpu:>14.2f}x "
+                    f"{str(hf_tokens == engine_tokens):>12} {os.getloadavg()[0]:>5.1f}",
                     flush=True,
                 )
             engine.shutdown()
