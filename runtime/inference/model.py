@@ -2,8 +2,9 @@
 
 Why not call the HF modules: on small models `generate` spends most of its time in Python module
 overhead (norm modules, config look-ups, mask building), not in matmuls. Here one decoder layer is a
-handful of torch calls: fused QKV and gate/up projections, `F.rms_norm`, a precomputed RoPE table and
-SDPA over a preallocated KV cache (see kv_cache.py). The HF model code stays the reference that the
+couple of dozen torch calls: fused QKV and gate/up projections (oneDNN-packed for calls with many
+rows, see `Linear`), unit-length norms with the norm weights folded into the next matmul, a
+precomputed RoPE table and attention over a preallocated KV cache (see kv_cache.py). The HF model code stays the reference that the
 tests compare against, token for token and log-prob for log-prob.
 
 Only inference: no autograd, no dropout. Supported: `model_type` qwen3 and qwen3_moe with default RoPE
@@ -468,7 +469,7 @@ class Qwen3Forward:
         self._arange = torch.arange(rope.cos_sin.shape[0], device=device)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm without its weight (folded into the next matmul)."""
+        """RMSNorm without its weight and its sqrt(hidden) (both folded into the next matmul)."""
         return _unit(x, self.config.rms_norm_eps)
 
     def _qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
