@@ -147,6 +147,9 @@ def _warnings(m: Manifest, f: ModelFacts, placement: Placement) -> list[str]:
                    "run's token")
     if f.num_experts and not m.inference.router_replay and m.inference.engine == "vllm":
         out.append("MoE model without router_replay: train/inference expert choices may differ (higher mismatch KL)")
+    if m.weight_sync.mode == "broadcast" and m.inference.engine == "vllm":
+        out.append("weight_sync: broadcast with vLLM needs its weight-receiving worker extension, which is not "
+                   "wired yet: use filesystem to run this plan today")
     if m.orchestrator.max_off_policy_steps == 0:
         out.append("max_off_policy_steps: 0 runs synchronous RL: inference idles while the trainer steps")
     return out

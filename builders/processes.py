@@ -50,8 +50,27 @@ class ProcessSpec:
 def build_processes(m: Manifest, placement: Placement, *, model_dtype: str) -> list[ProcessSpec]:
     processes = _inference_processes(m, placement.inference, model_dtype)
     processes += _trainer_processes(m, placement.trainer)
+    if m.weight_sync.mode == "broadcast":
+        _wire_broadcast(m, processes, placement.trainer[0].node)
     processes.append(_orchestrator_process(m, placement.orchestrator_node, processes))
     return processes
+
+
+def _wire_broadcast(m: Manifest, processes: list[ProcessSpec], trainer_node: int) -> None:
+    """One torch.distributed group: trainer rank 0 (group rank 0, hosting its TCP store) and every
+    inference server head (group ranks 1..N). A server that dies cannot rejoin a live group, so in this
+    mode inference is not restarted: the run stops and resumes from its checkpoint instead."""
+    init = f"tcp://{{host:{trainer_node}}}:{m.weight_sync.port}"
+    heads = [p for p in processes if p.role != "trainer" and "http" in p.ports]
+    world = 1 + len(heads)
+    for rank, p in enumerate(heads, start=1):
+        if m.inference.engine == "embedded":
+            p.argv += ["--weight-broadcast-init", init, "--weight-broadcast-rank", str(rank),
+                       "--weight-broadcast-world", str(world)]
+        p.restart = {"policy": "never", "max_restarts": 0}
+    for p in processes:
+        if p.role == "trainer":
+            p.config.update(weight_sync="broadcast", broadcast_init_method=init, broadcast_world_size=world)
 
 
 def _base_env(m: Manifest, gpus: tuple[int, ...] | list[int]) -> dict[str, str]:

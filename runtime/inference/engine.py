@@ -28,7 +28,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -294,21 +294,27 @@ class Engine:
         return self._paused
 
     def update_weights(
-        self, path: str | Path, version: int, in_flight: str = "resume", timeout: float = 600
+        self,
+        path: str | Path | Mapping[str, torch.Tensor],
+        version: int,
+        in_flight: str = "resume",
+        timeout: float = 600,
     ) -> None:
-        """Load an HF step folder and swap it in between two steps (blocks until swapped)."""
+        """Swap in new weights between two steps (blocks until swapped): an HF step folder, or a state
+        dict in HF naming (a weight broadcast), whose every tensor shape is checked on load."""
         if in_flight not in ("resume", "finish"):
             raise UserError(f"in_flight must be 'resume' or 'finish', not {in_flight!r}")
         with self._update_lock:
-            config = ModelConfig.from_folder(path)
-            if config.shape_signature() != self.config.shape_signature():
-                raise UserError(
-                    Problem(
-                        "the new weights have a different architecture than the served model",
-                        file=str(Path(path) / "config.json"),
-                        hint="weight updates must keep every shape of the served model",
+            if not isinstance(path, Mapping):
+                config = ModelConfig.from_folder(path)
+                if config.shape_signature() != self.config.shape_signature():
+                    raise UserError(
+                        Problem(
+                            "the new weights have a different architecture than the served model",
+                            file=str(Path(path) / "config.json"),
+                            hint="weight updates must keep every shape of the served model",
+                        )
                     )
-                )
             weights = load_weights(path, self.config, self.dtype, self.device)
             swap = _Swap(weights, int(version), in_flight, threading.Event())
             with self._cv:

@@ -14,6 +14,7 @@ and full attention (what every released Qwen3 checkpoint uses).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,12 +302,35 @@ class _TensorSource:
         return self._handles[file].get_tensor(key)
 
 
+class _DictSource:
+    """The tensors of a state dict in HF checkpoint naming (what a weight broadcast delivers)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], label: str):
+        self.state, self.folder = state, label
+
+    def has(self, key: str) -> bool:
+        return key in self.state
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.state:
+            raise UserError(Problem(f"tensor {key!r} is missing", file=self.folder,
+                                    hint="the sender's model must have the served architecture"))
+        return self.state[key]
+
+
 def load_weights(
-    folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    origin: str | Path | Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> ModelWeights:
-    """Read an HF folder into fresh tensors (never touching weights in use), fused for the hot path."""
-    folder = Path(folder)
-    source = _TensorSource(folder)
+    """Read an HF folder (or a state dict in HF naming) into fresh tensors, never touching weights in
+    use, fused for the hot path."""
+    if isinstance(origin, Mapping):
+        source = _DictSource(origin, "broadcast weights")
+    else:
+        source = _TensorSource(Path(origin))
+    folder = source.folder
 
     def get(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = source.get(key)

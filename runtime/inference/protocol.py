@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .sampling import SamplingParams
 
@@ -130,9 +130,16 @@ class ChatRequest(CommonRequest):
 
 
 class UpdateWeightsRequest(_Body):
-    path: str = Field(min_length=1)
+    path: str | None = Field(None, min_length=1)  # an HF step folder, for source "folder"
     version: Int64
     in_flight: Literal["resume", "finish"] = "resume"
+    source: Literal["folder", "broadcast"] = "folder"  # broadcast: the weights this server has staged
+
+    @model_validator(mode="after")
+    def _folder_needs_path(self) -> UpdateWeightsRequest:
+        if self.source == "folder" and self.path is None:
+            raise ValueError("path: a step folder is required unless source is 'broadcast'")
+        return self
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:

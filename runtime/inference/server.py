@@ -39,6 +39,7 @@ from .engine import ChoiceResult, Engine, SeqUpdate
 from .protocol import ApiError, ChatRequest, CompletionRequest, UpdateWeightsRequest, parse_body
 from .sampling import SamplingParams
 from .tokenizer import ServedTokenizer
+from .weight_receiver import BroadcastStage
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ def create_app(
     served_model_name: str = "model",
     admin_token: str | None = None,
     shutdown_engine_on_exit: bool = False,
+    weight_stage: BroadcastStage | None = None,
 ) -> FastAPI:
     """The FastAPI app over an already-running engine. `admin_token=None` refuses every admin call."""
     tokenizer = tokenizer or ServedTokenizer(engine.model_path)
@@ -450,12 +452,16 @@ def create_app(
     # ------------------------------------------------------------------ operations
     @app.get("/health")
     async def health():
-        return {
+        state = {
             "status": "ok",
             "model": served_model_name,
             "policy_version": engine.version,
             "paused": engine.paused,
         }
+        if weight_stage is not None:
+            state["received_version"] = weight_stage.received_version
+            state["broadcast_error"] = weight_stage.error
+        return state
 
     @app.get("/metrics")
     async def metrics():
@@ -496,12 +502,18 @@ def create_app(
         body: UpdateWeightsRequest = parse_body(await request.body(), UpdateWeightsRequest)
         started = time.monotonic()
         try:
-            await asyncio.to_thread(engine.update_weights, body.path, body.version, body.in_flight)
+            if body.source == "broadcast":
+                if weight_stage is None:
+                    raise ApiError(400, "this server was started without a weight broadcast", param="source")
+                origin = weight_stage.take(body.version)
+            else:
+                origin = body.path
+            await asyncio.to_thread(engine.update_weights, origin, body.version, body.in_flight)
         except UserError as err:
-            raise ApiError(400, str(err), param="path") from None
+            raise ApiError(400, str(err), param="source" if body.source == "broadcast" else "path") from None
         except TimeoutError as err:
             raise ApiError(409, str(err)) from None
-        log.info("weights updated to version %s from %s", body.version, body.path)
+        log.info("weights updated to version %s from %s", body.version, body.path or "the broadcast")
         return {
             "status": "ok",
             "policy_version": engine.version,
@@ -524,8 +536,10 @@ def serve(
     seed: int = 0,
     num_threads: int | None = None,
     policy_version: int = 0,
+    weight_broadcast: tuple[str, int, int] | None = None,
 ) -> None:
-    """Load the model and serve it until interrupted (blocking)."""
+    """Load the model and serve it until interrupted (blocking). `weight_broadcast` = (init_method,
+    rank, world_size) joins the trainer's weight broadcast group (see weight_receiver.py)."""
     import torch
     import uvicorn
 
@@ -535,6 +549,10 @@ def serve(
     if admin_token is None:
         log.warning("environment variable %s is not set: admin calls will be refused", admin_token_env)
     tokenizer = ServedTokenizer(model_path)
+    weight_stage = None
+    if weight_broadcast is not None:  # (init_method, rank, world_size)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        weight_stage = BroadcastStage(*weight_broadcast, device=device)
     engine = Engine(
         model_path,
         max_num_seqs=max_num_seqs,
@@ -551,6 +569,7 @@ def serve(
         served_model_name=served_model_name,
         admin_token=admin_token,
         shutdown_engine_on_exit=True,
+        weight_stage=weight_stage,
     )
     uvicorn.run(app, host=host, port=port, log_level="info")
 
@@ -571,7 +590,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--policy-version", type=int, default=0)
+    parser.add_argument("--weight-broadcast-init", default=None,
+                        help="tcp://HOST:PORT of the trainer's weight broadcast group (broadcast weight sync)")
+    parser.add_argument("--weight-broadcast-rank", type=int, default=None)
+    parser.add_argument("--weight-broadcast-world", type=int, default=None)
     args = parser.parse_args(argv)
+    broadcast_args = (args.weight_broadcast_init, args.weight_broadcast_rank, args.weight_broadcast_world)
+    if any(a is not None for a in broadcast_args) and not all(a is not None for a in broadcast_args):
+        parser.error("--weight-broadcast-init, --weight-broadcast-rank and --weight-broadcast-world go together")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         serve(
@@ -586,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             num_threads=args.num_threads,
             policy_version=args.policy_version,
+            weight_broadcast=broadcast_args if args.weight_broadcast_init else None,
         )
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,0 +1,89 @@
+"""Broadcast weight sync into a live server: a real sender (the trainer's BroadcastSender) pushes a new
+policy over a gloo group; the server stages it and swaps it in when told, with the new log-probs."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import httpx
+import pytest
+import torch
+from inference_helpers import (
+    ADMIN_TOKEN,
+    Served,
+    free_port,
+    load_hf,
+    running_server,
+    save_model,
+    teacher_forced_logprobs,
+)
+from safetensors.torch import load_file
+
+torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def serve_with_stage(folder, init_method: str):
+    from primebuild.runtime.inference.engine import Engine
+    from primebuild.runtime.inference.server import create_app
+    from primebuild.runtime.inference.tokenizer import ServedTokenizer
+    from primebuild.runtime.inference.weight_receiver import BroadcastStage
+
+    tokenizer = ServedTokenizer(folder)
+    engine = Engine(folder, device="cpu", max_num_seqs=8, max_model_len=256,
+                    eos_token_ids=tokenizer.eos_token_ids, detokenize=tokenizer.decode)
+    stage = BroadcastStage(init_method, rank=1, world_size=2)
+    app = create_app(engine, tokenizer, served_model_name="tiny", admin_token=ADMIN_TOKEN, weight_stage=stage)
+    try:
+        with running_server(app) as url:
+            yield Served(url, engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_weights_are_staged_then_swapped_in(tmp_path):
+    from primebuild.runtime.weight_sync.broadcast import BroadcastSender
+
+    v0, v1 = save_model(tmp_path / "v0", "dense", seed=0), save_model(tmp_path / "v1", "dense", seed=1)
+    state = load_file(v1 / "model.safetensors")
+    init = f"tcp://127.0.0.1:{free_port()}"
+    senders = []
+    # rank 0 hosts the group's store: build the sender in a thread while the server joins as rank 1
+    thread = threading.Thread(target=lambda: senders.append(BroadcastSender(init, 2)), daemon=True)
+    thread.start()
+    with serve_with_stage(v0, init) as server:
+        thread.join(timeout=60)
+        (sender,) = senders
+        body = {"model": "tiny", "prompt": [1, 11, 8, 15], "max_tokens": 12, "ignore_eos": True, "temperature": 1.0}
+
+        early = server.admin("/update_weights", {"source": "broadcast", "version": 1})
+        assert early.status_code == 400 and "no broadcast weights of version 1" in early.json()["error"]["message"]
+
+        sender.send(state, 1)
+        health = httpx.get(server.url + "/health").json()
+        for _ in range(200):
+            if health["received_version"] == 1:
+                break
+            health = httpx.get(server.url + "/health").json()
+        assert health["received_version"] == 1 and health["policy_version"] == 0  # staged, not yet served
+
+        reply = server.admin("/update_weights", {"source": "broadcast", "version": 1})
+        assert reply.status_code == 200, reply.text
+        choice = httpx.post(server.v1 + "/completions", json=body, timeout=60).json()["choices"][0]
+        assert choice["policy_version"] == 1
+        want = teacher_forced_logprobs(load_hf(v1), choice["prompt_token_ids"], choice["token_ids"])
+        assert max(abs(a - b) for a, b in zip(choice["token_logprobs"], want, strict=True)) < 1e-5
+        sender.close()
+
+
+def test_update_without_a_path_or_a_stage_is_a_clean_400(tmp_path):
+    from inference_helpers import serve_folder
+
+    with serve_folder(save_model(tmp_path / "v0", "dense", seed=0)) as server:
+        no_path = server.admin("/update_weights", {"version": 1})
+        assert no_path.status_code == 400 and "path" in no_path.json()["error"]["message"]
+        no_stage = server.admin("/update_weights", {"source": "broadcast", "version": 1})
+        assert no_stage.status_code == 400 and "without a weight broadcast" in no_stage.json()["error"]["message"]
+        assert "received_version" not in httpx.get(server.url + "/health").json()
