@@ -87,3 +87,18 @@ orchestrator:
 environments:
   - id: reverse-text
 """
+
+
+@pytest.fixture
+def locked(tmp_path: Path) -> Path:
+    """A copy of manifests/ with fresh locks in lockfiles/, made offline: the Python variants come from
+    the committed locks (siblings with the same request), so no test depends on PyPI or on the
+    committed locks being fresh for today's manifests."""
+    shutil.copytree(MANIFESTS, tmp_path / "manifests", ignore=shutil.ignore_patterns("*.lock"))
+    (tmp_path / "lockfiles").mkdir()
+    for committed in sorted((REPO / "lockfiles").glob("*.lock")):
+        shutil.copy(committed, tmp_path / "lockfiles" / f"committed-{committed.name}")
+    for name in ("reverse-text-sft", "reverse-text"):
+        result = run_cli("lock", "--offline", tmp_path / "manifests" / f"{name}.yaml", timeout=300)
+        assert result.code == 0, result.text
+    return tmp_path / "manifests"

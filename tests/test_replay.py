@@ -7,27 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CPU_MANIFEST, MANIFESTS, REPO, call_cli, run_cli, write
+from conftest import CPU_MANIFEST, MANIFESTS, call_cli, write
 
 from primebuild.builders.lock import lock_hash, read_lock, record_lock
 from primebuild.builders.lock_check import load_lock_for
 from primebuild.builders.plan import compile_plan, plan_hash, render_json
 from primebuild.manifest.load import load_manifest
-
-
-@pytest.fixture
-def locked(tmp_path: Path) -> Path:
-    """A copy of manifests/ with fresh locks in lockfiles/, made offline: the Python variants come from
-    the committed locks (siblings with the same request), so no test depends on PyPI or on the
-    committed locks being fresh for today's manifests."""
-    shutil.copytree(MANIFESTS, tmp_path / "manifests", ignore=shutil.ignore_patterns("*.lock"))
-    (tmp_path / "lockfiles").mkdir()
-    for committed in sorted((REPO / "lockfiles").glob("*.lock")):
-        shutil.copy(committed, tmp_path / "lockfiles" / f"committed-{committed.name}")
-    for name in ("reverse-text-sft", "reverse-text"):
-        result = run_cli("lock", "--offline", tmp_path / "manifests" / f"{name}.yaml", timeout=300)
-        assert result.code == 0, result.text
-    return tmp_path / "manifests"
 
 
 def record_run(run_dir: Path, manifest: Path, sets: tuple[str, ...] = (), locked: bool = False) -> dict:

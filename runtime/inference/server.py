@@ -155,6 +155,27 @@ def _chat_logprobs(tok: ServedTokenizer, ids, logprobs, tops, want_top: bool) ->
     return {"content": content}
 
 
+def _stream_choice(c: _Choice, new: slice, content: dict, logprobs: dict | None) -> dict:
+    """One streamed choice: the new text (`{"text": …}` or `{"delta": …}`), the new tokens with their
+    log-probs and policy versions, and on the last chunk the rest of the RL extensions."""
+    r = c.result
+    item = {
+        "index": r.index,
+        **content,
+        "finish_reason": r.finish_reason,
+        "logprobs": logprobs,
+        "token_ids": r.token_ids[new],
+        "token_logprobs": r.logprobs[new],
+        "policy_versions": r.versions[new],
+    }
+    if r.finish_reason is not None:
+        final = c.extensions()
+        for key in ("token_ids", "token_logprobs", "policy_versions"):
+            final.pop(key)
+        item.update(final)
+    return item
+
+
 def create_app(
     engine: Engine,
     tokenizer: ServedTokenizer | None = None,
@@ -352,24 +373,14 @@ def create_app(
             offset = len(c.sent)
             delta = c.delta()
             new = slice(before, None)
-            item = {
-                "index": r.index,
-                "text": delta,
-                "finish_reason": r.finish_reason,
-                "logprobs": _completion_logprobs(
+            logprobs = (
+                _completion_logprobs(
                     tokenizer, r.token_ids[new], r.logprobs[new], r.top_logprobs[new], top > 0, offset
                 )
                 if want_logprobs
-                else None,
-                "token_ids": r.token_ids[new],
-                "token_logprobs": r.logprobs[new],
-                "policy_versions": r.versions[new],
-            }
-            if r.finish_reason is not None:
-                final = c.extensions()
-                for key in ("token_ids", "token_logprobs", "policy_versions"):
-                    final.pop(key)
-                item.update(final)
+                else None
+            )
+            item = _stream_choice(c, new, {"text": delta}, logprobs)
             return {**meta, "object": "text_completion", "choices": [item]}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -426,24 +437,12 @@ def create_app(
             delta = {"content": c.delta()}
             if before == 0:
                 delta["role"] = "assistant"
-            item = {
-                "index": r.index,
-                "delta": delta,
-                "finish_reason": r.finish_reason,
-                "logprobs": _chat_logprobs(
-                    tokenizer, r.token_ids[new], r.logprobs[new], r.top_logprobs[new], top > 0
-                )
+            logprobs = (
+                _chat_logprobs(tokenizer, r.token_ids[new], r.logprobs[new], r.top_logprobs[new], top > 0)
                 if want_logprobs
-                else None,
-                "token_ids": r.token_ids[new],
-                "token_logprobs": r.logprobs[new],
-                "policy_versions": r.versions[new],
-            }
-            if r.finish_reason is not None:
-                final = c.extensions()
-                for key in ("token_ids", "token_logprobs", "policy_versions"):
-                    final.pop(key)
-                item.update(final)
+                else None
+            )
+            item = _stream_choice(c, new, {"delta": delta}, logprobs)
             return {**meta, "object": "chat.completion.chunk", "choices": [item]}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
