@@ -33,6 +33,9 @@ def model_reference(loaded: LoadedManifest) -> dict:
 def facts_file(loaded: LoadedManifest, _depth: int = 0) -> tuple[Path, str]:
     """The HF config.json-style file holding the architecture, and how to show it to a person."""
     model = loaded.manifest.model
+    if model.from_manifest is not None and loaded.resolve(model.from_manifest) == loaded.path.resolve():
+        raise UserError(loaded.source.problem(("model", "from_manifest"), "a manifest cannot start from its own output",
+                                              hint="name the manifest that builds the model (e.g. an SFT manifest)"))
     if model.facts is not None:  # `facts: ""` is given (and not found), not absent
         return loaded.resolve(model.facts), model.facts
     kind = model.source_kind

@@ -323,3 +323,13 @@ def test_missing_facts_file_is_a_clean_error(workdir: Path, capsys, monkeypatch)
     result = call_cli(capsys, "plan", "m.yaml")
     assert result.code == 2
     assert f"m.yaml:{line_of(CPU_MANIFEST, 'facts:')}:3: model.facts: architecture facts not found" in result.err
+
+
+def test_a_manifest_starting_from_its_own_output_is_a_clean_error(workdir: Path, capsys, monkeypatch):
+    text = CPU_MANIFEST.replace("  init: random\n", "  from_manifest: m.yaml\n")
+    write(workdir, "m.yaml", text)
+    monkeypatch.chdir(workdir)
+    result = call_cli(capsys, "plan", "m.yaml")
+    assert result.code == 2 and "Traceback" not in result.text
+    line = line_of(text, "from_manifest:")
+    assert f"m.yaml:{line}:3: model.from_manifest: a manifest cannot start from its own output" in result.err
