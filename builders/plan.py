@@ -115,6 +115,10 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
     if m.orchestrator.seq_len > f.max_position_embeddings > 0:
         problems.append(Problem(f"seq_len {m.orchestrator.seq_len} exceeds the model's max_position_embeddings "
                                 f"{f.max_position_embeddings}", field="orchestrator.seq_len"))
+    if m.hardware.gpu == "cpu" and t.world_size > m.hardware.cpus_per_node:
+        problems.append(Problem(f"trainer: {t.world_size} ranks (dp_replicate*dp_shard*cp*tp) on a node of "
+                                f"{m.hardware.cpus_per_node} CPUs", field="trainer.dp_shard",
+                                hint=f"use at most {m.hardware.cpus_per_node} ranks on CPU-only hardware"))
     if m.hardware.gpu == "cpu" and t.ranks is not None and t.ranks != t.world_size:
         problems.append(Problem(f"trainer: ranks={t.ranks} but dp_replicate*dp_shard*cp*tp={t.world_size}",
                                 field="trainer.ranks", hint=f"set dp_shard: {t.ranks}"))

@@ -333,3 +333,11 @@ def test_a_manifest_starting_from_its_own_output_is_a_clean_error(workdir: Path,
     assert result.code == 2 and "Traceback" not in result.text
     line = line_of(text, "from_manifest:")
     assert f"m.yaml:{line}:3: model.from_manifest: a manifest cannot start from its own output" in result.err
+
+
+def test_more_trainer_ranks_than_cpus_is_a_clean_error(workdir: Path, capsys, monkeypatch):
+    write(workdir, "m.yaml", CPU_MANIFEST)
+    monkeypatch.chdir(workdir)
+    result = call_cli(capsys, "plan", "m.yaml", "--set", "trainer.dp_shard=1000", "--set", "trainer.ranks=64")
+    assert result.code == 2 and "Traceback" not in result.text
+    assert "trainer.dp_shard: trainer: 1000 ranks" in result.err and "CPUs" in result.err
