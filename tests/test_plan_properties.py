@@ -129,7 +129,7 @@ def cpu_manifest(draw) -> dict:
         "apiVersion": "primebuild/v1",
         "name": draw(st.from_regex(r"[a-z][a-z0-9-]{0,20}", fullmatch=True)),
         "model": {"init": "random", "facts": TINY, "tokenizer": "char", "dtype": "float32"},
-        "hardware": {"gpu": "cpu", "gpus_per_node": 0, "cpus_per_node": draw(st.integers(replicas, 64)),
+        "hardware": {"gpu": "cpu", "gpus_per_node": 0, "cpus_per_node": draw(st.integers(max(replicas, ranks), 64)),
                      "host_memory_gb": 16},
         "inference": {"engine": "embedded", "precision": "fp32", "replicas": replicas,
                       "max_num_seqs": draw(st.sampled_from([1, 16, 128]))},
