@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from primebuild.runtime.envs.registry import load_environment
 from primebuild.runtime.orchestrator.client import InferenceClient
+from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.weights import weight_source
 from primebuild.runtime.trainer.advantages import advantages_by_group
 from primebuild.runtime.trainer.batch import Sample, TrainBatch, save_batch
@@ -73,11 +73,7 @@ class Orchestrator:
         if not urls:
             raise ValueError("the plan gives the orchestrator no inference endpoints")
         self.clients = [InferenceClient.from_env(u, cfg.served_model_name) for u in urls]
-        if len(cfg.environments) != 1:
-            raise ValueError("this orchestrator mixes no environments yet: give exactly one")
-        e = cfg.environments[0]
-        version = e.get("version")
-        self.env = load_environment(e["id"], None if version in (None, "latest") else version, e.get("args") or {})
+        self.mix = EnvironmentMix(cfg.environments)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", role="orchestrator")
         self.server_version = 0
         self.sync_lock = asyncio.Lock()
@@ -112,12 +108,12 @@ class Orchestrator:
 
     # --- sampling --------------------------------------------------------------------------------
 
-    async def sample_group(self, index: int, task, step: int) -> list[tuple[Sample, str]]:
+    async def sample_group(self, index: int, env, task, step: int) -> list[tuple[Sample, str]]:
         cfg = self.cfg
         client = self.clients[index % len(self.clients)]
         while True:
             response = await client.complete(
-                self.env.format_prompt(task), n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
+                env.format_prompt(task), n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
                 max_tokens=cfg.max_completion_tokens, seed=cfg.seed * 1_000_003 + step * 10_007 + index)
             if min(int(c["policy_version"]) for c in response["choices"]) >= self.server_version:
                 break
@@ -126,18 +122,18 @@ class Orchestrator:
             await self.sync_servers()
         out = []
         for choice in response["choices"]:
-            reward = float(self.env.score(task, choice["text"]))
+            reward = float(env.score(task, choice["text"]))
             out.append((Sample(
                 prompt_ids=list(choice["prompt_token_ids"]), completion_ids=list(choice["token_ids"]),
                 inference_logprobs=[float(x) for x in choice["token_logprobs"]], advantage=0.0, reward=reward,
-                policy_version=int(choice["policy_version"]), env_id=self.env.id), choice["text"]))
+                policy_version=int(choice["policy_version"]), env_id=env.id), choice["text"]))
         return out
 
     async def make_batch(self, step: int) -> TrainBatch:
         cfg = self.cfg
         rng = random.Random(cfg.seed * 1_000_003 + step)
-        tasks = self.env.sample_tasks(rng, cfg.rollouts_per_step // cfg.group_size)
-        groups = await asyncio.gather(*(self.sample_group(i, t, step) for i, t in enumerate(tasks)))
+        tasks = self.mix.sample(rng, cfg.rollouts_per_step // cfg.group_size)
+        groups = await asyncio.gather(*(self.sample_group(i, env, t, step) for i, (env, t) in enumerate(tasks)))
         samples = [s for group in groups for s, _ in group]
         group_ids = [i for i, group in enumerate(groups) for _ in group]
         advantages = advantages_by_group([s.reward for s in samples], group_ids, cfg.normalize_advantage_std)
@@ -147,15 +143,15 @@ class Orchestrator:
                                                                   "temperature": cfg.temperature})
 
     async def evaluate(self) -> float:
-        tasks = self.env.eval_tasks()[: self.cfg.eval_prompts]
+        tasks = self.mix.eval_tasks(self.cfg.eval_prompts)
 
-        async def one(i: int, task) -> float:
+        async def one(i: int, env, task) -> float:
             r = await self.clients[i % len(self.clients)].complete(
-                self.env.format_prompt(task), n=1, temperature=0.0, top_p=1.0,
+                env.format_prompt(task), n=1, temperature=0.0, top_p=1.0,
                 max_tokens=self.cfg.max_completion_tokens)
-            return float(self.env.score(task, r["choices"][0]["text"]))
+            return float(env.score(task, r["choices"][0]["text"]))
 
-        scores = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+        scores = await asyncio.gather(*(one(i, env, t) for i, (env, t) in enumerate(tasks)))
         return sum(scores) / len(scores)
 
     # --- the loop --------------------------------------------------------------------------------

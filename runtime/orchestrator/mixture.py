@@ -1,0 +1,46 @@
+"""The manifest's environments as one source of tasks, each drawn in proportion to its weight.
+
+Counts are split by largest remainder, so a step of 16 prompts over weights 3:1 always gets 12 and 4
+(no sampling noise in the mix itself), and the same split applies to the held-out evaluation prompts.
+"""
+
+from __future__ import annotations
+
+import random
+
+from primebuild.runtime.envs.base import Environment, Task
+from primebuild.runtime.envs.registry import load_environment
+
+
+def split(total: int, weights: list[float]) -> list[int]:
+    """`total` items over `weights` by largest remainder (ties: earlier environments first)."""
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+class EnvironmentMix:
+    def __init__(self, specs: list[dict]):
+        if not specs:
+            raise ValueError("the plan gives the orchestrator no environments")
+        self.envs: list[Environment] = []
+        for spec in specs:
+            version = spec.get("version")
+            self.envs.append(load_environment(spec["id"], None if version in (None, "latest") else version,
+                                              spec.get("args") or {}))
+        self.weights = [float(spec.get("weight", 1.0)) for spec in specs]
+
+    def sample(self, rng: random.Random, n: int) -> list[tuple[Environment, Task]]:
+        out = []
+        for env, count in zip(self.envs, split(n, self.weights), strict=True):
+            out += [(env, task) for task in env.sample_tasks(rng, count)]
+        return out
+
+    def eval_tasks(self, n: int) -> list[tuple[Environment, Task]]:
+        out = []
+        for env, count in zip(self.envs, split(n, self.weights), strict=True):
+            out += [(env, task) for task in env.eval_tasks()[:count]]
+        return out

@@ -1,0 +1,40 @@
+"""The environment mix: counts follow the weights exactly, each task keeps its own environment."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from primebuild.runtime.orchestrator.mixture import EnvironmentMix, split
+
+
+@pytest.mark.parametrize(("total", "weights", "want"), [
+    (16, [3.0, 1.0], [12, 4]),
+    (10, [1.0, 1.0, 1.0], [4, 3, 3]),  # the remainder goes to the earliest environment
+    (7, [0.5, 0.25, 0.25], [3, 2, 2]),  # 3.5, 1.75, 1.75: the larger remainders win
+    (1, [1.0, 9.0], [0, 1]),
+    (0, [1.0], [0]),
+])
+def test_split_by_largest_remainder(total, weights, want):
+    assert split(total, weights) == want
+    assert sum(split(total, weights)) == total
+
+
+def test_mix_draws_each_environment_by_weight_and_keeps_pairs():
+    mix = EnvironmentMix([
+        {"id": "reverse-text", "weight": 3.0},
+        {"id": "reverse-text", "args": {"min_length": 20, "max_length": 24, "num_eval": 10}, "weight": 1.0},
+    ])
+    pairs = mix.sample(random.Random(0), 8)
+    long_ones = [task for env, task in pairs if env is mix.envs[1]]
+    assert len(pairs) == 8 and len(long_ones) == 2
+    assert all(20 <= len(task.prompt) <= 24 for task in long_ones)
+    assert mix.sample(random.Random(0), 8) == pairs  # deterministic given the rng
+    evals = mix.eval_tasks(8)
+    assert [env for env, _ in evals].count(mix.envs[1]) == 2
+
+
+def test_no_environment_is_refused():
+    with pytest.raises(ValueError):
+        EnvironmentMix([])
