@@ -32,6 +32,9 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         if manifest or sets:
             raise UserError("--resume takes the run folder only: its plan and manifest are already recorded")
         run_dir = resume_dir.resolve()
+        if not (run_dir / "plan.json").is_file() or not (run_dir / "rendezvous.json").is_file():
+            raise UserError(f"{run_dir} is not a run folder (no plan.json / rendezvous.json)",
+                            hint="give the folder `primebuild run` printed, e.g. runs/<name>-<time>")
         plan = json.loads((run_dir / "plan.json").read_text())
         (run_dir / "STOP").unlink(missing_ok=True)
         click.echo(f"resuming {run_dir}")
