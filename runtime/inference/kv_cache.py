@@ -35,7 +35,6 @@ class KVCache:
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.rows = torch.arange(max_seqs, device=device)  # slot indices, sliced by the decode step
         self.ensure(min(initial_len, max_len))
 
     def _alloc(self, length: int) -> list[torch.Tensor]:
@@ -55,6 +54,16 @@ class KVCache:
         for old, new in zip(self.k + self.v, new_k + new_v, strict=False):  # nothing to copy at first
             new[:, :, : self.capacity] = old
         self.k, self.v, self.capacity = new_k, new_v, new_capacity
+        # The decode step writes each new K/V row through a flat [slots * heads * capacity, D] view
+        # and one precomputed index (one index tensor is cheaper to apply than (slot, :, position)).
+        seqs, heads, _, dim = self._shape
+        self.k_rows = [t.view(-1, dim) for t in self.k]
+        self.v_rows = [t.view(-1, dim) for t in self.v]
+        self.head_base = torch.arange(seqs * heads, device=self._device).view(seqs, heads) * new_capacity
+
+    def row_index(self, batch: int, positions: torch.Tensor) -> torch.Tensor:
+        """[batch, heads] indices into `k_rows`/`v_rows` of slot b's heads at positions[b]."""
+        return torch.add(self.head_base[:batch], positions.view(batch, 1))
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` to slot `dst` (fork n>1, or repack)."""

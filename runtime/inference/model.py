@@ -596,26 +596,38 @@ class Qwen3Forward:
         w = self.weights
         batch = tokens.shape[0]
         cos, sin = self.rope.cos_sin.index_select(0, positions).unsqueeze(2).unbind(1)  # [B, 1, D] each
-        rows = cache.rows[:batch]
+        new_rows = (cache.row_index(batch, positions),)  # where each layer's new K/V rows go
         # Query heads that share a KV head become the "query length" axis: GQA without repeating K/V.
         groups = c.num_heads // c.num_kv_heads
         window = (batch, c.num_kv_heads, max_len, c.head_dim)
-        if batch > 1:  # positions beyond a row's own length hold stale or padding K/V
-            hidden = (self._arange[:max_len] > positions[:, None]).view(batch, 1, 1, max_len)
+        if batch > 1:
+            # Attention runs as 3-D batched matmuls over [batch * kv_heads] (no 4-D matmul wrapper).
+            # Positions beyond a row's own length hold stale or padding K/V: an additive -inf bias,
+            # built once per step for all layers, lets the score matmul apply the mask itself.
+            flat_batch = batch * c.num_kv_heads
+            flat_window, flat_stride = (flat_batch, max_len, c.head_dim), cache.k[0].stride()[1:]
+            bias = torch.where(self._arange[:max_len] > positions[:, None], float("-inf"), 0.0)
+            bias = bias.to(w.embed.dtype)[:, None, None, :].expand(
+                batch, c.num_kv_heads, groups, max_len
+            ).reshape(flat_batch, groups, max_len)
         x = w.embed.index_select(0, tokens)
         for index, layer in enumerate(w.layers):
             q, k, v = self._qkv(layer, self._norm(x), cos, sin)  # [B, heads, D]
+            cache.k_rows[index].index_put_(new_rows, k)
+            cache.v_rows[index].index_put_(new_rows, v)
             keys, values = cache.k[index], cache.v[index]
-            keys[rows, :, positions] = k
-            values[rows, :, positions] = v
-            q = q.view(batch, c.num_kv_heads, groups, c.head_dim)
-            # keys[:batch, :, :max_len] (likewise values), in one call instead of a parsed index.
-            keys, values = keys.as_strided(window, keys.stride()), values.as_strided(window, keys.stride())
             if batch == 1:  # SDPA's fused kernel wins for one sequence (nothing to mask)
+                q = q.view(batch, c.num_kv_heads, groups, c.head_dim)
+                # keys[:1, :, :max_len] (likewise values), in one call instead of a parsed index.
+                keys, values = keys.as_strided(window, keys.stride()), values.as_strided(window, keys.stride())
                 attn = F.scaled_dot_product_attention(q, keys, values, scale=1.0)
             else:  # for many short rows, two batched matmuls beat SDPA's per-row overhead on CPU
-                scores = torch.matmul(q, keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))
-                attn = torch.matmul(torch.softmax(scores, dim=-1), values)
+                # keys[:batch, :, :max_len] as [batch * kv_heads, max_len, D]: slots and heads are
+                # adjacent in the cache, so this is a view.
+                keys, values = keys.as_strided(flat_window, flat_stride), values.as_strided(flat_window, flat_stride)
+                q = q.reshape(flat_batch, groups, c.head_dim)  # a copy: q is a slice of the q|k rows
+                scores = torch.baddbmm(bias, q, keys.transpose(1, 2))
+                attn = torch.bmm(torch._softmax(scores, -1, False), values)
             x = layer.o_proj.add_to(x, attn.reshape(batch, -1))
             x = self._mlp(layer, x, routed)
         return self._logits(x)
