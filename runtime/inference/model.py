@@ -13,6 +13,7 @@ and full attention (what every released Qwen3 checkpoint uses).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -458,16 +459,24 @@ class RotaryTable:
         self.sin_signed = self.cos_sin[:, 1]
 
 
+@functools.lru_cache(maxsize=64)
+def _norm_floor(square: float, device: torch.device) -> torch.Tensor:
+    """sqrt(n * eps) as a tensor, for `torch.hypot` (which takes no Python scalar)."""
+    return torch.tensor(square**0.5, dtype=torch.float32, device=device)
+
+
 def _unit(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(|x|^2 + n * eps) over the last axis (size n): RMSNorm divided by sqrt(n), in 4 calls
-    where F.rms_norm takes 7 kernels on CPU. The sqrt(n) lives in the weights (`norm_weight`).
+    """x / sqrt(|x|^2 + n * eps) over the last axis (size n): RMSNorm divided by sqrt(n). In fp32 it
+    is x / hypot(|x|, sqrt(n * eps)), 3 calls where F.rms_norm takes 7 kernels on CPU (and half the
+    time of vecdot + add + rsqrt + unsqueeze + mul). The sqrt(n) lives in the weights (`norm_weight`).
     Half-precision inputs are reduced in fp32, as HF's Qwen3RMSNorm does."""
     if x.dtype != torch.float32:
         wide = x.float()
         return (wide * torch.linalg.vecdot(wide, wide).add_(x.shape[-1] * eps).rsqrt_()[..., None]).to(
             x.dtype
         )
-    return x * torch.linalg.vecdot(x, x).add_(x.shape[-1] * eps).rsqrt_().unsqueeze(-1)
+    floor = _norm_floor(x.shape[-1] * eps, x.device)
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).hypot_(floor)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
