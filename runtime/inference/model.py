@@ -500,6 +500,8 @@ class Qwen3Forward:
         self._heads = (c.num_heads, c.num_kv_heads)
         device = rope.cos_sin.device
         self._arange = torch.arange(rope.cos_sin.shape[0], device=device)
+        self._minus_inf = torch.tensor(float("-inf"), dtype=rope.cos_sin.dtype, device=device)
+        self._zero = torch.zeros((), dtype=rope.cos_sin.dtype, device=device)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm without its weight and its sqrt(hidden) (both folded into the next matmul)."""
@@ -615,10 +617,9 @@ class Qwen3Forward:
             # built once per step for all layers, lets the score matmul apply the mask itself.
             flat_batch = batch * c.num_kv_heads
             flat_window, flat_stride = (flat_batch, max_len, c.head_dim), cache.k[0].stride()[1:]
-            bias = torch.where(self._arange[:max_len] > positions[:, None], float("-inf"), 0.0)
-            bias = bias.to(w.embed.dtype)[:, None, None, :].expand(
-                batch, c.num_kv_heads, groups, max_len
-            ).reshape(flat_batch, groups, max_len)
+            bias = torch.where(self._arange[:max_len] > positions.view(batch, 1), self._minus_inf, self._zero)
+            bias = bias.view(batch, 1, max_len).expand(batch, c.num_heads, max_len)
+            bias = bias.reshape(flat_batch, groups, max_len)
         x = w.embed.index_select(0, tokens)
         for index, layer in enumerate(w.layers):
             q, k, v = self._qkv(layer, self._norm(x), cos, sin)  # [B, heads, D]
