@@ -137,3 +137,25 @@ def test_abort_of_a_running_request_frees_its_slot(dense_folder):
         assert len(again[0][0].token_ids) == 3
     finally:
         engine.shutdown()
+
+
+def test_flat_kv_row_index_tracks_cache_growth():
+    """The decode step writes new K/V rows through flat views and `row_index`; after the time axis
+    grows (and the tensors are replaced) the index must still address (slot, head, position)."""
+    from primebuild.runtime.inference.kv_cache import KVCache
+    from primebuild.runtime.inference.model import ModelConfig
+
+    config = ModelConfig(
+        model_type="qwen3", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=2,
+        head_dim=4, intermediate_size=8, rms_norm_eps=1e-6, rope_theta=1e4,
+        max_position_embeddings=64, tie_word_embeddings=True, attention_bias=False,
+    )
+    cache = KVCache(config, max_seqs=3, max_len=64, dtype=torch.float32, device="cpu", initial_len=4)
+    for length in (4, 40):
+        cache.ensure(length)
+        positions = torch.tensor([length - 1, 0])
+        rows = cache.row_index(2, positions)
+        new = torch.randn(2, 2, 4)
+        cache.k_rows[1].index_put_((rows,), new)
+        assert torch.equal(cache.k[1][[0, 1], :, positions], new)
+        assert cache.k_rows[1].data_ptr() == cache.k[1].data_ptr()
