@@ -184,3 +184,18 @@ def serve_folder(folder: Path, name: str = "tiny", **engine_kwargs):
             yield Served(url, engine)
     finally:
         engine.shutdown()
+
+def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of exactly `new_tokens` tokens (EOS ignored): the reference."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from inference_helpers import load_hf, save_model, teacher_forced_logprobs
+from inference_helpers import hf_greedy, load_hf, save_model, teacher_forced_logprobs
 
 from primebuild.runtime.inference.engine import ChoiceResult, Engine
 from primebuild.runtime.inference.sampling import SamplingParams
@@ -57,17 +57,7 @@ def test_requests_join_and_leave_between_decode_steps(setup):
     )
     assert done.wait(60)
     for prompt, length, result in zip(prompts, lengths, results, strict=True):
-        ids = torch.tensor([prompt])
-        want = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=length,
-            min_new_tokens=length,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
-        assert result.token_ids == want
+        assert result.token_ids == hf_greedy(hf, prompt, length)
         assert result.finish_reason == "length"
     assert engine.metrics.decode_steps > steps_before
     assert engine.stats()["running"] == 0

@@ -15,6 +15,7 @@ import pytest
 import torch
 from inference_helpers import (
     EOS_ID,
+    hf_greedy,
     load_hf,
     save_model,
     serve_folder,
@@ -34,19 +35,6 @@ def served(request, tmp_path_factory):
         yield server
 
 
-def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 def assert_close(got: list[float], want: list[float]) -> None:
