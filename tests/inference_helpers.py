@@ -185,6 +185,7 @@ def serve_folder(folder: Path, name: str = "tiny", **engine_kwargs):
     finally:
         engine.shutdown()
 
+
 def hf_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy continuation of exactly `new_tokens` tokens (EOS ignored): the reference."""
     ids = torch.tensor([prompt_ids])
