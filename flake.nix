@@ -25,8 +25,6 @@
         fastapi
         uvicorn
         httpx
-        pyzmq
-        fabric
         matplotlib
         uv
       ];

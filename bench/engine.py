@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from primebuild.contracts.inference import InferenceServerConfig
 
 PROMPT_LEN = 16
 NEW_TOKENS = 64
@@ -99,27 +102,15 @@ def bench_http(folder: Path, threads: int, clients: int, repeats: int) -> float:
     """End-to-end tokens/s: a real server process, `clients` concurrent streaming-free completions."""
     import httpx
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from inference_helpers import free_port
-
-    port = free_port()
+    with socket.socket() as probe:  # a free loopback port for the server
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     env = dict(os.environ, PRIMEBUILD_ADMIN_TOKEN="bench")
+    config = Path(tempfile.mkdtemp(prefix="bench-server-")) / "server.json"
+    config.write_text(InferenceServerConfig(model_path=str(folder), served_model_name="bench", port=port,
+                                            max_num_seqs=64, max_model_len=128, num_threads=threads).model_dump_json())
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "primebuild.runtime.inference.server",
-            "--model",
-            str(folder),
-            "--port",
-            str(port),
-            "--served-model-name",
-            "bench",
-            "--num-threads",
-            str(threads),
-            "--max-model-len",
-            "128",
-        ],
+        [sys.executable, "-m", "primebuild.runtime.inference.server", "--config", str(config)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

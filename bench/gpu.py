@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -133,25 +132,6 @@ SMOKE_SIZES = Sizes(
 
 
 # ------------------------------------------------------------------------------------------ plumbing
-def import_primebuild_from_checkout() -> None:
-    """Make `primebuild.*` importable where the project is not pip-installed (the GPU machine).
-
-    setup.py maps the top-level folders runtime/, kernels/, builders/ into the `primebuild` namespace;
-    the same mapping here: load primebuild/__init__.py as the package and let its submodule search also
-    look in the repo root. The repo root itself is not put on sys.path, so its `kernels/` folder never
-    shadows a top-level package of that name (transformers probes for one).
-    """
-    if importlib.util.find_spec("primebuild") is not None:
-        return
-    spec = importlib.util.spec_from_file_location(
-        "primebuild", REPO / "primebuild" / "__init__.py",
-        submodule_search_locations=[str(REPO / "primebuild"), str(REPO)],
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["primebuild"] = module
-    spec.loader.exec_module(module)
-
-
 class Report:
     """Results by section, rewritten to disk after each one (atomic replace)."""
 
@@ -447,7 +427,7 @@ def synthetic_batch(step: int, sizes: Sizes, vocab: int):
 
 
 def train_one(sizes: Sizes, shape: str, workdir: Path) -> dict:
-    from primebuild.runtime.trainer.config import TrainerConfig
+    from primebuild.contracts.trainer import TrainerConfig, loss_params
     from primebuild.runtime.trainer.losses import resolve_loss
     from primebuild.runtime.trainer.main import train_step
     from primebuild.runtime.trainer.model import init_distributed, load_model
@@ -455,12 +435,15 @@ def train_one(sizes: Sizes, shape: str, workdir: Path) -> dict:
     t0 = time.monotonic()
     folder = build_random_qwen3(workdir / shape, shape, sizes.device)
     config = TrainerConfig(model_path=str(folder), run_dir=str(workdir / f"run-{shape}"), max_steps=10**6,
-                           dtype="bfloat16", micro_batch_tokens=sizes.micro_batch_tokens, lr=1e-6)
+                           precision="bf16", micro_batch_tokens=sizes.micro_batch_tokens,
+                           logprob_chunk_tokens=sizes.micro_batch_tokens, lr=1e-6, temperature=1.0,
+                           max_completion_tokens=sizes.seq_len)
     env = init_distributed()
-    model = load_model(config.model_path, env, config.dtype, config.activation_checkpointing)
+    model = load_model(config.model_path, env, "bfloat16", config.activation_checkpointing,
+                       config.logprob_chunk_tokens)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
                                   weight_decay=config.weight_decay)
-    loss_fn = resolve_loss(config.loss, config.loss_params)
+    loss_fn = resolve_loss(config.loss.name, loss_params(config.loss))
     load_s = time.monotonic() - t0
     if sizes.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -561,7 +544,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # keep the log (whose tail comes back) short
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import_primebuild_from_checkout()
     if args.cpu_smoke:
         sizes = SMOKE_SIZES
         torch.set_num_threads(2)

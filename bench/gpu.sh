@@ -3,7 +3,7 @@
 #
 #     bash bench/gpu.sh            # carry .whl/ (pydantic and its needs: the trainer section imports it)
 #
-# Installs the carried wheels (if any) into /tmp/site, runs bench/gpu.py under a time limit, and leaves
+# Installs the carried wheels (if any) into /tmp/site and primebuild itself into /tmp/site-primebuild, runs bench/gpu.py under a time limit, and leaves
 # gpu_results.json, gpu_bench.log and gpu_nvidia_smi.txt in $OUT (the current folder when OUT is unset).
 # Extra arguments go to bench/gpu.py (e.g. --sections gemm,trainer).
 set -uo pipefail
@@ -18,6 +18,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   else
     echo "warning: installing .whl/*.whl failed; the trainer section will fail without pydantic" >&2
   fi
+fi
+
+# primebuild itself, as pip installs it (the folder mapping of setup.py; no build isolation: no network)
+if ! "$py" -c "import primebuild" 2>/dev/null; then
+  "$py" -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site-primebuild . \
+    && export PYTHONPATH="/tmp/site-primebuild${PYTHONPATH:+:$PYTHONPATH}" \
+    || echo "warning: installing primebuild failed; bench/gpu.py will not import it" >&2
 fi
 
 export PYTHONUNBUFFERED=1

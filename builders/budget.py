@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from primebuild.builders.capabilities import applies
 from primebuild.builders.hardware import GIB, gpu_spec
 from primebuild.builders.memory import inference_memory_per_gpu, trainer_memory_per_gpu
 from primebuild.builders.model_facts import ModelFacts
@@ -21,8 +22,13 @@ CPU_PROCESS_OVERHEAD = 512 * 1024**2
 _DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16"}  # fp8 training keeps bf16 params, fp8 matmuls
 
 
-def compute(m: Manifest, f: ModelFacts, placement: Placement) -> tuple[dict, dict, list[Problem], list[str]]:
-    """Return (memory by group, estimates, problems, warnings)."""
+def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = False
+            ) -> tuple[dict, dict, list[Problem], list[str]]:
+    """Return (memory by group, estimates, problems, warnings). Suggested fixes are only ones the plan's
+    backends apply (in a design study: any)."""
+    def can(field: str, value: object) -> bool:
+        return design or applies(m, field, value)
+
     hw = m.hardware
     host_bytes = int(hw.host_memory_gb * GIB)
     spec = gpu_spec(hw.gpu, host_memory_bytes=host_bytes)
@@ -60,7 +66,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement) -> tuple[dict, dic
                 f"{_g(mem.overhead)} GiB leave no room for one {m.orchestrator.seq_len}-token sequence in "
                 f"{_g(mem.budget)} GiB per GPU" + (f" (short by {_g(short)} GiB)" if short > 0 else ""),
                 field=f"{path}.tp",
-                hint=_inference_fixes(m, g.tp * g.dp, hw.gpus_per_node)))
+                hint=_inference_fixes(m, g.tp * g.dp, hw.gpus_per_node, can)))
 
     t = m.trainer
     tmem = _trainer_memory(m, f, capacity, t.dp_shard)
@@ -74,7 +80,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement) -> tuple[dict, dic
         problems.append(Problem(
             f"trainer: {_g(tmem.total)} GiB per GPU needed, {_g(capacity)} GiB available (short by "
             f"{_g(-tmem.free)} GiB): " + ", ".join(f"{k} {_g(v)}" for k, v in breakdown.items() if v),
-            field="trainer.dp_shard", hint=_trainer_fixes(m, tmem)))
+            field="trainer.dp_shard", hint=_trainer_fixes(m, tmem, can)))
     if hw.gpu != "cpu" and tmem.host_bytes * min(t.world_size, hw.gpus_per_node) > host_bytes:
         need = tmem.host_bytes * min(t.world_size, hw.gpus_per_node)
         problems.append(Problem(
@@ -185,11 +191,11 @@ def _g(n: float) -> str:
     return f"{n / GIB:,.1f}"
 
 
-def _inference_fixes(m: Manifest, gpus_per_replica: int, gpus_per_node: int) -> str:
+def _inference_fixes(m: Manifest, gpus_per_replica: int, gpus_per_node: int, can) -> str:
     fixes = []
-    if m.inference.precision != "fp8" and m.inference.engine == "vllm":
+    if m.inference.precision != "fp8" and can("inference.precision", "fp8"):
         fixes.append("precision: fp8 (halves the weights)")
-    if m.inference.kv_cache_dtype != "fp8" and m.inference.engine == "vllm":
+    if m.inference.kv_cache_dtype != "fp8" and can("inference.kv_cache_dtype", "fp8"):
         fixes.append("kv_cache_dtype: fp8")
     if gpus_per_replica < gpus_per_node:
         fixes.append(f"more GPUs per replica (tp*dp up to {gpus_per_node})")
@@ -199,14 +205,15 @@ def _inference_fixes(m: Manifest, gpus_per_replica: int, gpus_per_node: int) -> 
     return "try " + "; or ".join(fixes)
 
 
-def _trainer_fixes(m: Manifest, tmem) -> str:
+def _trainer_fixes(m: Manifest, tmem, can) -> str:
     t = m.trainer
     fixes = []
-    if not t.optimizer.cpu_offload and tmem.optimizer_state + tmem.master_weights > 0:
+    if not t.optimizer.cpu_offload and tmem.optimizer_state + tmem.master_weights > 0 \
+            and can("trainer.optimizer.cpu_offload", True):
         fixes.append(f"optimizer.cpu_offload: true (frees {_g(tmem.optimizer_state + tmem.master_weights)} GiB)")
     if not t.activation_checkpointing:
         fixes.append("activation_checkpointing: true")
-    if tmem.activations > tmem.params:
+    if tmem.activations > tmem.params and can("trainer.cp", t.cp * 2):
         fixes.append(f"cp: {t.cp * 2} (halves activations per GPU)")
     fixes.append(f"more trainer GPUs (dp_shard: {t.dp_shard * 2} on twice the nodes)")
     return "try " + "; or ".join(fixes)

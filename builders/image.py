@@ -40,8 +40,9 @@ from primebuild.builders.oci import (
     read_base_image,
     rfc3339,
 )
-from primebuild.builders.store import Store, canonical_json
+from primebuild.builders.store import Store
 from primebuild.errors import Problem, UserError
+from primebuild.hashing import canonical_bytes
 
 log = logging.getLogger(__name__)
 
@@ -167,11 +168,6 @@ def build_image(spec: ImageSpec, out_dir: Path) -> ImageResult:
         raise UserError(f"image output directory {out_dir} is not empty; choose a new one or delete it")
     out_dir.mkdir(parents=True, exist_ok=True)
     return _write(inputs, out_dir)
-
-
-def image_store_inputs(spec: ImageSpec) -> dict[str, Any]:
-    """The store inputs (hence the key) of the image `spec` describes: reads every input file."""
-    return _resolve(spec).fingerprint()
 
 
 def build_image_in_store(spec: ImageSpec, store: Store | None = None) -> ImageResult:
@@ -462,7 +458,7 @@ def _write(inputs: _Inputs, out_dir: Path) -> ImageResult:
         "layers": [layer.__dict__ for layer in layer_infos],
         "warnings": list(result.warnings),
     }
-    (out_dir / "image.json").write_bytes(canonical_json(summary) + b"\n")
+    (out_dir / "image.json").write_bytes(canonical_bytes(summary) + b"\n")
     return result
 
 

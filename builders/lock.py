@@ -34,15 +34,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from primebuild import __version__
-from primebuild.builders import python_env
+from primebuild.builders import derivations, python_env
 from primebuild.builders.model_ref import facts_file
-from primebuild.builders.store import Store, canonical_json, sha256_file
+from primebuild.contracts.environments import BUILTIN_VERSIONS, VERIFIERS_PREFIX
+from primebuild.contracts.plan import ImageRef, Plan
 from primebuild.errors import Problem, UserError
+from primebuild.hashing import canonical_json, sha256_file, sha256_json
 from primebuild.manifest.load import LoadedManifest, load_manifest
 
 LOCK_VERSION = 1
 LOCK_SUFFIX = ".lock"
-RUN_LOCK_NAME = "lock.json"  # the lock's copy inside a run folder
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _IGNORED_DIRS = {".git", ".cache", "__pycache__"}
 
@@ -82,15 +83,14 @@ def write_lock(path: Path, lock: dict) -> None:
 
 
 def lock_hash(lock: dict) -> str:
-    return hashlib.sha256(canonical_json(lock)).hexdigest()
+    return sha256_json(lock)
 
 
-def record_lock(run_dir: Path, loaded: LoadedManifest, lock_path: Path | None = None) -> Path | None:
-    """Copy the manifest's lock (when there is one) into a run folder as `lock.json`; returns the copy."""
+def record_lock(target: Path, loaded: LoadedManifest, lock_path: Path | None = None) -> Path | None:
+    """Copy the manifest's lock (when there is one) to `target` (a run folder's lock.json)."""
     source = Path(lock_path) if lock_path else lock_path_for(loaded)
     if not source.is_file():
         return None
-    target = Path(run_dir) / RUN_LOCK_NAME
     target.write_bytes(source.read_bytes())
     return target
 
@@ -245,37 +245,25 @@ def _load_parent(loaded: LoadedManifest) -> LoadedManifest:
 
 
 def random_init_key(loaded: LoadedManifest) -> tuple[str, str]:
-    """(store key, sha256 of the facts file) of an `init: random` model, as derivations.py computes it."""
-    from primebuild.runtime.derivations import RANDOM_INIT_BUILDER
-
-    m = loaded.manifest
+    """(store key, sha256 of the facts file) of an `init: random` model."""
     path, _ = facts_file(loaded)
-    facts = json.loads(path.read_text(encoding="utf-8"))
-    arch = {k: v for k, v in facts.items() if not k.startswith("_")}
-    inputs = {"builder": RANDOM_INIT_BUILDER, "facts": arch, "tokenizer": m.model.tokenizer, "seed": m.seed}
-    return Store().key(f"{m.name}-init", inputs), sha256_file(path)
+    return derivations.random_init(loaded).key, sha256_file(path)
 
 
 def sft_output_key(parent: LoadedManifest, base: dict) -> tuple[str | None, str | None]:
     """The store key of `parent`'s SFT output given its base model's lock entry, or (None, reason)."""
-    from primebuild.runtime.derivations import SFT_BUILDER
-
-    if parent.manifest.sft is None:
-        raise UserError(f"{parent.path}: this manifest produces no model (it has no `sft:` section)",
-                        hint="model.from_manifest must name a manifest with an `sft:` section")
     source = base["request"]["source"]
     if source in ("init", "from_manifest"):
         if "store_key" not in base:
             return None, f"the store key of {parent.manifest.name}'s base model is unknown ({base.get('reason')})"
         base_ref = base["store_key"]
     elif source == "path":
-        # derivations.py names a folder outside the store by its absolute path: machine-dependent.
+        # a folder outside the store is named by its absolute path: machine-dependent.
         base_ref = str(parent.resolve(base["request"]["path"]))
     else:
         return None, ("the output of a manifest built on an hf: model is keyed by the local snapshot path, "
                       "known only after downloading it")
-    inputs = {"builder": SFT_BUILDER, "manifest_hash": parent.manifest_hash, "base": base_ref}
-    return Store().key(parent.manifest.name, inputs), None
+    return derivations.sft(parent, base_ref).key, None
 
 
 def folder_files(folder: Path) -> dict[str, dict]:
@@ -293,7 +281,7 @@ def folder_files(folder: Path) -> dict[str, dict]:
 def content_hash(files: dict[str, dict]) -> str:
     """sha256 over the sorted (relative path, size, sha256 of bytes) of a folder's files."""
     rows = [[rel, f["size"], f["sha256"]] for rel, f in sorted(files.items())]
-    return "sha256:" + hashlib.sha256(canonical_json(rows)).hexdigest()
+    return "sha256:" + sha256_json(rows)
 
 
 def _resolve_hf(repo: str, revision: str, offline: bool) -> dict:
@@ -347,11 +335,9 @@ def _hf_cache(repo: str, revision: str) -> tuple[str, dict] | None:
 
 
 def resolve_environment(request: dict) -> dict:
-    from primebuild.runtime.envs.registry import BUILTIN, VERIFIERS_PREFIX
-
     env_id, version = request["id"], request["version"]
-    if env_id in BUILTIN:
-        provided = str(BUILTIN[env_id].version)
+    if env_id in BUILTIN_VERSIONS:
+        provided = BUILTIN_VERSIONS[env_id]
         if version not in ("latest", provided):
             raise UserError(f"environment {env_id}: version {version!r} requested, but this primebuild provides "
                             f"version {provided!r}", hint=f"set the environment's version to {provided!r}")
@@ -426,20 +412,16 @@ def _timeless(text: str) -> str:
     return text.removeprefix("msg=").strip()
 
 
-def plan_with_image(plan: dict, digest: str) -> dict:
+def plan_with_image(plan: Plan, digest: str) -> Plan:
     """The plan that runs image `digest`: the image's own plan plus an `image` field, hashed again.
 
     This breaks the cycle image -> plan -> image: the plan inside an image is compiled without an
     `image` field (its hash is the image's label dev.primebuild.plan.sha256, recorded here as
     `image.plan_hash`); only the plan handed to the runtime names the image.
     """
-    from primebuild.builders.plan import plan_hash
-
     if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
         raise UserError(f"image digest {digest!r} is not 'sha256:' followed by 64 hex digits",
                         hint="use the image_digest printed by `primebuild build -o json`")
-    if plan.get("image"):
+    if plan.image is not None:
         raise ValueError("plan already names an image")
-    out = {**plan, "image": {"digest": digest, "plan_hash": plan["plan_hash"]}}
-    out["plan_hash"] = plan_hash(out)
-    return out
+    return plan.model_copy(update={"image": ImageRef(digest=digest, plan_hash=plan.plan_hash)}).hashed()

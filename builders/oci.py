@@ -26,8 +26,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from primebuild.builders.store import canonical_json
 from primebuild.errors import UserError
+from primebuild.hashing import canonical_bytes
 
 MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -138,7 +138,7 @@ class OciLayout:
         self.root = Path(root)
         self.blobs = self.root / "blobs" / "sha256"
         self.blobs.mkdir(parents=True, exist_ok=True)
-        (self.root / "oci-layout").write_bytes(canonical_json({"imageLayoutVersion": "1.0.0"}))
+        (self.root / "oci-layout").write_bytes(canonical_bytes({"imageLayoutVersion": "1.0.0"}))
 
     def blob_path(self, digest: str) -> Path:
         return self.blobs / digest.removeprefix("sha256:")
@@ -153,7 +153,7 @@ class OciLayout:
         return Descriptor(media_type, digest, len(data))
 
     def write_json(self, obj: dict[str, Any], media_type: str) -> Descriptor:
-        return self.write_blob(canonical_json(obj), media_type)
+        return self.write_blob(canonical_bytes(obj), media_type)
 
     def write_layer(self, entries: list[TarEntry], *, mtime: int, created_by: str) -> Layer:
         """Write a gzip-compressed tar layer of `entries` (parents added) and return its descriptors."""
@@ -196,7 +196,7 @@ class OciLayout:
 
     def write_index(self, manifests: list[Descriptor]) -> None:
         index = {"schemaVersion": 2, "mediaType": MEDIA_INDEX, "manifests": [m.to_json() for m in manifests]}
-        (self.root / "index.json").write_bytes(canonical_json(index))
+        (self.root / "index.json").write_bytes(canonical_bytes(index))
 
 
 def _write_tar(out: _Counting, entries: list[TarEntry], mtime: int) -> None:

@@ -45,9 +45,6 @@ class _Cursor:
         self.nodes, self.per_node = nodes, gpus_per_node
         self.node, self.gpu = 0, 0
 
-    def remaining_nodes(self) -> int:
-        return self.nodes - self.node - (1 if self.gpu else 0)
-
     def fresh_node(self) -> None:
         if self.gpu:
             self.node, self.gpu = self.node + 1, 0

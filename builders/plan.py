@@ -1,72 +1,96 @@
-"""The plan compiler: manifest (+ lock) -> plan, a pure function.
+"""The plan compiler: manifest (+ lock) -> Plan, a pure function.
 
-The plan is canonical JSON: everything needed to start every process on every host (placement, argv,
-env, ports, health checks, start order, restart policy), the memory budget of every GPU and the time
-estimates, and nothing secret. Same inputs -> byte-identical JSON -> same `plan_hash`.
+The plan (primebuild/contracts/plan.py) is everything needed to start every process on every host
+(placement, argv, env, typed configs, ports, health checks, start order, restart policy), the memory
+budget of every GPU and the time estimates, and nothing secret. Same inputs -> byte-identical JSON ->
+same `plan_hash`.
+
+What the plan's backends cannot apply is refused (builders/capabilities.py): `compile_plan` raises
+those refusals, located, unless `design=True`, which returns the plan marked `runnable: false` with
+the refusals listed — a design study that no runner starts.
 """
 
 from __future__ import annotations
 
 from primebuild import __version__
-from primebuild.builders import budget
+from primebuild.builders import budget, derivations
+from primebuild.builders.capabilities import Refusal, refusals
 from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
 from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
-from primebuild.builders.processes import CONNECTORS_WITHOUT_ROUTER_REPLAY, ProcessSpec, build_processes
+from primebuild.builders.processes import CONNECTORS_WITHOUT_ROUTER_REPLAY, build_processes
+from primebuild.contracts.plan import BuildSpec, GpuSlot, NodeMap, Plan, ProcessSpec, Unsupported, render_json
 from primebuild.errors import Problem, UserError
-from primebuild.manifest.load import LoadedManifest, canonical_json, sha256_json
+from primebuild.hashing import sha256_json
+from primebuild.manifest.load import LoadedManifest
 from primebuild.manifest.schema import Manifest
 
-PLAN_VERSION = 1
+__all__ = ["compile_plan", "render_json", "check_parallelism"]
 
 
-def compile_plan(loaded: LoadedManifest, lock: dict | None = None) -> dict:
+def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bool = False) -> Plan:
     """Compile a plan; raise UserError (exit 2) naming every problem when it cannot run or does not fit."""
     m = loaded.manifest
     config, facts_shown = read_facts_json(loaded)
     facts = facts_from_hf_config(config, facts_shown)
 
+    refused = refusals(m)
+    if m.sft is not None:
+        _raise_unless_design(loaded, refused, [], design)
+        return _sft_plan(loaded, facts, lock, refused)
+
     problems = check_parallelism(m, facts)
     placement, place_problems = place(m)
-    problems += place_problems
-    if problems:
-        raise UserError([_locate(loaded, p) for p in problems])
+    _raise_unless_design(loaded, refused, problems + place_problems, design)
     assert placement is not None
 
-    processes = build_processes(m, placement, model_dtype=m.model.dtype)
-    memory, estimates, budget_problems, warnings = budget.compute(m, facts, placement)
+    processes = build_processes(m, placement)
+    memory, estimates, budget_problems, warnings = budget.compute(m, facts, placement, design=design)
     warnings = _warnings(m, facts, placement) + warnings
     if budget_problems:
         raise UserError([_locate(loaded, p) for p in budget_problems])
-
-    plan = {
-        "plan_version": PLAN_VERSION,
-        "primebuild_version": __version__,
-        "name": m.name,
-        "manifest_hash": loaded.manifest_hash,
-        "lock_hash": sha256_json(lock) if lock is not None else None,
-        "model": {**model_reference(loaded), "total_params": facts.total_params(),
-                  "active_params": facts.active_params(), "architecture": facts.architecture},
-        "hardware": m.hardware.model_dump(mode="json"),
-        "target": m.target.model_dump(mode="json"),
-        "weight_sync": m.weight_sync.model_dump(mode="json"),
-        "nodes": _node_map(m, placement, processes),
-        "processes": [p.to_json() for p in processes],
-        "memory": memory,
-        "estimates": estimates,
-        "warnings": warnings,
-        "fits": True,
-    }
-    plan["plan_hash"] = plan_hash(plan)
-    return plan
+    return _plan(loaded, facts, lock, processes, _node_map(m, processes), memory, estimates, warnings, refused)
 
 
-def plan_hash(plan: dict) -> str:
-    return sha256_json({k: v for k, v in plan.items() if k != "plan_hash"})
+def _raise_unless_design(loaded: LoadedManifest, refused: list[Refusal], problems: list[Problem],
+                         design: bool) -> None:
+    """Every problem at once, located: what does not fit or add up, and (unless a design study is asked
+    for) what no built backend applies."""
+    blocking = [] if design else [r.problem() for r in refused]
+    if not problems and not blocking:
+        return
+    located = [_locate(loaded, p) for p in problems]  # in the order the checks found them
+    located += sorted((_locate(loaded, p) for p in blocking),
+                      key=lambda p: (p.file or "", p.line or 0, p.column or 0, p.field or ""))
+    if blocking:
+        located.append(Problem(f"{len(blocking)} field(s) need backends that are not built; "
+                               "`primebuild plan --design` shows this plan as a design study"))
+    raise UserError(located)
 
 
-def render_json(plan: dict) -> str:
-    return canonical_json(plan) + "\n"
+def _plan(loaded: LoadedManifest, facts: ModelFacts, lock: dict | None, processes: list[ProcessSpec],
+          nodes: list[NodeMap], memory: dict, estimates: dict, warnings: list[str], refused: list[Refusal],
+          build: BuildSpec | None = None) -> Plan:
+    m = loaded.manifest
+    return Plan(
+        primebuild_version=__version__, name=m.name, manifest_hash=loaded.manifest_hash,
+        lock_hash=sha256_json(lock) if lock is not None else None,
+        model={**model_reference(loaded), "total_params": facts.total_params(),
+               "active_params": facts.active_params(), "architecture": facts.architecture},
+        hardware=m.hardware.model_dump(mode="json"), target=m.target.model_dump(mode="json"),
+        weight_sync=m.weight_sync.model_dump(mode="json"), nodes=nodes, processes=processes, memory=memory,
+        estimates=estimates, warnings=warnings, fits=True, runnable=not refused,
+        unsupported=[Unsupported(field=r.field, message=r.message, hint=r.hint) for r in refused],
+        build=build).hashed()
+
+
+def _sft_plan(loaded: LoadedManifest, facts: ModelFacts, lock: dict | None, refused: list[Refusal]) -> Plan:
+    """An `sft:` manifest starts no processes: it is one build, in the primebuild process, into the store
+    (runtime/derivations.py); the plan shows what that build reads."""
+    m = loaded.manifest
+    build = BuildSpec(builder=derivations.SFT_BUILDER, output=m.name, config=derivations.sft_config(loaded))
+    estimates = {"summary": ["SFT trains in the primebuild process (a store build): measured, not modelled"]}
+    return _plan(loaded, facts, lock, [], _node_map(m, []), {}, estimates, [], refused, build)
 
 
 def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
@@ -151,26 +175,24 @@ def _warnings(m: Manifest, f: ModelFacts, placement: Placement) -> list[str]:
                    "run's token")
     if f.num_experts and not m.inference.router_replay and m.inference.engine == "vllm":
         out.append("MoE model without router_replay: train/inference expert choices may differ (higher mismatch KL)")
-    if m.weight_sync.mode == "broadcast" and m.inference.engine == "vllm":
-        out.append("weight_sync: broadcast with vLLM needs its weight-receiving worker extension, which is not "
-                   "wired yet: use filesystem to run this plan today")
     if m.orchestrator.max_off_policy_steps == 0:
         out.append("max_off_policy_steps: 0 runs synchronous RL: inference idles while the trainer steps")
     return out
 
 
-def _node_map(m: Manifest, placement: Placement, processes: list[ProcessSpec]) -> list[dict]:
+def _node_map(m: Manifest, processes: list[ProcessSpec]) -> list[NodeMap]:
     hw = m.hardware
-    nodes = [{"index": n, "gpus": [{"index": g, "process": None, "role": None} for g in range(hw.gpus_per_node)],
-              "processes": []} for n in range(hw.nodes)]
+    owner: dict[tuple[int, int], ProcessSpec] = {}
     for p in processes:
-        nodes[p.node]["processes"].append(p.name)
         for g in p.gpus:
-            slot = nodes[p.node]["gpus"][g]
-            if slot["process"] is not None:
-                raise AssertionError(f"GPU {p.node}:{g} assigned twice ({slot['process']}, {p.name})")
-            slot.update(process=p.name, role=p.role)
-    return nodes
+            if (p.node, g) in owner:
+                raise AssertionError(f"GPU {p.node}:{g} assigned twice ({owner[(p.node, g)].name}, {p.name})")
+            owner[(p.node, g)] = p
+    return [NodeMap(index=n, processes=[p.name for p in processes if p.node == n],
+                    gpus=[GpuSlot(index=g, process=owner[(n, g)].name if (n, g) in owner else None,
+                                  role=owner[(n, g)].role if (n, g) in owner else None)
+                          for g in range(hw.gpus_per_node)])
+            for n in range(hw.nodes)]
 
 
 def _locate(loaded: LoadedManifest, problem: Problem) -> Problem:

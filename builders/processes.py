@@ -1,135 +1,115 @@
-"""Process specs: the exact command, environment, ports and health check of every process in a plan.
+"""Process specs: the exact command, environment, ports, health check and typed config of every process.
 
-Values known only when a run starts are written as placeholders that `primebuild worker` fills in
-from the run's rendezvous file, so that one plan (and one plan hash) serves every host:
-
-  {run_dir}     the run folder            {model_path}  the model folder resolved at start
-  {config}      this process's config file, written by the worker from the plan's `config` field
-  {host:N}      the address of node N     {python}      the interpreter running primebuild
+Each process kind gets its config object from the manifest here, once (primebuild/contracts/); the
+worker writes it to `{config}` and the process parses it back into the same class. Only vLLM, an
+external program, is configured by its command line.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
 from primebuild.builders.placement import Placement, ReplicaPlacement, Slot
-from primebuild.manifest.schema import InferenceGroup, Manifest
+from primebuild.contracts.inference import BroadcastJoin, InferenceServerConfig
+from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig
+from primebuild.contracts.plan import HEALTH_TIMEOUT_S, START_ORDER, HealthCheck, ProcessSpec, RestartPolicy
+from primebuild.contracts.trainer import (
+    AipoLoss,
+    BroadcastSync,
+    CispoLoss,
+    DppoKlLoss,
+    FilesystemSync,
+    GrpoLoss,
+    ParallelDims,
+    TrainerConfig,
+)
+from primebuild.manifest.schema import Aipo, Cispo, DppoKl, Grpo, InferenceGroup, Manifest
 
-# Roles start in this order; each waits for the health of everything before it.
-START_ORDER = {"inference": 0, "prefill": 0, "decode": 0, "trainer": 1, "orchestrator": 2}
 # vLLM refuses routed-experts return with these KV connectors (docs: "Routed Experts Return").
 CONNECTORS_WITHOUT_ROUTER_REPLAY = {"NixlConnector", "NixlPullConnector", "NixlPushConnector",
                                     "MoRIIOConnector", "MooncakeConnector"}
+PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}  # fp8 has no dtype of its own: refused (capabilities)
+
+NEVER = RestartPolicy(policy="never", max_restarts=0)
+ON_FAILURE = RestartPolicy(policy="on-failure", max_restarts=3)
+ALIVE = HealthCheck(kind="process")
 
 
-@dataclass
-class ProcessSpec:
-    name: str
-    role: str  # inference | prefill | decode | trainer | orchestrator
-    group: str
-    node: int
-    gpus: list[int]
-    argv: list[str]
-    env: dict[str, str]
-    ports: dict[str, int]
-    health: dict | None
-    restart: dict
-    config: dict = field(default_factory=dict)
-    secrets: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name, "role": self.role, "group": self.group, "node": self.node, "gpus": self.gpus,
-            "argv": self.argv, "env": self.env, "ports": self.ports, "health": self.health,
-            "restart": self.restart, "start_order": START_ORDER[self.role], "config": self.config,
-            "secrets": self.secrets,
-        }
-
-
-def build_processes(m: Manifest, placement: Placement, *, model_dtype: str) -> list[ProcessSpec]:
-    processes = _inference_processes(m, placement.inference, model_dtype)
-    processes += _trainer_processes(m, placement.trainer)
-    if m.weight_sync.mode == "broadcast":
-        _wire_broadcast(m, processes, placement.trainer[0].node)
+def build_processes(m: Manifest, placement: Placement) -> list[ProcessSpec]:
+    heads = [rp for rp in placement.inference]  # one HTTP server per replica, on its first node
+    broadcast = m.weight_sync.mode == "broadcast"
+    init_method = f"tcp://{{host:{placement.trainer[0].node}}}:{m.weight_sync.port}"
+    world = 1 + len(heads)  # trainer rank 0 sends; every server head receives
+    processes = _inference_processes(m, placement.inference, init_method if broadcast else None, world)
+    sync = BroadcastSync(init_method=init_method, world_size=world) if broadcast else FilesystemSync()
+    processes += _trainer_processes(m, placement.trainer, sync)
     processes.append(_orchestrator_process(m, placement.orchestrator_node, processes))
     return processes
 
 
-def _wire_broadcast(m: Manifest, processes: list[ProcessSpec], trainer_node: int) -> None:
-    """One torch.distributed group: trainer rank 0 (group rank 0, hosting its TCP store) and every
-    inference server head (group ranks 1..N). A server that dies cannot rejoin a live group, so in this
-    mode inference is not restarted: the run stops and resumes from its checkpoint instead."""
-    init = f"tcp://{{host:{trainer_node}}}:{m.weight_sync.port}"
-    heads = [p for p in processes if p.role != "trainer" and "http" in p.ports]
-    world = 1 + len(heads)
-    for rank, p in enumerate(heads, start=1):
-        if m.inference.engine == "embedded":
-            p.argv += ["--weight-broadcast-init", init, "--weight-broadcast-rank", str(rank),
-                       "--weight-broadcast-world", str(world)]
-        p.restart = {"policy": "never", "max_restarts": 0}
-    for p in processes:
-        if p.role == "trainer":
-            p.config.update(weight_sync="broadcast", broadcast_init_method=init, broadcast_world_size=world)
+def _spec(*, name: str, role: str, node: int, gpus, argv, env, ports=None, health=ALIVE, restart=NEVER,
+          config=None, secrets=(), group: str | None = None) -> ProcessSpec:
+    return ProcessSpec(name=name, role=role, group=group or role, node=node, gpus=list(gpus), argv=argv, env=env,
+                       ports=ports or {}, health=health, restart=restart, start_order=START_ORDER[role],
+                       config=config, secrets=list(secrets))
 
 
-def _base_env(m: Manifest, gpus: tuple[int, ...] | list[int]) -> dict[str, str]:
+def _base_env(m: Manifest, gpus) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1", "PRIMEBUILD_RUN_DIR": "{run_dir}"}
-    if m.hardware.gpu == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    env["CUDA_VISIBLE_DEVICES"] = "" if m.hardware.gpu == "cpu" else ",".join(str(g) for g in gpus)
     return env
 
 
-def _threads(m: Manifest, share: int) -> str:
+def _threads(m: Manifest, share: int) -> int:
     """CPU threads per process when processes share a CPU-only node (never oversubscribe)."""
-    return str(max(1, m.hardware.cpus_per_node // share))
+    return max(1, m.hardware.cpus_per_node // share)
 
 
-def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], model_dtype: str) -> list[ProcessSpec]:
+# --- inference ---------------------------------------------------------------------------------------------
+
+
+def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], init_method: str | None,
+                         world: int) -> list[ProcessSpec]:
     inf = m.inference
-    out = []
     groups = inf.groups
+    out = []
     for index, rp in enumerate(replicas):
         group = groups[rp.group]
         port = inf.port + index
         for node_rank, slot in enumerate(rp.slots):
+            head = node_rank == 0
             name = f"{rp.group}-{rp.replica}" + (f"-n{node_rank}" if len(rp.slots) > 1 else "")
             env = _base_env(m, slot.gpus)
+            config = None
             if inf.engine == "embedded":
-                argv, config = _embedded_argv(m, port, model_dtype, index), {}
-                if m.hardware.gpu == "cpu":
-                    env["OMP_NUM_THREADS"] = str(inf.threads or _threads(m, 2))
+                threads = inf.threads or (_threads(m, 2) if m.hardware.gpu == "cpu" else None)
+                if threads:
+                    env["OMP_NUM_THREADS"] = str(threads)  # before torch loads: OpenMP reads it once
+                join = BroadcastJoin(init_method=init_method, rank=1 + index, world_size=world) if init_method else None
+                config = InferenceServerConfig(
+                    model_path="{model_path}", served_model_name=m.name, host=inf.host, port=port,
+                    max_num_seqs=inf.max_num_seqs, max_model_len=m.orchestrator.seq_len,
+                    precision=inf.precision, seed=m.seed + index, num_threads=threads, weight_broadcast=join)
+                argv = ["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"]
             else:
-                argv = _vllm_argv(m, rp, group, slot, node_rank, port, replicas)
-                config = {}
+                argv = _vllm_argv(m, rp, group, slot, node_rank, port)
                 if inf.router_replay:
                     env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # routed-experts return needs model runner v2
-            head = node_rank == 0
             ports = {"http": port} if head else {}
             if len(rp.slots) > 1 and head:
                 ports["dp_rpc"] = port + 1000  # the replica's data-parallel coordinator listens here
-            health = ({"kind": "http", "url": f"http://{{host:{slot.node}}}:{port}/health", "timeout_s": 1800}
-                      if head else {"kind": "process"})
-            out.append(ProcessSpec(
-                name=name, role=rp.group, group=rp.group, node=slot.node, gpus=list(slot.gpus), argv=argv,
-                env=env, ports=ports, health=health,
-                restart={"policy": "on-failure", "max_restarts": 3}, config=config))
+            health = (HealthCheck(kind="http", url=f"http://{{host:{slot.node}}}:{port}/health",
+                                  timeout_s=HEALTH_TIMEOUT_S) if head else ALIVE)
+            # A server that dies cannot rejoin a live broadcast group: in that mode the run stops and
+            # resumes from its checkpoint instead of restarting the server.
+            restart = NEVER if init_method else ON_FAILURE
+            out.append(_spec(name=name, role=rp.group, node=slot.node, gpus=slot.gpus, argv=argv, env=env,
+                             ports=ports, health=health, restart=restart, config=config))
     return out
 
 
-def _embedded_argv(m: Manifest, port: int, model_dtype: str, index: int) -> list[str]:
-    inf = m.inference
-    return ["{python}", "-m", "primebuild.runtime.inference.server",
-            "--model", "{model_path}", "--served-model-name", m.name,
-            "--host", inf.host, "--port", str(port),
-            "--max-num-seqs", str(inf.max_num_seqs), "--max-model-len", str(m.orchestrator.seq_len),
-            "--dtype", model_dtype, "--seed", str(m.seed + index)]
-
-
-def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, slot: Slot, node_rank: int, port: int,
-               replicas: tuple[ReplicaPlacement, ...]) -> list[str]:
+def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, slot: Slot, node_rank: int,
+               port: int) -> list[str]:
     inf = m.inference
     argv = ["vllm", "serve", "{model_path}", "--served-model-name", m.name,
             "--host", inf.host, "--port", str(port), "--seed", str(m.seed),
@@ -159,13 +139,16 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, slot: S
     return argv
 
 
-def _trainer_processes(m: Manifest, slots: tuple[Slot, ...]) -> list[ProcessSpec]:
+# --- trainer -----------------------------------------------------------------------------------------------
+
+
+def _trainer_processes(m: Manifest, slots: tuple[Slot, ...], sync) -> list[ProcessSpec]:
     t = m.trainer
     cpu = m.hardware.gpu == "cpu"
     nproc = (t.ranks or t.world_size) if cpu else len(slots[0].gpus)
+    config = trainer_config(m, sync)
     out = []
     for rank, slot in enumerate(slots):
-        name = "trainer" if len(slots) == 1 else f"trainer-n{rank}"
         env = _base_env(m, slot.gpus)
         if cpu:
             env["OMP_NUM_THREADS"] = str(_threads(m, 2 * nproc))
@@ -179,59 +162,58 @@ def _trainer_processes(m: Manifest, slots: tuple[Slot, ...]) -> list[ProcessSpec
         if nproc == 1 and len(slots) == 1:  # one rank needs no launcher (and no rendezvous port)
             argv = ["{python}", "-m", "primebuild.runtime.trainer.main", "--config", "{config}"]
         ports = {"rendezvous": t.rendezvous_port} if rank == 0 and len(slots) > 1 else {}
-        if m.weight_sync.mode == "broadcast" and rank == 0:
+        if sync.mode == "broadcast" and rank == 0:
             ports["weight_broadcast"] = m.weight_sync.port
-        out.append(ProcessSpec(
-            name=name, role="trainer", group="trainer", node=slot.node, gpus=list(slot.gpus), argv=argv, env=env,
-            ports=ports, health={"kind": "process"}, restart={"policy": "never", "max_restarts": 0},
-            config=_trainer_config(m), secrets=list(m.secrets)))
+        out.append(_spec(name="trainer" if len(slots) == 1 else f"trainer-n{rank}", role="trainer", node=slot.node,
+                         gpus=slot.gpus, argv=argv, env=env, ports=ports, config=config, secrets=m.secrets))
     return out
 
 
-def _trainer_config(m: Manifest) -> dict:
-    """The trainer's TrainerConfig (runtime/trainer/config.py); FSDP degree comes from torchrun's world."""
+def trainer_config(m: Manifest, sync=None) -> TrainerConfig:
     t, o = m.trainer, m.orchestrator
-    return {
-        "model_path": "{model_path}", "run_dir": "{run_dir}", "seed": m.seed, "resume": True,
-        "loss": o.loss.name, "loss_params": _loss_params(o.loss), "temperature": max(o.temperature, 1e-6),
-        "max_completion_tokens": o.max_completion_tokens,
-        "lr": o.lr, "warmup_steps": o.warmup_steps, "optimizer": t.optimizer.name, "betas": list(t.optimizer.betas),
-        "weight_decay": t.optimizer.weight_decay, "max_grad_norm": t.optimizer.max_grad_norm,
-        "micro_batch_tokens": t.micro_batch_tokens, "max_steps": o.max_steps,
-        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}[t.precision],
-        "activation_checkpointing": t.activation_checkpointing, "checkpoint_every": t.checkpoint_every,
-        "weight_sync": "filesystem",
-        "poll_interval_s": 0.01,  # a new batch is a file: noticing it late idles the trainer for nothing
-    }
+    return TrainerConfig(
+        model_path="{model_path}", run_dir="{run_dir}", seed=m.seed,
+        loss=trainer_loss(o.loss), max_completion_tokens=o.max_completion_tokens, temperature=o.temperature,
+        optimizer=t.optimizer.name, lr=o.lr, betas=t.optimizer.betas, weight_decay=t.optimizer.weight_decay,
+        max_grad_norm=t.optimizer.max_grad_norm, warmup_steps=o.warmup_steps, max_steps=o.max_steps,
+        micro_batch_tokens=t.micro_batch_tokens, logprob_chunk_tokens=t.logprob_chunk_tokens,
+        precision=t.precision, activation_checkpointing=t.activation_checkpointing,
+        parallel=ParallelDims(dp_replicate=t.dp_replicate, dp_shard=t.dp_shard, cp=t.cp, tp=t.tp, ep=t.ep),
+        optimizer_cpu_offload=t.optimizer.cpu_offload,
+        weight_sync=sync or FilesystemSync(), weight_dtype=m.model.dtype, checkpoint_every=t.checkpoint_every)
 
 
-def _loss_params(loss) -> dict:
+def trainer_loss(loss: DppoKl | Aipo | Grpo | Cispo):
     """Manifest loss fields -> the keyword parameters of runtime/trainer/losses.py."""
-    return {
-        "dppo-kl": {"delta": loss.mask_bound, "kl_tau": loss.kl_tau},
-        "aipo": {"rho": loss.is_cap},
-        "grpo": {"eps_low": loss.clip_low, "eps_high": loss.clip_high},
-        "cispo": {"eps_high": loss.is_cap},
-    }[loss.name]
+    if isinstance(loss, DppoKl):
+        return DppoKlLoss(delta=loss.mask_bound, kl_tau=loss.kl_tau)
+    if isinstance(loss, Aipo):
+        return AipoLoss(rho=loss.is_cap)
+    if isinstance(loss, Grpo):
+        return GrpoLoss(eps_low=loss.clip_low, eps_high=loss.clip_high)
+    return CispoLoss(eps_high=loss.is_cap)
+
+
+# --- orchestrator ------------------------------------------------------------------------------------------
 
 
 def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec]) -> ProcessSpec:
     o = m.orchestrator
-    endpoints: dict[str, list[str]] = {}
-    for p in processes:
-        if "http" in p.ports:
-            endpoints.setdefault(p.role, []).append(f"http://{{host:{p.node}}}:{p.ports['http']}/v1")
-    config = {
-        "run_dir": "{run_dir}", "model_path": "{model_path}", "seed": m.seed, "served_model_name": m.name,
-        "endpoints": endpoints, "environments": [e.model_dump(mode="json") for e in m.environments],
-        **o.model_dump(mode="json", exclude={"loss", "port"}),
-        "loss": o.loss.name, "weight_sync": m.weight_sync.mode, "router_replay": m.inference.router_replay,
-    }
+    # P/D: requests go to the decode servers (vLLM's proxy in front of prefill is issue P9).
+    servers = [p for p in processes if "http" in p.ports and p.role in ("inference", "decode")]
+    config = OrchestratorConfig(
+        run_dir="{run_dir}", served_model_name=m.name,
+        endpoints=[f"http://{{host:{p.node}}}:{p.ports['http']}/v1" for p in servers],
+        environments=[EnvironmentConfig(id=e.id, version=None if e.version == "latest" else e.version,
+                                        args=dict(e.args), weight=e.weight) for e in m.environments],
+        seed=m.seed, rollouts_per_step=o.rollouts_per_step, group_size=o.group_size,
+        max_off_policy_steps=o.max_off_policy_steps, max_completion_tokens=o.max_completion_tokens,
+        max_steps=o.max_steps, temperature=o.temperature, top_p=o.top_p,
+        normalize_advantage_std=o.normalize_advantage_std, eval_every=o.eval_every, eval_prompts=o.eval_prompts,
+        weight_sync=m.weight_sync.mode)
     env = _base_env(m, [])
     if m.hardware.gpu == "cpu":
         env["OMP_NUM_THREADS"] = "1"
-    return ProcessSpec(
-        name="orchestrator", role="orchestrator", group="orchestrator", node=node, gpus=[],
-        argv=["{python}", "-m", "primebuild.runtime.orchestrator.main", "--config", "{config}"],
-        env=env, ports={}, health={"kind": "process"}, restart={"policy": "never", "max_restarts": 0},
-        config=config, secrets=list(m.secrets))
+    return _spec(name="orchestrator", role="orchestrator", node=node, gpus=[],
+                 argv=["{python}", "-m", "primebuild.runtime.orchestrator.main", "--config", "{config}"],
+                 env=env, config=config, secrets=m.secrets)

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from primebuild.errors import UserError
+from primebuild.hashing import canonical_bytes, sha256_file
 
 ENTRY_FILE = ".primebuild-entry.json"
 ENTRY_FORMAT = 1
@@ -52,22 +53,17 @@ HASH_CHARS = 32  # 128 bits, as Nix truncates: plenty against accidental collisi
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 _ENTRY_RE = re.compile(r"^([0-9a-f]{32})-([A-Za-z0-9][A-Za-z0-9._+-]*)$")
 _REFERENCE_RE = re.compile(r"[0-9a-f]{32}-[A-Za-z0-9][A-Za-z0-9._+-]*")
-_READ_CHUNK = 1 << 20
 
 
-def canonical_json(obj: Any) -> bytes:
-    """One byte string per value: sorted keys, no spaces, UTF-8, no NaN. Hash inputs go through this."""
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def store_key(name: str, inputs: dict[str, Any]) -> str:
+    """An entry's directory name `<hash>-<name>`; the hash covers the name and all inputs. Pure: the
+    lock computes the keys of entries that are not built yet with it."""
+    _check_name(name)
+    try:
+        blob = canonical_bytes({"name": name, "inputs": inputs})
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"store inputs for {name!r} must be plain JSON (str, int, list, dict …): {err}") from err
+    return f"{hashlib.sha256(blob).hexdigest()[:HASH_CHARS]}-{name}"
 
 
 def default_store_root() -> Path:
@@ -114,15 +110,7 @@ class Store:
     # ---- addressing -------------------------------------------------------------------------------------
 
     def key(self, name: str, inputs: dict[str, Any]) -> str:
-        """The entry's directory name `<hash>-<name>`; the hash covers the name and all inputs."""
-        _check_name(name)
-        try:
-            blob = canonical_json({"name": name, "inputs": inputs})
-        except (TypeError, ValueError) as err:
-            raise TypeError(
-                f"store inputs for {name!r} must be plain JSON (str, int, list, dict …): {err}"
-            ) from err
-        return f"{hashlib.sha256(blob).hexdigest()[:HASH_CHARS]}-{name}"
+        return store_key(name, inputs)
 
     def path_of(self, key: str) -> Path:
         if not _ENTRY_RE.match(key):
@@ -219,7 +207,7 @@ class Store:
         }
         os.chmod(tmp, 0o755)  # just long enough to add the entry file
         entry_file = tmp / ENTRY_FILE
-        entry_file.write_bytes(canonical_json(record) + b"\n")
+        entry_file.write_bytes(canonical_bytes(record) + b"\n")
         os.chmod(entry_file, 0o444)
         os.chmod(tmp, 0o555)
         return _stat_fingerprint(tmp)
@@ -292,7 +280,7 @@ class Store:
 
     def references(self, entry: StoreEntry) -> set[str]:
         """Keys of existing entries named anywhere in this entry's inputs (e.g. a base checkpoint)."""
-        text = canonical_json(entry.inputs).decode()
+        text = canonical_bytes(entry.inputs).decode()
         return {k for k in _REFERENCE_RE.findall(text) if k != entry.key and (self.root / k).is_dir()}
 
     def gc(
@@ -427,7 +415,7 @@ def _content_listing(root: Path) -> list[list[Any]]:
 
 
 def _listing_hash(listing: list[list[Any]]) -> str:
-    return "sha256:" + hashlib.sha256(canonical_json(listing)).hexdigest()
+    return "sha256:" + hashlib.sha256(canonical_bytes(listing)).hexdigest()
 
 
 def _stat_fingerprint(root: Path) -> str:
@@ -439,7 +427,7 @@ def _stat_fingerprint(root: Path) -> str:
             row = [rel, st.st_mode]
         else:
             row = [rel, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-        digest.update(canonical_json(row))
+        digest.update(canonical_bytes(row))
     return digest.hexdigest()
 
 

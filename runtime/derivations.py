@@ -14,14 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from primebuild.builders.model_ref import facts_file
+from primebuild.builders import derivations
 from primebuild.builders.store import Store
 from primebuild.errors import UserError
 from primebuild.manifest.load import LoadedManifest, load_manifest
-
-# Bump when what a builder writes changes: the store key must change with it.
-RANDOM_INIT_BUILDER = "random-init/1"
-SFT_BUILDER = "sft/1"
 
 
 @dataclass
@@ -56,48 +52,39 @@ def resolve_model(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
 
 def output_of(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
     """What a manifest produces: the SFT-trained model of an `sft:` manifest."""
-    if loaded.manifest.sft is None:
-        raise UserError(f"{loaded.path}: this manifest produces no model (it has no `sft:` section)",
-                        hint="model.from_manifest must name a manifest with an `sft:` section")
+    config = derivations.sft_config(loaded)  # raises when the manifest has no `sft:` section
     base = resolve_model(loaded, store, echo)
-    sft = loaded.manifest.sft
-    env = loaded.manifest.environments[0]
-    inputs = {"builder": SFT_BUILDER, "manifest_hash": loaded.manifest_hash, "base": _store_ref(store, base.path)}
-    key = store.key(loaded.manifest.name, inputs)
+    derivation = derivations.sft(loaded, _store_ref(store, base.path))
     started = time.perf_counter()
-    hit = store.lookup(key)
+    hit = store.lookup(derivation.key)
     if hit is not None:
         info = json.loads((hit / "sft_metrics.json").read_text())
         return Resolved(hit, True, time.perf_counter() - started, info)
-    until = f", until reward {sft.stop_at_reward}" if sft.stop_at_reward is not None else ""
-    echo(f"building {loaded.manifest.name} (SFT, at most {sft.steps} steps{until}) into the store …")
+    until = f", until reward {config.stop_at_reward}" if loaded.manifest.sft.stop_at_reward is not None else ""
+    echo(f"building {loaded.manifest.name} (SFT, at most {config.steps} steps{until}) into the store …")
     metrics: dict = {}
+    runnable = config.model_copy(update={"init_model_dir": str(base.path)})  # the placeholder, resolved
 
     def build(out: Path) -> None:
-        from primebuild.runtime.sft import SFTConfig, run_sft
+        from primebuild.runtime.sft import run_sft
 
         model_dir = out / "model-staging"
-        result = run_sft(SFTConfig(out_dir=str(model_dir), steps=sft.steps, seed=loaded.manifest.seed,
-                                   env_id=env.id, init_model_dir=str(base.path), lr=sft.lr,
-                                   warmup_steps=sft.warmup_steps, batch_size=sft.batch_size,
-                                   stop_at_reward=sft.stop_at_reward))
+        result = run_sft(runnable, str(model_dir))
         _move_contents(model_dir, out)
         metrics.update(result)
         (out / "sft_metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))
 
-    path = store.build(loaded.manifest.name, inputs, build)
+    path = store.build(derivation.name, derivation.inputs, build)
     return Resolved(path, False, time.perf_counter() - started, metrics)
 
 
 def _random_init(loaded: LoadedManifest, store: Store) -> Resolved:
     m = loaded.manifest.model
-    facts_path, _ = facts_file(loaded)
-    facts = json.loads(facts_path.read_text())
     if m.tokenizer != "char":
         raise UserError(loaded.source.problem(("model", "tokenizer"), f"unknown tokenizer {m.tokenizer!r}",
                                               hint="`init: random` builds tokenizer: char"))
-    arch = {k: v for k, v in facts.items() if not k.startswith("_")}
-    inputs = {"builder": RANDOM_INIT_BUILDER, "facts": arch, "tokenizer": m.tokenizer, "seed": loaded.manifest.seed}
+    derivation = derivations.random_init(loaded)
+    arch = derivation.inputs["facts"]
     started = time.perf_counter()
 
     def build(out: Path) -> None:
@@ -111,8 +98,8 @@ def _random_init(loaded: LoadedManifest, store: Store) -> Resolved:
         save_hf_folder(init_tiny_model(config, loaded.manifest.seed), build_char_tokenizer(), staging)
         _move_contents(staging, out)
 
-    hit = store.lookup(store.key(f"{loaded.manifest.name}-init", inputs)) is not None
-    path = store.build(f"{loaded.manifest.name}-init", inputs, build)
+    hit = store.lookup(derivation.key) is not None
+    path = store.build(derivation.name, derivation.inputs, build)
     return Resolved(path, hit, time.perf_counter() - started, {"source": "init"})
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from primebuild.contracts.run_dir import RunDir, write_json_atomic
+
 
 def read_metrics(path: Path) -> list[dict]:
     """Every complete line of metrics.jsonl (a line being written right now is skipped)."""
@@ -28,13 +30,13 @@ def series(rows: list[dict], role: str, name: str) -> tuple[list[int], list[floa
     return steps, [points[s] for s in steps]
 
 
-def write_report(run_dir: Path) -> Path | None:
+def write_report(run: RunDir) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(run.metrics)
     if not rows:
         return None
     panels = [("orchestrator", "reward_mean", "rollout reward (mean)"),
@@ -58,17 +60,16 @@ def write_report(run_dir: Path) -> Path | None:
         ax.set_title(title)
         ax.set_xlabel("step")
     fig.tight_layout()
-    out = run_dir / "report.png"
+    out = run.report
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
 
 
-def write_summary(run_dir: Path, extra: dict) -> dict:
-    orchestrator = run_dir / "orchestrator.json"
-    summary = json.loads(orchestrator.read_text()) if orchestrator.exists() else {}
+def write_summary(run: RunDir, extra: dict) -> dict:
+    summary = run.read_json(run.orchestrator_state)
     summary.update(extra)
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_metrics(run.metrics)
     for name in ("mismatch_kl", "behaviour_kl"):
         _, kl = series(rows, "trainer", name)
         if kl:
@@ -76,7 +77,5 @@ def write_summary(run_dir: Path, extra: dict) -> dict:
             summary[f"{name}_mean"] = sum(kl) / len(kl)
     if "eval_reward_before" in summary and "eval_reward_after" in summary:
         summary["eval_reward_gain"] = summary["eval_reward_after"] - summary["eval_reward_before"]
-    tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True))
-    tmp.replace(run_dir / "summary.json")
+    write_json_atomic(run.summary, summary)
     return summary

@@ -4,15 +4,15 @@ The embedded default's first stage: it brings a random-init model to a reward wh
 (calibration.md: ~0.75-0.85 on reverse-text; RL from 0.57 collapsed, from ~1.0 it has nothing to add).
 
 By default training stops as soon as a validation reward on fixed training-side tasks reaches
-`RL_START_REWARD` (see below for why a fixed step count cannot); `--no-early-stop` trains exactly
-`--steps` steps.
+`RL_START_REWARD` (primebuild/contracts/sft.py says why a fixed step count cannot); `--no-early-stop`
+trains exactly `steps` steps.
 
 One training sequence is `<bos> prompt completion <eos>`; the loss is the mean cross-entropy over the
 completion tokens and the `<eos>` only (the prompt is given, not learned). Optimiser and schedule are
 the calibrated ones: AdamW lr 1e-3, linear warmup over 50 steps then constant, batch 64, gradient
 norm clipped at 1.0. Same config and seed -> same weights, bit for bit (CPU, fixed thread count).
 
-    python -m primebuild.runtime.sft --out DIR [--steps N] [--seed S] [--no-early-stop]
+    python -m primebuild.runtime.sft --out DIR [--config SFTConfig.json] [--no-early-stop]
 """
 
 from __future__ import annotations
@@ -22,44 +22,13 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from primebuild.contracts.base import load_contract
+from primebuild.contracts.sft import SFTConfig
 from primebuild.errors import UserError
 
-# Where the reward "clicks" differs from seed to seed (measured on seeds 0-3: it first reaches 0.77
-# between steps 100 and 124, rising ~0.07 per 5 steps there), so no fixed step count lands every seed
-# in RL's band (~0.75-0.85): at step 110 seed 0 had 0.81 and seed 1 0.67. Stopping on a validation
-# reward does (held-out 0.77-0.81 on those seeds), so that is the default; `steps` is then a cap.
-RL_START_REWARD = 0.77
-DEFAULT_STEPS = 300
 VALIDATION_SEED = 1_000_003  # validation tasks come from their own RNG: training data stay the same
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    out_dir: str
-    steps: int = DEFAULT_STEPS
-    seed: int = 0
-    env_id: str = "reverse-text"
-    env_version: str | None = None
-    init_model_dir: str | None = None  # start from this HF folder instead of a random tiny model
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    batch_size: int = 64
-    grad_clip: float = 1.0
-    weight_decay: float = 0.01  # AdamW's default
-    num_threads: int = 1  # one thread keeps runs bit-reproducible and the shared machine usable
-    eval_n: int = 200  # 0 skips the final evaluation
-    eval_max_new_tokens: int = 16
-    eval_every: int = 0  # > 0 also records the held-out reward every that many steps ("eval_curve")
-    # Early stop: every `check_every` steps from `min_steps` on, greedy-evaluate `validation_n` fixed
-    # *training-side* tasks and stop as soon as their mean reward reaches `stop_at_reward`; `steps`
-    # is then the cap. Validation never touches the held-out eval set, so eval_reward stays unbiased.
-    stop_at_reward: float | None = RL_START_REWARD  # None: train exactly `steps` steps
-    check_every: int = 2
-    min_steps: int = 60
-    validation_n: int = 200
 
 
 def encode_batch(tokenizer, prompts: list[str], completions: list[str]):
@@ -97,8 +66,8 @@ def completion_loss(model, ids, loss_mask):
     return (losses * loss_mask).sum() / loss_mask.sum()
 
 
-def run_sft(config: SFTConfig) -> dict:
-    """Train, evaluate, write the HF folder to `config.out_dir` atomically; return the metrics."""
+def run_sft(config: SFTConfig, out_dir: str) -> dict:
+    """Train, evaluate, write the HF folder to `out_dir` (which must not exist); return the metrics."""
     import torch
 
     from primebuild.runtime.envs.registry import load_environment
@@ -106,19 +75,13 @@ def run_sft(config: SFTConfig) -> dict:
     from primebuild.runtime.models.char_tokenizer import build_char_tokenizer
     from primebuild.runtime.models.tiny import init_tiny_model, save_hf_folder, tiny_config
 
-    if config.steps < 0 or config.batch_size < 1:
-        raise UserError(
-            f"sft: steps must be >= 0 and batch_size >= 1, got {config.steps}, {config.batch_size}"
-        )
-    if config.stop_at_reward is not None and (config.check_every < 1 or config.validation_n < 1):
-        raise UserError("sft: stop_at_reward needs check_every >= 1 and validation_n >= 1")
-    if Path(config.out_dir).exists():
-        raise UserError(f"{config.out_dir}: output folder already exists", hint="choose a new folder")
+    if Path(out_dir).exists():
+        raise UserError(f"{out_dir}: output folder already exists", hint="choose a new folder")
 
     started = time.perf_counter()
     torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
-    env = load_environment(config.env_id, config.env_version)
+    env = load_environment(config.env_id, config.env_version, config.env_args)
     rng = random.Random(config.seed)
     if config.init_model_dir:
         model, tokenizer = load_hf_folder(config.init_model_dir)
@@ -172,46 +135,26 @@ def run_sft(config: SFTConfig) -> dict:
     }
     if curve:
         metrics["eval_curve"] = curve
-    save_hf_folder(model, tokenizer, config.out_dir)
+    save_hf_folder(model, tokenizer, out_dir)
     metrics["seconds"] = time.perf_counter() - started
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m primebuild.runtime.sft", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m primebuild.runtime.sft", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="an SFTConfig as JSON (default: the defaults, a random tiny model)")
     parser.add_argument("--out", required=True, help="output HF folder (must not exist)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--env", default="reverse-text")
-    parser.add_argument("--init", default=None, help="start from this HF folder")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument(
-        "--stop-at-reward",
-        type=float,
-        default=RL_START_REWARD,
-        help="stop once the validation reward reaches this (default: %(default)s); --steps is the cap",
-    )
-    parser.add_argument(
-        "--no-early-stop", action="store_true", help="train exactly --steps steps, no validation stop"
-    )
+    parser.add_argument("--no-early-stop", action="store_true", help="train exactly `steps` steps")
     args = parser.parse_args(argv)
-    config = SFTConfig(
-        out_dir=args.out,
-        steps=args.steps,
-        seed=args.seed,
-        env_id=args.env,
-        init_model_dir=args.init,
-        num_threads=args.threads,
-        stop_at_reward=None if args.no_early_stop else args.stop_at_reward,
-    )
     try:
-        metrics = run_sft(config)
+        config = load_contract(SFTConfig, args.config) if args.config else SFTConfig()
+        if args.no_early_stop:
+            config = config.model_copy(update={"stop_at_reward": None})
+        metrics = run_sft(config, args.out)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"config": asdict(config), "metrics": metrics}, indent=2))
+    print(json.dumps({"config": config.model_dump(mode="json"), "metrics": metrics}, indent=2))
     return 0
 
 

@@ -22,10 +22,13 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from primebuild.contracts.inference import ADMIN_TOKEN_ENV
+from primebuild.contracts.plan import Plan, ProcessSpec
+from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.progress import Progress
 
 GRACE_SECONDS = 60
@@ -33,7 +36,7 @@ GRACE_SECONDS = 60
 
 @dataclass
 class Running:
-    spec: dict
+    spec: ProcessSpec
     popen: subprocess.Popen
     log: TextIO
     restarts: int = 0
@@ -45,32 +48,31 @@ class Outcome:
     ok: bool
     message: str
     exit_code: int
-    failed: list[str] = field(default_factory=list)
 
 
 class Supervisor:
-    def __init__(self, plan: dict, run_dir: Path, *, echo=print, quiet: bool = False, live=None):
+    def __init__(self, plan: Plan, run_dir: Path, *, echo=print, quiet: bool = False, live=None):
         self.plan = plan
+        self.run = RunDir(run_dir)
         self.run_dir = run_dir
         self.echo = echo
         self.quiet = quiet
-        self.plan_path = run_dir / "plan.json"
-        self.logs = run_dir / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.run.logs.mkdir(parents=True, exist_ok=True)
         self.running: dict[str, Running] = {}
         self.lock = threading.Lock()
         # The admin token lives only in this process tree's environment: never in a file or a log.
         self.admin_token = secrets.token_urlsafe(24)
-        self.progress = Progress(run_dir / "metrics.jsonl", echo, live)
+        self.progress = Progress(self.run.metrics, echo, live)
 
     # --- starting --------------------------------------------------------------------------------
 
-    def _spawn(self, spec: dict, restarts: int = 0) -> Running:
-        name = spec["name"]
-        env = dict(os.environ, PRIMEBUILD_ADMIN_TOKEN=self.admin_token, PYTHONUNBUFFERED="1")
-        argv = [sys.executable, "-m", "primebuild.cli", "worker", "--plan", str(self.plan_path),
+    def _spawn(self, spec: ProcessSpec, restarts: int = 0) -> Running:
+        name = spec.name
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env[ADMIN_TOKEN_ENV] = self.admin_token
+        argv = [sys.executable, "-m", "primebuild.cli", "worker", "--plan", str(self.run.plan),
                 "--process", name, "--run-dir", str(self.run_dir)]
-        log = open(self.logs / f"{name}.log", "a", buffering=1)  # noqa: SIM115 (closed in _reap)
+        log = open(self.run.log(name), "a", buffering=1)  # noqa: SIM115 (closed in _reap)
         log.write(f"--- start {time.strftime('%Y-%m-%dT%H:%M:%S')} (restart {restarts}) ---\n")
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=env, start_new_session=True, text=True, bufsize=1)
@@ -87,13 +89,13 @@ class Supervisor:
                 self.echo(f"[{name}] {line.rstrip()}")
 
     def _healthy(self, running: Running, deadline: float) -> bool:
-        health = running.spec.get("health") or {"kind": "process"}
+        health = running.spec.health
         while time.monotonic() < deadline:
             if running.popen.poll() is not None:
                 return False
-            if health["kind"] == "process":
+            if health.kind == "process":
                 return True
-            url = health["url"].replace("{host:" + str(running.spec["node"]) + "}", "127.0.0.1")
+            url = (health.url or "").replace("{host:" + str(running.spec.node) + "}", "127.0.0.1")
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (loopback only)
                     if response.status == 200:
@@ -107,26 +109,25 @@ class Supervisor:
         busy = ports_in_use(self.plan)
         if busy:
             return Outcome(False, ports_message(busy), 2)
-        orders = sorted({p["start_order"] for p in self.plan["processes"]})
+        orders = sorted({p.start_order for p in self.plan.processes})
         for order in orders:
-            group = [p for p in self.plan["processes"] if p["start_order"] == order]
+            group = [p for p in self.plan.processes if p.start_order == order]
             for spec in group:
-                self.running[spec["name"]] = self._spawn(spec)
+                self.running[spec.name] = self._spawn(spec)
             for spec in group:
-                timeout = (spec.get("health") or {}).get("timeout_s", 300)
-                if not self._healthy(self.running[spec["name"]], time.monotonic() + timeout):
-                    code = self.running[spec["name"]].popen.poll()
+                if not self._healthy(self.running[spec.name], time.monotonic() + spec.health.timeout_s):
+                    code = self.running[spec.name].popen.poll()
                     self.stop_all()
-                    return Outcome(False, f"{spec['name']} did not become healthy "
+                    return Outcome(False, f"{spec.name} did not become healthy "
                                    f"({'exited with code ' + str(code) if code is not None else 'timed out'}); "
-                                   f"see {self.logs / (spec['name'] + '.log')}", 1, [spec["name"]])
+                                   f"see {self.run.log(spec.name)}", 1)
         return None
 
     # --- watching --------------------------------------------------------------------------------
 
     def watch(self) -> Outcome:
         interrupted = False
-        stop_file = self.run_dir / "STOP"
+        stop_file = self.run.stop_file
         stop_deadline = None
         try:
             while True:
@@ -157,34 +158,30 @@ class Supervisor:
             code = running.popen.poll()
             if code is None:
                 continue
-            role = running.spec["role"]
+            role = running.spec.role
             if code == 0 and role in roles_done:
                 roles_done[role] = True
                 continue
-            policy = running.spec.get("restart") or {}
-            if code != 0 and policy.get("policy") == "on-failure" and running.restarts < policy.get("max_restarts", 0):
-                self.echo(f"{name} exited with code {code}: restarting "
-                          f"({running.restarts + 1}/{policy['max_restarts']})")
+            policy = running.spec.restart
+            if code != 0 and policy.policy == "on-failure" and running.restarts < policy.max_restarts:
+                self.echo(f"{name} exited with code {code}: restarting ({running.restarts + 1}/{policy.max_restarts})")
                 self._reap(running)
                 replacement = self._spawn(running.spec, running.restarts + 1)
                 self.running[name] = replacement
-                if not self._healthy(replacement, time.monotonic() + (running.spec.get("health") or {}).get("timeout_s", 300)):
+                if not self._healthy(replacement, time.monotonic() + running.spec.health.timeout_s):
                     self.stop_all()
-                    return Outcome(False, f"{name} failed again after a restart; see {self.logs / (name + '.log')}",
-                                   1, [name])
+                    return Outcome(False, f"{name} failed again after a restart; see {self.run.log(name)}", 1)
                 continue
             if code == 0:
                 self.stop_all()
-                return Outcome(False, f"{name} ({role}) exited before the run finished", 1, [name])
+                return Outcome(False, f"{name} ({role}) exited before the run finished", 1)
             self.stop_all()
-            return Outcome(False, f"{name} ({role}) exited with code {code}; see {self.logs / (name + '.log')}",
-                           code if 0 < code < 128 else 1, [name])
-        orchestrator_done = all(self.running[p["name"]].popen.poll() == 0
-                                for p in self.plan["processes"] if p["role"] == "orchestrator")
-        trainers_done = all(self.running[p["name"]].popen.poll() == 0
-                            for p in self.plan["processes"] if p["role"] == "trainer")
+            return Outcome(False, f"{name} ({role}) exited with code {code}; see {self.run.log(name)}",
+                           code if 0 < code < 128 else 1)
+        orchestrator_done = all(self.running[p.name].popen.poll() == 0 for p in self.plan.by_role("orchestrator"))
+        trainers_done = all(self.running[p.name].popen.poll() == 0 for p in self.plan.by_role("trainer"))
         if orchestrator_done and trainers_done:
-            stopped = (self.run_dir / "STOP").exists()
+            stopped = self.run.stop_requested()
             self.stop_all()
             if stopped:
                 return Outcome(False, f"stopped on request; resume with `primebuild run --resume {self.run_dir}`", 130)
@@ -219,19 +216,19 @@ class Supervisor:
                 self._reap(running)
 
 
-def ports_in_use(plan: dict) -> list[str]:
+def ports_in_use(plan: Plan) -> list[str]:
     """Ports of the plan another program already holds (another run, say): a health check there would
     answer for the wrong server."""
     busy = []
-    for p in plan["processes"]:
-        for purpose, port in sorted(p["ports"].items()):
+    for p in plan.processes:
+        for purpose, port in sorted(p.ports.items()):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
                 # like the servers themselves: connections of a finished run in TIME_WAIT don't count
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     probe.bind(("127.0.0.1", port))
                 except OSError:
-                    busy.append(f"{port} ({p['name']} {purpose})")
+                    busy.append(f"{port} ({p.name} {purpose})")
     return busy
 
 
@@ -240,7 +237,7 @@ def ports_message(busy: list[str]) -> str:
             "(stop it, or pick free ports, e.g. --set inference.port=8100)")
 
 
-def supervise(plan: dict, run_dir: Path, *, echo=print, quiet: bool = False, live=None) -> Outcome:
+def supervise(plan: Plan, run_dir: Path, *, echo=print, quiet: bool = False, live=None) -> Outcome:
     supervisor = Supervisor(plan, run_dir, echo=echo, quiet=quiet, live=live)
     try:
         failure = supervisor.start()

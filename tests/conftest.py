@@ -102,3 +102,12 @@ def locked(tmp_path: Path) -> Path:
         result = run_cli("lock", "--offline", tmp_path / "manifests" / f"{name}.yaml", timeout=300)
         assert result.code == 0, result.text
     return tmp_path / "manifests"
+
+
+def plan_json(path: Path | str, sets: tuple[str, ...] | list[str] = (), *, design: bool = True) -> dict:
+    """The canonical JSON (as a dict) of a manifest's plan; by default a design study when the
+    manifest asks for backends that are not built (glm5, qwen3), so its placement can be checked."""
+    from primebuild.builders.plan import compile_plan
+    from primebuild.manifest.load import load_manifest
+
+    return compile_plan(load_manifest(path, list(sets)), design=design).to_json()

@@ -1,5 +1,5 @@
 """bench/gpu.py must work the first time it runs on a GPU machine: run every section at tiny sizes on CPU,
-and import primebuild the way the GPU machine will (from the checkout, not pip-installed)."""
+and install primebuild the way bench/gpu.sh does there."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,16 +49,20 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     assert runs[0]["tokens_per_step"] == 4 * 32
 
 
-def test_imports_primebuild_from_the_checkout_when_not_installed(tmp_path):
-    """-S skips .pth files, so the editable install is invisible: as on the GPU machine."""
-    code = (
-        f"import sys; sys.path.append({sysconfig.get_paths()['purelib']!r}); "
-        f"sys.path.insert(0, {str(REPO / 'bench')!r}); "
-        "import importlib.util; assert importlib.util.find_spec('primebuild') is None; "
-        "import gpu; gpu.import_primebuild_from_checkout(); "
-        "import primebuild.kernels.fp8, primebuild.runtime.inference.sampling; "
-        "assert importlib.util.find_spec('kernels') is None; print(primebuild.kernels.fp8.__file__)"
-    )
-    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+def test_an_installed_primebuild_is_one_package_and_shadows_nothing(tmp_path):
+    """What bench/gpu.sh installs on the GPU machine: a wheel whose only top-level package is primebuild
+    (builders/, runtime/ and kernels/ mapped into it), so no `kernels` package of ours can shadow the PyPI
+    one that transformers probes for."""
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                           "--no-compile", "--target", str(site), str(REPO)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == str(REPO / "kernels" / "fp8.py")
+    top = {p.name for p in site.iterdir() if not p.name.endswith((".dist-info", ".egg-info")) and p.name != "bin"}
+    assert top == {"primebuild"}
+    code = ("import importlib.util, primebuild.kernels.fp8, primebuild.runtime.inference.sampling; "
+            "assert importlib.util.find_spec('kernels') is None; print(primebuild.kernels.fp8.__file__)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(site)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == str(site / "primebuild" / "kernels" / "fp8.py")

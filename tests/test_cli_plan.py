@@ -10,15 +10,15 @@ import sys
 import pytest
 from conftest import MANIFESTS, REPO, SHIPPED, call_cli, run_cli
 
-from primebuild.builders.plan import plan_hash
+from primebuild.contracts.plan import plan_hash
 
 SCHEMA_LINE = "# yaml-language-server: $schema=schema.v1.json"
 
 
 def test_glm5_plan_is_byte_identical_across_processes_and_working_directories(tmp_path):
-    first = run_cli("plan", "manifests/glm5.yaml", "-o", "json")
-    second = run_cli("plan", "manifests/glm5.yaml", "-o", "json")
-    elsewhere = run_cli("plan", str(MANIFESTS / "glm5.yaml"), "-o", "json", cwd=tmp_path)
+    first = run_cli("plan", "manifests/glm5.yaml", "--design", "-o", "json")
+    second = run_cli("plan", "manifests/glm5.yaml", "--design", "-o", "json")
+    elsewhere = run_cli("plan", str(MANIFESTS / "glm5.yaml"), "--design", "-o", "json", cwd=tmp_path)
     for result in (first, second, elsewhere):
         assert result.code == 0, result.err
         assert result.err == ""
@@ -31,18 +31,34 @@ def test_glm5_plan_is_byte_identical_across_processes_and_working_directories(tm
     assert first.out.endswith("}\n") and "\n" not in first.out[:-1]  # one canonical line
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "reverse-text", "reverse-text-sft"])
+@pytest.mark.parametrize("name", ["reverse-text", "reverse-text-sft"])
 def test_other_shipped_manifests_plan(name, capsys):
     result = call_cli(capsys, "plan", str(MANIFESTS / f"{name}.yaml"), "-o", "json")
     assert result.code == 0, result.err
     plan = json.loads(result.out)
-    assert plan["fits"] and plan["plan_hash"] == plan_hash(plan)
+    assert plan["fits"] and plan["runnable"] and plan["plan_hash"] == plan_hash(plan)
+
+
+@pytest.mark.parametrize("name", ["glm5", "qwen3-30b-a3b"])
+def test_a_plan_that_claims_unbuilt_backends_is_a_located_error(name, capsys):
+    result = call_cli(capsys, "plan", str(MANIFESTS / f"{name}.yaml"), "-o", "json")
+    assert result.code == 2 and result.out == ""
+    lines = [line for line in result.err.splitlines() if not line.startswith("    hint:")]
+    refused = [line for line in lines if f"{name}.yaml:" in line]
+    assert refused and all(":" in line.split(".yaml:", 1)[1] for line in refused)  # file:line:col
+    assert any("inference.engine: engine vllm" in line for line in refused)
+    assert "plan --design" in lines[-1]
+    design = call_cli(capsys, "plan", str(MANIFESTS / f"{name}.yaml"), "--design", "-o", "json")
+    plan = json.loads(design.out)
+    assert design.code == 0 and plan["runnable"] is False
+    assert {u["field"] for u in plan["unsupported"]} >= {"inference.engine", "target.kind"}
 
 
 def test_text_plan_and_validate_output(capsys):
-    result = call_cli(capsys, "plan", str(MANIFESTS / "qwen3-30b-a3b.yaml"))
+    result = call_cli(capsys, "plan", str(MANIFESTS / "qwen3-30b-a3b.yaml"), "--design")
     assert result.code == 0, result.err
-    for expected in ("qwen3-30b-a3b-math", "node map", "inference-0", "trainer", "orchestrator", "fits"):
+    for expected in ("qwen3-30b-a3b-math", "node map", "inference-0", "trainer", "orchestrator", "fits",
+                     "design study, not runnable", "trainer.ep: ep=8"):
         assert expected in result.out
     result = call_cli(capsys, "validate", str(MANIFESTS / "glm5.yaml"), "-o", "json")
     assert result.code == 0
@@ -59,7 +75,7 @@ from primebuild.cli import main
 codes = []
 with contextlib.redirect_stdout(io.StringIO()):
     codes.append(main(["validate", {str(MANIFESTS / 'glm5.yaml')!r}]))
-    codes.append(main(["plan", {str(MANIFESTS / 'glm5.yaml')!r}, "-o", "json"]))
+    codes.append(main(["plan", {str(MANIFESTS / 'glm5.yaml')!r}, "--design", "-o", "json"]))
     codes.append(main(["plan", {str(MANIFESTS / 'reverse-text.yaml')!r}]))
     codes.append(main(["schema"]))
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "vllm", "numpy"))

@@ -24,8 +24,9 @@ from primebuild.builders.image import (
     check_requirements,
 )
 from primebuild.builders.oci import MEDIA_CONFIG, Descriptor, OciLayout, TarEntry
-from primebuild.builders.store import Store, canonical_json
+from primebuild.builders.store import Store
 from primebuild.errors import UserError
+from primebuild.hashing import canonical_bytes
 
 REQUIREMENTS = """\
 # locked by uv
@@ -182,14 +183,14 @@ def test_config_manifest_and_index_are_canonical_and_complete(project: Path, tmp
     layout = result.layout_path
     index_bytes = (layout / "index.json").read_bytes()
     index = json.loads(index_bytes)
-    assert index_bytes == canonical_json(index)
+    assert index_bytes == canonical_bytes(index)
     assert json.loads((layout / "oci-layout").read_bytes()) == {"imageLayoutVersion": "1.0.0"}
     [entry] = index["manifests"]
     assert entry["digest"] == result.digest
     assert entry["annotations"] == {"org.opencontainers.image.ref.name": "v1"}
     manifest_bytes = blob(result, result.digest)
     manifest = json.loads(manifest_bytes)
-    assert manifest_bytes == canonical_json(manifest)
+    assert manifest_bytes == canonical_bytes(manifest)
     assert manifest["config"] == {
         "mediaType": MEDIA_CONFIG,
         "digest": result.config_digest,
@@ -197,7 +198,7 @@ def test_config_manifest_and_index_are_canonical_and_complete(project: Path, tmp
     }
     config_bytes = blob(result, result.config_digest)
     config = json.loads(config_bytes)
-    assert config_bytes == canonical_json(config)
+    assert config_bytes == canonical_bytes(config)
     assert config["created"] == "1970-01-01T00:00:00Z"
     assert config["rootfs"] == {"type": "layers", "diff_ids": [la.diff_id for la in result.layers]}
     assert len(config["history"]) == 3

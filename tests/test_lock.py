@@ -14,6 +14,7 @@ from primebuild.builders import lock as lockmod
 from primebuild.builders import python_env
 from primebuild.builders.image import check_requirements
 from primebuild.builders.lock_check import check_lock, load_lock_for
+from primebuild.contracts.run_dir import RunDir
 from primebuild.errors import UserError
 from primebuild.manifest.load import load_manifest
 
@@ -226,9 +227,10 @@ def test_record_lock_copies_the_lock_into_a_run_folder(project: Path, capsys, tm
     manifest = project / "manifests" / "tiny.yaml"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    assert lockmod.record_lock(run_dir, load_manifest(manifest)) is None  # no lock yet: nothing recorded
+    run = RunDir(run_dir)
+    assert lockmod.record_lock(run.lock, load_manifest(manifest)) is None  # no lock yet: nothing recorded
     assert call_cli(capsys, "lock", "--offline", manifest).code == 0
-    copy = lockmod.record_lock(run_dir, load_manifest(manifest))
+    copy = lockmod.record_lock(run.lock, load_manifest(manifest))
     assert copy == run_dir / "lock.json"
     assert copy.read_bytes() == (project / "lockfiles" / "tiny.lock").read_bytes()
 

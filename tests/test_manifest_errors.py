@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import CPU_MANIFEST, MANIFESTS, call_cli, run_cli, write
 
+# cluster manifests ask for backends that are not built yet: their compiler problems show in a design study
+DESIGN = ("--design",)
+
 
 def line_of(text: str, needle: str, nth: int = 1) -> int:
     """1-based line of the nth line containing `needle`."""
@@ -124,28 +127,29 @@ def _cases() -> list[Case]:
     add(id="rollouts-not-multiple-of-group", text=shape, line=line_of(shape, "orchestrator"), field="orchestrator",
         message=r"rollouts_per_step \(64\) must be a multiple of group_size \(7\)", subprocess=False)
     vllm_cpu = edit(cpu, "  engine: embedded", "  engine: vllm")
-    add(id="vllm-on-cpu", text=vllm_cpu, line=1, message="engine: vllm needs GPUs", subprocess=False)
+    add(id="vllm-not-wired-yet", text=vllm_cpu, line=line_of(vllm_cpu, "  engine: vllm"), field="inference.engine",
+        message="engine vllm: starting vLLM servers", hint="--design", subprocess=False)
 
     # compiler problems (need hardware and model facts): located in the manifest, with a concrete fix
     g = glm5()
     tp = edit(g, "prefill: {replicas: 4, nodes_per_replica: 1, tp: 8,", "prefill: {replicas: 4, nodes_per_replica: 1, tp: 16,")
-    add(id="tp-larger-than-node", text=tp, line=line_of(tp, "prefill:"), field="inference.disaggregation.prefill.tp",
+    add(id="tp-larger-than-node", args=DESIGN, text=tp, line=line_of(tp, "prefill:"), field="inference.disaggregation.prefill.tp",
         message="prefill: tp=16 exceeds the 8 GPUs of a node", hint="tp <= 8", subprocess=False)
     ep = edit(g, "  ep: 8\n  precision: bf16", "  ep: 3\n  precision: bf16")
-    add(id="experts-not-divisible-by-ep", text=ep, line=line_of(ep, "  ep: 3"), column=3, field="trainer.ep",
+    add(id="experts-not-divisible-by-ep", args=DESIGN, text=ep, line=line_of(ep, "  ep: 3"), column=3, field="trainer.ep",
         message="256 experts are not divisible by ep=3", hint="ep must divide 256")
     world = edit(g, "dp_shard: 24", "dp_shard: 16")
-    add(id="trainer-gpu-count-mismatch", text=world, line=line_of(world, "dp_shard: 16"), field="trainer.dp_shard",
+    add(id="trainer-gpu-count-mismatch", args=DESIGN, text=world, line=line_of(world, "dp_shard: 16"), field="trainer.dp_shard",
         message=r"world size dp_replicate\*dp_shard\*cp\*tp = 64 but its 12 node\(s\) hold 96 GPUs",
         hint="set dp_shard: 24", subprocess=False)
     few = edit(g, "  nodes: 28", "  nodes: 12")
-    add(id="inference-needs-more-nodes", text=few, line=line_of(few, "decode:"), field="inference.disaggregation.decode.replicas",
+    add(id="inference-needs-more-nodes", args=DESIGN, text=few, line=line_of(few, "decode:"), field="inference.disaggregation.decode.replicas",
         message="inference needs 16 nodes but the cluster has 12", hint="add nodes")
     dense = edit(cpu, "  precision: fp32\ntrainer", "  precision: fp32\n  router_replay: true\ntrainer")
     add(id="router-replay-on-dense-model", text=dense, line=line_of(dense, "router_replay"),
         field="inference.router_replay", message="router_replay needs a MoE model", hint="router_replay: false")
     fat = edit(g, "cpu_offload: true}", "cpu_offload: false}")
-    add(id="trainer-does-not-fit", text=fat, line=line_of(fat, "  dp_shard: 24"), field="trainer.dp_shard",
+    add(id="trainer-does-not-fit", args=DESIGN, text=fat, line=line_of(fat, "  dp_shard: 24"), field="trainer.dp_shard",
         message=r"trainer: [\d.]+ GiB per GPU needed, [\d.]+ GiB available \(short by [\d.]+ GiB\)",
         hint=r"cpu_offload: true \(frees [\d.]+ GiB\)")
     many = edit(cpu, "  engine: embedded", "  engine: embedded\n  replicas: 1000000")
@@ -153,7 +157,7 @@ def _cases() -> list[Case]:
         message="1000000 inference replicas on one CPU node with 2 CPUs", hint="at most 2 replicas", subprocess=False)
     q = (MANIFESTS / "qwen3-30b-a3b.yaml").read_text()
     ports = edit(q, "  replicas: 4\n", "  replicas: 4\n  port: 65534\n")
-    add(id="inference-ports-beyond-65535", text=ports, line=line_of(ports, "port: 65534"), field="inference.port",
+    add(id="inference-ports-beyond-65535", args=DESIGN, text=ports, line=line_of(ports, "port: 65534"), field="inference.port",
         message="4 inference replicas from port 65534 need ports up to 65537", subprocess=False)
     no_facts = edit(cpu, "  facts: models/reverse-text-tiny.json", '  facts: ""')
     add(id="empty-facts-path", text=no_facts, line=line_of(no_facts, "facts"), field="model.facts",

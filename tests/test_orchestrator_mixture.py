@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from primebuild.contracts.orchestrator import EnvironmentConfig
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix, split
 
 
@@ -23,8 +24,8 @@ def test_split_by_largest_remainder(total, weights, want):
 
 def test_mix_draws_each_environment_by_weight_and_keeps_pairs():
     mix = EnvironmentMix([
-        {"id": "reverse-text", "weight": 3.0},
-        {"id": "reverse-text", "args": {"min_length": 20, "max_length": 24, "num_eval": 10}, "weight": 1.0},
+        EnvironmentConfig(id="reverse-text", weight=3.0),
+        EnvironmentConfig(id="reverse-text", args={"min_length": 20, "max_length": 24, "num_eval": 10}, weight=1.0),
     ])
     pairs = mix.sample(random.Random(0), 8)
     long_ones = [task for env, task in pairs if env is mix.envs[1]]

@@ -11,7 +11,9 @@ from conftest import CPU_MANIFEST, MANIFESTS, call_cli, write
 
 from primebuild.builders.lock import lock_hash, read_lock, record_lock
 from primebuild.builders.lock_check import load_lock_for
-from primebuild.builders.plan import compile_plan, plan_hash, render_json
+from primebuild.builders.plan import compile_plan
+from primebuild.contracts.plan import plan_hash, render_json
+from primebuild.hashing import canonical_json
 from primebuild.manifest.load import load_manifest
 
 
@@ -22,6 +24,7 @@ def record_run(run_dir: Path, manifest: Path, sets: tuple[str, ...] = (), locked
     plan = compile_plan(loaded, lock)
     run_dir.mkdir(parents=True)
     (run_dir / "plan.json").write_text(render_json(plan))
+    plan = plan.to_json()
     (run_dir / "manifest.json").write_text(json.dumps(loaded.document, indent=2, sort_keys=True))
     (run_dir / "manifests").mkdir()
     for path in loaded.files:
@@ -29,7 +32,7 @@ def record_run(run_dir: Path, manifest: Path, sets: tuple[str, ...] = (), locked
     (run_dir / "run.json").write_text(json.dumps({"plan_hash": plan["plan_hash"], "code_version": "abc123",
                                                   "manifest_hash": loaded.manifest_hash}))
     if locked:
-        record_lock(run_dir, loaded)
+        record_lock(run_dir / "lock.json", loaded)
     return plan
 
 
@@ -51,7 +54,7 @@ def test_replay_refuses_when_todays_plan_differs(tmp_path: Path, capsys):
         if process["name"] == "trainer":
             process["config"]["lr"] = 0.5
     recorded["plan_hash"] = plan_hash(recorded)
-    (run_dir / "plan.json").write_text(render_json(recorded))
+    (run_dir / "plan.json").write_text(canonical_json(recorded) + "\n")
     result = call_cli(capsys, "replay", "--check", run_dir)
     assert result.code == 2
     assert "today's plan differs from the recorded one" in result.err

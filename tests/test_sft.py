@@ -10,18 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from primebuild.contracts.sft import RL_START_REWARD, SFTConfig  # noqa: E402
 from primebuild.errors import UserError  # noqa: E402
 from primebuild.runtime.envs.reverse_text import ReverseTextEnv  # noqa: E402
 from primebuild.runtime.evaluate import evaluate_greedy  # noqa: E402
 from primebuild.runtime.models.char_tokenizer import build_char_tokenizer  # noqa: E402
 from primebuild.runtime.models.tiny import build_tiny_model, init_tiny_model, tiny_config  # noqa: E402
-from primebuild.runtime.sft import (  # noqa: E402
-    RL_START_REWARD,
-    SFTConfig,
-    completion_loss,
-    encode_batch,
-    run_sft,
-)
+from primebuild.runtime.sft import completion_loss, encode_batch, run_sft  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -49,15 +44,19 @@ def test_completion_loss_is_the_mean_over_target_tokens_only():
     assert int(mask.sum()) == 10
 
 
+def run_sft_to(out: str, **fields) -> dict:
+    return run_sft(SFTConfig(**fields), out)
+
+
 def _weights(folder):
     return (folder / "model.safetensors").read_bytes()
 
 
 def test_sft_is_deterministic_given_a_seed(tmp_path):
     base = dict(steps=12, eval_n=0)
-    m1 = run_sft(SFTConfig(out_dir=str(tmp_path / "a"), seed=5, **base))
-    m2 = run_sft(SFTConfig(out_dir=str(tmp_path / "b"), seed=5, **base))
-    run_sft(SFTConfig(out_dir=str(tmp_path / "c"), seed=6, **base))
+    m1 = run_sft_to(str(tmp_path / "a"), seed=5, **base)
+    m2 = run_sft_to(str(tmp_path / "b"), seed=5, **base)
+    run_sft_to(str(tmp_path / "c"), seed=6, **base)
     assert m1["final_loss"] == m2["final_loss"]
     assert _weights(tmp_path / "a") == _weights(tmp_path / "b")
     assert _weights(tmp_path / "a") != _weights(tmp_path / "c")
@@ -66,45 +65,41 @@ def test_sft_is_deterministic_given_a_seed(tmp_path):
 
 def test_mid_run_evaluation_does_not_change_training(tmp_path):
     base = dict(steps=6, seed=2, eval_n=20)
-    plain = run_sft(SFTConfig(out_dir=str(tmp_path / "plain"), **base))
-    watched = run_sft(SFTConfig(out_dir=str(tmp_path / "watched"), eval_every=2, **base))
+    plain = run_sft_to(str(tmp_path / "plain"), **base)
+    watched = run_sft_to(str(tmp_path / "watched"), eval_every=2, **base)
     assert [s for s, _ in watched["eval_curve"]] == [2, 4]
     assert watched["final_loss"] == plain["final_loss"]
     assert _weights(tmp_path / "plain") == _weights(tmp_path / "watched")
 
 
 def test_stop_at_reward_stops_at_the_first_check_that_reaches_it(tmp_path):
-    config = SFTConfig(
-        out_dir=str(tmp_path / "stop"), steps=50, stop_at_reward=0.0, min_steps=4, check_every=2, eval_n=0
-    )
-    metrics = run_sft(config)
+    config = SFTConfig(steps=50, stop_at_reward=0.0, min_steps=4, check_every=2, eval_n=0)
+    metrics = run_sft(config, str(tmp_path / "stop"))
     assert metrics["steps"] == 4 and metrics["validation_reward"] >= 0.0
     # Unreachable target: runs to the cap, reporting the last validation reward it saw.
-    capped = run_sft(
-        SFTConfig(
-            out_dir=str(tmp_path / "cap"), steps=6, stop_at_reward=1.1, min_steps=4, validation_n=20, eval_n=0
-        )
-    )
+    capped = run_sft(SFTConfig(steps=6, stop_at_reward=1.0, min_steps=4, validation_n=20, eval_n=0),
+                     str(tmp_path / "cap"))
     assert capped["steps"] == 6 and 0.0 <= capped["validation_reward"] < 0.2
 
 
 def test_sft_refuses_an_existing_output_folder(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(UserError, match="already exists"):
-        run_sft(SFTConfig(out_dir=str(tmp_path / "out"), steps=1))
+        run_sft_to(str(tmp_path / "out"), steps=1)
 
 
 def test_sft_continues_from_an_existing_folder(tmp_path):
     start = build_tiny_model(tmp_path / "start", seed=1)
-    metrics = run_sft(SFTConfig(out_dir=str(tmp_path / "next"), init_model_dir=str(start), steps=3, eval_n=0))
+    metrics = run_sft_to(str(tmp_path / "next"), init_model_dir=str(start), steps=3, eval_n=0)
     assert metrics["steps"] == 3
     assert _weights(tmp_path / "next") != _weights(start)
 
 
 def test_cli_writes_a_loadable_folder_and_prints_metrics(tmp_path):
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "primebuild.runtime.sft", "--out", str(out), "--steps", "3", "--seed", "1"]
-    cmd += ["--no-early-stop"]
+    config = tmp_path / "sft.json"
+    config.write_text(SFTConfig(steps=3, seed=1).model_dump_json())
+    cmd = [sys.executable, "-m", "primebuild.runtime.sft", "--config", str(config), "--out", str(out), "--no-early-stop"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -119,7 +114,7 @@ def test_cli_writes_a_loadable_folder_and_prints_metrics(tmp_path):
 def test_150_steps_lift_the_reward_far_above_random_init(tmp_path):
     env = ReverseTextEnv()
     random_init = evaluate_greedy(build_tiny_model(tmp_path / "init", seed=0), env)
-    metrics = run_sft(SFTConfig(out_dir=str(tmp_path / "sft"), steps=150, seed=0, stop_at_reward=None))
+    metrics = run_sft_to(str(tmp_path / "sft"), steps=150, seed=0, stop_at_reward=None)
     assert metrics["steps"] == 150
     assert random_init < 0.05
     assert metrics["eval_reward"] > 0.6
@@ -130,9 +125,7 @@ def test_150_steps_lift_the_reward_far_above_random_init(tmp_path):
 
 @pytest.mark.slow
 def test_stop_at_rl_start_reward_lands_in_the_rl_band(tmp_path):
-    metrics = run_sft(
-        SFTConfig(out_dir=str(tmp_path / "sft"), seed=1)  # the defaults
-    )
+    metrics = run_sft(SFTConfig(seed=1), str(tmp_path / "sft"))  # the defaults
     assert metrics["steps"] < 300
     assert metrics["validation_reward"] >= RL_START_REWARD
     assert 0.70 <= metrics["eval_reward"] <= 0.86  # held out: never used to decide when to stop

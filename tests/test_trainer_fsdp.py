@@ -1,6 +1,5 @@
 """FSDP2 over gloo with 2 ranks (torchrun) gives the same trajectory as 1 rank, fp32."""
 
-import json
 import os
 import socket
 import subprocess
@@ -9,11 +8,10 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 
-from primebuild.runtime.trainer.config import TrainerConfig
 from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.trainer.metrics import read_metrics
-from primebuild.runtime.trainer.synthetic import make_tiny_model, write_rollouts
 from primebuild.runtime.weight_sync.filesystem import stable_steps, step_dir
 
 torch.set_num_threads(2)
@@ -36,10 +34,11 @@ def test_two_ranks_match_one_rank(tmp_path):
         runs[name] = tmp_path / name
         write_rollouts(runs[name], model, range(1, 5), num_prompts=5, group_size=3)
 
-    run_trainer(TrainerConfig(run_dir=str(runs["one"]), **common))
+    run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
 
     cfg = tmp_path / "two.json"
-    cfg.write_text(json.dumps({"run_dir": str(runs["two"]), "checkpoint_every": 3, **common}))
+    two = trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2}, **common)
+    cfg.write_text(two.model_dump_json())
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
@@ -74,7 +73,7 @@ def test_two_ranks_match_one_rank(tmp_path):
 
     # DCP re-shards on load: the 2-rank checkpoint resumes on 1 rank and stays on the 1-rank trajectory.
     for name in ("one", "two"):
-        run_trainer(TrainerConfig(run_dir=str(runs[name]), resume=True, **{**common, "max_steps": 4}))
+        run_trainer(trainer_config(run_dir=str(runs[name]), resume=True, **{**common, "max_steps": 4}))
     one = read_metrics(runs["one"] / "metrics.jsonl")
     two = read_metrics(runs["two"] / "metrics.jsonl")
     assert two[4]["loss"] == pytest.approx(one[4]["loss"], rel=1e-5, abs=1e-7)

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 from transformers import AutoModelForCausalLM
 
-from primebuild.runtime.trainer.config import TrainerConfig
 from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.trainer.metrics import read_metrics
-from primebuild.runtime.trainer.synthetic import make_tiny_model, write_rollouts
 from primebuild.runtime.weight_sync.filesystem import step_dir
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -18,15 +17,9 @@ def test_cuda_training(tmp_path, dtype):
     model = make_tiny_model(tmp_path / "model")
     run = tmp_path / "run"
     write_rollouts(run, model, range(1, 3))  # inference log-probs from a CPU fp32 HF forward
-    cfg = TrainerConfig(
-        model_path=str(model),
-        run_dir=str(run),
-        max_steps=2,
-        lr=1e-3,
-        dtype=dtype,
-        checkpoint_every=1,
-        activation_checkpointing=(dtype == "bfloat16"),
-    )
+    cfg = trainer_config(model_path=str(model), run_dir=str(run), max_steps=2, lr=1e-3,
+                         precision={"float32": "fp32", "bfloat16": "bf16"}[dtype], weight_dtype=dtype,
+                         checkpoint_every=1, activation_checkpointing=(dtype == "bfloat16"))
     run_trainer(cfg)
     m = read_metrics(run / "metrics.jsonl")
     print(dtype, {s: {k: m[s][k] for k in ("loss", "mismatch_kl", "grad_norm", "step_s")} for s in m})

@@ -98,7 +98,7 @@ def test_sender_to_two_receivers():
 
 def trainer_main(cfg_json):
     torch.set_num_threads(1)
-    from primebuild.runtime.trainer.config import TrainerConfig
+    from primebuild.contracts.trainer import TrainerConfig
     from primebuild.runtime.trainer.main import run_trainer
 
     run_trainer(TrainerConfig.model_validate_json(cfg_json))
@@ -106,27 +106,19 @@ def trainer_main(cfg_json):
 
 @pytest.mark.timeout(120)
 def test_trainer_broadcasts_each_step(tmp_path):
+    from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
     from transformers import AutoModelForCausalLM
 
     from primebuild.runtime.trainer.checkpoint import load_checkpoint
-    from primebuild.runtime.trainer.config import TrainerConfig
-    from primebuild.runtime.trainer.synthetic import make_tiny_model, write_rollouts
+    from primebuild.runtime.trainer.model import Policy
     from primebuild.runtime.weight_sync.filesystem import latest_stable
 
     model_path = make_tiny_model(tmp_path / "model")
     run = tmp_path / "run"
     write_rollouts(run, model_path, range(1, 3), num_prompts=2)
     init = f"tcp://127.0.0.1:{free_port()}"
-    cfg = TrainerConfig(
-        model_path=str(model_path),
-        run_dir=str(run),
-        max_steps=2,
-        lr=1e-3,
-        weight_sync="broadcast",
-        broadcast_init_method=init,
-        broadcast_world_size=2,
-        broadcast_timeout_s=60,
-    )
+    cfg = trainer_config(model_path=str(model_path), run_dir=str(run), max_steps=2, lr=1e-3,
+                         weight_sync={"mode": "broadcast", "init_method": init, "world_size": 2, "timeout_s": 60})
     proc = mp.get_context("spawn").Process(target=trainer_main, args=(cfg.model_dump_json(),))
     proc.start()
     try:
@@ -141,10 +133,10 @@ def test_trainer_broadcasts_each_step(tmp_path):
     assert not (run / "weights").exists()  # broadcast mode writes no weight folders
 
     # The last update equals the trainer's final parameters (restored from its checkpoint), in HF naming.
-    model = AutoModelForCausalLM.from_pretrained(model_path)
+    model = Policy(AutoModelForCausalLM.from_pretrained(model_path), chunk_tokens=64)
     load_checkpoint(latest_stable(run / "checkpoints")[1], model, torch.optim.AdamW(model.parameters()))
     sent = updates[-1][1]
-    expected = model.state_dict()
+    expected = model.hf.state_dict()
     assert set(sent) == set(expected) - {"lm_head.weight"}  # tied head travels once, as in safetensors
     for k, v in sent.items():
         assert torch.equal(v, expected[k]), k

@@ -37,7 +37,9 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
     from primebuild.builders.lock_check import load_lock_for
     from primebuild.builders.plan import compile_plan, render_json
     from primebuild.builders.python_env import PROJECT_DIR, render_requirements
-    from primebuild.builders.store import Store, canonical_json
+    from primebuild.builders.store import Store
+    from primebuild.contracts.run_dir import RunDir
+    from primebuild.hashing import canonical_bytes
     from primebuild.manifest.load import load_manifest
 
     loaded = load_manifest(manifest, sets)
@@ -53,22 +55,22 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
     plan = compile_plan(loaded, lock)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="primebuild-build-") as tmp:
-        run_files = Path(tmp)
-        (run_files / "manifest.json").write_bytes(canonical_json(loaded.document) + b"\n")
-        (run_files / "lock.json").write_text(lockmod.render_lock(lock))
-        (run_files / "plan.json").write_text(render_json(plan))
+        run_files = RunDir(tmp)  # the image's run layer holds a run folder's records
+        run_files.manifest.write_bytes(canonical_bytes(loaded.document) + b"\n")
+        run_files.lock.write_text(lockmod.render_lock(lock))
+        run_files.plan.write_text(render_json(plan))
         spec = ImageSpec(
             name=_image_name(m.name),
-            tag=f"plan-{plan['plan_hash'][:16]}",
+            tag=f"plan-{plan.plan_hash[:16]}",
             base=lockmod.base_image_reference(lock["base_image"]),
             requirements=render_requirements(python),
             project_dir=PROJECT_DIR,
-            manifest=run_files / "manifest.json",
-            lock=run_files / "lock.json",
-            plan=run_files / "plan.json",
-            plan_hash=f"sha256:{plan['plan_hash']}",
+            manifest=run_files.manifest,
+            lock=run_files.lock,
+            plan=run_files.plan,
+            plan_hash=f"sha256:{plan.plan_hash}",
             version=__version__,
-            labels={"dev.primebuild.lock.sha256": f"sha256:{plan['lock_hash']}",
+            labels={"dev.primebuild.lock.sha256": f"sha256:{plan.lock_hash}",
                     "dev.primebuild.variant": variant},
         )
         result = build_image_in_store(spec, Store(store_root) if store_root else None)
@@ -83,8 +85,8 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
         "seconds": round(seconds, 3),
         "variant": variant,
         "base": spec.base,
-        "plan_hash": plan["plan_hash"],
-        "plan_hash_with_image": lockmod.plan_with_image(plan, result.digest)["plan_hash"],
+        "plan_hash": plan.plan_hash,
+        "plan_hash_with_image": lockmod.plan_with_image(plan, result.digest).plan_hash,
         "warnings": list(result.warnings),
     }
     if output == "json":

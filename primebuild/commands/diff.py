@@ -72,23 +72,23 @@ def _manifest(path: Path) -> dict:
 
 
 def _run_folder(path: Path) -> dict[str, dict]:
-    from primebuild.builders.lock import RUN_LOCK_NAME
+    """Plans are compared as their JSON (not parsed into today's Plan), so plans of older versions diff too."""
+    from primebuild.contracts.run_dir import RunDir
     from primebuild.manifest.schema import Manifest
 
-    if not (path / "plan.json").is_file():
-        raise UserError(f"{path} is not a run folder (it has no plan.json)")
-    sections = {"plan": _json(path / "plan.json")}
-    if (path / "manifest.json").is_file():
-        document = _json(path / "manifest.json")
+    run = RunDir(path).require()
+    sections = {"plan": _json(run.plan)}
+    if run.manifest.is_file():
+        document = _json(run.manifest)
         try:  # with defaults filled in, as for a manifest file; the raw document if it no longer validates
             sections["manifest"] = Manifest.model_validate(document).model_dump(mode="json")
         except ValueError:
             sections["manifest"] = document
-    if (path / RUN_LOCK_NAME).is_file():
-        sections["lock"] = _json(path / RUN_LOCK_NAME)
-    if (path / "run.json").is_file():
-        run = _json(path / "run.json")
-        sections["run"] = {k: run[k] for k in _RUN_FIELDS_COMPARED if k in run}
+    if run.lock.is_file():
+        sections["lock"] = _json(run.lock)
+    if run.run_record.is_file():
+        record = _json(run.run_record)
+        sections["run"] = {k: record[k] for k in _RUN_FIELDS_COMPARED if k in record}
     return sections
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from primebuild.contracts.run_dir import RunDir
 from primebuild.errors import UserError
 
 
@@ -17,7 +18,7 @@ from primebuild.errors import UserError
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until Ctrl-C.")
 def command(run_dir: Path, process: str | None, lines: int, follow: bool) -> None:
     """Print the last lines of every process log of RUN_DIR, or of PROCESS only."""
-    logs_dir = run_dir / "logs"
+    logs_dir = RunDir(run_dir).logs
     if not logs_dir.is_dir():
         raise UserError(f"{run_dir} has no logs/ folder", hint="is it a run folder? (runs/<name>-<time>)")
     files = sorted(logs_dir.glob("*.log"))

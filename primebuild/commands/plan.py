@@ -19,9 +19,14 @@ from primebuild.manifest.load import load_manifest
               help="Use this lock file instead of the default one (implies --locked).")
 @click.option("--image-digest", default=None, metavar="sha256:…",
               help="Name the image built for this plan (`primebuild build`) in the plan's `image` field.")
+@click.option("--design", is_flag=True,
+              help="Also compile what no built backend applies yet: a design study marked runnable: false.")
 def command(manifest: str, sets: tuple[str, ...], output: str, locked: bool, lock_path: str | None,
-            image_digest: str | None) -> None:
-    """Compile MANIFEST into a launch plan and print it."""
+            image_digest: str | None, design: bool) -> None:
+    """Compile MANIFEST into a launch plan and print it.
+
+    A field that the plan's backends cannot apply is an error (exit 2) naming it; with --design the
+    plan is shown anyway, with those fields listed and `runnable: false`, and nothing can run it."""
     loaded = load_manifest(manifest, sets)
     print_notes(loaded.notes)
     lock = None
@@ -31,7 +36,7 @@ def command(manifest: str, sets: tuple[str, ...], output: str, locked: bool, loc
 
         lock = load_lock_for(loaded, lock_path, require_fresh=True)
         print_notes([f"lock entry not pinned: {line}" for line in unpinned(lock)])
-    plan = compile_plan(loaded, lock)
+    plan = compile_plan(loaded, lock, design=design)
     if image_digest:
         from primebuild.builders.lock import plan_with_image
 
@@ -41,4 +46,4 @@ def command(manifest: str, sets: tuple[str, ...], output: str, locked: bool, loc
     else:
         from primebuild.commands.plan_view import show_plan
 
-        show_plan(plan)
+        show_plan(plan.to_json())

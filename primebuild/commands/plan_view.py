@@ -76,8 +76,15 @@ def show_plan(plan: dict, console: Console | None = None) -> None:
     console.print("[bold]estimates[/]")
     for line in est.get("summary", []):
         console.print(f"  {line}")
+    if plan.get("build"):
+        build = plan["build"]
+        console.print(f"build: {build['builder']} -> store entry {build['output']} (in the primebuild process)")
     for w in plan["warnings"]:
         console.print(f"[yellow]warning:[/] {w}")
+    if not plan.get("runnable", True):
+        console.print("[red]design study, not runnable:[/] these fields need backends that are not built")
+        for u in plan["unsupported"]:
+            console.print(f"  {u['field']}: {u['message']}\n    hint: {u['hint']}", markup=False, highlight=False)
     console.print("[green]fits[/]" if plan["fits"] else "[red]does not fit[/]")
 
 

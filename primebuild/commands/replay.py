@@ -22,6 +22,8 @@ from pathlib import Path
 import click
 
 from primebuild.commands.options import output_option
+from primebuild.contracts.plan import PLAN_VERSION, Plan, read_plan
+from primebuild.contracts.run_dir import RunDir
 from primebuild.errors import UserError
 
 
@@ -43,10 +45,10 @@ def command(run_dir: Path, manifest_dir: Path | None, runs_dir: Path | None, che
         manifest_path = stage_manifest(run_dir, base_dir, Path(tmp))
         plan = verify(run_dir, manifest_path)
         if output == "json":
-            click.echo(json.dumps({"run_dir": str(run_dir), "plan_hash": plan["plan_hash"], "verified": True,
+            click.echo(json.dumps({"run_dir": str(run_dir), "plan_hash": plan.plan_hash, "verified": True,
                                    "started": not check_only}, indent=2, sort_keys=True))
         else:
-            click.echo(f"plan {plan['plan_hash'][:16]} matches the recorded run {run_dir.name}")
+            click.echo(f"plan {plan.plan_hash[:16]} matches the recorded run {run_dir.name}")
         if check_only:
             return
         from primebuild.commands.run import command as run_command
@@ -55,35 +57,38 @@ def command(run_dir: Path, manifest_dir: Path | None, runs_dir: Path | None, che
         run_command.main(argv, standalone_mode=False)
 
 
-def verify(run_dir: Path, manifest_path: Path) -> dict:
+def verify(run_dir: Path, manifest_path: Path) -> Plan:
     """Recompile the recorded manifest (with the recorded lock, if the plan used one) and compare."""
     from primebuild.builders.diff import diff_values, render_changes
-    from primebuild.builders.lock import RUN_LOCK_NAME, lock_hash, read_lock
+    from primebuild.builders.lock import lock_hash, read_lock
     from primebuild.builders.plan import compile_plan
     from primebuild.manifest.load import load_manifest
 
-    recorded = _read_json(run_dir / "plan.json")
+    run = RunDir(run_dir)
+    recorded_json = _read_json(run.plan)
+    if recorded_json.get("plan_version") != PLAN_VERSION:  # another plan format: it cannot hash the same
+        raise UserError(f"{run.plan}: plan_version {recorded_json.get('plan_version')!r}; today's code writes "
+                        f"{PLAN_VERSION}", hint="check out the recorded code version to replay this run")
+    recorded = read_plan(run.plan)
     lock = None
-    if recorded.get("lock_hash"):
-        lock_file = run_dir / RUN_LOCK_NAME
-        if not lock_file.is_file():
-            raise UserError(f"{run_dir}: the recorded plan was made with a lock, but {RUN_LOCK_NAME} is missing")
-        lock = read_lock(lock_file)
-        if lock_hash(lock) != recorded["lock_hash"]:
-            raise UserError(f"{lock_file} is not the lock the run used (its hash differs from the plan's lock_hash)")
+    if recorded.lock_hash:
+        if not run.lock.is_file():
+            raise UserError(f"{run_dir}: the recorded plan was made with a lock, but {run.lock.name} is missing")
+        lock = read_lock(run.lock)
+        if lock_hash(lock) != recorded.lock_hash:
+            raise UserError(f"{run.lock} is not the lock the run used (its hash differs from the plan's lock_hash)")
     plan = compile_plan(load_manifest(manifest_path), lock)
-    if recorded.get("image"):  # the plan named an image: name the same one
+    if recorded.image is not None:  # the plan named an image: name the same one
         from primebuild.builders.lock import plan_with_image
 
-        plan = plan_with_image(plan, recorded["image"]["digest"])
-    if plan["plan_hash"] != recorded.get("plan_hash"):
-        changes = diff_values({k: v for k, v in recorded.items() if k != "plan_hash"},
-                              {k: v for k, v in plan.items() if k != "plan_hash"})
-        code = _read_json(run_dir / "run.json").get("code_version", "unknown") if (run_dir / "run.json").exists() \
-            else "unknown"
+        plan = plan_with_image(plan, recorded.image.digest)
+    if plan.plan_hash != recorded.plan_hash:
+        changes = diff_values({k: v for k, v in recorded_json.items() if k != "plan_hash"},
+                              {k: v for k, v in plan.to_json().items() if k != "plan_hash"})
+        code = run.read_json(run.run_record).get("code_version", "unknown")
         raise UserError(
-            f"{run_dir}: today's plan differs from the recorded one (recorded {str(recorded.get('plan_hash'))[:16]}, "
-            f"now {plan['plan_hash'][:16]}; the run was made by code {code}):\n"
+            f"{run_dir}: today's plan differs from the recorded one (recorded {recorded.plan_hash[:16]}, "
+            f"now {plan.plan_hash[:16]}; the run was made by code {code}):\n"
             + "\n".join(f"    {line}" for line in render_changes(changes).splitlines()),
             hint="check out the recorded code version, or start a new run with `primebuild run`")
     return plan
@@ -92,7 +97,7 @@ def verify(run_dir: Path, manifest_path: Path) -> dict:
 def find_manifest_dir(run_dir: Path) -> Path:
     from primebuild.builders.python_env import PROJECT_DIR
 
-    copies = {p.name: p.read_bytes() for p in sorted((run_dir / "manifests").glob("*")) if p.is_file()}
+    copies = {p.name: p.read_bytes() for p in sorted(RunDir(run_dir).manifests.glob("*")) if p.is_file()}
     candidates = [Path.cwd() / "manifests", PROJECT_DIR / "manifests"]
     for folder in candidates:
         if any((folder / name).is_file() and (folder / name).read_bytes() == data for name, data in copies.items()):
@@ -106,7 +111,7 @@ def find_manifest_dir(run_dir: Path) -> Path:
 
 def stage_manifest(run_dir: Path, base_dir: Path, scratch: Path) -> Path:
     """Write the recorded composed manifest into `scratch`, next to links to everything in `base_dir`."""
-    document = _read_json(run_dir / "manifest.json")
+    document = _read_json(RunDir(run_dir).manifest)
     for entry in sorted(base_dir.iterdir()):
         os.symlink(entry, scratch / entry.name)
     name = f"replay-{document.get('name', 'manifest')}.json"

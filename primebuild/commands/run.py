@@ -10,6 +10,8 @@ from pathlib import Path
 import click
 
 from primebuild.commands.options import print_notes, set_option
+from primebuild.contracts.plan import Plan, read_plan, render_json
+from primebuild.contracts.run_dir import Rendezvous, RunDir
 from primebuild.errors import UserError
 
 
@@ -23,7 +25,7 @@ from primebuild.errors import UserError
 @click.option("--quiet", is_flag=True, help="Only progress lines, not every process's log lines.")
 def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_dir: Path | None, quiet: bool) -> None:
     """Run MANIFEST on this machine: build its model, start every process, report the result."""
-    from primebuild.builders.plan import compile_plan, render_json
+    from primebuild.builders.plan import compile_plan
     from primebuild.builders.store import Store
     from primebuild.manifest.load import load_manifest
 
@@ -31,14 +33,11 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     if resume_dir is not None:
         if manifest or sets:
             raise UserError("--resume takes the run folder only: its plan and manifest are already recorded")
-        run_dir = resume_dir.resolve()
-        if not (run_dir / "plan.json").is_file() or not (run_dir / "rendezvous.json").is_file():
-            raise UserError(f"{run_dir} is not a run folder (no plan.json / rendezvous.json)",
-                            hint="give the folder `primebuild run` printed, e.g. runs/<name>-<time>")
-        plan = json.loads((run_dir / "plan.json").read_text())
-        (run_dir / "STOP").unlink(missing_ok=True)
-        click.echo(f"resuming {run_dir}")
-        _supervise(plan, run_dir, quiet, started, {})
+        run = RunDir(resume_dir.resolve()).require(resumable=True)
+        plan = read_plan(run.plan)
+        run.stop_file.unlink(missing_ok=True)
+        click.echo(f"resuming {run.root}")
+        _supervise(plan, run, quiet, started, {})
         return
     if manifest is None:
         raise UserError("give a manifest (e.g. manifests/reverse-text.yaml) or --resume RUN_DIR")
@@ -46,20 +45,16 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     loaded = load_manifest(manifest, sets)
     print_notes(loaded.notes)
     m = loaded.manifest
-    if m.target.kind != "local":
-        raise UserError(f"target {m.target.kind}: `primebuild run` executes local plans only so far",
-                        hint="render the plan with `primebuild plan -o json` and start `primebuild worker` on each "
-                             "host; Slurm/Kubernetes/SSH renderers are not built yet")
+    plan = compile_plan(loaded)  # refuses, located, whatever the runtime would not apply
     store = Store()
     from primebuild.runtime.derivations import output_of, resolve_model
 
-    if m.sft is not None:  # a model-building manifest: its output is the run
+    if plan.build is not None:  # a model-building manifest: its output is the run
         built = output_of(loaded, store, click.echo)
         click.echo(f"{m.name}: {built.path} ({'cache hit' if built.cache_hit else 'built'} in {built.seconds:.2f} s); "
                    f"held-out reward {built.info.get('eval_reward')}")
         return
 
-    plan = compile_plan(loaded)
     from primebuild.runtime.supervisor import ports_in_use, ports_message
 
     busy = ports_in_use(plan)
@@ -68,28 +63,28 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     model = resolve_model(loaded, store, click.echo)
     click.echo(f"model: {model.path} ({'cache hit' if model.cache_hit else 'built'} in {model.seconds:.2f} s)")
 
-    run_dir = (runs_dir / f"{m.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=False)
-    (run_dir / "plan.json").write_text(render_json(plan))
-    (run_dir / "manifest.json").write_text(json.dumps(loaded.document, indent=2, sort_keys=True))
+    run = RunDir((runs_dir / f"{m.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve())
+    run.root.mkdir(parents=True, exist_ok=False)
+    run.plan.write_text(render_json(plan))
+    run.manifest.write_text(json.dumps(loaded.document, indent=2, sort_keys=True))
     for path in loaded.files:
-        (run_dir / "manifests").mkdir(exist_ok=True)
-        (run_dir / "manifests" / path.name).write_bytes(path.read_bytes())
-    hosts = ["127.0.0.1"] * m.hardware.nodes
-    (run_dir / "rendezvous.json").write_text(json.dumps({"hosts": hosts, "model_path": str(model.path)}, indent=2))
-    (run_dir / "run.json").write_text(json.dumps(
-        {"plan_hash": plan["plan_hash"], "manifest_hash": loaded.manifest_hash, "code_version": _code_version(),
+        run.manifests.mkdir(exist_ok=True)
+        (run.manifests / path.name).write_bytes(path.read_bytes())
+    rendezvous = Rendezvous(hosts=["127.0.0.1"] * m.hardware.nodes, model_path=str(model.path))
+    run.rendezvous.write_text(json.dumps(rendezvous.model_dump(mode="json"), indent=2))
+    run.run_record.write_text(json.dumps(
+        {"plan_hash": plan.plan_hash, "manifest_hash": loaded.manifest_hash, "code_version": _code_version(),
          "manifest_path": str(loaded.path.resolve()), "model_path": str(model.path),
          "model_cache_hit": model.cache_hit}, indent=2, sort_keys=True))
     from primebuild.builders.lock import record_lock
 
-    record_lock(run_dir, loaded)  # the lock as it was, when the manifest has one
-    click.echo(f"run folder: {run_dir}")
+    record_lock(run.lock, loaded)  # the lock as it was, when the manifest has one
+    click.echo(f"run folder: {run.root}")
     extra = {"sft": model.info, "model_seconds": round(model.seconds, 2)}
-    _supervise(plan, run_dir, quiet, started, extra)
+    _supervise(plan, run, quiet, started, extra)
 
 
-def _supervise(plan: dict, run_dir: Path, quiet: bool, started: float, extra: dict) -> None:
+def _supervise(plan: Plan, run: RunDir, quiet: bool, started: float, extra: dict) -> None:
     from primebuild.runtime.report import write_report, write_summary
     from primebuild.runtime.supervisor import supervise
 
@@ -101,20 +96,20 @@ def _supervise(plan: dict, run_dir: Path, quiet: bool, started: float, extra: di
             def echo(text: str) -> None:
                 live.console.print(text, markup=False, highlight=False)
 
-            outcome = supervise(plan, run_dir, echo=echo, quiet=quiet, live=live)
+            outcome = supervise(plan, run.root, echo=echo, quiet=quiet, live=live)
     else:
-        outcome = supervise(plan, run_dir, echo=click.echo, quiet=quiet)
+        outcome = supervise(plan, run.root, echo=click.echo, quiet=quiet)
     wall = time.monotonic() - started
-    previous = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    summary = write_summary(run_dir, {**extra, "wall_seconds": round(previous.get("wall_seconds", 0) + wall, 2),
-                                      "outcome": outcome.message})
-    report = write_report(run_dir)
+    previous = run.read_json(run.summary)
+    summary = write_summary(run, {**extra, "wall_seconds": round(previous.get("wall_seconds", 0) + wall, 2),
+                                  "outcome": outcome.message})
+    report = write_report(run)
     if "eval_reward_before" in summary:
         click.echo(f"eval reward before RL (SFT model): {summary['eval_reward_before']:.4f}")
     if "eval_reward_after" in summary:
         click.echo(f"eval reward after RL:              {summary['eval_reward_after']:.4f} "
                    f"(gain {summary['eval_reward_gain']:+.4f})")
-    click.echo(f"wall time {summary['wall_seconds']:.1f} s; summary {run_dir / 'summary.json'}"
+    click.echo(f"wall time {summary['wall_seconds']:.1f} s; summary {run.summary}"
                + (f"; report {report}" if report else ""))
     if not outcome.ok:
         raise click.exceptions.Exit(_fail(outcome))

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from primebuild.errors import UserError
+from primebuild.contracts.plan import read_plan
+from primebuild.contracts.run_dir import RunDir
 
 
 @click.command("status")
@@ -17,19 +18,18 @@ def command(run_dir: Path, output: str) -> None:
     """Steps sampled and trained, latest policy, rewards and the outcome of RUN_DIR."""
     from primebuild.runtime.report import read_metrics, series
 
-    if not (run_dir / "plan.json").is_file():
-        raise UserError(f"{run_dir} is not a run folder (no plan.json)")
-    plan = json.loads((run_dir / "plan.json").read_text())
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    run = RunDir(run_dir).require()
+    plan = read_plan(run.plan)
+    rows = read_metrics(run.metrics)
     trained, _ = series(rows, "trainer", "loss")
     sampled, rewards = series(rows, "orchestrator", "reward_mean")
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    summary = run.read_json(run.summary)
+    orchestrator = plan.by_role("orchestrator")
     state = {
-        "run_dir": str(run_dir), "name": plan["name"], "plan_hash": plan["plan_hash"],
-        "max_steps": next((p["config"].get("max_steps") for p in plan["processes"] if p["role"] == "orchestrator"),
-                          None),
+        "run_dir": str(run_dir), "name": plan.name, "plan_hash": plan.plan_hash,
+        "max_steps": orchestrator[0].config.max_steps if orchestrator else None,
         "steps_sampled": max(sampled, default=0), "steps_trained": max(trained, default=0),
-        "last_reward": rewards[-1] if rewards else None, "stop_requested": (run_dir / "STOP").exists(),
+        "last_reward": rewards[-1] if rewards else None, "stop_requested": run.stop_requested(),
         "outcome": summary.get("outcome"), "eval_reward_before": summary.get("eval_reward_before"),
         "eval_reward_after": summary.get("eval_reward_after"),
     }

@@ -6,14 +6,12 @@ from pathlib import Path
 
 import click
 
-from primebuild.errors import UserError
+from primebuild.contracts.run_dir import RunDir
 
 
 @click.command("stop")
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
 def command(run_dir: Path) -> None:
     """Write RUN_DIR/STOP: the trainer checkpoints after its current step, the orchestrator stops."""
-    if not (run_dir / "plan.json").is_file():
-        raise UserError(f"{run_dir} is not a run folder (no plan.json)", hint="runs live under runs/ by default")
-    (run_dir / "STOP").touch()
+    RunDir(run_dir).require().stop_file.touch()
     click.echo(f"stop requested for {run_dir}; continue later with `primebuild run --resume {run_dir}`")

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
 from primebuild.errors import Problem, UserError
+from primebuild.hashing import sha256_json
 from primebuild.manifest.compose import apply_sets, load_composed
-from primebuild.manifest.schema import Manifest
+from primebuild.manifest.schema import LOSS_NAMES, Manifest
 from primebuild.manifest.versions import check_and_migrate
 from primebuild.manifest.yaml_source import Path_, SourceMap
 
@@ -36,14 +36,6 @@ class LoadedManifest:
         return (self.path.parent / relative).resolve()
 
 
-def canonical_json(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def sha256_json(value: object) -> str:
-    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
-
-
 def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> LoadedManifest:
     path = Path(path)
     shown = str(path)
@@ -56,21 +48,21 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
     except ValidationError as err:
         # a refused tag leaves None behind: its "should be a string" would only repeat the real problem
         reported = {p.field for p in source.problems}
-        schema = [p for p in validation_problems(err, source) if p.field not in reported]
+        schema = [p for p in validation_problems(err, source, doc) if p.field not in reported]
         raise UserError(_sorted(source.problems + schema)) from None
     if source.problems:
         raise UserError(_sorted(source.problems))
     return LoadedManifest(manifest=manifest, path=path, files=files, document=doc, source=source, notes=notes)
 
 
-def validation_problems(err: ValidationError, source: SourceMap) -> list[Problem]:
+def validation_problems(err: ValidationError, source: SourceMap, doc: object = None) -> list[Problem]:
     problems = []
     for e in err.errors(include_url=False):
         path = _clean_loc(e["loc"])
         kind = e["type"]
         if kind == "extra_forbidden":
             name = str(path[-1])
-            known = _fields_at(Manifest, path[:-1])
+            known = _fields_at(Manifest, path[:-1], doc)
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}?" if close else (
                 f"known fields here: {', '.join(sorted(known))}" if known else None)
@@ -81,7 +73,8 @@ def validation_problems(err: ValidationError, source: SourceMap) -> list[Problem
             expected = e.get("ctx", {}).get("expected", "")
             problems.append(source.problem(path, f"got {e.get('input')!r}; expected one of {expected}"))
         elif kind == "union_tag_invalid" or kind == "union_tag_not_found":
-            problems.append(source.problem(path, e["msg"], hint="target.kind is one of local, ssh, slurm, kubernetes"))
+            tag, tags = UNION_TAGS.get(str(path[-1]) if path else "", ("kind", ()))
+            problems.append(source.problem(path, e["msg"], hint=f"{tag} is one of {', '.join(tags)}"))
         else:
             msg = e["msg"].removeprefix("Value error, ")
             problems.append(source.problem(path, msg))
@@ -92,35 +85,48 @@ def _sorted(problems: list[Problem]) -> list[Problem]:
     return sorted(problems, key=lambda p: (p.file or "", p.line or 0, p.column or 0, p.field or ""))
 
 
+# discriminated unions of the schema: field name -> (its tag field, the tags)
+UNION_TAGS = {"target": ("target.kind", ("local", "ssh", "slurm", "kubernetes")),
+              "loss": ("loss.name", LOSS_NAMES)}
+
+
 def _clean_loc(loc: tuple) -> Path_:
     """Drop pydantic's internal union/tag markers from an error location."""
     out: list = []
     for part in loc:
-        if isinstance(part, str) and (part.startswith("function-") or part in {"local", "ssh", "slurm", "kubernetes"}
-                                      and out and out[-1] == "target"):
+        if isinstance(part, str) and (part.startswith("function-")
+                                      or out and str(out[-1]) in UNION_TAGS and part in UNION_TAGS[str(out[-1])][1]):
             continue
         out.append(part)
     return tuple(out)
 
 
-def _fields_at(model: type[BaseModel], path: Path_) -> list[str]:
-    """Field names valid at `path` (for did-you-mean hints)."""
+def _fields_at(model: type[BaseModel], path: Path_, doc: object = None) -> list[str]:
+    """Field names valid at `path` (for did-you-mean hints); `doc` picks the variant of a tagged union."""
     current: object = model
     for part in path:
+        if isinstance(doc, dict):
+            doc = doc.get(part)
+        elif isinstance(doc, list) and isinstance(part, int) and part < len(doc):
+            doc = doc[part]
+        else:
+            doc = None
         if isinstance(part, int):
             continue
         fields = getattr(current, "model_fields", None)
         if not fields or part not in fields:
             return []
-        current = _model_of(fields[part].annotation)
+        current = _model_of(fields[part].annotation, doc)
     return list(getattr(current, "model_fields", {}))
 
 
-def _model_of(annotation: object) -> object:
+def _model_of(annotation: object, doc: object = None) -> object:
+    """The model class inside an annotation; of a tagged union, the variant whose tag `doc` carries."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
+    found = [m for m in (_model_of(arg) for arg in getattr(annotation, "__args__", ()) or ()) if m is not None]
+    for candidate in found:
+        tags = {n: typing.get_args(f.annotation) for n, f in candidate.model_fields.items() if n in ("name", "kind")}
+        if isinstance(doc, dict) and any(doc.get(n) in values for n, values in tags.items()):
+            return candidate
+    return found[0] if found else None

@@ -22,7 +22,7 @@ ENV_NAME = r"^[A-Z_][A-Z0-9_]*$"
 class Strict(BaseModel):
     """Base for every manifest section: unknown keys are errors, values are immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -48,7 +48,7 @@ class Model(Strict):
         None,
         description="Architecture facts in HF config.json form (relative to the manifest). Default: "
         "manifests/models/<last part of hf id, lower-case>.json, or the folder's config.json.")
-    tokenizer: str | None = Field(None, description="Tokenizer to build with `init: random` (e.g. 'char').")
+    tokenizer: Literal["char"] | None = Field(None, description="Tokenizer to build with `init: random`.")
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
 
     @model_validator(mode="after")
@@ -78,9 +78,10 @@ class Hardware(Strict):
     gpu_memory_gb: float | None = Field(None, gt=0, le=1024, description="Override the GPU type's memory.")
     host_memory_gb: float = Field(1024, gt=0, description="RAM per node (CPU offload, CPU runs).")
     cpus_per_node: PositiveInt = Field(64, le=4096)
-    intra_node_bandwidth_gb_s: float = Field(450, gt=0, description="GPU-GPU inside a node, GB/s per GPU.")
-    inter_node_bandwidth_gb_s: float = Field(50, gt=0, description="Network per GPU between nodes, GB/s.")
-    storage_bandwidth_gb_s: float = Field(10, gt=0, description="Shared filesystem read/write per node, GB/s.")
+    inter_node_bandwidth_gb_s: float = Field(
+        50, gt=0, description="Network per GPU between nodes, GB/s (the time of a broadcast weight sync).")
+    storage_bandwidth_gb_s: float = Field(
+        10, gt=0, description="Shared filesystem read/write per node, GB/s (the time of a filesystem weight sync).")
 
     @model_validator(mode="after")
     def _cpu_has_no_gpus(self) -> Hardware:
@@ -148,14 +149,6 @@ class Inference(Strict):
             raise ValueError("must be an IP address or host name")
         return v
 
-    @model_validator(mode="after")
-    def _kv_fp8_needs_support(self) -> Inference:
-        if self.engine == "embedded" and self.precision == "fp8":
-            raise ValueError("the embedded engine runs fp32/bf16; use engine: vllm for fp8")
-        if self.disaggregation and self.engine != "vllm":
-            raise ValueError("prefill/decode disaggregation needs engine: vllm")
-        return self
-
 
 # --- trainer ---------------------------------------------------------------------------------------
 
@@ -193,13 +186,34 @@ class Trainer(Strict):
 # --- orchestrator and algorithm --------------------------------------------------------------------
 
 
-class Loss(Strict):
-    name: Literal["dppo-kl", "aipo", "grpo", "cispo"] = "dppo-kl"
-    kl_tau: float = Field(1e-3, ge=0)
-    mask_bound: float = Field(0.2, gt=0, description="DPPO: mask tokens whose probability gap exceeds this.")
+class DppoKl(Strict):
+    """DPPO with a KL penalty: tokens whose probability moved more than `mask_bound` are masked."""
+
+    name: Literal["dppo-kl"] = "dppo-kl"
+    mask_bound: float = Field(0.2, gt=0, description="Mask tokens whose probability gap exceeds this.")
+    kl_tau: float = Field(1e-3, ge=0, description="Weight of the KL(inference || trainer) penalty.")
+
+
+class Aipo(Strict):
+    name: Literal["aipo"]
+    is_cap: float = Field(2.0, gt=0, description="Importance-weight cap.")
+
+
+class Grpo(Strict):
+    name: Literal["grpo"]
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
-    is_cap: float = Field(2.0, gt=0, description="AIPO/CISPO importance-weight cap.")
+
+
+class Cispo(Strict):
+    name: Literal["cispo"]
+    is_cap: float = Field(2.0, gt=0, description="Importance-weight cap.")
+
+
+# Each loss has only its own parameters: `loss: {name: grpo, kl_tau: 0.1}` is an unknown-field error,
+# not a value silently ignored.
+Loss = Annotated[DppoKl | Aipo | Grpo | Cispo, Field(discriminator="name")]
+LOSS_NAMES = ("dppo-kl", "aipo", "grpo", "cispo")
 
 
 class Orchestrator(Strict):
@@ -209,15 +223,26 @@ class Orchestrator(Strict):
     seq_len: PositiveInt = Field(4096, le=1 << 21)
     max_completion_tokens: PositiveInt = Field(1024, le=1 << 21)
     max_steps: PositiveInt = Field(100, le=10_000_000)
-    temperature: float = Field(1.0, ge=0, le=10)
+    temperature: float = Field(
+        1.0, le=10,
+        description="Sampling temperature of rollouts (> 0: RL needs samples that differ; the trainer divides "
+        "its logits by it). Evaluation is always greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
     lr: float = Field(1e-6, gt=0, le=1)
     warmup_steps: int = Field(0, ge=0)
-    loss: Loss = Loss()
+    loss: Loss = DppoKl()
     normalize_advantage_std: bool = False
     eval_every: int = Field(0, ge=0, description="0 = evaluate only before and after.")
     eval_prompts: PositiveInt = 200
-    port: Port = 8500
+
+    @field_validator("temperature")
+    @classmethod
+    def _sampling(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError(f"{v:g} is not a sampling temperature: RL needs samples that differ (greedy rollouts "
+                             "give every sample of a group the same completion and advantage 0) and the trainer "
+                             "divides its logits by it; use a value > 0 such as 1.0 (evaluation is always greedy)")
+        return v
 
     @model_validator(mode="after")
     def _shapes(self) -> Orchestrator:
@@ -320,12 +345,6 @@ class Manifest(Strict):
             raise ValueError(f"{v!r} is not a safe name: use 1-63 letters, digits, '.', '_' or '-', starting with "
                              "a letter or digit (no path separators, spaces or shell characters)")
         return v
-
-    @model_validator(mode="after")
-    def _cpu_runs_local(self) -> Manifest:
-        if self.hardware.gpu == "cpu" and self.inference.engine == "vllm":
-            raise ValueError("engine: vllm needs GPUs; use engine: embedded on gpu: cpu")
-        return self
 
 
 def json_schema() -> dict:

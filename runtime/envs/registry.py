@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from primebuild.contracts.environments import VERIFIERS_PREFIX
 from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Environment
 from primebuild.runtime.envs.reverse_text import ReverseTextEnv
@@ -18,7 +19,6 @@ from primebuild.runtime.envs.reverse_text import ReverseTextEnv
 BUILTIN: dict[str, Callable[..., Environment]] = {
     ReverseTextEnv.id: ReverseTextEnv,
 }
-VERIFIERS_PREFIX = "verifiers:"
 
 
 def known_environment_ids() -> list[str]:

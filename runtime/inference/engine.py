@@ -27,7 +27,6 @@ import collections
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,7 +115,6 @@ class Request:
         self.params = params
         self.sink: Callable[[list[SeqUpdate]], None] = sink
         self.aborted = False
-        self.arrival = time.monotonic()
         self._on_abort = on_abort
 
     def abort(self) -> None:
@@ -151,10 +149,6 @@ class Sequence:
         )
         self.length_limit = min(self.prompt_len + params.max_tokens, max_model_len)
         self.plain_greedy = params.temperature == 0 and not params.top_logprobs
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
 
 
 @dataclass

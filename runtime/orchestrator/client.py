@@ -12,6 +12,10 @@ import logging
 import os
 
 import httpx
+from pydantic import ValidationError
+
+from primebuild.contracts.completion import CompletionResult, ServerHealth
+from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 
 log = logging.getLogger("primebuild.orchestrator")
 
@@ -32,7 +36,7 @@ class InferenceClient:
 
     @classmethod
     def from_env(cls, base_url: str, model: str, **kw) -> InferenceClient:
-        return cls(base_url, model, admin_token=os.environ.get("PRIMEBUILD_ADMIN_TOKEN"), **kw)
+        return cls(base_url, model, admin_token=os.environ.get(ADMIN_TOKEN_ENV), **kw)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -58,28 +62,32 @@ class InferenceClient:
             return response.json()
 
     async def complete(self, prompt: str, *, n: int, temperature: float, top_p: float, max_tokens: int,
-                       seed: int | None = None) -> dict:
+                       seed: int | None = None) -> CompletionResult:
         body = {"model": self.model, "prompt": prompt, "n": n, "temperature": temperature, "top_p": top_p,
                 "max_tokens": max_tokens, "logprobs": 0}
         if seed is not None:
             body["seed"] = seed
-        return await self._post("/completions", body)
+        answer = await self._post("/completions", body)
+        try:
+            return CompletionResult.model_validate(answer)
+        except ValidationError as err:
+            raise RuntimeError(f"{self.base_url}/completions answered outside the rollout contract: {err}") from None
 
     async def version(self) -> int:
         """The server's policy version; waits for a restarting server to come back."""
-        return int((await self.health())["policy_version"])
+        return (await self.health()).policy_version
 
     async def received_version(self) -> int:
         """Broadcast weight sync: the newest version the server has received and staged."""
-        return int((await self.health()).get("received_version", 0))
+        return (await self.health()).received_version
 
-    async def health(self) -> dict:
+    async def health(self) -> ServerHealth:
         deadline = asyncio.get_running_loop().time() + self.retry_seconds
         while True:
             try:
                 response = await self.http.get(self.root + "/health")
                 if response.status_code == 200:
-                    return response.json()
+                    return ServerHealth.model_validate(response.json())
             except httpx.TransportError:
                 pass
             if asyncio.get_running_loop().time() > deadline:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import random
+import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
+from primebuild.contracts.base import load_contract
+from primebuild.contracts.orchestrator import OrchestratorConfig
+from primebuild.contracts.run_dir import RunDir, write_json_atomic
+from primebuild.errors import UserError
 from primebuild.runtime.orchestrator.client import InferenceClient
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.weights import weight_source
@@ -34,47 +36,14 @@ from primebuild.runtime.trainer.metrics import MetricsWriter
 log = logging.getLogger("primebuild.orchestrator")
 
 
-def batch_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "rollouts" / f"step_{step:06d}.pt"
-
-
-@dataclass
-class OrchestratorConfig:
-    run_dir: str
-    served_model_name: str
-    endpoints: dict[str, list[str]]
-    environments: list[dict]
-    seed: int = 0
-    rollouts_per_step: int = 128
-    group_size: int = 8
-    max_off_policy_steps: int = 1
-    max_completion_tokens: int = 16
-    max_steps: int = 100
-    temperature: float = 1.0
-    top_p: float = 1.0
-    normalize_advantage_std: bool = False
-    eval_every: int = 0
-    eval_prompts: int = 200
-    weight_sync: str = "filesystem"
-    extra: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, data: dict) -> OrchestratorConfig:
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        return cls(**{k: v for k, v in data.items() if k in known},
-                   extra={k: v for k, v in data.items() if k not in known})
-
-
 class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig):
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
-        urls = cfg.endpoints.get("inference") or cfg.endpoints.get("decode") or []
-        if not urls:
-            raise ValueError("the plan gives the orchestrator no inference endpoints")
-        self.clients = [InferenceClient.from_env(u, cfg.served_model_name) for u in urls]
+        self.run_dir = RunDir(cfg.run_dir)
+        self.clients = [InferenceClient.from_env(u, cfg.served_model_name, retry_seconds=cfg.retry_seconds)
+                        for u in cfg.endpoints]
         self.mix = EnvironmentMix(cfg.environments)
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", role="orchestrator")
+        self.metrics = MetricsWriter(self.run_dir.metrics, role="orchestrator")
         self.server_version = 0
         self.sync_lock = asyncio.Lock()
         self.weights = weight_source(cfg.weight_sync, self.run_dir)
@@ -104,7 +73,7 @@ class Orchestrator:
         self.server_version = version
 
     def stop_requested(self) -> bool:
-        return (self.run_dir / "STOP").exists()
+        return self.run_dir.stop_requested()
 
     # --- sampling --------------------------------------------------------------------------------
 
@@ -115,18 +84,18 @@ class Orchestrator:
             response = await client.complete(
                 env.format_prompt(task), n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
                 max_tokens=cfg.max_completion_tokens, seed=cfg.seed * 1_000_003 + step * 10_007 + index)
-            if min(int(c["policy_version"]) for c in response["choices"]) >= self.server_version:
+            if min(c.policy_version for c in response.choices) >= self.server_version:
                 break
             # The server restarted on the base weights: give it the current policy, sample again.
             log.info("a server answered with an older policy than v%d: re-syncing it", self.server_version)
             await self.sync_servers()
         out = []
-        for choice in response["choices"]:
-            reward = float(env.score(task, choice["text"]))
+        for choice in response.choices:
+            reward = float(env.score(task, choice.text))
             out.append((Sample(
-                prompt_ids=list(choice["prompt_token_ids"]), completion_ids=list(choice["token_ids"]),
-                inference_logprobs=[float(x) for x in choice["token_logprobs"]], advantage=0.0, reward=reward,
-                policy_version=int(choice["policy_version"]), env_id=env.id), choice["text"]))
+                prompt_ids=list(choice.prompt_token_ids), completion_ids=list(choice.token_ids),
+                inference_logprobs=list(choice.token_logprobs), advantage=0.0, reward=reward,
+                policy_version=choice.policy_version, env_id=env.id), choice.text))
         return out
 
     async def make_batch(self, step: int) -> TrainBatch:
@@ -149,7 +118,7 @@ class Orchestrator:
             r = await self.clients[i % len(self.clients)].complete(
                 env.format_prompt(task), n=1, temperature=0.0, top_p=1.0,
                 max_tokens=self.cfg.max_completion_tokens)
-            return float(env.score(task, r["choices"][0]["text"]))
+            return float(env.score(task, r.choices[0].text))
 
         scores = await asyncio.gather(*(one(i, env, t) for i, (env, t) in enumerate(tasks)))
         return sum(scores) / len(scores)
@@ -158,7 +127,7 @@ class Orchestrator:
 
     def first_missing_step(self) -> int:
         step = 1
-        while batch_path(self.run_dir, step).exists():
+        while self.run_dir.rollout(step).exists():
             step += 1
         return step
 
@@ -167,13 +136,13 @@ class Orchestrator:
         started = time.monotonic()
         start = self.first_missing_step()
         await self.sync_servers()
-        summary_path = self.run_dir / "orchestrator.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary_path = self.run_dir.orchestrator_state
+        summary = self.run_dir.read_json(summary_path)
         if "eval_reward_before" not in summary:
             summary["eval_reward_before"] = await self.evaluate()
             self.metrics.write(0, {"eval_reward": summary["eval_reward_before"],
                                    "eval_policy_version": self.server_version})
-            _write_json(summary_path, summary)
+            write_json_atomic(summary_path, summary)
         log.info("eval reward before RL: %.4f; starting at step %d", summary["eval_reward_before"], start)
 
         for step in range(start, cfg.max_steps + 1):
@@ -187,7 +156,7 @@ class Orchestrator:
             t1 = time.monotonic()
             batch = await self.make_batch(step)
             generation = time.monotonic() - t1
-            save_batch(batch_path(self.run_dir, step), batch)
+            save_batch(self.run_dir.rollout(step), batch)
             rewards = [s.reward for s in batch.samples]
             tokens = sum(len(s.completion_ids) for s in batch.samples)
             mean = sum(rewards) / len(rewards)
@@ -208,17 +177,11 @@ class Orchestrator:
         summary["final_policy_version"] = final
         summary["orchestrator_seconds"] = round(time.monotonic() - started, 2)
         self.metrics.write(cfg.max_steps, {"eval_reward": summary["eval_reward_after"], "eval_policy_version": final})
-        _write_json(summary_path, summary)
+        write_json_atomic(summary_path, summary)
         log.info("eval reward after RL: %.4f (policy version %d)", summary["eval_reward_after"], final)
         for c in self.clients:
             await c.close()
         return summary
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
-    cfg = OrchestratorConfig.from_json(json.loads(Path(args.config).read_text()))
     try:
-        asyncio.run(Orchestrator(cfg).run())
+        asyncio.run(Orchestrator(load_contract(OrchestratorConfig, args.config)).run())
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except asyncio.CancelledError:
         log.info("stopped before the last step")
         return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+from primebuild.contracts.orchestrator import EnvironmentConfig
 from primebuild.runtime.envs.base import Environment, Task
 from primebuild.runtime.envs.registry import load_environment
 
@@ -23,15 +24,11 @@ def split(total: int, weights: list[float]) -> list[int]:
 
 
 class EnvironmentMix:
-    def __init__(self, specs: list[dict]):
+    def __init__(self, specs: list[EnvironmentConfig]):
         if not specs:
             raise ValueError("the plan gives the orchestrator no environments")
-        self.envs: list[Environment] = []
-        for spec in specs:
-            version = spec.get("version")
-            self.envs.append(load_environment(spec["id"], None if version in (None, "latest") else version,
-                                              spec.get("args") or {}))
-        self.weights = [float(spec.get("weight", 1.0)) for spec in specs]
+        self.envs: list[Environment] = [load_environment(s.id, s.version, s.args) for s in specs]
+        self.weights = [s.weight for s in specs]
 
     def sample(self, rng: random.Random, n: int) -> list[tuple[Environment, Task]]:
         out = []

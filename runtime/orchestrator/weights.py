@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.orchestrator.client import InferenceClient
 from primebuild.runtime.weight_sync.filesystem import latest_stable, step_dir
 
@@ -38,7 +39,7 @@ class BroadcastWeights:
         await client.update_weights({"source": "broadcast", "version": version})
 
 
-def weight_source(mode: str, run_dir: Path) -> FilesystemWeights | BroadcastWeights:
+def weight_source(mode: str, run: RunDir) -> FilesystemWeights | BroadcastWeights:
     if mode == "broadcast":
         return BroadcastWeights()
-    return FilesystemWeights(run_dir / "weights")
+    return FilesystemWeights(run.weights)

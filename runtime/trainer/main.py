@@ -35,22 +35,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from primebuild.contracts.base import load_contract
+from primebuild.contracts.run_dir import RunDir
+from primebuild.contracts.trainer import TrainerConfig, loss_params
 from primebuild.errors import UserError
 from primebuild.runtime.weight_sync import filesystem as fs
 
 from .batch import load_batch, loss_normalizer, pack
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainerConfig, load_config
 from .losses import kl_per_token, resolve_loss
 from .metrics import MetricsWriter
 from .model import (
     DTYPES,
+    PRECISION_DTYPES,
     DistEnv,
     autocast_context,
     full_state_dict,
     init_distributed,
     load_model,
-    token_logprobs,
 )
 
 __all__ = ["TrainerConfig", "run_trainer", "main"]
@@ -60,19 +62,15 @@ log = logging.getLogger("primebuild.trainer")
 _STOP, _READY, _TIMEOUT = 0, 1, 2
 
 
-def rollout_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "rollouts" / f"step_{step:06d}.pt"
-
-
 def wait_for_batch(config: TrainerConfig, step: int, env: DistEnv) -> Path | None:
     """Rank 0 polls the file system and broadcasts its verdict, so no two ranks ever disagree."""
-    run_dir = config.run_path
-    path = rollout_path(run_dir, step)
+    run = RunDir(config.run_dir)
+    path = run.rollout(step)
     verdict = _READY
     if env.is_main:
         deadline = time.monotonic() + config.rollout_timeout_s
         while True:
-            if (run_dir / "STOP").exists():
+            if run.stop_requested():
                 verdict = _STOP
                 break
             if path.exists():
@@ -88,7 +86,7 @@ def wait_for_batch(config: TrainerConfig, step: int, env: DistEnv) -> Path | Non
     if verdict == _TIMEOUT:
         raise TimeoutError(
             f"no rollout batch {path} after {config.rollout_timeout_s:.0f}s; is the orchestrator running? "
-            f"(create {run_dir / 'STOP'} to end a run cleanly)"
+            f"(create {run.stop_file} to end a run cleanly)"
         )
     return path if verdict == _READY else None
 
@@ -130,8 +128,8 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
         mb.input_ids = mb.input_ids.to(env.device)
         mb.attention_mask = mb.attention_mask.to(env.device)
         mask = mb.loss_mask.to(env.device)
-        with autocast_context(env, config.dtype):
-            lp, entropy = token_logprobs(model, mb, config.temperature)
+        with autocast_context(env, compute_dtype(config)):
+            lp, entropy = model(mb.input_ids, mb.attention_mask, config.temperature)
         inference_lp = mb.inference_logprobs.to(env.device)
         loss_sum, m = loss_fn(lp, inference_lp, mb.advantages.to(env.device), mask)
         fresh_rows = torch.tensor([samples[i].policy_version == step - 1 for i in mb.sample_indices],
@@ -201,21 +199,22 @@ class WeightPublisher:
 
     def __init__(self, config: TrainerConfig, env: DistEnv):
         self.config, self.env = config, env
-        self.weights_dir = config.run_path / "weights"
+        self.weights_dir = RunDir(config.run_dir).weights
         self.sender = None
-        if config.weight_sync == "broadcast" and env.is_main:
+        sync = config.weight_sync
+        if sync.mode == "broadcast" and env.is_main:
             from primebuild.runtime.weight_sync.broadcast import BroadcastSender
 
             self.sender = BroadcastSender(
-                config.broadcast_init_method,
-                config.broadcast_world_size,
+                sync.init_method,
+                sync.world_size,
                 backend="nccl" if env.device.type == "cuda" else "gloo",
-                timeout_s=config.broadcast_timeout_s,
+                timeout_s=sync.timeout_s,
                 device=env.device,
             )
 
     def publish(self, model, step: int) -> None:
-        state = full_state_dict(model, DTYPES[self.config.dtype])  # collective: all ranks
+        state = full_state_dict(model, DTYPES[self.config.weight_dtype])  # collective: all ranks
         if not self.env.is_main:
             return
         if self.sender is not None:
@@ -231,19 +230,39 @@ class WeightPublisher:
             self.sender.close()
 
 
+def compute_dtype(config: TrainerConfig) -> str:
+    if config.precision not in PRECISION_DTYPES:
+        raise UserError(f"trainer precision {config.precision}: this trainer computes in fp32 or bf16")
+    return PRECISION_DTYPES[config.precision]
+
+
+def check_launch(config: TrainerConfig, env: DistEnv) -> None:
+    """What the plan's capability check refuses, refused again here: a hand-written config is no way round."""
+    dims = config.parallel
+    if (dims.dp_replicate, dims.cp, dims.tp, dims.ep) != (1, 1, 1, 1):
+        raise UserError(f"parallel {dims.model_dump()}: this trainer applies dp_shard only (FSDP2)")
+    if dims.dp_shard != env.world_size:
+        raise UserError(f"parallel.dp_shard is {dims.dp_shard} but the launch has {env.world_size} rank(s)")
+    if config.optimizer_cpu_offload:
+        raise UserError("optimizer_cpu_offload: not applied by this trainer")
+    compute_dtype(config)
+
+
 def run_trainer(config: TrainerConfig) -> None:
     env = init_distributed()
     logging.basicConfig(level=logging.INFO, format=f"[trainer rank {env.rank}] %(message)s")
+    check_launch(config, env)
     torch.manual_seed(config.seed)
-    run_dir = config.run_path
+    run = RunDir(config.run_dir)
     if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    loss_fn = resolve_loss(config.loss, config.loss_params)
-    model = load_model(config.model_path, env, config.dtype, config.activation_checkpointing)
+        run.root.mkdir(parents=True, exist_ok=True)
+    loss_fn = resolve_loss(config.loss.name, loss_params(config.loss))
+    model = load_model(config.model_path, env, compute_dtype(config), config.activation_checkpointing,
+                       config.logprob_chunk_tokens)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = run.checkpoints
     start = 1
     if config.resume:
         latest = fs.latest_stable(ckpt_dir)
@@ -252,7 +271,7 @@ def run_trainer(config: TrainerConfig) -> None:
             log.info("resumed from %s; next step %d", latest[1], start)
         elif env.is_main:
             log.info("resume: no stable checkpoint under %s, starting at step 1", ckpt_dir)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", enabled=env.is_main)
+    metrics = MetricsWriter(run.metrics, enabled=env.is_main)
     publisher = WeightPublisher(config, env)
     last_done, last_saved = start - 1, start - 1
     try:
@@ -294,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="TrainerConfig as JSON")
     args = parser.parse_args(argv)
     try:
-        run_trainer(load_config(args.config))
+        run_trainer(load_contract(TrainerConfig, args.config))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .batch import MicroBatch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # fp8 training is not built (capabilities.py)
 
 
 @dataclass(frozen=True)
@@ -53,30 +52,65 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def load_model(
-    model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool
-) -> nn.Module:
+class Policy(nn.Module):
+    """The trained module: an HF causal LM whose per-token log-probs come from its last hidden states,
+    `chunk_tokens` at a time (kernels/logprobs.py), never from the whole [tokens x vocab] logits.
+
+    It is the FSDP root, so the head, embeddings and final norm are unsharded for its forward and
+    their gradients are reduced like every other's."""
+
+    def __init__(self, hf: nn.Module, chunk_tokens: int):
+        super().__init__()
+        head = hf.get_output_embeddings()
+        if getattr(head, "bias", None) is not None or getattr(hf.config, "final_logit_softcapping", None):
+            raise ValueError(f"{type(hf).__name__}: its head is more than one linear map (bias or soft-capping)")
+        self.hf = hf
+        self.chunk_tokens = chunk_tokens
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob of every token given its prefix, and the policy's entropy there (no gradient).
+
+        Both are [B, T] and aligned with `input_ids`: column t describes token t, predicted at t-1;
+        column 0 has no prediction and is 0. Logits are divided by the sampling temperature so that the
+        trainer scores the same distribution the inference server sampled from."""
+        from primebuild.kernels.logprobs import chunked_token_logprobs
+
+        hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        b, t, h = hidden.shape
+        lp, entropy = chunked_token_logprobs(hidden[:, :-1].reshape(-1, h), self.hf.get_output_embeddings().weight,
+                                             input_ids[:, 1:].reshape(-1), temperature, self.chunk_tokens)
+        pad = torch.zeros(b, 1, dtype=lp.dtype, device=lp.device)
+        return torch.cat([pad, lp.view(b, t - 1)], dim=1), torch.cat([pad, entropy.view(b, t - 1)], dim=1)
+
+
+def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
+               logprob_chunk_tokens: int) -> Policy:
     """Load the HF causal LM with fp32 master weights, and shard it with FSDP2 when there are several
     ranks: one FSDP unit per decoder block (its all-gather overlaps the previous block's compute) plus
     the root for embeddings, final norm and head. Parameters are computed in ``compute_dtype``;
     gradients are reduced in fp32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
-    model.config.use_cache = False
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    hf.config.use_cache = False
     if activation_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks; blocks recompute in backward.
         kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.to(env.device)
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model = Policy(hf, logprob_chunk_tokens).to(env.device)
     if env.distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
-        for layer in decoder_layers(model):
+        for layer in decoder_layers(hf):
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
     model.train()
@@ -90,36 +124,19 @@ def autocast_context(env: DistEnv, compute_dtype: str):
     return torch.autocast(env.device.type, dtype=DTYPES[compute_dtype], enabled=enabled)
 
 
-def token_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of every token given its prefix, and the policy's entropy there (no gradient).
-
-    Both are [B, T] and aligned with ``mb.input_ids``: column t describes token t, predicted by the
-    logits at t-1; column 0 has no prediction and is 0. Logits are divided by the sampling temperature
-    so that the trainer scores the same distribution the inference server sampled from.
-    """
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-    logits = logits[:, :-1].float() / temperature
-    targets = mb.input_ids[:, 1:]
-    log_norm = torch.logsumexp(logits, dim=-1)
-    lp = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
-    with torch.no_grad():
-        probs = torch.softmax(logits, dim=-1)
-        entropy = log_norm - (probs * logits).sum(-1)
-    pad = torch.zeros_like(lp[:, :1])
-    return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)
-
-
-def full_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def full_state_dict(policy: Policy, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """All-gather the full (unsharded) weights to CPU on rank 0, in HF checkpoint naming and ``dtype``.
     Every rank must call it (it is a collective); ranks other than 0 get an empty dict."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     sd = {
-        k: v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu() for k, v in sd.items()
+        k.removeprefix("hf."): v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()
+        for k, v in sd.items()
     }
+    model = policy.hf
     text_config = model.config.get_text_config()
     if getattr(text_config, "tie_word_embeddings", False):
         for key in getattr(model, "all_tied_weights_keys", None) or {}:

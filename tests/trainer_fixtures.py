@@ -1,4 +1,4 @@
-"""A tiny random model and synthetic rollout batches: the trainer's smoke fixture (tests, laptop demos).
+"""A tiny random model, synthetic rollout batches and trainer configs: the trainer tests' fixtures.
 
 Inference log-probs are computed the way an inference server would: one unpadded HF forward per sample
 under the base weights, so at step 1 (fp32 on both sides) the trainer's mismatch KL must be ~0.
@@ -10,8 +10,20 @@ from pathlib import Path
 
 import torch
 
-from .advantages import group_relative_advantages
-from .batch import Sample, TrainBatch, save_batch
+from primebuild.contracts.trainer import TrainerConfig
+from primebuild.runtime.trainer.advantages import group_relative_advantages
+from primebuild.runtime.trainer.batch import Sample, TrainBatch, save_batch
+
+# What the plan compiler always sets and tests rarely care about.
+CONFIG_DEFAULTS = {"max_completion_tokens": 16, "temperature": 1.0, "lr": 1e-3, "max_steps": 3,
+                   "micro_batch_tokens": 64, "logprob_chunk_tokens": 16}  # several chunks per micro-batch
+
+
+def trainer_config(**fields) -> TrainerConfig:
+    """A TrainerConfig with the defaults above; `loss="cispo"` is short for `loss={"name": "cispo"}`."""
+    if isinstance(fields.get("loss"), str):
+        fields["loss"] = {"name": fields["loss"]}
+    return TrainerConfig.model_validate({**CONFIG_DEFAULTS, **fields})
 
 
 def make_tiny_model(path: str | Path, moe: bool = False, seed: int = 0, vocab_size: int = 96) -> Path:

@@ -1,0 +1,213 @@
+"""What each backend applies, and a located refusal of everything else.
+
+Rule one of primebuild: the plan never claims what the runtime does not do. Every manifest field takes
+effect in a process (its config, argv or env), is used by the compiler itself (placement, memory, time,
+lock, image), or is refused here — with the file and line, the field, and which backend would apply
+it. A plan with refusals is a *design study*: `primebuild plan --design` shows it, nothing runs it.
+
+The backends of a plan, one per layer:
+
+| layer   | backend    | what it is                                                        | state          |
+|---------|------------|-------------------------------------------------------------------|----------------|
+| target  | local      | every process on this machine (runtime/supervisor.py)             | built          |
+| target  | ssh, slurm, kubernetes | the cluster engines                                   | planned (P7)   |
+| engine  | embedded   | runtime/inference: one process per replica on one device          | built          |
+| engine  | vllm       | vLLM servers with their RL endpoints                              | planned (P6)   |
+| trainer | fsdp2      | runtime/trainer: FSDP2 over one flat data-parallel group          | built          |
+
+A refusal keys on a value (tp > 1) or, for a field that has no effect in this configuration at all,
+on the field being written in the manifest (its default is harmless and stays quiet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from primebuild.errors import Problem
+from primebuild.manifest.schema import Manifest
+
+PLANNED = {"ssh": "P7", "slurm": "P7", "kubernetes": "P7", "vllm": "P6"}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    field: str
+    message: str
+    hint: str
+
+    def problem(self) -> Problem:
+        return Problem(self.message, field=self.field, hint=self.hint)
+
+
+def refusals(m: Manifest) -> list[Refusal]:
+    """Everything `m` asks for that the backends its plan would run cannot apply."""
+    checks = _sft_only if m.sft is not None else _rl
+    return list(checks(m))
+
+
+def applies(m: Manifest, field: str, value: object) -> bool:
+    """Would the plan's backends apply `field: value`? (Used to suggest only fixes that run.)"""
+    changed = with_value(m, field, value)
+    return changed is not None and not any(r.field == field for r in refusals(changed))
+
+
+def with_value(m: Manifest, field: str, value: object) -> Manifest | None:
+    """`m` with one field changed (marked as written), or None when the value is not valid there."""
+    from pydantic import ValidationError
+
+    doc = m.model_dump(mode="json", exclude_unset=True)
+    node = doc
+    *parents, leaf = field.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    try:
+        return Manifest.model_validate(doc)
+    except ValidationError:
+        return None
+
+
+def is_set(m: Manifest, field: str) -> bool:
+    """Was `field` (dotted) written in the manifest (after extends and --set), rather than defaulted?"""
+    node: object = m
+    for part in field.split("."):
+        if part not in getattr(node, "model_fields_set", ()):
+            return False
+        node = getattr(node, part)
+    return True
+
+
+# --- RL manifests ------------------------------------------------------------------------------------------
+
+
+def _rl(m: Manifest) -> Iterator[Refusal]:
+    yield from _target(m)
+    yield from _engine(m)
+    yield from _trainer(m)
+    yield from _no_effect(m)
+
+
+def _target(m: Manifest) -> Iterator[Refusal]:
+    kind = m.target.kind
+    if kind != "local":
+        yield Refusal("target.kind", f"target {kind}: its runner is not built yet (issue {PLANNED[kind]})",
+                      "run on the local target (target: {kind: local}), or see the plan with --design")
+    elif m.hardware.nodes > 1:
+        yield Refusal("hardware.nodes", f"the local target runs every process on this machine, but the manifest "
+                      f"has {m.hardware.nodes} nodes", "set hardware.nodes: 1, or use a cluster target")
+
+
+def _engine(m: Manifest) -> Iterator[Refusal]:
+    inf = m.inference
+    if inf.engine == "vllm":
+        yield Refusal("inference.engine", "engine vllm: starting vLLM servers and weight updates into them are not "
+                      f"wired into the runtime yet (issue {PLANNED['vllm']})",
+                      "use engine: embedded, or see the plan with --design")
+    section = "inference.disaggregation" if inf.disaggregation else "inference"
+    if inf.engine == "vllm":
+        for name, g in inf.groups.items():
+            if g.ep not in (1, g.tp * g.dp):
+                path = f"{section}.{name}" if inf.disaggregation else section
+                yield Refusal(f"{path}.ep", f"ep={g.ep}: vLLM's expert parallelism spans all tp*dp={g.tp * g.dp} ranks "
+                              "of a replica (--enable-expert-parallel) or none", f"set ep: {g.tp * g.dp} or 1")
+        return
+    if inf.disaggregation:
+        yield Refusal(section, "the embedded engine serves prefill and decode in one process",
+                      "remove disaggregation (vLLM applies it with a KV connector; the embedded split is issue P9)")
+    for name, g in inf.groups.items():
+        path = f"{section}.{name}" if inf.disaggregation else section
+        for dim in ("tp", "dp", "ep", "nodes_per_replica"):
+            if getattr(g, dim) != 1:
+                yield Refusal(f"{path}.{dim}", f"{dim}={getattr(g, dim)}: the embedded engine runs each replica as one "
+                              "process on one device", f"set {dim}: 1 and use replicas for more throughput "
+                              "(vLLM applies tp/dp/ep)")
+    if inf.precision == "fp8":
+        yield Refusal("inference.precision", "the embedded engine computes in fp32 or bf16",
+                      "use precision: bf16 (FP8 inference: vLLM, or the embedded engine in issue P8)")
+    if inf.kv_cache_dtype != "auto":
+        yield Refusal("inference.kv_cache_dtype", "the embedded engine caches K/V in its compute dtype",
+                      "use kv_cache_dtype: auto (vLLM applies fp8 KV caches)")
+    if is_set(m, "inference.gpu_memory_utilization"):
+        yield Refusal("inference.gpu_memory_utilization", "the embedded engine sizes its KV cache as max_num_seqs x "
+                      "seq_len slots, not as a fraction of memory", "remove it (vLLM applies it)")
+
+
+def _trainer(m: Manifest) -> Iterator[Refusal]:
+    t = m.trainer
+    for dim, what in (("dp_replicate", "replicated (HSDP) data parallelism"), ("cp", "context parallelism"),
+                      ("tp", "tensor parallelism"), ("ep", "expert parallelism")):
+        if getattr(t, dim) != 1:
+            yield Refusal(f"trainer.{dim}", f"{dim}={getattr(t, dim)}: the fsdp2 trainer shards over one flat "
+                          f"data-parallel group; {what} is applied by no trainer backend yet (issue P9)",
+                          f"set {dim}: 1 and shard with dp_shard")
+    if t.precision == "fp8":
+        yield Refusal("trainer.precision", "the fsdp2 trainer computes in fp32 or bf16; FP8 training is issue P8",
+                      "use precision: bf16")
+    if t.optimizer.cpu_offload:
+        yield Refusal("trainer.optimizer.cpu_offload", "the fsdp2 trainer keeps optimizer state and master weights "
+                      "on its device; CPU offload is not applied yet", "set cpu_offload: false")
+    if m.inference.router_replay:
+        yield Refusal("inference.router_replay", "no trainer backend replays expert routes yet (the orchestrator "
+                      "does not carry them, the trainer's MoE forward does not apply them: issue P8)",
+                      "set router_replay: false")
+    if m.orchestrator.top_p != 1:
+        yield Refusal("orchestrator.top_p", f"top_p={m.orchestrator.top_p:g}: the trainer scores the full "
+                      "distribution at the sampling temperature, so log-probs of a nucleus-truncated sampler "
+                      "would bias every importance ratio", "use top_p: 1 (and temperature to sharpen sampling)")
+
+
+def _no_effect(m: Manifest) -> Iterator[Refusal]:
+    """Fields written in the manifest that nothing in this configuration reads."""
+    cpu = m.hardware.gpu == "cpu"
+    candidates = [
+        ("weight_sync.port", m.weight_sync.mode == "filesystem", "filesystem weight sync opens no port"),
+        ("trainer.rendezvous_port", not _multi_node_trainer(m),
+         "a single-node trainer rendezvous is local (torchrun --standalone picks a free port)"),
+        ("trainer.ranks", not cpu, "on GPUs the trainer runs one rank per GPU of its nodes (use dp_shard)"),
+        ("model.revision", m.model.hf is None, "a revision applies to an hf: model only"),
+        ("model.tokenizer", m.model.init is None, "a tokenizer is built only for init: random"),
+        ("inference.threads", m.inference.engine != "embedded", "only the embedded engine takes a thread count"),
+    ]
+    measured = "CPU runs are measured by `primebuild run`, not modelled"
+    candidates += [
+        ("hardware.gpu_memory_gb", cpu, measured),
+        ("hardware.inter_node_bandwidth_gb_s", cpu or m.weight_sync.mode != "broadcast",
+         measured if cpu else "it times the broadcast weight sync only (training's communication is not modelled)"),
+        ("hardware.storage_bandwidth_gb_s", cpu or m.weight_sync.mode != "filesystem",
+         measured if cpu else "it times the filesystem weight sync only"),
+        ("trainer.nodes", cpu, "CPU-only hardware runs every process on its one node"),
+    ]
+    for field, unused, why in candidates:
+        if unused and is_set(m, field):
+            yield Refusal(field, f"has no effect here: {why}", "remove it")
+
+
+def _multi_node_trainer(m: Manifest) -> bool:
+    if m.hardware.gpu == "cpu":
+        return False
+    if m.trainer.nodes is not None:
+        return m.trainer.nodes > 1
+    return m.trainer.world_size > m.hardware.gpus_per_node
+
+
+# --- SFT manifests -----------------------------------------------------------------------------------------
+
+# What an `sft:` manifest is read for; every other section belongs to an RL run.
+SFT_SECTIONS = {"apiVersion", "kind", "name", "description", "seed", "model", "hardware", "sft",
+                "environments", "image", "target", "secrets"}
+
+
+def _sft_only(m: Manifest) -> Iterator[Refusal]:
+    """SFT trains in the primebuild process (a store build) on the CPU, one thread, fp32."""
+    for section in sorted(m.model_fields_set - SFT_SECTIONS):
+        yield Refusal(section, "an sft: manifest builds a model in one process; this section configures an RL run "
+                      "and has no effect here", "remove it (the RL manifest that starts from this model has its own)")
+    if len(m.environments) > 1:
+        yield Refusal("environments", "SFT trains on the demonstrations of one environment",
+                      "list one environment")
+    if m.hardware.gpu != "cpu":
+        yield Refusal("hardware.gpu", "SFT runs in the primebuild process on the CPU", "use gpu: cpu")
+    if m.model.dtype != "float32":
+        yield Refusal("model.dtype", "SFT trains and saves float32 weights", "use dtype: float32")
+    yield from _target(m)

@@ -1,0 +1,17 @@
+"""Typed hand-offs: what the plan compiler writes and what each process reads.
+
+Every class here is one contract between two sides that must not drift apart:
+
+| module          | written by                         | read by                                  |
+|-----------------|------------------------------------|------------------------------------------|
+| `trainer`       | builders/processes.py              | runtime/trainer/main.py                  |
+| `orchestrator`  | builders/processes.py              | runtime/orchestrator/main.py             |
+| `inference`     | builders/processes.py              | runtime/inference/server.py              |
+| `sft`           | builders/derivations.py            | runtime/sft.py (through runtime/derivations.py) |
+| `plan`          | builders/plan.py                   | worker, supervisor, run/status/replay/diff |
+| `run_dir`       | every process of a run             | every process of a run, and the CLI      |
+
+They live in this one light package (pydantic only, no torch) because both sides import them and
+`builders/` never imports `runtime/`. Unknown keys are refused on read, so a field that the compiler
+writes and no process consumes cannot exist.
+"""

@@ -1,0 +1,42 @@
+"""What the orchestrator reads from an inference server's `/v1/completions` answer.
+
+Both engines must satisfy it (the embedded server natively, vLLM through its adapter), so the
+orchestrator never knows which one it talks to. OpenAI's own fields beyond these are ignored.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SampledChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    index: int = Field(ge=0)
+    text: str
+    finish_reason: str | None
+    prompt_token_ids: list[int] = Field(min_length=1)
+    token_ids: list[int]  # every sampled token, a final EOS included
+    token_logprobs: list[float]  # log-prob of each sampled token under the sampling policy
+    policy_version: int = Field(ge=0)  # the weights that produced the last token
+
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self) -> SampledChoice:
+        if len(self.token_logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_logprobs)} log-probs for {len(self.token_ids)} tokens")
+        return self
+
+
+class CompletionResult(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    choices: list[SampledChoice] = Field(min_length=1)
+
+
+class ServerHealth(BaseModel):
+    """`GET /health`: the policy version being served, and (broadcast sync) the newest one staged."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    policy_version: int = Field(ge=0)
+    received_version: int = Field(0, ge=0)

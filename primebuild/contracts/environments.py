@@ -1,0 +1,11 @@
+"""Which environments this primebuild provides, by id and version (read by the lock and the runtime).
+
+Built-in environments live in runtime/envs/ and state their version there; this table is what the
+lock pins without importing them (a test keeps the two equal). An id `verifiers:<taskset>` names an
+installed verifiers taskset package instead.
+"""
+
+from __future__ import annotations
+
+BUILTIN_VERSIONS: dict[str, str] = {"reverse-text": "1"}
+VERIFIERS_PREFIX = "verifiers:"

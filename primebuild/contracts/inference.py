@@ -1,0 +1,38 @@
+"""InferenceServerConfig: one embedded inference server (read by runtime/inference/server.py).
+
+vLLM servers are started by their own command line (`vllm serve …`), which is their contract.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from primebuild.contracts.base import Contract
+
+ADMIN_TOKEN_ENV = "PRIMEBUILD_ADMIN_TOKEN"  # the run's admin token travels in this variable only
+
+
+class BroadcastJoin(Contract):
+    """Join the trainer's weight broadcast group (see runtime/inference/weight_receiver.py)."""
+
+    init_method: str  # tcp://HOST:PORT, hosted by trainer rank 0
+    rank: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+
+
+class InferenceServerConfig(Contract):
+    kind: Literal["inference"] = "inference"
+    model_path: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = Field(ge=1, le=65535)
+    max_num_seqs: int = Field(ge=1)
+    max_model_len: int = Field(ge=1)
+    precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # compute precision of the engine
+    seed: int = 0
+    num_threads: int | None = Field(None, ge=1)  # torch intra-op threads (CPU runs)
+    policy_version: int = Field(0, ge=0)  # the version of the weights it starts with
+    admin_token_env: str = ADMIN_TOKEN_ENV
+    weight_broadcast: BroadcastJoin | None = None

@@ -1,0 +1,45 @@
+"""OrchestratorConfig: what the orchestrator process needs (read by runtime/orchestrator/main.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from primebuild.contracts.base import Contract
+
+
+class EnvironmentConfig(Contract):
+    id: str
+    version: str | None = None  # None: whatever this primebuild provides ("latest" in the manifest)
+    args: dict[str, Any] = Field(default_factory=dict)
+    weight: float = Field(1.0, gt=0)  # share of each step's prompts (largest-remainder split)
+
+
+class OrchestratorConfig(Contract):
+    kind: Literal["orchestrator"] = "orchestrator"
+    run_dir: str
+    served_model_name: str
+    endpoints: list[str] = Field(min_length=1)  # OpenAI base URLs (…/v1) of the servers to sample from
+    environments: list[EnvironmentConfig] = Field(min_length=1)
+    seed: int = 0
+
+    rollouts_per_step: int = Field(ge=1)
+    group_size: int = Field(ge=1)
+    max_off_policy_steps: int = Field(ge=0)  # 0 = synchronous RL
+    max_completion_tokens: int = Field(ge=1)
+    max_steps: int = Field(ge=1)
+    temperature: float = Field(gt=0)  # sampling; evaluation is always greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    normalize_advantage_std: bool = False
+    eval_every: int = Field(0, ge=0)  # 0 = evaluate only before and after
+    eval_prompts: int = Field(ge=1)
+
+    weight_sync: Literal["filesystem", "broadcast"] = "filesystem"
+    retry_seconds: float = Field(120.0, gt=0)  # how long a request rides out a restarting server
+
+    @model_validator(mode="after")
+    def _whole_groups(self) -> OrchestratorConfig:
+        if self.rollouts_per_step % self.group_size:
+            raise ValueError("rollouts_per_step must be a multiple of group_size")
+        return self

@@ -1,0 +1,165 @@
+"""The plan as typed data: what `primebuild plan` writes and every runner reads.
+
+The compiler builds a `Plan`; `render_json` gives its canonical bytes (sorted keys, the hash over
+everything but `plan_hash`). The worker, the supervisor, the targets, `status`, `diff` and `replay`
+read plan.json back through `read_plan`, so a field they use is a field the compiler wrote.
+
+Values known only when a run starts are placeholders the worker fills in from the run's rendezvous
+file, so one plan (and one hash) serves every host:
+  {run_dir}     the run folder            {model_path}  the model folder resolved at start
+  {config}      this process's config file, written by the worker from the plan's `config`
+  {host:N}      the address of node N     {python}      the interpreter running primebuild
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from primebuild.contracts.base import Contract, parse_contract
+from primebuild.contracts.inference import InferenceServerConfig
+from primebuild.contracts.orchestrator import OrchestratorConfig
+from primebuild.contracts.sft import SFTConfig
+from primebuild.contracts.trainer import TrainerConfig
+from primebuild.errors import UserError
+from primebuild.hashing import canonical_json, sha256_json
+
+PLAN_VERSION = 2  # 2: typed process configs (no `extra` bags), `runnable`/`unsupported`, typed loss
+
+Role = Literal["inference", "prefill", "decode", "trainer", "orchestrator"]
+# Roles start in this order; each waits for the health of everything before it.
+START_ORDER: dict[str, int] = {"inference": 0, "prefill": 0, "decode": 0, "trainer": 1, "orchestrator": 2}
+
+# Defaults that more than one side needs, in one place.
+HEALTH_TIMEOUT_S = 1800.0  # an inference server loading a large model from a network disk
+PROCESS_HEALTH_TIMEOUT_S = 300.0
+
+ProcessConfig = Annotated[TrainerConfig | OrchestratorConfig | InferenceServerConfig, Field(discriminator="kind")]
+
+
+class HealthCheck(Contract):
+    kind: Literal["http", "process"]  # http: GET `url` answers 200; process: it is alive
+    url: str | None = None
+    timeout_s: float = PROCESS_HEALTH_TIMEOUT_S
+
+
+class RestartPolicy(Contract):
+    policy: Literal["never", "on-failure"] = "never"
+    max_restarts: int = Field(0, ge=0)
+
+
+class ProcessSpec(Contract):
+    name: str
+    role: Role
+    group: str
+    node: int = Field(ge=0)
+    gpus: list[int]
+    argv: list[str]
+    env: dict[str, str]
+    ports: dict[str, int]  # purpose -> port this process listens on
+    health: HealthCheck
+    restart: RestartPolicy
+    start_order: int
+    config: ProcessConfig | None = None  # what the worker writes to {config}; None: argv says it all
+    secrets: list[str] = Field(default_factory=list)  # env var names passed through, never values
+
+
+class GpuSlot(Contract):
+    index: int
+    process: str | None
+    role: str | None
+
+
+class NodeMap(Contract):
+    index: int
+    gpus: list[GpuSlot]
+    processes: list[str]
+
+
+class BuildSpec(Contract):
+    """A manifest that builds a model (`sft:`) instead of starting processes: one store build."""
+
+    builder: str  # builder id and version, part of the store key (builders/derivations.py)
+    output: str  # the store entry's name
+    config: SFTConfig
+
+
+class Unsupported(Contract):
+    """A manifest field no built backend applies (builders/capabilities.py); location-free, so the plan
+    hash does not depend on where the manifest lives or how it is formatted."""
+
+    field: str
+    message: str
+    hint: str
+
+
+class ImageRef(Contract):
+    digest: str
+    plan_hash: str  # the hash of the plan inside the image (without this field)
+
+
+class Plan(Contract):
+    plan_version: int = PLAN_VERSION
+    primebuild_version: str
+    name: str
+    manifest_hash: str
+    lock_hash: str | None
+    model: dict[str, Any]
+    hardware: dict[str, Any]
+    target: dict[str, Any]
+    weight_sync: dict[str, Any]
+    nodes: list[NodeMap]
+    processes: list[ProcessSpec]
+    memory: dict[str, Any]
+    estimates: dict[str, Any]
+    warnings: list[str]
+    fits: bool
+    # False when the manifest asks for something no built backend applies (`unsupported` says what,
+    # located); such a plan is a design study: `plan --design` shows it, `run` refuses it.
+    runnable: bool = True
+    unsupported: list[Unsupported] = Field(default_factory=list)
+    build: BuildSpec | None = None
+    image: ImageRef | None = None
+    plan_hash: str = ""
+
+    def process(self, name: str) -> ProcessSpec:
+        for p in self.processes:
+            if p.name == name:
+                return p
+        known = ", ".join(p.name for p in self.processes)
+        raise UserError(f"process {name!r} is not in plan {self.name!r}", hint=f"known processes: {known}")
+
+    def by_role(self, *roles: str) -> list[ProcessSpec]:
+        return [p for p in self.processes if p.role in roles]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def hashed(self) -> Plan:
+        """This plan with `plan_hash` set to the sha256 of everything else."""
+        return self.model_copy(update={"plan_hash": plan_hash(self.to_json())})
+
+
+def plan_hash(plan_json: dict[str, Any]) -> str:
+    return sha256_json({k: v for k, v in plan_json.items() if k != "plan_hash"})
+
+
+def render_json(plan: Plan) -> str:
+    return canonical_json(plan.to_json()) + "\n"
+
+
+def read_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise UserError(f"cannot read the plan {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err})") from None
+    if isinstance(data, dict) and data.get("plan_version") != PLAN_VERSION:
+        raise UserError(f"{path}: plan_version {data.get('plan_version')!r}, this primebuild reads "
+                        f"{PLAN_VERSION}", hint="recompile it from its manifest with `primebuild plan`")
+    return parse_contract(Plan, data, where=str(path))

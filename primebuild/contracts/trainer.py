@@ -1,0 +1,122 @@
+"""TrainerConfig: everything one trainer process needs (read by runtime/trainer/main.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from primebuild.contracts.base import Contract
+
+Precision = Literal["fp32", "bf16", "fp8"]
+
+
+# One class per loss: each carries exactly the keyword parameters of its function in
+# runtime/trainer/losses.py, so a parameter the chosen loss does not use cannot be passed.
+class DppoKlLoss(Contract):
+    name: Literal["dppo-kl"] = "dppo-kl"
+    delta: float = Field(0.2, gt=0)  # mask tokens whose probability gap exceeds this
+    kl_tau: float = Field(1e-3, ge=0)
+
+
+class AipoLoss(Contract):
+    name: Literal["aipo"] = "aipo"
+    rho: float = Field(2.0, gt=0)  # importance-weight cap
+
+
+class GrpoLoss(Contract):
+    name: Literal["grpo"] = "grpo"
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.28, ge=0)
+
+
+class CispoLoss(Contract):
+    name: Literal["cispo"] = "cispo"
+    eps_high: float = Field(2.0, gt=0)
+
+
+LossConfig = Annotated[DppoKlLoss | AipoLoss | GrpoLoss | CispoLoss, Field(discriminator="name")]
+
+
+def loss_params(loss: DppoKlLoss | AipoLoss | GrpoLoss | CispoLoss) -> dict[str, float]:
+    """The loss function's keyword parameters."""
+    return loss.model_dump(exclude={"name"})
+
+
+class FilesystemSync(Contract):
+    """Publish `weights/step_k/` folders (HF layout, STABLE marker) that the servers load."""
+
+    mode: Literal["filesystem"] = "filesystem"
+
+
+class BroadcastSync(Contract):
+    """Rank 0 sends every step over a torch.distributed group it hosts at `init_method`."""
+
+    mode: Literal["broadcast"] = "broadcast"
+    init_method: str  # tcp://HOST:PORT
+    world_size: int = Field(ge=2)  # 1 sender + the inference servers
+    timeout_s: float = Field(600.0, gt=0)
+
+
+WeightSyncConfig = Annotated[FilesystemSync | BroadcastSync, Field(discriminator="mode")]
+
+
+class ParallelDims(Contract):
+    """The manifest's parallel degrees; the trainer checks them against its launch (world size)."""
+
+    dp_replicate: int = Field(1, ge=1)
+    dp_shard: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+
+class TrainerConfig(Contract):
+    kind: Literal["trainer"] = "trainer"
+    model_path: str  # HF folder (config.json, safetensors, tokenizer files)
+    run_dir: str
+    seed: int = 0
+    resume: bool = True  # continue after the newest stable checkpoint of the run, if any
+
+    # Objective
+    loss: LossConfig = DppoKlLoss()
+    loss_normalizer: Literal["step_tokens", "samples_x_max_tokens"] = "step_tokens"
+    max_completion_tokens: int = Field(ge=1)  # for samples_x_max_tokens
+    temperature: float = Field(gt=0)  # the sampling temperature: logits are divided by it
+
+    # Optimisation (the lr is linear warm-up then constant: step k uses lr * min(1, k / warmup))
+    optimizer: Literal["adamw"] = "adamw"
+    lr: float = Field(gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    max_steps: int = Field(ge=1)
+
+    # Execution
+    micro_batch_tokens: int = Field(ge=1)  # padded tokens (rows x longest row) per forward
+    logprob_chunk_tokens: int = Field(ge=1)  # tokens whose fp32 logits exist at once (kernels/logprobs.py)
+    precision: Precision = "fp32"  # compute precision; master weights and Adam state stay fp32
+    activation_checkpointing: bool = False
+    parallel: ParallelDims = ParallelDims()
+    optimizer_cpu_offload: bool = False
+    pad_token_id: int = 0  # any id works: padded positions are masked out of attention and loss
+
+    # Rollout intake
+    rollout_timeout_s: float = Field(3600.0, gt=0)  # give up when step k's batch does not arrive
+    poll_interval_s: float = Field(0.01, gt=0)  # a new batch is a file: noticing it late idles the trainer
+
+    # Weights out
+    weight_sync: WeightSyncConfig = FilesystemSync()
+    weight_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of published weights: model.dtype
+    keep_weights: int | None = Field(None, ge=1)  # keep only the newest N weight folders
+
+    # Checkpoints
+    checkpoint_every: int = Field(0, ge=0)  # 0 = only at the end of the run
+    keep_checkpoints: int | None = Field(None, ge=1)
+

@@ -1,0 +1,208 @@
+"""Answers of the OpenAI endpoints: one engine call's results shaped as completions or chat choices.
+
+One builder (`choice_item`) shapes every choice: whole (non-streamed) or as a streamed chunk of new
+tokens, for `/v1/completions` and `/v1/chat/completions` alike; on top of OpenAI's fields each choice
+carries what an RL orchestrator needs (docs/inference.md): `prompt_token_ids`, `token_ids`,
+`token_logprobs`, `policy_version(s)`, `resumed_from_version` and, when asked, `routed_experts`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from primebuild.errors import UserError
+
+from .engine import ChoiceResult, Engine, SeqUpdate
+from .protocol import ApiError
+from .sampling import SamplingParams
+from .tokenizer import ServedTokenizer
+
+Api = Literal["completion", "chat"]
+OBJECT = {("completion", False): "text_completion", ("completion", True): "text_completion",
+          ("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}
+
+
+class Generation:
+    """The engine requests of one API call; updates cross from the engine thread into the event loop."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.n = params.n
+        self.remaining = len(prompts) * params.n
+        self.requests = []
+        try:
+            for index, prompt in enumerate(prompts):
+                self.requests.append(engine.submit(prompt, params, functools.partial(self._sink, index)))
+        except UserError as err:
+            self.abort()
+            raise ApiError(400, str(err)) from None
+
+    def _sink(self, prompt_index: int, updates: list[SeqUpdate]) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (prompt_index, updates))
+
+    async def updates(self) -> AsyncIterator[list[tuple[int, SeqUpdate]]]:
+        """Yields [(choice index, update)] until every choice has finished."""
+        while self.remaining:
+            prompt_index, updates = await self.queue.get()
+            tagged = []
+            for update in updates:
+                if update.finish_reason is not None:
+                    self.remaining -= 1
+                tagged.append((prompt_index * self.n + update.index, update))
+            yield tagged
+
+    def abort(self) -> None:
+        for request in self.requests:
+            request.abort()
+
+
+class Choice:
+    """One choice being built: accumulated results plus the text already streamed."""
+
+    def __init__(self, index: int, prompt_ids: list[int], tokenizer: ServedTokenizer, stops: list[str]):
+        self.result = ChoiceResult(index, prompt_ids)
+        self.tokenizer = tokenizer
+        self.hold_back = max((len(s) for s in stops), default=1) - 1
+        self.sent = ""
+
+    def text(self) -> str:
+        text = self.tokenizer.decode(self.result.token_ids)
+        if self.result.stop_text:
+            cut = text.find(self.result.stop_text)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def delta(self) -> str:
+        """New text since the last call; holds back what might still turn out to be a stop string."""
+        text = self.text()
+        if self.result.finish_reason is None:
+            text = text.rstrip("\ufffd")  # an incomplete multi-byte character
+            if self.hold_back:
+                text = text[: max(len(self.sent), len(text) - self.hold_back)]
+        if not text.startswith(self.sent):
+            return ""
+        new, self.sent = text[len(self.sent) :], text
+        return new
+
+
+def completion_logprobs(tok: ServedTokenizer, ids, logprobs, tops, want_top: bool, offset: int) -> dict:
+    tokens = [tok.token_text(t) for t in ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": [{tok.token_text(i): lp for i, lp in top} for top in tops] if want_top else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tok: ServedTokenizer, ids, logprobs, tops, want_top: bool) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tok.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for position, (token_id, logprob) in enumerate(zip(ids, logprobs, strict=True)):
+        item = entry(token_id, logprob)
+        item["top_logprobs"] = [entry(i, lp) for i, lp in tops[position]] if want_top else []
+        content.append(item)
+    return {"content": content}
+
+
+def choice_item(c: Choice, api: Api, tokenizer: ServedTokenizer, *, logprobs: bool, top: int,
+                new: slice | None = None) -> dict:
+    """One choice: the whole of it (`new` None), or a streamed chunk carrying the tokens in `new` — and,
+    on the chunk that finishes it, the rest of the RL fields."""
+    r = c.result
+    stream = new is not None
+    window = new if stream else slice(None)
+    ids, lps, tops = r.token_ids[window], r.logprobs[window], r.top_logprobs[window]
+    if api == "completion":
+        offset = len(c.sent) if stream else 0  # before delta() moves it on
+        content: dict = {"text": c.delta() if stream else c.text()}
+        shaped = completion_logprobs(tokenizer, ids, lps, tops, top > 0, offset) if logprobs else None
+    else:
+        if stream:
+            delta = {"content": c.delta()}
+            if window.start == 0:
+                delta["role"] = "assistant"
+            content = {"delta": delta}
+        else:
+            content = {"message": {"role": "assistant", "content": c.text()}}
+        shaped = chat_logprobs(tokenizer, ids, lps, tops, top > 0) if logprobs else None
+    item = {"index": r.index, **content, "finish_reason": r.finish_reason, "logprobs": shaped,
+            "token_ids": ids, "token_logprobs": lps, "policy_versions": r.versions[window]}
+    if r.finish_reason is not None or not stream:
+        item.update(prompt_token_ids=r.prompt_token_ids, policy_version=r.policy_version,
+                    resumed_from_version=r.resumed_from_version)
+        if r.routed_experts is not None:
+            item["routed_experts"] = r.routed_experts
+    return item
+
+
+def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(c.result.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str, api: Api,
+                 prompts: list[list[int]], params: SamplingParams, *, stream: bool, include_usage: bool,
+                 logprobs: bool, top: int):
+    """Run one API call on the engine and answer it, whole or as server-sent events."""
+    generation = Generation(engine, prompts, params)
+    choices = [Choice(p * params.n + i, prompts[p], tokenizer, params.stop)
+               for p in range(len(prompts)) for i in range(params.n)]
+    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served_model_name,
+            "object": OBJECT[(api, stream)]}
+
+    if not stream:
+        try:
+            async for tagged in generation.updates():
+                for index, update in tagged:
+                    choices[index].result.apply(update)
+        finally:
+            generation.abort()  # no-op once finished; frees slots if the client went away
+        errors = [c.result.error for c in choices if c.result.error]
+        if errors:
+            raise ApiError(500, errors[0])
+        items = [choice_item(c, api, tokenizer, logprobs=logprobs, top=top) for c in choices]
+        return JSONResponse({**meta, "choices": items, "usage": usage(prompts, choices)})
+
+    async def events():
+        try:
+            async for tagged in generation.updates():
+                for index, update in tagged:
+                    choice = choices[index]
+                    before = len(choice.result.token_ids)
+                    choice.result.apply(update)
+                    if update.error:
+                        yield sse(ApiError(500, update.error).body())
+                        return
+                    item = choice_item(choice, api, tokenizer, logprobs=logprobs, top=top, new=slice(before, None))
+                    yield sse({**meta, "choices": [item]})
+            if include_usage:
+                yield sse({**meta, "choices": [], "usage": usage(prompts, choices)})
+            yield sse("[DONE]")
+        finally:
+            generation.abort()
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,81 @@
+"""Operations: /health and /metrics (open), and the admin calls /pause, /resume, /update_weights, which
+need `Authorization: Bearer <the run's token>` (compared in constant time, never logged)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from primebuild.errors import UserError
+
+from . import metrics as prometheus
+from .engine import Engine
+from .protocol import ApiError, UpdateWeightsRequest, parse_body
+from .weight_receiver import BroadcastStage
+
+log = logging.getLogger(__name__)
+
+
+def admin_router(engine: Engine, served_model_name: str, admin_token: str | None,
+                 weight_stage: BroadcastStage | None) -> APIRouter:
+    router = APIRouter()
+
+    def authorize(request: Request) -> None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if (not admin_token or scheme.lower() != "bearer"
+                or not hmac.compare_digest(given.strip().encode(), admin_token.encode())):
+            raise ApiError(401, "admin calls need 'Authorization: Bearer <admin token>'", code="unauthorized",
+                           kind="authentication_error")
+
+    @router.get("/health")
+    async def health():
+        state = {"status": "ok", "model": served_model_name, "policy_version": engine.version,
+                 "paused": engine.paused}
+        if weight_stage is not None:
+            state["received_version"] = weight_stage.received_version
+            state["broadcast_error"] = weight_stage.error
+        return state
+
+    @router.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus.render(engine, served_model_name),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @router.post("/pause")
+    async def pause(request: Request):
+        authorize(request)
+        engine.pause()
+        return {"status": "paused", "policy_version": engine.version}
+
+    @router.post("/resume")
+    async def resume(request: Request):
+        authorize(request)
+        engine.resume()
+        return {"status": "running", "policy_version": engine.version}
+
+    @router.post("/update_weights")
+    async def update_weights(request: Request):
+        authorize(request)
+        body: UpdateWeightsRequest = parse_body(await request.body(), UpdateWeightsRequest)
+        started = time.monotonic()
+        try:
+            if body.source == "broadcast":
+                if weight_stage is None:
+                    raise ApiError(400, "this server was started without a weight broadcast", param="source")
+                origin = weight_stage.take(body.version)
+            else:
+                origin = body.path
+            await asyncio.to_thread(engine.update_weights, origin, body.version, body.in_flight)
+        except UserError as err:
+            raise ApiError(400, str(err), param="source" if body.source == "broadcast" else "path") from None
+        except TimeoutError as err:
+            raise ApiError(409, str(err)) from None
+        log.info("weights updated to version %s from %s", body.version, body.path or "the broadcast")
+        return {"status": "ok", "policy_version": engine.version, "seconds": round(time.monotonic() - started, 3)}
+
+    return router

@@ -1,0 +1,66 @@
+"""The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+
+from .engine import Engine
+from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
+from .responses import answer
+from .tokenizer import ServedTokenizer
+from .validation import RequestChecks
+
+
+def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str) -> APIRouter:
+    router = APIRouter()
+    check = RequestChecks(engine, tokenizer, served_model_name)
+    created = int(time.time())
+
+    @router.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                            "owned_by": "primebuild", "max_model_len": engine.max_model_len}]}
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+        check.model(body.model)
+        if body.echo or body.suffix:
+            raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
+        prompts = check.completion_prompts(body.prompt)
+        top = body.logprobs or 0
+        params = body.sampling(body.max_tokens or 16, top)
+        check.limits(prompts, params)
+        return await answer(engine, tokenizer, served_model_name, "completion", prompts, params,
+                            stream=bool(body.stream), include_usage=_include_usage(body),
+                            logprobs=body.logprobs is not None, top=top)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body: ChatRequest = parse_body(await request.body(), ChatRequest)
+        check.model(body.model)
+        if not tokenizer.has_chat_template:
+            raise ApiError(400, "the served model's tokenizer has no chat template; use /v1/completions",
+                           param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+        except Exception as err:  # a template may raise on inputs it does not accept
+            raise ApiError(400, f"the chat template rejected the messages: {str(err)[:200]}",
+                           param="messages") from None
+        check.ids(prompt, "messages")
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.max_model_len - len(prompt))
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        params = body.sampling(max_tokens, top)
+        check.limits([prompt], params)
+        return await answer(engine, tokenizer, served_model_name, "chat", [prompt], params,
+                            stream=bool(body.stream), include_usage=_include_usage(body),
+                            logprobs=bool(body.logprobs), top=top)
+
+    return router
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
