@@ -1,0 +1,544 @@
+"""The contract from manifest to process: every field takes effect, or the plan refuses it.
+
+1. Every process config in every plan (shipped manifests and random valid ones) parses into the class
+   its consumer reads, with nothing left over, and holds the manifest's values.
+2. Every leaf field of the manifest schema is listed in FIELDS with what it does, and each claim is
+   checked by changing the field: it reaches a process config, shapes what the compiler computes,
+   is pinned by the lock, configures the SFT build, or is refused (located, naming the field).
+   A field added to the schema without an entry here fails `test_every_schema_field_is_covered`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import MANIFESTS, SHIPPED
+from hypothesis import given
+from pydantic import BaseModel
+from test_plan_properties import SETTINGS, cpu_manifest, gpu_manifest
+
+from primebuild.builders import derivations
+from primebuild.builders.lock import requests
+from primebuild.builders.plan import compile_plan
+from primebuild.contracts.inference import InferenceServerConfig
+from primebuild.contracts.orchestrator import OrchestratorConfig
+from primebuild.contracts.trainer import TrainerConfig
+from primebuild.errors import UserError
+from primebuild.manifest.load import load_manifest
+from primebuild.manifest.schema import Manifest
+
+# role -> the config class its consumer reads
+CONSUMER = {"inference": InferenceServerConfig, "trainer": TrainerConfig, "orchestrator": OrchestratorConfig}
+
+
+# --- 1. configs parse into their consumer's class and hold the manifest's values -----------------------------
+
+
+def check_configs(m: Manifest, plan: dict) -> None:
+    by_role: dict[str, list[dict]] = {}
+    for p in plan["processes"]:
+        by_role.setdefault(p["role"], []).append(p)
+        if p["role"] in ("prefill", "decode") or (p["role"] == "inference" and m.inference.engine == "vllm"):
+            assert p["config"] is None and p["argv"][:2] == ["vllm", "serve"]  # vLLM: the argv is the contract
+            continue
+        cls = CONSUMER[p["role"]]
+        config = cls.model_validate(p["config"])  # extra="forbid": nothing left over
+        assert config.model_dump(mode="json") == p["config"]
+    t, o, inf = m.trainer, m.orchestrator, m.inference
+    for p in by_role["trainer"]:
+        c = TrainerConfig.model_validate(p["config"])
+        assert (c.temperature, c.lr, c.warmup_steps, c.max_steps) == (o.temperature, o.lr, o.warmup_steps,
+                                                                      o.max_steps)
+        assert c.max_completion_tokens == o.max_completion_tokens and c.seed == m.seed
+        assert c.loss.model_dump() == expected_loss(o.loss)
+        assert c.precision == t.precision and c.weight_dtype == m.model.dtype
+        assert c.parallel.model_dump() == {k: getattr(t, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep")}
+        assert (c.micro_batch_tokens, c.logprob_chunk_tokens) == (t.micro_batch_tokens, t.logprob_chunk_tokens)
+        assert (c.betas, c.weight_decay, c.max_grad_norm) == (t.optimizer.betas, t.optimizer.weight_decay,
+                                                              t.optimizer.max_grad_norm)
+        assert c.optimizer_cpu_offload == t.optimizer.cpu_offload and c.optimizer == t.optimizer.name
+        assert (c.activation_checkpointing, c.checkpoint_every) == (t.activation_checkpointing, t.checkpoint_every)
+        assert c.weight_sync.mode == m.weight_sync.mode
+    (orch,) = by_role["orchestrator"]
+    c = OrchestratorConfig.model_validate(orch["config"])
+    for name in ("rollouts_per_step", "group_size", "max_off_policy_steps", "max_completion_tokens", "max_steps",
+                 "temperature", "top_p", "normalize_advantage_std", "eval_every", "eval_prompts"):
+        assert getattr(c, name) == getattr(o, name), name
+    assert [(e.id, e.version, e.args, e.weight) for e in c.environments] == [
+        (e.id, None if e.version == "latest" else e.version, e.args, e.weight) for e in m.environments]
+    assert c.weight_sync == m.weight_sync.mode and c.served_model_name == m.name
+    servers = [p for p in plan["processes"] if "http" in p["ports"] and p["role"] in ("inference", "decode")]
+    assert len(c.endpoints) == len(servers)
+    heads = [p for p in by_role.get("inference", []) if "http" in p["ports"]]  # one per replica
+    for index, p in enumerate(heads):
+        if m.inference.engine == "embedded":
+            s = InferenceServerConfig.model_validate(p["config"])
+            assert (s.max_model_len, s.max_num_seqs, s.precision) == (o.seq_len, inf.max_num_seqs, inf.precision)
+            assert (s.host, s.port, s.seed) == (inf.host, inf.port + index, m.seed + index)
+        else:
+            argv = p["argv"]
+            assert argv[argv.index("--max-model-len") + 1] == str(o.seq_len)
+            assert argv[argv.index("--max-num-seqs") + 1] == str(inf.max_num_seqs)
+
+
+def expected_loss(loss) -> dict:
+    """The loss parameters the trainer must get, written out independently of builders/processes.py."""
+    d = loss.model_dump()
+    return {"dppo-kl": lambda: {"name": "dppo-kl", "delta": d["mask_bound"], "kl_tau": d["kl_tau"]},
+            "aipo": lambda: {"name": "aipo", "rho": d["is_cap"]},
+            "grpo": lambda: {"name": "grpo", "eps_low": d["clip_low"], "eps_high": d["clip_high"]},
+            "cispo": lambda: {"name": "cispo", "eps_high": d["is_cap"]}}[d["name"]]()
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if "sft" not in p.name], ids=lambda p: p.name)
+def test_shipped_plans_hand_each_process_its_typed_config(path):
+    loaded = load_manifest(path)
+    check_configs(loaded.manifest, compile_plan(loaded, design=True).to_json())
+
+
+def test_the_sft_plan_is_one_build_with_its_typed_config():
+    loaded = load_manifest(MANIFESTS / "reverse-text-sft.yaml")
+    plan = compile_plan(loaded).to_json()
+    assert plan["processes"] == [] and plan["build"]["builder"] == derivations.SFT_BUILDER
+    sft = loaded.manifest.sft
+    config = plan["build"]["config"]
+    assert (config["steps"], config["lr"], config["batch_size"], config["warmup_steps"], config["stop_at_reward"]) \
+        == (sft.steps, sft.lr, sft.batch_size, sft.warmup_steps, sft.stop_at_reward)
+
+
+@SETTINGS
+@given(doc=gpu_manifest() | cpu_manifest())
+def test_random_valid_manifests_hand_each_process_its_typed_config(doc, tmp_path_factory):
+    folder = scratch_folder(tmp_path_factory)
+    path = folder / "random.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    loaded = load_manifest(path)
+    check_configs(loaded.manifest, compile_plan(loaded, design=True).to_json())
+
+
+# --- 2. every schema field: what it does, checked ------------------------------------------------------------
+
+RL, SFT, GPU, GLM5 = "reverse-text.yaml", "reverse-text-sft.yaml", "qwen3-30b-a3b.yaml", "glm5.yaml"
+
+
+def process(plan: dict, role: str) -> dict:
+    return next(p for p in plan["processes"] if p["role"] == role)
+
+
+def config_of(role: str, path: str) -> Callable[[dict], object]:
+    def get(plan: dict) -> object:
+        value: object = process(plan, role)["config"]
+        for part in path.split("."):
+            value = value[int(part)] if isinstance(value, list) else value[part]  # type: ignore[index]
+        return value
+    return get
+
+
+@dataclass(frozen=True)
+class Reaches:
+    """`sets` on `base` makes `get(plan)` equal `expected` (and the plan stays runnable)."""
+
+    get: Callable[[dict], object]
+    sets: tuple[str, ...]
+    expected: object
+    base: str = RL
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """`sets` changes what the compiler computes in `section` of the plan (placement, memory, time …)."""
+
+    sets: tuple[str, ...]
+    section: str
+    base: str = GPU
+    base_sets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Refused:
+    """`sets` on `base` is a located error on `field_path` (default: the field itself)."""
+
+    sets: tuple[str, ...]
+    base: str = RL
+    field_path: str | None = None
+
+
+@dataclass(frozen=True)
+class Locks:
+    """`sets` changes what the lock pins (lock.requests)."""
+
+    sets: tuple[str, ...]
+    base: str = RL
+
+
+@dataclass(frozen=True)
+class Builds:
+    """`sets` on the SFT manifest changes the SFT build's config (or its store inputs)."""
+
+    get: Callable[[dict], object]
+    sets: tuple[str, ...]
+    expected: object
+
+
+@dataclass(frozen=True)
+class Loader:
+    """Read by the loader itself: a wrong value is a located error there."""
+
+    sets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """Recorded with the run (manifest.json and the manifest hash); by design it changes nothing else."""
+
+    sets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Custom:
+    check: Callable[[Path], None]
+    why: str = field(default="")
+
+
+def _random_init_reads_the_tokenizer(folder: Path) -> None:
+    assert derivations.random_init(load_manifest(folder / SFT)).inputs["tokenizer"] == "char"
+
+
+def _init_random_builds_from_facts(folder: Path) -> None:
+    loaded = load_manifest(folder / SFT)
+    assert loaded.manifest.model.init == "random" and "facts" in derivations.random_init(loaded).inputs
+
+
+def _only_adamw_reaches_the_trainer(folder: Path) -> None:
+    """One optimizer exists: the trainer is told which, and another name is refused by the schema."""
+    assert config_of("trainer", "optimizer")(compile_json(folder, RL, ())) == "adamw"
+    with pytest.raises(UserError, match="trainer.optimizer.name"):
+        load_manifest(folder / RL, ["trainer.optimizer.name=sgd"])
+
+
+# what makes qwen3's layout fit a small dense model
+_DENSE = ("trainer.ep=1", "inference.tp=1", "inference.ep=1", "inference.router_replay=false",
+          "orchestrator.seq_len=128", "orchestrator.max_completion_tokens=64")
+T = "trainer"
+O = "orchestrator"  # noqa: E741
+I = "inference"  # noqa: E741
+BUILD = "build.config"
+
+
+def build_config(name: str) -> Callable[[dict], object]:
+    return lambda plan: plan["build"]["config"][name]
+
+
+FIELDS: dict[str, list] = {
+    "apiVersion": [Loader(("apiVersion=primebuild/v9",))],
+    "kind": [Loader(("kind=Job",))],
+    "name": [Reaches(config_of(O, "served_model_name"), ("name=other",), "other"),
+             Reaches(config_of(I, "served_model_name"), ("name=other",), "other")],
+    "description": [Recorded(("description=a note",))],
+    "seed": [Reaches(config_of(T, "seed"), ("seed=7",), 7), Reaches(config_of(O, "seed"), ("seed=7",), 7),
+             Reaches(config_of(I, "seed"), ("seed=7",), 7), Builds(build_config("seed"), ("seed=7",), 7)],
+    "secrets": [Reaches(lambda plan: process(plan, T)["secrets"], ("secrets=[HF_TOKEN]",), ["HF_TOKEN"])],
+    "environments[].id": [Reaches(config_of(O, "environments.0.id"), ("environments=[{id: other}]",), "other"),
+                          Builds(build_config("env_id"), ("environments=[{id: other}]",), "other")],
+    "environments[].version": [
+        Reaches(config_of(O, "environments.0.version"), ("environments=[{id: reverse-text, version: '1'}]",), "1")],
+    "environments[].args": [
+        Reaches(config_of(O, "environments.0.args"), ("environments=[{id: reverse-text, args: {max_length: 9}}]",),
+                {"max_length": 9}),
+        Builds(build_config("env_args"), ("environments=[{id: reverse-text, args: {max_length: 9}}]",),
+               {"max_length": 9})],
+    "environments[].weight": [
+        Reaches(config_of(O, "environments.1.weight"), ("environments=[{id: reverse-text}, {id: b, weight: 3}]",), 3.0),
+        Refused(("environments=[{id: reverse-text}, {id: b, weight: 3}]",), base=SFT, field_path="environments")],
+    "hardware.cpus_per_node": [Shapes(("hardware.cpus_per_node=8",), "processes", base=RL)],
+    "hardware.gpu": [Shapes(("hardware.gpu=h200",), "memory"), Refused(("hardware.gpu=h100", "hardware.gpus_per_node=8"),
+                                                                         base=SFT)],
+    "hardware.gpu_memory_gb": [Shapes(("hardware.gpu_memory_gb=120",), "memory"),
+                               Refused(("hardware.gpu_memory_gb=10",))],
+    "hardware.gpus_per_node": [Shapes(("hardware.gpus_per_node=16",), "nodes")],
+    "hardware.host_memory_gb": [Shapes(("hardware.host_memory_gb=20",), "memory", base=RL)],
+    "hardware.inter_node_bandwidth_gb_s": [Shapes(("hardware.inter_node_bandwidth_gb_s=25",), "estimates", base=GLM5),
+                                           Refused(("hardware.inter_node_bandwidth_gb_s=25",), base=GPU)],
+    "hardware.nodes": [Shapes(("hardware.nodes=3", "trainer.nodes=1"), "nodes", base_sets=("trainer.nodes=1",)),
+                       Refused(("hardware.nodes=2",))],
+    "hardware.storage_bandwidth_gb_s": [Shapes(("hardware.storage_bandwidth_gb_s=5",), "estimates"),
+                                        Refused(("hardware.storage_bandwidth_gb_s=5",))],
+    "image.base": [Locks(("image.base=debian:12",))],
+    "image.extras": [Locks(("image.extras=[test]",))],
+    "image.python": [Locks(("image.python=3.12",))],
+    "inference.engine": [Refused(("inference.engine=vllm",)), Shapes(("inference.engine=embedded",), "processes")],
+    "inference.replicas": [Shapes(("inference.replicas=2",), "processes", base=RL),
+                           Reaches(lambda plan: len(config_of(O, "endpoints")(plan)), ("inference.replicas=2",), 2)],
+    "inference.host": [Reaches(config_of(I, "host"), ("inference.host=0.0.0.0",), "0.0.0.0")],
+    "inference.port": [Reaches(config_of(I, "port"), ("inference.port=9100",), 9100)],
+    "inference.max_num_seqs": [Reaches(config_of(I, "max_num_seqs"), ("inference.max_num_seqs=17",), 17)],
+    "inference.precision": [Reaches(config_of(I, "precision"), ("inference.precision=bf16",), "bf16"),
+                            Refused(("inference.precision=fp8",))],
+    "inference.threads": [Reaches(config_of(I, "num_threads"), ("inference.threads=2",), 2),
+                          Refused(("inference.threads=2",), base=GPU)],
+    "inference.kv_cache_dtype": [Refused(("inference.kv_cache_dtype=fp8",)),
+                                 Shapes(("inference.kv_cache_dtype=fp8",), "memory")],
+    "inference.gpu_memory_utilization": [Refused(("inference.gpu_memory_utilization=0.5",)),
+                                         Shapes(("inference.gpu_memory_utilization=0.5",), "memory")],
+    "inference.router_replay": [Refused(("inference.router_replay=true",), base=GPU)],
+    "model.dtype": [Reaches(config_of(T, "weight_dtype"), ("model.dtype=bfloat16",), "bfloat16"),
+                    Refused(("model.dtype=bfloat16",), base=SFT)],
+    "model.facts": [Shapes(("model.facts=models/reverse-text-tiny.json", *_DENSE), "model", base_sets=_DENSE)],  # noqa: E501
+    "model.hf": [Shapes(("model.hf=Qwen/Qwen3-Other", "model.facts=models/qwen3-30b-a3b.json"), "model",
+                        base_sets=("model.facts=models/qwen3-30b-a3b.json",)), Locks(("model.hf=a/b", "model.facts=models/qwen3-30b-a3b.json"), base=GPU)],
+    "model.revision": [Shapes(("model.revision=v2",), "model"), Refused(("model.revision=v2",))],
+    "model.path": [Shapes(("model={path: tiny-folder, dtype: float32}",), "model", base=RL)],
+    "model.from_manifest": [Shapes(("model.from_manifest=other-sft.yaml",), "model", base=RL)],
+    "model.init": [Custom(_init_random_builds_from_facts)],
+    "model.tokenizer": [Custom(_random_init_reads_the_tokenizer), Refused(("model.tokenizer=char",))],
+    "orchestrator.rollouts_per_step": [Reaches(config_of(O, "rollouts_per_step"),
+                                               ("orchestrator.rollouts_per_step=64",), 64)],
+    "orchestrator.group_size": [Reaches(config_of(O, "group_size"), ("orchestrator.group_size=4",), 4)],
+    "orchestrator.max_off_policy_steps": [Reaches(config_of(O, "max_off_policy_steps"),
+                                                  ("orchestrator.max_off_policy_steps=0",), 0)],
+    "orchestrator.seq_len": [Reaches(config_of(I, "max_model_len"), ("orchestrator.seq_len=80",), 80)],
+    "orchestrator.max_completion_tokens": [
+        Reaches(config_of(O, "max_completion_tokens"), ("orchestrator.max_completion_tokens=12",), 12),
+        Reaches(config_of(T, "max_completion_tokens"), ("orchestrator.max_completion_tokens=12",), 12)],
+    "orchestrator.max_steps": [Reaches(config_of(O, "max_steps"), ("orchestrator.max_steps=9",), 9),
+                               Reaches(config_of(T, "max_steps"), ("orchestrator.max_steps=9",), 9)],
+    "orchestrator.temperature": [Reaches(config_of(O, "temperature"), ("orchestrator.temperature=0.7",), 0.7),
+                                 Reaches(config_of(T, "temperature"), ("orchestrator.temperature=0.7",), 0.7)],
+    "orchestrator.top_p": [Refused(("orchestrator.top_p=0.9",))],
+    "orchestrator.lr": [Reaches(config_of(T, "lr"), ("orchestrator.lr=0.001",), 0.001)],
+    "orchestrator.warmup_steps": [Reaches(config_of(T, "warmup_steps"), ("orchestrator.warmup_steps=5",), 5)],
+    "orchestrator.loss.name": [Reaches(config_of(T, "loss.name"), ("orchestrator.loss={name: aipo}",), "aipo")],
+    "orchestrator.loss.mask_bound": [Reaches(config_of(T, "loss.delta"),
+                                             ("orchestrator.loss={name: dppo-kl, mask_bound: 0.3}",), 0.3)],
+    "orchestrator.loss.kl_tau": [Reaches(config_of(T, "loss.kl_tau"), ("orchestrator.loss={name: dppo-kl, kl_tau: 0.01}",),
+                                         0.01)],
+    "orchestrator.loss.clip_low": [Reaches(config_of(T, "loss.eps_low"), ("orchestrator.loss.clip_low=0.1",), 0.1)],
+    "orchestrator.loss.clip_high": [Reaches(config_of(T, "loss.eps_high"), ("orchestrator.loss.clip_high=0.4",),
+                                            0.4)],
+    "orchestrator.loss.is_cap": [Reaches(config_of(T, "loss.rho"), ("orchestrator.loss={name: aipo, is_cap: 3}",), 3.0),
+                                 Reaches(config_of(T, "loss.eps_high"), ("orchestrator.loss={name: cispo, is_cap: 3}",),
+                                         3.0)],
+    "orchestrator.normalize_advantage_std": [Reaches(config_of(O, "normalize_advantage_std"),
+                                                     ("orchestrator.normalize_advantage_std=true",), True)],
+    "orchestrator.eval_every": [Reaches(config_of(O, "eval_every"), ("orchestrator.eval_every=10",), 10)],
+    "orchestrator.eval_prompts": [Reaches(config_of(O, "eval_prompts"), ("orchestrator.eval_prompts=50",), 50)],
+    "sft.steps": [Builds(build_config("steps"), ("sft.steps=99",), 99)],
+    "sft.stop_at_reward": [Builds(build_config("stop_at_reward"), ("sft.stop_at_reward=0.5",), 0.5)],
+    "sft.batch_size": [Builds(build_config("batch_size"), ("sft.batch_size=32",), 32)],
+    "sft.lr": [Builds(build_config("lr"), ("sft.lr=0.002",), 0.002)],
+    "sft.warmup_steps": [Builds(build_config("warmup_steps"), ("sft.warmup_steps=10",), 10)],
+    "trainer.nodes": [Shapes(("hardware.nodes=3", "trainer.nodes=2", "trainer.dp_shard=16"), "processes",
+                             base_sets=("hardware.nodes=3", "trainer.nodes=1")),
+                      Refused(("trainer.nodes=1",))],
+    "trainer.ranks": [Shapes(("trainer.ranks=2", "trainer.dp_shard=2"), "processes", base=RL),
+                      Refused(("trainer.ranks=8",), base=GPU)],
+    "trainer.dp_shard": [Reaches(config_of(T, "parallel.dp_shard"), ("trainer.ranks=2", "trainer.dp_shard=2"), 2)],
+    "trainer.dp_replicate": [Refused(("trainer.dp_replicate=2",))],
+    "trainer.cp": [Refused(("trainer.cp=2",))],
+    "trainer.tp": [Refused(("trainer.tp=2",))],
+    "trainer.ep": [Refused(("trainer.ep=2",), base=GPU)],
+    "trainer.precision": [Reaches(config_of(T, "precision"), ("trainer.precision=bf16",), "bf16"),
+                          Refused(("trainer.precision=fp8",))],
+    "trainer.activation_checkpointing": [Reaches(config_of(T, "activation_checkpointing"),
+                                                 ("trainer.activation_checkpointing=true",), True)],
+    "trainer.optimizer.name": [Custom(lambda folder: _only_adamw_reaches_the_trainer(folder))],
+    "trainer.optimizer.betas": [Reaches(config_of(T, "betas"), ("trainer.optimizer.betas=[0.8, 0.95]",), [0.8, 0.95])],
+    "trainer.optimizer.weight_decay": [Reaches(config_of(T, "weight_decay"), ("trainer.optimizer.weight_decay=0.1",),
+                                               0.1)],
+    "trainer.optimizer.max_grad_norm": [Reaches(config_of(T, "max_grad_norm"), ("trainer.optimizer.max_grad_norm=0.5",),
+                                                0.5)],
+    "trainer.optimizer.cpu_offload": [Refused(("trainer.optimizer.cpu_offload=true",))],
+    "trainer.micro_batch_tokens": [Reaches(config_of(T, "micro_batch_tokens"), ("trainer.micro_batch_tokens=256",),
+                                           256)],
+    "trainer.logprob_chunk_tokens": [Reaches(config_of(T, "logprob_chunk_tokens"),
+                                             ("trainer.logprob_chunk_tokens=100",), 100)],
+    "trainer.checkpoint_every": [Reaches(config_of(T, "checkpoint_every"), ("trainer.checkpoint_every=7",), 7)],
+    "trainer.rendezvous_port": [Shapes(("trainer.rendezvous_port=29900",), "processes", base=GLM5),
+                                Refused(("trainer.rendezvous_port=29900",))],
+    "weight_sync.mode": [Reaches(config_of(T, "weight_sync.mode"), ("weight_sync.mode=broadcast",), "broadcast"),
+                         Reaches(config_of(O, "weight_sync"), ("weight_sync.mode=broadcast",), "broadcast")],
+    "weight_sync.port": [Reaches(config_of(T, "weight_sync.init_method"),
+                                 ("weight_sync.mode=broadcast", "weight_sync.port=29700"), "tcp://{host:0}:29700"),
+                         Refused(("weight_sync.port=29700",))],
+    "target.kind": [Refused(("target={kind: slurm}",))],
+}
+# Every field of a disaggregation: refused for the embedded engine; on the glm5 design it shapes the
+# vLLM command lines and the placement (each change keeps the 28 nodes consistent).
+_PD = {"prefill": {"replicas": ("replicas=3",), "nodes_per_replica": ("nodes_per_replica=2", "dp=2", "replicas=2"),
+                   "tp": ("tp=4", "ep=4"), "dp": ("dp=2", "tp=4", "ep=8"), "ep": ("ep=1",)},
+       "decode": {"replicas": ("replicas=5",), "nodes_per_replica": ("nodes_per_replica=1", "dp=8", "ep=8"),
+                  "tp": ("tp=2", "dp=8"), "dp": ("dp=8", "tp=2"), "ep": ("ep=1",)}}
+for _part, _dims in _PD.items():
+    for _dim, _sets in _dims.items():
+        FIELDS[f"inference.disaggregation.{_part}.{_dim}"] = [
+            Refused(("inference.disaggregation={prefill: {}, decode: {}}",), field_path="inference.disaggregation"),
+            Shapes(("trainer.nodes=12", *(f"inference.disaggregation.{_part}.{s}" for s in _sets)),
+                   "processes", base=GLM5, base_sets=("trainer.nodes=12",))]
+FIELDS["inference.disaggregation.kv_connector"] = [
+    Refused(("inference.disaggregation={prefill: {}, decode: {}, kv_connector: NixlConnector}",),
+            field_path="inference.disaggregation"),
+    Shapes(("inference.disaggregation.kv_connector=NixlConnector", "inference.router_replay=false"), "processes",
+           base=GLM5, base_sets=("inference.router_replay=false",))]
+# vLLM's parallel layout of a replica: refused for the embedded engine, shapes the qwen3 design's placement.
+_LAYOUT = {"tp": ("inference.tp=1", "inference.ep=1"), "dp": ("inference.dp=2", "inference.replicas=2"),
+           "ep": ("inference.ep=1",),
+           "nodes_per_replica": ("inference.nodes_per_replica=2", "inference.dp=8", "inference.replicas=1",
+                                 "hardware.nodes=3", "trainer.nodes=1")}
+for _dim, _sets in _LAYOUT.items():
+    FIELDS[f"inference.{_dim}"] = [Refused((f"inference.{_dim}=2",)), Shapes(_sets, "processes")]
+_TARGETS = {"hosts": "{kind: ssh, hosts: [a, b]}", "user": "{kind: ssh, hosts: [a], user: me}",
+            "port": "{kind: ssh, hosts: [a], port: 2222}", "workdir": "{kind: ssh, hosts: [a], workdir: /w}",
+            "partition": "{kind: slurm, partition: p}", "account": "{kind: slurm, account: a}",
+            "qos": "{kind: slurm, qos: q}", "time": "{kind: slurm, time: '1:00:00'}",
+            "namespace": "{kind: kubernetes, namespace: ns}", "service_account": "{kind: kubernetes, service_account: sa}"}
+for _name, _value in _TARGETS.items():
+    FIELDS[f"target.{_name}"] = [Refused((f"target={_value}",), field_path="target.kind")]
+
+
+def models_in(annotation) -> list[type[BaseModel]]:
+    """The model classes inside an annotation (through Optional, unions, lists, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in models_in(arg)]
+
+
+def schema_leaves(model: type[BaseModel], prefix: str = "") -> set[str]:
+    out = set()
+    for name, f in model.model_fields.items():
+        found = models_in(f.annotation)
+        path = prefix + name + ("[]" if found and typing.get_origin(f.annotation) is list else "")
+        if found:
+            for sub in found:
+                out |= schema_leaves(sub, path + ".")
+        else:
+            out.add(path)
+    return out
+
+
+def test_every_schema_field_is_covered():
+    leaves = schema_leaves(Manifest)
+    assert leaves - set(FIELDS) == set(), "schema fields nobody claims: add them to FIELDS"
+    assert set(FIELDS) - leaves == set(), "FIELDS names fields the schema no longer has"
+
+
+def scratch_folder(factory) -> Path:
+    folder = factory.getbasetemp() / "contract-manifests"
+    if not folder.exists():
+        shutil.copytree(MANIFESTS, folder)
+        (folder / "tiny-folder").mkdir()
+        shutil.copy(MANIFESTS / "models" / "reverse-text-tiny.json", folder / "tiny-folder" / "config.json")
+        other = (MANIFESTS / SFT).read_text().replace("name: reverse-text-sft", "name: other-sft")
+        (folder / "other-sft.yaml").write_text(other.replace("steps: 300", "steps: 200"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return scratch_folder(tmp_path_factory)
+
+
+def compile_json(folder: Path, base: str, sets: tuple[str, ...], *, design: bool = False) -> dict:
+    return compile_plan(load_manifest(folder / base, list(sets)), design=design).to_json()
+
+
+def without_hashes(plan: dict) -> dict:
+    return {k: v for k, v in plan.items() if k not in ("plan_hash", "manifest_hash", "unsupported", "runnable")}
+
+
+CASES = [(name, i, check) for name, checks in FIELDS.items() for i, check in enumerate(checks)]
+
+
+@pytest.mark.parametrize(("name", "index", "check"), CASES, ids=[f"{n}-{i}" for n, i, _ in CASES])
+def test_field_does_what_the_table_says(name, index, check, folder):
+    if isinstance(check, Reaches):
+        plan = compile_json(folder, check.base, check.sets)  # runnable: raises if anything is refused
+        assert check.get(plan) == check.expected
+        try:
+            before = check.get(compile_json(folder, check.base, ()))
+        except (KeyError, IndexError):  # the base has no such value at all (another loss, one environment)
+            before = None
+        assert before != check.expected, "the base already has this value: the check would prove nothing"
+    elif isinstance(check, Builds):
+        assert check.get(compile_json(folder, SFT, check.sets)) == check.expected
+        assert check.get(compile_json(folder, SFT, ())) != check.expected
+    elif isinstance(check, Shapes):
+        before = compile_json(folder, check.base, check.base_sets, design=True)
+        try:
+            after = compile_json(folder, check.base, check.sets, design=True)
+        except UserError as err:  # the compiler read it and found the layout infeasible: consumed, located
+            section = name.rsplit(".", 1)[0]
+            assert any(p.field and p.field.startswith(section) for p in err.problems), err.render()
+            return
+        assert before[check.section] != after[check.section]
+    elif isinstance(check, Refused):
+        with pytest.raises(UserError) as err:
+            compile_json(folder, check.base, check.sets)
+        fields = [p.field for p in err.value.problems]
+        assert (check.field_path or name) in fields, err.value.render()
+        located = next(p for p in err.value.problems if p.field == (check.field_path or name))
+        assert located.file and located.hint
+    elif isinstance(check, Locks):
+        assert requests(load_manifest(folder / check.base)) != requests(load_manifest(folder / check.base,
+                                                                                       list(check.sets)))
+    elif isinstance(check, Loader):
+        with pytest.raises(UserError) as err:
+            load_manifest(folder / RL, list(check.sets))
+        assert name in err.value.render()
+    elif isinstance(check, Recorded):
+        a, b = load_manifest(folder / RL), load_manifest(folder / RL, list(check.sets))
+        assert a.manifest_hash != b.manifest_hash
+        assert without_hashes(compile_plan(a).to_json()) == without_hashes(compile_plan(b).to_json())
+    else:
+        check.check(folder)
+
+
+def test_fixes_the_plan_suggests_are_ones_its_backends_apply(folder):
+    """A trainer that does not fit: the runnable plan suggests nothing the fsdp2 trainer cannot apply,
+    the design study (which assumes the backends that would) may."""
+    for design, offered in ((False, False), (True, True)):
+        with pytest.raises(UserError) as err:
+            compile_json(folder, RL, ("hardware.host_memory_gb=0.1",), design=design)
+        trainer = next(p for p in err.value.problems if p.message.startswith("trainer:"))
+        assert ("cpu_offload" in trainer.hint) is offered, trainer.hint
+        assert "activation_checkpointing: true" in trainer.hint
+
+
+def test_greedy_rollouts_are_a_located_error_at_every_door(tmp_path, capsys):
+    """Decided: `orchestrator.temperature: 0` does not train (every sample of a group would be the same
+    completion, advantage 0, and the trainer cannot score a greedy policy), so it is refused where it is
+    written — by `plan` and by `run` before anything is written — and a hand-written process config
+    with it is refused by the process itself."""
+    from conftest import call_cli
+
+    for command in (["plan"], ["run", "--runs-dir", str(tmp_path / "runs")]):
+        result = call_cli(capsys, *command, str(MANIFESTS / RL), "--set", "orchestrator.temperature=0")
+        assert result.code == 2 and "Traceback" not in result.err
+        assert "orchestrator.temperature: 0 is not a sampling temperature" in result.err
+        assert "use a value > 0" in result.err
+    assert not (tmp_path / "runs").exists()
+
+    plan = compile_json(scratch_folder_for(tmp_path), RL, ())
+    for role, module in (("trainer", "primebuild.runtime.trainer.main"),
+                         ("orchestrator", "primebuild.runtime.orchestrator.main")):
+        config = dict(process(plan, role)["config"], temperature=0.0)
+        path = tmp_path / f"{role}.json"
+        path.write_text(json.dumps(config))
+        done = subprocess.run([sys.executable, "-m", module, "--config", str(path)], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert f"{path}: temperature: Input should be greater than 0" in done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def scratch_folder_for(tmp_path: Path) -> Path:
+    shutil.copytree(MANIFESTS, tmp_path / "manifests")
+    return tmp_path / "manifests"

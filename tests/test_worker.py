@@ -1,0 +1,77 @@
+"""The worker: a plan's process, resolved on its host — typed config file, argv and env, no placeholder left."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from conftest import MANIFESTS
+
+from primebuild.builders.plan import compile_plan
+from primebuild.contracts.base import load_contract
+from primebuild.contracts.plan import render_json
+from primebuild.contracts.run_dir import Rendezvous, RunDir
+from primebuild.errors import UserError
+from primebuild.manifest.load import load_manifest
+from primebuild.runtime import worker
+
+PLACEHOLDER = re.compile(r"\{(run_dir|model_path|config|python|host:\d+)\}")
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> RunDir:
+    plan = compile_plan(load_manifest(MANIFESTS / "reverse-text.yaml", ["weight_sync.mode=broadcast"]))
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.plan.write_text(render_json(plan))
+    run.rendezvous.write_text(Rendezvous(hosts=["10.0.0.7"], model_path="/models/tiny").model_dump_json())
+    return run
+
+
+def test_every_process_gets_its_typed_config_with_nothing_left_to_resolve(run: RunDir):
+    plan = worker.read_plan(run.plan)
+    for spec in plan.processes:
+        argv, env = worker.prepare(plan, spec.name, run)
+        assert not any(PLACEHOLDER.search(a) for a in argv), argv
+        assert not any(PLACEHOLDER.search(v) for v in env.values())
+        config = load_contract(type(spec.config), run.config(spec.name))  # what the process itself does
+        text = run.config(spec.name).read_text()
+        assert not PLACEHOLDER.search(text), text
+        assert config.model_dump(exclude={"run_dir", "model_path", "weight_sync", "weight_broadcast",
+                                          "endpoints"}) == \
+            spec.config.model_dump(exclude={"run_dir", "model_path", "weight_sync", "weight_broadcast", "endpoints"})
+        if hasattr(config, "run_dir"):
+            assert config.run_dir == str(run.root)
+        if hasattr(config, "model_path"):
+            assert config.model_path == "/models/tiny"
+    trainer = load_contract(type(plan.process("trainer").config), run.config("trainer"))
+    assert trainer.weight_sync.init_method == "tcp://10.0.0.7:29600"  # {host:0} from the rendezvous
+    orchestrator = json.loads(run.config("orchestrator").read_text())
+    assert orchestrator["endpoints"] == ["http://10.0.0.7:8000/v1"]
+
+
+def test_the_worker_execs_in_the_run_folder(run: RunDir, monkeypatch, tmp_path: Path):
+    """`python -m` puts the working directory on sys.path: never the checkout, whose kernels/ would shadow."""
+    seen = {}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: seen.update(cwd=os.getcwd(), argv=argv))
+    worker.exec_process(run.plan, "orchestrator", run.root)
+    assert seen["cwd"] == str(run.root)
+    assert seen["argv"][1:3] == ["-m", "primebuild.runtime.orchestrator.main"]
+
+
+def test_a_plan_that_does_not_type_check_is_a_located_error(run: RunDir):
+    data = json.loads(run.plan.read_text())
+    next(p for p in data["processes"] if p["role"] == "trainer")["config"]["learning_rate"] = 0.1
+    run.plan.write_text(json.dumps(data))
+    with pytest.raises(UserError) as err:
+        worker.read_plan(run.plan)
+    assert str(run.plan) in err.value.render() and "learning_rate" in err.value.render()
+
+
+def test_an_unknown_process_names_the_known_ones(run: RunDir):
+    with pytest.raises(UserError, match="known processes: inference-0, trainer, orchestrator"):
+        worker.prepare(worker.read_plan(run.plan), "decode-7", run)
