@@ -30,6 +30,7 @@ COMMANDS = {
     "stop": "stop",
     "replay": "replay",
     "diff": "diff",
+    "verify": "verify",
 }
 
 

@@ -103,7 +103,7 @@ def test_run_completes_with_summary_report_and_records(workspace: Path, tmp_path
     for key in ("eval_reward_before", "eval_reward_after", "wall_seconds", "mismatch_kl_max"):
         assert key in summary, summary
     assert 0.0 <= summary["eval_reward_before"] <= 1.0 and 0.0 <= summary["eval_reward_after"] <= 1.0
-    assert summary["final_policy_version"] == 3
+    assert summary["eval_reward_after_step"] == 3
     assert _trained_steps(run_dir) == [1, 2, 3]
     rollouts = sorted(p.name for p in (run_dir / "rollouts").iterdir())
     assert rollouts == ["step_000001.pt", "step_000002.pt", "step_000003.pt"]
@@ -179,7 +179,7 @@ def test_broadcast_weight_sync_delivers_exactly_the_trained_weights(workspace: P
     assert "received weights of step 3 by broadcast" in server_log
     kls = [r["value"] for r in _metrics(run_dir) if r["role"] == "trainer" and r["name"] == "mismatch_kl"]
     assert len(kls) == 3 and all(abs(k) < 1e-3 for k in kls), kls
-    assert json.loads((run_dir / "summary.json").read_text())["final_policy_version"] == 3
+    assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == 3
 
 
 def test_killed_inference_is_restarted_and_no_step_is_lost(workspace: Path, tmp_path: Path):
@@ -221,7 +221,33 @@ def test_interrupt_checkpoints_and_resume_continues_the_step_sequence(workspace:
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr + _logs(runs)
     assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["final_policy_version"] == 6 and "eval_reward_before" in summary
+    assert summary["eval_reward_after_step"] == 6 and "eval_reward_before" in summary
+
+
+def test_resume_past_a_damaged_checkpoint_evaluates_the_weights_it_trained_last(workspace: Path, tmp_path: Path):
+    """The final eval of a resumed run scores the weights of the last step trained in *this* session, not
+    the weights the previous session had published past the checkpoint the run falls back to."""
+    runs = tmp_path / "runs"
+    first = _run(workspace, runs, "--set", "orchestrator.max_steps=4", "--set", "trainer.checkpoint_every=2")
+    assert first.returncode == 0, first.stdout + first.stderr + _logs(runs)
+    run_dir = _run_dir(runs)
+    shard = sorted((run_dir / "checkpoints" / "step_000004").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    resumed = subprocess.run([sys.executable, "-m", "primebuild.cli", "run", "--resume", str(run_dir), "--quiet"],
+                             capture_output=True, text=True, env=_env(workspace), timeout=240)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out + _logs(runs)
+    assert "skipping step_000004" in out and "sha256 differs" in out and "Traceback" not in out
+    assert "resuming" in out and "after step 2" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_reward_after_step"] == 4
+    rows = _metrics(run_dir)
+    trained = [i for i, r in enumerate(rows) if r["role"] == "trainer" and r["name"] == "loss" and r["step"] == 4]
+    evals = [i for i, r in enumerate(rows) if r["name"] == "eval_reward" and r["step"] == 4]
+    assert len(trained) == 2 and evals[-1] > trained[-1]  # step 4 retrained, then evaluated
 
 
 def test_a_port_held_by_another_program_is_refused_before_anything_starts(workspace: Path, tmp_path: Path):

@@ -72,7 +72,7 @@ def test_published_weights_equal_trainer_params(tmp_path, tiny):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = load_batch(Path(cfg.run_dir) / "rollouts" / "step_000001.pt")
     stats = train_step(model, opt, batch, cfg, resolve_loss("dppo-kl"), env, 1)
-    assert stats["skipped_step"] == 0.0
+    assert torch.isfinite(torch.tensor(stats["loss"]))
     folder = publish_hf_weights(tmp_path / "w", 1, full_state_dict(model, torch.float32), model.config)
     assert is_stable(folder)
     loaded = AutoModelForCausalLM.from_pretrained(folder)

@@ -36,7 +36,10 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         run = RunDir(resume_dir.resolve()).require(resumable=True)
         plan = read_plan(run.plan)
         run.stop_file.unlink(missing_ok=True)
-        click.echo(f"resuming {run.root}")
+        from primebuild.runtime.resume import reconcile
+
+        after = reconcile(run, click.echo)
+        click.echo(f"resuming {run.root} after step {after}")
         _supervise(plan, run, quiet, started, {})
         return
     if manifest is None:

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from primebuild.errors import Problem, UserError
+from primebuild.runtime.weight_sync.filesystem import STABLE, verify
 
 from .kv_cache import KVCache
 from .model import ModelConfig, Qwen3Forward, RotaryTable, load_weights
@@ -300,6 +301,8 @@ class Engine:
             raise UserError(f"in_flight must be 'resume' or 'finish', not {in_flight!r}")
         with self._update_lock:
             if not isinstance(path, Mapping):
+                if (Path(path) / STABLE).is_file():  # a published step folder: its files must be what it lists
+                    verify(path)
                 config = ModelConfig.from_folder(path)
                 if config.shape_signature() != self.config.shape_signature():
                     raise UserError(

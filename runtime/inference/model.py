@@ -342,6 +342,9 @@ def load_weights(
                     file=str(folder),
                 )
             )
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise UserError(Problem(f"tensor {key!r} has non-finite values (NaN or inf): refusing to serve them",
+                                    file=str(folder)))
         return tensor.to(device=device, dtype=dtype)
 
     def maybe(key: str, shape: tuple[int, ...]) -> torch.Tensor | None:

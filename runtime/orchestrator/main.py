@@ -173,12 +173,15 @@ class Orchestrator:
 
         final = await self.wait_for_version(cfg.max_steps)
         await self.sync_servers()
+        served = await asyncio.gather(*(c.version() for c in self.clients))
+        if set(served) != {final}:  # the final eval must see the weights of the last trained step
+            raise RuntimeError(f"servers serve policy versions {sorted(set(served))} after syncing to {final}")
         summary["eval_reward_after"] = await self.evaluate()
-        summary["final_policy_version"] = final
+        summary["eval_reward_after_step"] = final  # the trained step whose weights the eval used
         summary["orchestrator_seconds"] = round(time.monotonic() - started, 2)
         self.metrics.write(cfg.max_steps, {"eval_reward": summary["eval_reward_after"], "eval_policy_version": final})
         write_json_atomic(summary_path, summary)
-        log.info("eval reward after RL: %.4f (policy version %d)", summary["eval_reward_after"], final)
+        log.info("eval reward after RL: %.4f (weights of step %d)", summary["eval_reward_after"], final)
         for c in self.clients:
             await c.close()
         return summary

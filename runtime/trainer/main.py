@@ -20,7 +20,7 @@ Metrics (one JSON line each, see metrics.py), means are over trained tokens of t
   samples drawn with exactly the weights being trained: engine numerics only), masked_fraction, importance_ratio, entropy,
   grad_norm (before clipping), lr, tokens, samples, reward_mean, advantage_abs_mean, async_lag_mean/max
   (k − 1 − policy_version of a sample: how many optimizer steps behind its sampler was),
-  padding_fraction, skipped_step (1 when the gradient was not finite and the step was skipped),
+  padding_fraction,
   wait_s, step_s, publish_s.
 """
 
@@ -41,6 +41,7 @@ from primebuild.contracts.trainer import TrainerConfig, loss_params
 from primebuild.errors import UserError
 from primebuild.runtime.weight_sync import filesystem as fs
 
+from . import finite
 from .batch import load_batch, loss_normalizer, pack
 from .checkpoint import load_checkpoint, save_checkpoint
 from .losses import kl_per_token, resolve_loss
@@ -124,6 +125,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
     # Sums over this rank's tokens: loss, tokens, kl, masked, ratio, entropy, real, padded, and the
     # tokens and kl of "fresh" samples, drawn with exactly the weights being trained (version step-1).
     totals = torch.zeros(10, dtype=torch.float64)
+    bad_loss = None
     for mb in mine:
         mb.input_ids = mb.input_ids.to(env.device)
         mb.attention_mask = mb.attention_mask.to(env.device)
@@ -132,6 +134,8 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
             lp, entropy = model(mb.input_ids, mb.attention_mask, config.temperature)
         inference_lp = mb.inference_logprobs.to(env.device)
         loss_sum, m = loss_fn(lp, inference_lp, mb.advantages.to(env.device), mask)
+        if bad_loss is None and not torch.isfinite(loss_sum).item():
+            bad_loss = f"of samples {mb.sample_indices[0]}..{mb.sample_indices[-1]}" if mb.sample_indices else ""
         fresh_rows = torch.tensor([samples[i].policy_version == step - 1 for i in mb.sample_indices],
                                   dtype=torch.bool, device=env.device)
         fresh = mask & fresh_rows[:, None] if len(mb.sample_indices) else torch.zeros_like(mask)
@@ -157,16 +161,15 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
         dist.all_reduce(t)
         totals = t.cpu()
 
+    finite.check(step, bad_loss, "the loss", env.device)
+    finite.check(step, finite.first_non_finite(finite.grads(model)), "the gradient of", env.device)
     grad_norm = _grad_norm(model, config.max_grad_norm)
     lr = lr_at(config, step)
-    skipped = not torch.isfinite(grad_norm).item()
-    if skipped:
-        log.warning("step %d: gradient norm is %s; skipping the update", step, grad_norm.item())
-    else:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    finite.check(step, finite.first_non_finite(finite.weights(model)), "the updated weight", env.device)
 
     loss, tokens, kl, masked, ratio, ent, real, padded, fresh_tokens, fresh_kl = totals.tolist()
     n_tok = max(tokens, 1.0)
@@ -190,7 +193,6 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
         "async_lag_mean": sum(lags) / max(1, len(lags)),
         "async_lag_max": max(lags, default=0),
         "padding_fraction": 1.0 - real / padded if padded else 0.0,
-        "skipped_step": float(skipped),
     }
 
 
@@ -248,6 +250,22 @@ def check_launch(config: TrainerConfig, env: DistEnv) -> None:
     compute_dtype(config)
 
 
+def resume(ckpt_dir: Path, model, optimizer, env: DistEnv) -> int:
+    """The step after the newest checkpoint that verifies (damaged ones are named and skipped), or 1."""
+    warn = log.warning if env.is_main else (lambda _: None)
+    latest = fs.latest_verified(ckpt_dir, warn=warn)
+    if latest is None:
+        if fs.step_folders(ckpt_dir):
+            raise UserError(f"{ckpt_dir}: no checkpoint verifies (see the warnings above)",
+                            hint="restore a checkpoint, or remove the folder to start the run over")
+        if env.is_main:
+            log.info("resume: no checkpoint under %s, starting at step 1", ckpt_dir)
+        return 1
+    step = load_checkpoint(latest[1], model, optimizer)
+    log.info("resumed from %s; next step %d", latest[1], step + 1)
+    return step + 1
+
+
 def run_trainer(config: TrainerConfig) -> None:
     env = init_distributed()
     logging.basicConfig(level=logging.INFO, format=f"[trainer rank {env.rank}] %(message)s")
@@ -265,12 +283,7 @@ def run_trainer(config: TrainerConfig) -> None:
     ckpt_dir = run.checkpoints
     start = 1
     if config.resume:
-        latest = fs.latest_stable(ckpt_dir)
-        if latest is not None:
-            start = load_checkpoint(latest[1], model, optimizer) + 1
-            log.info("resumed from %s; next step %d", latest[1], start)
-        elif env.is_main:
-            log.info("resume: no stable checkpoint under %s, starting at step 1", ckpt_dir)
+        start = resume(ckpt_dir, model, optimizer, env)
     metrics = MetricsWriter(run.metrics, enabled=env.is_main)
     publisher = WeightPublisher(config, env)
     last_done, last_saved = start - 1, start - 1
@@ -317,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except finite.NonFiniteStep as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

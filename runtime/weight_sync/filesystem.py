@@ -1,10 +1,12 @@
-"""Step folders made visible atomically, and the readers' side of that contract.
+"""Step folders made visible atomically and verifiable, and the readers' side of that contract.
 
 A step folder is written under a hidden staging name in the same parent directory, renamed into place
 (one atomic ``rename`` on POSIX), and then marked with a ``STABLE`` file (itself written by
-``os.replace``). Readers only trust folders that carry ``STABLE``: the rename alone is atomic on a local
-disk, the marker keeps the contract on shared filesystems where a directory rename is not a guarantee that
-every file inside is visible. Never a half-written folder.
+``os.replace``), written last. The marker lists every file of the folder with its size and sha256, so a
+reader can tell a complete folder from a damaged one (a truncated file, flipped bytes, a file gone):
+``verify`` names the first file that does not match. Readers only trust folders that carry ``STABLE``:
+the rename alone is atomic on a local disk, the marker keeps the contract on shared filesystems where a
+directory rename is not a guarantee that every file inside is visible. Never a half-written folder.
 
 Used for published weights (``weights/step_k``) and trainer checkpoints (``checkpoints/step_k``).
 """
@@ -21,6 +23,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+
+from primebuild.errors import UserError
+from primebuild.hashing import sha256_file
 
 STABLE = "STABLE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -55,10 +60,66 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
+class DamagedFolder(UserError):
+    """A step folder whose files do not match its STABLE marker (or that has none)."""
+
+    def __init__(self, folder: Path, what: str):
+        self.folder, self.what = Path(folder), what
+        super().__init__(f"{folder}: {what}", hint="the folder is not used; an earlier verified one is, if any")
+
+
+def _listing(folder: Path) -> dict[str, dict]:
+    """{relative path: {size, sha256}} of every file of the folder but the marker."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.name not in (STABLE, f".{STABLE}.tmp"):
+            files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    return files
+
+
 def _write_marker(folder: Path, payload: dict) -> None:
     tmp = folder / f".{STABLE}.tmp"
-    tmp.write_text(json.dumps(payload))
+    tmp.write_text(json.dumps({**payload, "files": _listing(folder)}, sort_keys=True))
     os.replace(tmp, folder / STABLE)
+
+
+def verify(folder: str | os.PathLike) -> None:
+    """Raise DamagedFolder naming the first file that is missing, extra, or not what the marker says."""
+    folder = Path(folder)
+    marker = folder / STABLE
+    if not marker.is_file():
+        raise DamagedFolder(folder, f"no {STABLE} marker: the folder was never completed")
+    try:
+        listed = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        raise DamagedFolder(folder, f"{STABLE}: not a file listing (written by an older primebuild?)") from None
+    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
+               if p.is_file() and p.name not in (STABLE, f".{STABLE}.tmp")}
+    for rel in sorted(set(listed) | present):
+        path = folder / rel
+        if rel not in present:
+            raise DamagedFolder(folder, f"{rel}: missing")
+        if rel not in listed:
+            raise DamagedFolder(folder, f"{rel}: not listed in {STABLE}")
+        size = path.stat().st_size
+        if size != listed[rel]["size"]:
+            raise DamagedFolder(folder, f"{rel}: {size} bytes, {STABLE} says {listed[rel]['size']} (truncated?)")
+        if sha256_file(path) != listed[rel]["sha256"]:
+            raise DamagedFolder(folder, f"{rel}: sha256 differs from {STABLE} (the bytes changed)")
+
+
+def latest_verified(root: str | os.PathLike, warn: Callable[[str], None] = print) -> tuple[int, Path] | None:
+    """The newest step folder under ``root`` that verifies; every newer one that does not is named to
+    ``warn`` (a folder still being written lives under its hidden staging name, so it is not seen)."""
+    for step in reversed(step_folders(root)):
+        folder = step_dir(root, step)
+        try:
+            verify(folder)
+        except DamagedFolder as err:
+            warn(f"skipping {err.folder.name}: {err.what}")
+            continue
+        return step, folder
+    return None
 
 
 def begin(final: str | os.PathLike) -> Path:
@@ -100,6 +161,12 @@ def publish_dir(final: str | os.PathLike, write: Callable[[Path], None], step: i
     return commit(final, step)
 
 
+def step_folders(root: str | os.PathLike) -> list[int]:
+    """Steps of every `step_k` folder under ``root``, complete or not (staging folders are hidden)."""
+    root = Path(root)
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name))) if root.is_dir() else []
+
+
 def is_stable(folder: str | os.PathLike) -> bool:
     return (Path(folder) / STABLE).is_file()
 
@@ -138,9 +205,14 @@ def wait_for_step(root: str | os.PathLike, step: int, timeout_s: float, poll_s: 
 
 
 def prune(root: str | os.PathLike, keep_last: int) -> None:
-    """Remove all but the newest ``keep_last`` stable step folders (renamed away first, so a reader
-    never finds a folder that is being deleted under a stable name)."""
-    for s in stable_steps(root)[:-keep_last] if keep_last > 0 else []:
+    """Remove all but the newest ``keep_last`` stable step folders."""
+    remove_steps(root, stable_steps(root)[:-keep_last] if keep_last > 0 else [])
+
+
+def remove_steps(root: str | os.PathLike, steps: list[int]) -> None:
+    """Remove these step folders, each renamed away first, so a reader never finds a folder that is being
+    deleted under a stable name."""
+    for s in steps:
         folder = step_dir(root, s)
         trash = folder.parent / f".{folder.name}.trash"
         os.rename(folder, trash)

@@ -1,0 +1,41 @@
+"""`primebuild verify RUN_DIR`: check every checkpoint and published weight folder of a run against the
+file listing in its STABLE marker (sizes and sha256), as the trainer and the servers do before loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from primebuild.commands.options import output_option
+from primebuild.contracts.run_dir import RunDir
+
+
+@click.command("verify")
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@output_option
+def command(run_dir: Path, output: str) -> None:
+    """Verify RUN_DIR's checkpoints/ and weights/ step folders; exit 2 if any is damaged or incomplete."""
+    from primebuild.runtime.weight_sync.filesystem import DamagedFolder, step_dir, step_folders, verify
+
+    run = RunDir(run_dir).require()
+    rows = []
+    for kind, root in (("checkpoint", run.checkpoints), ("weights", run.weights)):
+        for step in step_folders(root):
+            folder = step_dir(root, step)
+            try:
+                verify(folder)
+                rows.append({"kind": kind, "step": step, "folder": str(folder), "ok": True, "problem": None})
+            except DamagedFolder as err:
+                rows.append({"kind": kind, "step": step, "folder": str(folder), "ok": False, "problem": err.what})
+    if output == "json":
+        click.echo(json.dumps({"run_dir": str(run.root), "folders": rows}, indent=2, sort_keys=True))
+    else:
+        for row in rows:
+            state = "ok" if row["ok"] else f"DAMAGED: {row['problem']}"
+            click.echo(f"{row['kind']:>10} step {row['step']:>6}  {state}")
+        bad = sum(not r["ok"] for r in rows)
+        click.echo(f"{len(rows)} folder(s) checked, {bad} damaged" if rows else "no checkpoint or weight folders")
+    if any(not r["ok"] for r in rows):
+        raise click.exceptions.Exit(2)
