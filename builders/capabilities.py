@@ -168,6 +168,7 @@ def _no_effect(m: Manifest) -> Iterator[Refusal]:
         ("model.revision", m.model.hf is None, "a revision applies to an hf: model only"),
         ("model.tokenizer", m.model.init is None, "a tokenizer is built only for init: random"),
         ("inference.threads", m.inference.engine != "embedded", "only the embedded engine takes a thread count"),
+        ("retention.keep_weights", m.weight_sync.mode != "filesystem", "broadcast weight sync writes no weight folders"),
     ]
     measured = "CPU runs are measured by `primebuild run`, not modelled"
     candidates += [
@@ -195,7 +196,7 @@ def _multi_node_trainer(m: Manifest) -> bool:
 
 # What an `sft:` manifest is read for; every other section belongs to an RL run.
 SFT_SECTIONS = {"apiVersion", "kind", "name", "description", "seed", "model", "hardware", "sft",
-                "environments", "image", "target", "secrets"}
+                "environments", "image", "target", "secrets"}  # not retention: a store build keeps one folder
 
 
 def _sft_only(m: Manifest) -> Iterator[Refusal]:

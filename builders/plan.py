@@ -63,8 +63,8 @@ def _raise_unless_design(loaded: LoadedManifest, refused: list[Refusal], problem
     located += sorted((_locate(loaded, p) for p in blocking),
                       key=lambda p: (p.file or "", p.line or 0, p.column or 0, p.field or ""))
     if blocking:
-        located.append(Problem(f"{len(blocking)} field(s) need backends that are not built; "
-                               "`primebuild plan --design` shows this plan as a design study"))
+        located.append(Problem(f"{len(blocking)} field(s) ask for what this plan's backends do not apply; "
+                               "`primebuild plan --design` shows the plan anyway, as a design study"))
     raise UserError(located)
 
 

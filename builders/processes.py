@@ -180,7 +180,8 @@ def trainer_config(m: Manifest, sync=None) -> TrainerConfig:
         precision=t.precision, activation_checkpointing=t.activation_checkpointing,
         parallel=ParallelDims(dp_replicate=t.dp_replicate, dp_shard=t.dp_shard, cp=t.cp, tp=t.tp, ep=t.ep),
         optimizer_cpu_offload=t.optimizer.cpu_offload,
-        weight_sync=sync or FilesystemSync(), weight_dtype=m.model.dtype, checkpoint_every=t.checkpoint_every)
+        weight_sync=sync or FilesystemSync(), weight_dtype=m.model.dtype, checkpoint_every=t.checkpoint_every,
+        keep_checkpoints=m.retention.keep_checkpoints)
 
 
 def trainer_loss(loss: DppoKl | Aipo | Grpo | Cispo):
@@ -210,7 +211,7 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec]) 
         max_off_policy_steps=o.max_off_policy_steps, max_completion_tokens=o.max_completion_tokens,
         max_steps=o.max_steps, temperature=o.temperature, top_p=o.top_p,
         normalize_advantage_std=o.normalize_advantage_std, eval_every=o.eval_every, eval_prompts=o.eval_prompts,
-        weight_sync=m.weight_sync.mode)
+        weight_sync=m.weight_sync.mode, keep_weights=m.retention.keep_weights)
     env = _base_env(m, [])
     if m.hardware.gpu == "cpu":
         env["OMP_NUM_THREADS"] = "1"

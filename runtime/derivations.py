@@ -68,6 +68,7 @@ def output_of(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
     def build(out: Path) -> None:
         from primebuild.runtime.sft import run_sft
 
+        _no_progress_bars()
         model_dir = out / "model-staging"
         result = run_sft(runnable, str(model_dir))
         _move_contents(model_dir, out)
@@ -91,6 +92,7 @@ def _random_init(loaded: LoadedManifest, store: Store) -> Resolved:
         from primebuild.runtime.models.char_tokenizer import build_char_tokenizer
         from primebuild.runtime.models.tiny import init_tiny_model, save_hf_folder, tiny_config
 
+        _no_progress_bars()
         config = tiny_config(hidden_size=arch["hidden_size"], num_layers=arch["num_hidden_layers"],
                              num_heads=arch["num_attention_heads"], num_kv_heads=arch["num_key_value_heads"],
                              intermediate_size=arch["intermediate_size"])
@@ -101,6 +103,15 @@ def _random_init(loaded: LoadedManifest, store: Store) -> Resolved:
     hit = store.lookup(derivation.key) is not None
     path = store.build(derivation.name, derivation.inputs, build)
     return Resolved(path, hit, time.perf_counter() - started, {"source": "init"})
+
+
+def _no_progress_bars() -> None:
+    """Builds run inside `primebuild run`: its terminal shows progress lines, not transformers' bars."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    disable_progress_bars()
+    hf_logging.disable_progress_bar()
 
 
 def _move_contents(src: Path, dst: Path) -> None:

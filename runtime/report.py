@@ -48,7 +48,7 @@ def write_report(run: RunDir) -> Path | None:
         ax.plot(xs, ys, marker=".", linewidth=1)
         if name == "reward_mean":
             ex, ey = series(rows, "orchestrator", "eval_reward")
-            ax.plot(ex, ey, "o--", label="held-out eval (greedy)")
+            ax.plot(ex, ey, "o-", label="held-out eval (greedy, every orchestrator.eval_every steps)")
             ax.legend()
         if name == "behaviour_kl":
             ax.lines[-1].set_label("behaviour (all samples)")
@@ -70,11 +70,12 @@ def write_summary(run: RunDir, extra: dict) -> dict:
     summary = run.read_json(run.orchestrator_state)
     summary.update(extra)
     rows = read_metrics(run.metrics)
-    for name in ("mismatch_kl", "behaviour_kl"):
-        _, kl = series(rows, "trainer", name)
+    for name in ("mismatch_kl", "behaviour_kl"):  # over every step where it was measured
+        steps, kl = series(rows, "trainer", name)
         if kl:
             summary[f"{name}_max"] = max(kl)
             summary[f"{name}_mean"] = sum(kl) / len(kl)
+            summary[f"{name}_steps"] = len(steps)
     if "eval_reward_before" in summary and "eval_reward_after" in summary:
         summary["eval_reward_gain"] = summary["eval_reward_after"] - summary["eval_reward_before"]
     write_json_atomic(run.summary, summary)

@@ -3,7 +3,9 @@
 - Processes start in the plan's start order; each order waits until the previous ones are healthy
   (an HTTP health check, or simply alive).
 - Every process is `primebuild worker --plan … --process NAME` in its own session; its output goes to
-  logs/NAME.log and, prefixed with its name, to the terminal.
+  logs/NAME.log. The terminal gets one progress line per step (from metrics.jsonl) and, prefixed with
+  the process's name, the lines that ask for attention (warnings, errors, tracebacks); `verbose` adds
+  every line (access logs, per-request lines), `quiet` keeps the progress alone.
 - A process that dies is restarted when its restart policy says so; otherwise everything is torn down
   at once (fail fast) and the exit code names what failed.
 - The run ends when the orchestrator exits 0 and the trainer has finished.
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -32,6 +35,10 @@ from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.progress import Progress
 
 GRACE_SECONDS = 60
+QUIET, ATTENTION, VERBOSE = 0, 1, 2
+# What a person must see on the terminal: log records at WARNING and above (every process logs with its
+# level), tracebacks and `error:` lines. torch/transformers chatter, tqdm bars and access logs stay in logs/.
+_ATTENTION = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^Traceback|^error:|^\w+(Error|Exception): ")
 
 
 @dataclass
@@ -51,12 +58,12 @@ class Outcome:
 
 
 class Supervisor:
-    def __init__(self, plan: Plan, run_dir: Path, *, echo=print, quiet: bool = False, live=None):
+    def __init__(self, plan: Plan, run_dir: Path, *, echo=print, verbosity: int = ATTENTION, live=None):
         self.plan = plan
         self.run = RunDir(run_dir)
         self.run_dir = run_dir
         self.echo = echo
-        self.quiet = quiet
+        self.verbosity = verbosity
         self.run.logs.mkdir(parents=True, exist_ok=True)
         self.running: dict[str, Running] = {}
         self.lock = threading.Lock()
@@ -85,7 +92,7 @@ class Supervisor:
         assert popen.stdout is not None
         for line in popen.stdout:
             log.write(line)
-            if not self.quiet:
+            if self.verbosity == VERBOSE or (self.verbosity == ATTENTION and _ATTENTION.search(line)):
                 self.echo(f"[{name}] {line.rstrip()}")
 
     def _healthy(self, running: Running, deadline: float) -> bool:
@@ -138,8 +145,7 @@ class Supervisor:
                         return outcome
                     if stop_deadline is not None and time.monotonic() > stop_deadline:
                         self.stop_all()
-                        return Outcome(False, "stopped on request; resume with `primebuild run --resume "
-                                       f"{self.run_dir}`", 130)
+                        return self._stopped()
                     time.sleep(0.2)
                 except KeyboardInterrupt:
                     if interrupted:
@@ -183,12 +189,16 @@ class Supervisor:
         if orchestrator_done and trainers_done:
             stopped = self.run.stop_requested()
             self.stop_all()
-            if stopped:
-                return Outcome(False, f"stopped on request; resume with `primebuild run --resume {self.run_dir}`", 130)
-            return Outcome(True, "run complete", 0)
+            return self._stopped() if stopped else Outcome(True, "run complete", 0)
         return None
 
     # --- stopping --------------------------------------------------------------------------------
+
+    def _stopped(self) -> Outcome:
+        """A requested stop (STOP file, Ctrl-C) is a normal end: the trainer checkpointed after its step."""
+        self.progress.poll()
+        step = max((s for (role, s), v in self.progress.steps.items() if role == "trainer" and "loss" in v), default=0)
+        return Outcome(True, f"stopped at step {step}; resume with `primebuild run --resume {self.run_dir}`", 0)
 
     def _reap(self, running: Running) -> None:
         if running.pump:
@@ -237,8 +247,8 @@ def ports_message(busy: list[str]) -> str:
             "(stop it, or pick free ports, e.g. --set inference.port=8100)")
 
 
-def supervise(plan: Plan, run_dir: Path, *, echo=print, quiet: bool = False, live=None) -> Outcome:
-    supervisor = Supervisor(plan, run_dir, echo=echo, quiet=quiet, live=live)
+def supervise(plan: Plan, run_dir: Path, *, echo=print, verbosity: int = ATTENTION, live=None) -> Outcome:
+    supervisor = Supervisor(plan, run_dir, echo=echo, verbosity=verbosity, live=live)
     try:
         failure = supervisor.start()
         if failure is not None:

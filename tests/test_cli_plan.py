@@ -4,6 +4,7 @@ processes and working directories, no torch import, and the committed JSON Schem
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -28,7 +29,26 @@ def test_glm5_plan_is_byte_identical_across_processes_and_working_directories(tm
     owners = [(p["node"], g) for p in plan["processes"] for g in p["gpus"]]
     assert len(owners) == len(set(owners)) == 224
     assert {"prefill", "decode", "trainer", "orchestrator"} <= {p["role"] for p in plan["processes"]}
-    assert first.out.endswith("}\n") and "\n" not in first.out[:-1]  # one canonical line
+    assert first.out.endswith("}\n") and first.out.startswith('{\n  "build"')  # pretty, sorted keys
+    compact = run_cli("plan", "manifests/glm5.yaml", "--design", "-o", "json", "--compact")
+    assert compact.code == 0 and "\n" not in compact.out[:-1] and json.loads(compact.out) == plan
+
+
+def test_a_piped_plan_at_80_columns_breaks_no_identifier_across_lines():
+    """Long cells wrap at spaces and separators; a word too long for its column is shortened with "…",
+    never cut in two (the full value is in `-o json`)."""
+    word = re.compile(r"[A-Za-z0-9_.{}:/'=-]+")
+    wide = run_cli("plan", "manifests/glm5.yaml", "--design", env={"COLUMNS": "400"})
+    narrow = run_cli("plan", "manifests/glm5.yaml", "--design", env={"COLUMNS": "80"})
+    assert wide.code == narrow.code == 0
+    whole = set(word.findall(wide.out))
+    assert max(len(line) for line in narrow.out.splitlines()) <= 80
+    for line in narrow.out.splitlines():
+        for match in word.finditer(line):
+            token = match.group()
+            shortened = line[match.end():match.end() + 1] == "…"
+            assert token in whole or (shortened and any(w.startswith(token) for w in whole)), \
+                f"{token!r} is a piece of an identifier: {line!r}"
 
 
 @pytest.mark.parametrize("name", ["reverse-text", "reverse-text-sft"])

@@ -11,6 +11,7 @@ from conftest import run_cli
 @pytest.mark.parametrize("args", [
     ("status", "{d}"), ("stop", "{d}"), ("logs", "{d}"), ("run", "--resume", "{d}"),
     ("run", "--resume", "{d}/missing"), ("run",), ("worker", "--plan", "{d}/plan.json", "--process", "x"),
+    ("status", "--runs-dir", "{d}"), ("logs", "--runs-dir", "{d}"), ("stop", "--runs-dir", "{d}"),
 ])
 def test_not_a_run_folder_is_a_clean_error(args, tmp_path: Path):
     result = run_cli(*(a.format(d=tmp_path) for a in args))

@@ -370,6 +370,10 @@ FIELDS: dict[str, list] = {
                                  ("weight_sync.mode=broadcast", "weight_sync.port=29700"), "tcp://{host:0}:29700"),
                          Refused(("weight_sync.port=29700",))],
     "target.kind": [Refused(("target={kind: slurm}",))],
+    "retention.keep_weights": [Reaches(config_of(O, "keep_weights"), ("retention.keep_weights=5",), 5),
+                               Refused(("weight_sync.mode=broadcast", "retention.keep_weights=5")),
+                               Refused(("retention.keep_weights=5",), base=SFT, field_path="retention")],
+    "retention.keep_checkpoints": [Reaches(config_of(T, "keep_checkpoints"), ("retention.keep_checkpoints=2",), 2)],
 }
 # Every field of a disaggregation: refused for the embedded engine; on the glm5 design it shapes the
 # vLLM command lines and the placement (each change keeps the 28 nodes consistent).

@@ -121,10 +121,13 @@ def test_run_completes_with_summary_report_and_records(workspace: Path, tmp_path
                             capture_output=True, text=True, timeout=60)
     state = json.loads(status.stdout)
     assert state["steps_trained"] == 3 and state["outcome"] == "run complete"
-    logs = subprocess.run([sys.executable, "-m", "primebuild.cli", "logs", str(run_dir), "trainer", "-n", "50"],
-                          capture_output=True, text=True, timeout=60)
+    newest = subprocess.run([sys.executable, "-m", "primebuild.cli", "status", "-o", "json"],  # no RUN_DIR
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)  # ./runs/ is there
+    assert json.loads(newest.stdout)["run_dir"] == str(run_dir)
+    logs = subprocess.run([sys.executable, "-m", "primebuild.cli", "logs", "--process", "trainer", "-n", "50",
+                           "--runs-dir", str(runs)], capture_output=True, text=True, timeout=60)
     assert logs.returncode == 0 and "step 3 loss" in logs.stdout
-    missing = subprocess.run([sys.executable, "-m", "primebuild.cli", "logs", str(run_dir), "nope"],
+    missing = subprocess.run([sys.executable, "-m", "primebuild.cli", "logs", str(run_dir), "-p", "nope"],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "processes: inference-0, orchestrator, trainer" in missing.stderr
     stop = subprocess.run([sys.executable, "-m", "primebuild.cli", "stop", str(run_dir)],
@@ -135,6 +138,26 @@ def test_run_completes_with_summary_report_and_records(workspace: Path, tmp_path
     everything = "".join(p.read_text(errors="ignore") for p in run_dir.rglob("*") if p.is_file()
                          and p.suffix in {".json", ".log", ".jsonl"})
     assert "Bearer" not in everything and "PRIMEBUILD_ADMIN_TOKEN=" not in everything
+
+
+def test_a_default_run_shows_about_one_line_per_step_and_keeps_its_folder_small(workspace: Path, tmp_path: Path):
+    """No --quiet: progress lines, the held-out evals and the summary; access logs and per-request lines
+    only in logs/. Retention keeps the newest weight folders (the orchestrator retires older ones)."""
+    runs = tmp_path / "runs"
+    steps = 60
+    result = subprocess.run(
+        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text.yaml"),
+         "--runs-dir", str(runs), *_small("--set", f"orchestrator.max_steps={steps}")],
+        capture_output=True, text=True, env=_env(workspace), timeout=280)
+    lines = (result.stdout + result.stderr).splitlines()
+    assert result.returncode == 0, "\n".join(lines) + _logs(runs)
+    assert len(lines) <= 1.2 * steps, "\n".join(lines)
+    assert sum(line.startswith("step ") for line in lines) == steps
+    assert not any("POST /v1/completions" in line for line in lines)
+    run_dir = _run_dir(runs)
+    assert "POST /v1/completions" in (run_dir / "logs" / "inference-0.log").read_text()  # kept in logs/
+    weights = sorted(p.name for p in (run_dir / "weights").iterdir() if not p.name.startswith("."))
+    assert weights == [f"step_{s:06d}" for s in range(steps - 2, steps + 1)]  # keep_weights: 3
 
 
 def test_store_reuses_the_sft_model(workspace: Path, tmp_path: Path):
@@ -209,8 +232,9 @@ def test_interrupt_checkpoints_and_resume_continues_the_step_sequence(workspace:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, out + _logs(runs)
-    assert "--resume" in out
+    assert proc.returncode == 0, out + _logs(runs)  # a requested stop is a normal end
+    assert "stopped at step" in out and "--resume" in out and "error" not in out
+    assert json.loads((runs.iterdir().__next__() / "summary.json").read_text())["eval_reward_before"] >= 0
     done = _trained_steps(run_dir)
     assert done and done == list(range(1, len(done) + 1)) and len(done) < 6
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if (p / "STABLE").exists())

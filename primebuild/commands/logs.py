@@ -1,4 +1,4 @@
-"""`primebuild logs RUN_DIR [PROCESS]`: the per-process logs of a run (optionally following them)."""
+"""`primebuild logs [RUN_DIR] [--process NAME] [-f]`: the per-process logs of a run (default: the newest)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,22 @@ from pathlib import Path
 
 import click
 
-from primebuild.contracts.run_dir import RunDir
+from primebuild.commands.options import run_dir_argument, runs_dir_option
+from primebuild.contracts.run_dir import find_run
 from primebuild.errors import UserError
 
 
 @click.command("logs")
-@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.argument("process", required=False)
+@run_dir_argument
+@runs_dir_option
+@click.option("-p", "--process", default=None, help="Only this process's log (e.g. trainer, inference-0).")
 @click.option("-n", "--lines", default=40, show_default=True, help="Lines from the end of each log.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until Ctrl-C.")
-def command(run_dir: Path, process: str | None, lines: int, follow: bool) -> None:
-    """Print the last lines of every process log of RUN_DIR, or of PROCESS only."""
-    logs_dir = RunDir(run_dir).logs
+def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: int, follow: bool) -> None:
+    """Print the last lines of every process log of RUN_DIR (default: the newest run), or of one process."""
+    run = find_run(run_dir, runs_dir)
+    run_dir = run.root
+    logs_dir = run.logs
     if not logs_dir.is_dir():
         raise UserError(f"{run_dir} has no logs/ folder", hint="is it a run folder? (runs/<name>-<time>)")
     files = sorted(logs_dir.glob("*.log"))

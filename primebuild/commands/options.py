@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 manifest_argument = click.argument("manifest", type=click.Path(dir_okay=False, path_type=str))
@@ -11,6 +13,12 @@ set_option = click.option(
 output_option = click.option(
     "-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True,
     help="Human summary or canonical JSON.")
+
+
+run_dir_argument = click.argument("run_dir", required=False, type=click.Path(file_okay=False, path_type=Path))
+runs_dir_option = click.option(
+    "--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs"), show_default=True,
+    help="Where run folders are; without RUN_DIR the newest one there is used.")
 
 
 def print_notes(notes: list[str]) -> None:

@@ -19,10 +19,11 @@ from primebuild.manifest.load import load_manifest
               help="Use this lock file instead of the default one (implies --locked).")
 @click.option("--image-digest", default=None, metavar="sha256:…",
               help="Name the image built for this plan (`primebuild build`) in the plan's `image` field.")
+@click.option("--compact", is_flag=True, help="With -o json: the canonical JSON on one line.")
 @click.option("--design", is_flag=True,
               help="Also compile what no built backend applies yet: a design study marked runnable: false.")
 def command(manifest: str, sets: tuple[str, ...], output: str, locked: bool, lock_path: str | None,
-            image_digest: str | None, design: bool) -> None:
+            image_digest: str | None, compact: bool, design: bool) -> None:
     """Compile MANIFEST into a launch plan and print it.
 
     A field that the plan's backends cannot apply is an error (exit 2) naming it; with --design the
@@ -42,7 +43,7 @@ def command(manifest: str, sets: tuple[str, ...], output: str, locked: bool, loc
 
         plan = plan_with_image(plan, image_digest)
     if output == "json":
-        click.echo(render_json(plan), nl=False)
+        click.echo(render_json(plan, compact=compact), nl=False)
     else:
         from primebuild.commands.plan_view import show_plan
 

@@ -40,9 +40,11 @@ def show_plan(plan: dict, console: Console | None = None) -> None:
                   f" = {gpus_total} GPUs; target {plan['target']['kind']}")
 
     nodes = Table(title="node map", show_edge=False, pad_edge=False)
+    # Long cells wrap at spaces; a single word too long for its column is shortened with "…" (never
+    # broken in two: piped into `less` or `grep`, an identifier must stay whole). `-o json` has it all.
     nodes.add_column("node", justify="right")
-    nodes.add_column("GPUs -> process")
-    nodes.add_column("CPU processes")
+    nodes.add_column("GPUs -> process", overflow="ellipsis")
+    nodes.add_column("CPU processes", overflow="ellipsis")
     for node in plan["nodes"]:
         spans: dict[str, list[int]] = {}
         for gpu in node["gpus"]:
@@ -53,16 +55,16 @@ def show_plan(plan: dict, console: Console | None = None) -> None:
     console.print(nodes)
 
     procs = Table(title="processes (start order, then placement)", show_edge=False, pad_edge=False)
-    for col in ("name", "role", "node", "gpus", "ports", "command"):
-        procs.add_column(col, overflow="fold")
+    for col in ("name", "node", "gpus", "ports", "command"):  # the role starts every name
+        procs.add_column(col, overflow="ellipsis")
     for p in sorted(plan["processes"], key=lambda p: p["start_order"]):
-        ports = ",".join(f"{k}={v}" for k, v in p["ports"].items())
-        procs.add_row(p["name"], p["role"], str(p["node"]), _ranges(p["gpus"]), ports, _command(p["argv"]))
+        ports = ", ".join(f"{k}={v}" for k, v in p["ports"].items())
+        procs.add_row(p["name"], str(p["node"]), _ranges(p["gpus"]), ports, _command(p["argv"]))
     console.print(procs)
 
     mem = Table(title="memory per GPU (per process on CPU-only nodes)", show_edge=False, pad_edge=False)
     for col in ("group", "per GPU", "breakdown", "free", "fits"):
-        mem.add_column(col, overflow="fold")
+        mem.add_column(col, overflow="ellipsis")
     for group, m in plan["memory"].items():
         parts = ", ".join(f"{k} {_size(v)}" for k, v in m["breakdown"].items() if v)
         extra = ""
@@ -82,7 +84,7 @@ def show_plan(plan: dict, console: Console | None = None) -> None:
     for w in plan["warnings"]:
         console.print(f"[yellow]warning:[/] {w}")
     if not plan.get("runnable", True):
-        console.print("[red]design study, not runnable:[/] these fields need backends that are not built")
+        console.print("[red]design study, not runnable:[/] no built backend applies these fields")
         for u in plan["unsupported"]:
             console.print(f"  {u['field']}: {u['message']}\n    hint: {u['hint']}", markup=False, highlight=False)
     console.print("[green]fits[/]" if plan["fits"] else "[red]does not fit[/]")

@@ -22,14 +22,21 @@ from primebuild.errors import UserError
               show_default=True, help="Where run folders are created.")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
               help="Continue a stopped run from its folder (checkpoints and rollouts on disk).")
-@click.option("--quiet", is_flag=True, help="Only progress lines, not every process's log lines.")
-def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_dir: Path | None, quiet: bool) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="Only the progress lines (no process warnings).")
+@click.option("--verbose", "-v", is_flag=True, help="Every line every process prints (access logs too).")
+def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_dir: Path | None, quiet: bool,
+            verbose: bool) -> None:
     """Run MANIFEST on this machine: build its model, start every process, report the result."""
     from primebuild.builders.plan import compile_plan
     from primebuild.builders.store import Store
     from primebuild.manifest.load import load_manifest
 
     started = time.monotonic()
+    from primebuild.runtime.supervisor import ATTENTION, QUIET, VERBOSE
+
+    if quiet and verbose:
+        raise UserError("--quiet and --verbose contradict each other: give one")
+    verbosity = QUIET if quiet else VERBOSE if verbose else ATTENTION
     if resume_dir is not None:
         if manifest or sets:
             raise UserError("--resume takes the run folder only: its plan and manifest are already recorded")
@@ -40,7 +47,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
 
         after = reconcile(run, click.echo)
         click.echo(f"resuming {run.root} after step {after}")
-        _supervise(plan, run, quiet, started, {})
+        _supervise(plan, run, verbosity, started, {})
         return
     if manifest is None:
         raise UserError("give a manifest (e.g. manifests/reverse-text.yaml) or --resume RUN_DIR")
@@ -84,10 +91,10 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     record_lock(run.lock, loaded)  # the lock as it was, when the manifest has one
     click.echo(f"run folder: {run.root}")
     extra = {"sft": model.info, "model_seconds": round(model.seconds, 2)}
-    _supervise(plan, run, quiet, started, extra)
+    _supervise(plan, run, verbosity, started, extra)
 
 
-def _supervise(plan: Plan, run: RunDir, quiet: bool, started: float, extra: dict) -> None:
+def _supervise(plan: Plan, run: RunDir, verbosity: int, started: float, extra: dict) -> None:
     from primebuild.runtime.report import write_report, write_summary
     from primebuild.runtime.supervisor import supervise
 
@@ -99,9 +106,9 @@ def _supervise(plan: Plan, run: RunDir, quiet: bool, started: float, extra: dict
             def echo(text: str) -> None:
                 live.console.print(text, markup=False, highlight=False)
 
-            outcome = supervise(plan, run.root, echo=echo, quiet=quiet, live=live)
+            outcome = supervise(plan, run.root, echo=echo, verbosity=verbosity, live=live)
     else:
-        outcome = supervise(plan, run.root, echo=click.echo, quiet=quiet)
+        outcome = supervise(plan, run.root, echo=click.echo, verbosity=verbosity)
     wall = time.monotonic() - started
     previous = run.read_json(run.summary)
     summary = write_summary(run, {**extra, "wall_seconds": round(previous.get("wall_seconds", 0) + wall, 2),

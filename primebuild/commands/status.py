@@ -7,18 +7,20 @@ from pathlib import Path
 
 import click
 
+from primebuild.commands.options import output_option, run_dir_argument, runs_dir_option
 from primebuild.contracts.plan import read_plan
-from primebuild.contracts.run_dir import RunDir
+from primebuild.contracts.run_dir import find_run
 
 
 @click.command("status")
-@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def command(run_dir: Path, output: str) -> None:
-    """Steps sampled and trained, latest policy, rewards and the outcome of RUN_DIR."""
+@run_dir_argument
+@runs_dir_option
+@output_option
+def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
+    """Steps sampled and trained, latest policy, rewards and the outcome of RUN_DIR (default: the newest run)."""
     from primebuild.runtime.report import read_metrics, series
 
-    run = RunDir(run_dir).require()
+    run = find_run(run_dir, runs_dir)
     plan = read_plan(run.plan)
     rows = read_metrics(run.metrics)
     trained, _ = series(rows, "trainer", "loss")
@@ -26,7 +28,7 @@ def command(run_dir: Path, output: str) -> None:
     summary = run.read_json(run.summary)
     orchestrator = plan.by_role("orchestrator")
     state = {
-        "run_dir": str(run_dir), "name": plan.name, "plan_hash": plan.plan_hash,
+        "run_dir": str(run.root), "name": plan.name, "plan_hash": plan.plan_hash,
         "max_steps": orchestrator[0].config.max_steps if orchestrator else None,
         "steps_sampled": max(sampled, default=0), "steps_trained": max(trained, default=0),
         "last_reward": rewards[-1] if rewards else None, "stop_requested": run.stop_requested(),

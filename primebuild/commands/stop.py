@@ -6,12 +6,16 @@ from pathlib import Path
 
 import click
 
-from primebuild.contracts.run_dir import RunDir
+from primebuild.commands.options import run_dir_argument, runs_dir_option
+from primebuild.contracts.run_dir import find_run
 
 
 @click.command("stop")
-@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
-def command(run_dir: Path) -> None:
+@run_dir_argument
+@runs_dir_option
+def command(run_dir: Path | None, runs_dir: Path) -> None:
     """Write RUN_DIR/STOP: the trainer checkpoints after its current step, the orchestrator stops."""
-    RunDir(run_dir).require().stop_file.touch()
+    run = find_run(run_dir, runs_dir)
+    run.stop_file.touch()
+    run_dir = run.root
     click.echo(f"stop requested for {run_dir}; continue later with `primebuild run --resume {run_dir}`")

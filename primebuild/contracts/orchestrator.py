@@ -36,6 +36,7 @@ class OrchestratorConfig(Contract):
     eval_prompts: int = Field(ge=1)
 
     weight_sync: Literal["filesystem", "broadcast"] = "filesystem"
+    keep_weights: int = Field(3, ge=1)  # filesystem sync: published weight folders kept (the newest)
     retry_seconds: float = Field(120.0, gt=0)  # how long a request rides out a restarting server
 
     @model_validator(mode="after")

@@ -147,8 +147,12 @@ def plan_hash(plan_json: dict[str, Any]) -> str:
     return sha256_json({k: v for k, v in plan_json.items() if k != "plan_hash"})
 
 
-def render_json(plan: Plan) -> str:
-    return canonical_json(plan.to_json()) + "\n"
+def render_json(plan: Plan, *, compact: bool = False) -> str:
+    """The plan's bytes: sorted keys, two-space indent (one line with `compact`); deterministic either way,
+    and the hash is over the canonical JSON, not over this text."""
+    if compact:
+        return canonical_json(plan.to_json()) + "\n"
+    return json.dumps(plan.to_json(), indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
 
 
 def read_plan(path: str | Path) -> Plan:

@@ -141,6 +141,16 @@ class RunDir:
         return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def find_run(run_dir: Path | None, runs_dir: Path) -> RunDir:
+    """RUN_DIR when given, else the newest run folder under `runs_dir` (as `git log` needs no argument)."""
+    if run_dir is not None:
+        return RunDir(run_dir).require()
+    runs = [p for p in runs_dir.iterdir() if RunDir(p).is_run()] if runs_dir.is_dir() else []
+    if not runs:
+        raise UserError(f"no run folder under {runs_dir}", hint="give RUN_DIR, or --runs-dir where the runs are")
+    return RunDir(max(runs, key=lambda p: (RunDir(p).plan.stat().st_mtime, p.name)).resolve())
+
+
 def write_json_atomic(path: Path, data: object) -> None:
     """Readers see the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)

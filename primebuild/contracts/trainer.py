@@ -114,9 +114,8 @@ class TrainerConfig(Contract):
     # Weights out
     weight_sync: WeightSyncConfig = FilesystemSync()
     weight_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of published weights: model.dtype
-    keep_weights: int | None = Field(None, ge=1)  # keep only the newest N weight folders
 
     # Checkpoints
     checkpoint_every: int = Field(0, ge=0)  # 0 = only at the end of the run
-    keep_checkpoints: int | None = Field(None, ge=1)
+    keep_checkpoints: int | None = Field(None, ge=1)  # None: every checkpoint
 

@@ -277,6 +277,15 @@ class WeightSync(Strict):
     port: Port = 29600
 
 
+class Retention(Strict):
+    """What a run folder keeps while the run goes (weight folders are ~2 bytes per parameter each)."""
+
+    keep_weights: PositiveInt = Field(
+        3, description="Published weight folders kept (the newest; filesystem weight sync). A folder is only "
+        "removed once every server serves a newer one.")
+    keep_checkpoints: PositiveInt | None = Field(None, description="Checkpoints kept (the newest); unset: all.")
+
+
 class Image(Strict):
     base: str = Field("python:3.11-slim", description="Base image reference; the lock pins it to a digest.",
                       pattern=r"^[A-Za-z0-9_.\-/:@]+$", max_length=255)
@@ -333,6 +342,7 @@ class Manifest(Strict):
     sft: SFT | None = Field(None, description="Present for a supervised warm-start manifest (no RL).")
     environments: list[Environment] = Field(min_length=1)
     weight_sync: WeightSync = WeightSync()
+    retention: Retention = Retention()
     image: Image = Image()
     target: Target = LocalTarget()
     secrets: list[Annotated[str, Field(pattern=ENV_NAME)]] = Field(

@@ -46,7 +46,7 @@ class Orchestrator:
         self.metrics = MetricsWriter(self.run_dir.metrics, role="orchestrator")
         self.server_version = 0
         self.sync_lock = asyncio.Lock()
-        self.weights = weight_source(cfg.weight_sync, self.run_dir)
+        self.weights = weight_source(cfg.weight_sync, self.run_dir, cfg.keep_weights)
 
     # --- policy versions -------------------------------------------------------------------------
 
@@ -71,6 +71,7 @@ class Orchestrator:
         if version > 0 and stale:
             await asyncio.gather(*(self.weights.load(c, version) for c in stale))
         self.server_version = version
+        self.weights.retire(version)
 
     def stop_requested(self) -> bool:
         return self.run_dir.stop_requested()
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="primebuild-orchestrator")
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
     try:
         asyncio.run(Orchestrator(load_contract(OrchestratorConfig, args.config)).run())

@@ -14,12 +14,13 @@ from pathlib import Path
 
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.orchestrator.client import InferenceClient
-from primebuild.runtime.weight_sync.filesystem import latest_stable, step_dir
+from primebuild.runtime.weight_sync.filesystem import latest_stable, remove_steps, stable_steps, step_dir
 
 
 class FilesystemWeights:
-    def __init__(self, weights_dir: Path):
+    def __init__(self, weights_dir: Path, keep: int):
         self.weights_dir = weights_dir
+        self.keep = keep
 
     async def latest(self, clients: list[InferenceClient]) -> int:
         found = latest_stable(self.weights_dir)
@@ -27,6 +28,13 @@ class FilesystemWeights:
 
     async def load(self, client: InferenceClient, version: int) -> None:
         await client.update_weights({"path": str(step_dir(self.weights_dir, version)), "version": version})
+
+    def retire(self, served: int) -> None:
+        """Every server serves `served` now: folders older than it, beyond the newest `keep`, are read by
+        nobody (a restarted server is given the newest) and go. The trainer never deletes them."""
+        steps = stable_steps(self.weights_dir)
+        newest = set(steps[-self.keep:])
+        remove_steps(self.weights_dir, [s for s in steps if s < served and s not in newest])
 
 
 class BroadcastWeights:
@@ -38,8 +46,11 @@ class BroadcastWeights:
     async def load(self, client: InferenceClient, version: int) -> None:
         await client.update_weights({"source": "broadcast", "version": version})
 
+    def retire(self, served: int) -> None:
+        """Nothing on disk: the servers hold what they were sent."""
 
-def weight_source(mode: str, run: RunDir) -> FilesystemWeights | BroadcastWeights:
+
+def weight_source(mode: str, run: RunDir, keep: int) -> FilesystemWeights | BroadcastWeights:
     if mode == "broadcast":
         return BroadcastWeights()
-    return FilesystemWeights(run.weights)
+    return FilesystemWeights(run.weights, keep)

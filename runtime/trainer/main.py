@@ -224,7 +224,7 @@ class WeightPublisher:
         else:
             config = model.config
             fs.publish_hf_weights(
-                self.weights_dir, step, state, config, self.config.model_path, self.config.keep_weights
+                self.weights_dir, step, state, config, self.config.model_path
             )
 
     def close(self) -> None:
@@ -268,7 +268,7 @@ def resume(ckpt_dir: Path, model, optimizer, env: DistEnv) -> int:
 
 def run_trainer(config: TrainerConfig) -> None:
     env = init_distributed()
-    logging.basicConfig(level=logging.INFO, format=f"[trainer rank {env.rank}] %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [trainer rank {env.rank}] %(message)s")
     check_launch(config, env)
     torch.manual_seed(config.seed)
     run = RunDir(config.run_dir)

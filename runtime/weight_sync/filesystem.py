@@ -261,12 +261,9 @@ def publish_hf_weights(
     state_dict: Mapping[str, torch.Tensor],
     config,
     tokenizer_src: str | os.PathLike | None = None,
-    keep_last: int | None = None,
 ) -> Path:
     """Publish ``weights_dir/step_{k:06d}`` in HF layout, atomically; optionally prune older steps."""
     final = publish_dir(
         step_dir(weights_dir, step), lambda d: write_hf_folder(d, state_dict, config, tokenizer_src), step
     )
-    if keep_last:
-        prune(weights_dir, keep_last)
     return final
