@@ -164,7 +164,7 @@ def test_set_value_error_is_located_at_the_set(workdir: Path):
 
 def test_set_through_the_real_cli(workdir: Path):
     write(workdir, "m.yaml", CPU_MANIFEST)
-    result = run_cli("plan", "m.yaml", "-o", "json", "--set", "trainer.ranks=2", "--set", "trainer.dp_shard=2",
+    result = run_cli("plan", "m.yaml", "-o", "json", "--compact", "--set", "trainer.ranks=2", "--set", "trainer.dp_shard=2",
                      cwd=workdir)
     assert result.code == 0, result.err
     assert '"--nproc-per-node","2"' in result.out
