@@ -8,6 +8,7 @@ and each leaves the server on the weights it found, except the last (broadcast),
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import threading
@@ -163,6 +164,17 @@ def test_finish_mode_update(server, models):
     assert greedy(server, PROMPTS) == reference(models.hf_a, PROMPTS)
 
 
+def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, f"nothing listens on {port} after {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
 def test_broadcast_update_from_a_sender_process(server, models):
     port = free_port()
     init_method = f"tcp://127.0.0.1:{port}"
@@ -170,12 +182,13 @@ def test_broadcast_update_from_a_sender_process(server, models):
                                init_method, "2", "11", str(models.b)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        wait_listening(port, sender, timeout_s=60)  # the sender hosts the group's store
         admin_call(server, lambda a: a.init_broadcast(init_method, rank_offset=1, world_size=2))
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while admin_call(server, VllmAdmin.received_version) != 11:
             status = admin_call(server, VllmAdmin.broadcast_status)
             assert all(s["error"] is None for s in status), status
-            assert time.monotonic() < deadline, f"nothing received in 60 s: {status}"
+            assert time.monotonic() < deadline, f"nothing received in 120 s: {status}"
             time.sleep(0.25)
         out, _ = sender.communicate(timeout=60)
         assert sender.returncode == 0, out
