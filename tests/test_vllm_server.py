@@ -76,6 +76,11 @@ def admin_call(server, fn):
     return run(_admin(server, fn))
 
 
+async def timed_update(admin: VllmAdmin, **kwargs) -> tuple[int, float]:
+    served = await admin.update_weights(**kwargs)
+    return served, admin.last_update_seconds
+
+
 def greedy(server, prompts, new_tokens: int = 12) -> list[list[int]]:
     body = completion_request(server.model_name, prompts, max_tokens=new_tokens, temperature=0.0,
                               ignore_eos=True)
@@ -138,7 +143,8 @@ def test_pause_holds_requests_until_resume(server, models):
 
 def test_filesystem_update_switches_weights_and_version(server, models):
     before = greedy(server, PROMPTS)
-    seconds = admin_call(server, lambda a: a.update_weights(version=7, path=step_dir(models.weights, 7)))
+    served, seconds = admin_call(server, lambda a: timed_update(a, version=7, path=step_dir(models.weights, 7)))
+    assert served == 7
     print(f"\nfilesystem weight update (pause, reload, reset KV, version, resume): {seconds:.2f} s")
     assert admin_call(server, VllmAdmin.policy_version) == 7
     after = greedy(server, PROMPTS)
@@ -192,7 +198,8 @@ def test_broadcast_update_from_a_sender_process(server, models):
             time.sleep(0.25)
         out, _ = sender.communicate(timeout=60)
         assert sender.returncode == 0, out
-        seconds = admin_call(server, lambda a: a.update_weights(version=11, source="broadcast"))
+        served, seconds = admin_call(server, lambda a: timed_update(a, version=11, source="broadcast"))
+        assert served == 11
         print(f"\nbroadcast weight update (pause, load staged, reset KV, version, resume): {seconds:.2f} s")
     finally:
         if sender.poll() is None:
@@ -200,8 +207,8 @@ def test_broadcast_update_from_a_sender_process(server, models):
             sender.wait(10)
     assert admin_call(server, VllmAdmin.policy_version) == 11
     assert greedy(server, PROMPTS) == reference(models.hf_b, PROMPTS)
-    # a version that was never received is refused, and the server keeps serving
-    with pytest.raises(VllmAdminError):
+    # a version that was never received is refused before the server is touched; it keeps serving
+    with pytest.raises(VllmAdminError, match="has not received version 12"):
         admin_call(server, lambda a: a.update_weights(version=12, source="broadcast"))
     assert admin_call(server, VllmAdmin.policy_version) == 11
     assert not admin_call(server, VllmAdmin.is_paused)

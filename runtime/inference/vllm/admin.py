@@ -128,7 +128,7 @@ class VllmAdmin:
             "init_method": init_method, "rank_offset": int(rank_offset), "world_size": int(world_size)}})
 
     async def broadcast_status(self) -> list[dict]:
-        """Per worker: {"joined", "received_version", "error"}."""
+        """Per worker: {"joined", "received_version", "loaded_version", "error"}."""
         return (await self._call("POST", "/collective_rpc",
                                  json={"method": "primebuild_broadcast_status"}))["results"]
 
@@ -136,35 +136,54 @@ class VllmAdmin:
         """The newest step every worker of this server has staged from the broadcast (0: none)."""
         return min(int(s["received_version"]) for s in await self.broadcast_status())
 
-    async def load_from_broadcast(self, version: int) -> None:
-        """Step 2, broadcast mode, through vLLM's weight-transfer lifecycle."""
+    async def check_broadcast_ready(self, version: int) -> None:
+        """Refuse (before touching the server) a broadcast update its workers cannot serve: a failed
+        load inside a vLLM worker shuts the whole server down."""
+        for status in await self.broadcast_status():
+            if not status["joined"] or status["error"]:
+                raise VllmAdminError(f"weight broadcast not usable on {self.root}: {status}")
+            if int(status["received_version"]) < version:
+                raise VllmAdminError(f"{self.root} has not received version {version} "
+                                     f"(has {status['received_version']})")
+
+    async def load_from_broadcast(self, version: int) -> int:
+        """Step 2, broadcast mode, through vLLM's weight-transfer lifecycle; loads the newest staged
+        step (``version`` or newer) and returns the one loaded, which it records as the version."""
         await self._call("POST", "/start_weight_update")
         await self._call("POST", "/update_weights", json={"update_info": {"version": int(version)}})
-        await self._call("POST", "/finish_weight_update", json={"weight_version": str(int(version))})
+        loaded = {s["loaded_version"] for s in await self.broadcast_status()}
+        if len(loaded) != 1 or None in loaded:
+            raise VllmAdminError(f"workers of {self.root} loaded different versions: {sorted(map(str, loaded))}")
+        served = int(loaded.pop())
+        await self._call("POST", "/finish_weight_update", json={"weight_version": str(served)})
+        return served
 
     # the whole update
     async def update_weights(self, *, version: int, path: str | os.PathLike | None = None,
                              source: Literal["folder", "broadcast"] = "folder",
-                             in_flight: InFlight = "resume") -> float:
-        """pause -> load (a STABLE step folder at ``path``, or the staged broadcast of ``version``) ->
-        drop stale KV -> set the version -> resume; returns the seconds it took. It resumes even when a
-        step fails, so a server is never left paused; the error is raised, the version is then not
-        advanced, and a failed load may have replaced part of the weights: retry the update."""
+                             in_flight: InFlight = "resume") -> int:
+        """pause -> load (a STABLE step folder at ``path``, or the staged broadcast of ``version``
+        or newer) -> drop stale KV -> set the version -> resume; returns the version now served (the
+        wall time is in ``last_update_seconds``). What can be checked is checked before the server is
+        touched: a failed load inside vLLM shuts the server down. It resumes even when a step fails,
+        so a live server is never left paused."""
         if source == "folder":
             if path is None:
                 raise ValueError("a folder update needs the step folder's path")
             if not is_stable(path):
                 raise VllmAdminError(f"{path} carries no STABLE marker: not a published step folder")
+        else:
+            await self.check_broadcast_ready(version)
         start = time.monotonic()
         await self.pause(in_flight)
         try:
             if source == "folder":
                 await self.reload_from_folder(Path(path).resolve())
             else:
-                await self.load_from_broadcast(version)
+                version = await self.load_from_broadcast(version)
             await self.drop_stale_kv()
             await self.set_policy_version(version)
         finally:
             await self.resume()
         self.last_update_seconds = time.monotonic() - start
-        return self.last_update_seconds
+        return version

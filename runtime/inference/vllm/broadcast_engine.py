@@ -14,9 +14,14 @@ protocol and keeps vLLM's own control plane:
         newest received step; returns at once (the trainer may join later).
   POST /start_weight_update              layerwise-reload set-up (as vLLM's NCCL engine does)
   POST /update_weights {"update_info": {"version": v}}
-        load the staged weights of version v (400-like error if v is not the staged one)
-  POST /finish_weight_update {"weight_version": "v"}
+        load the newest staged step, which is v or newer (a newer one may have arrived since the
+        caller read the status); the status then reports it as ``loaded_version``
+  POST /finish_weight_update {"weight_version": "<loaded_version>"}
         finalise the reload; vLLM records the version
+
+An exception in a worker during these calls shuts the whole vLLM server down (vLLM treats a failed
+worker RPC as fatal), so callers check ``received_version`` first (admin.py does) and nothing here
+raises for a condition they can check.
 
 vLLM finds it by name: worker_extension registers it as ``primebuild_broadcast``, and the server is
 started with ``--weight-transfer-config '{"backend": "primebuild_broadcast"}'``.
@@ -47,7 +52,7 @@ class BroadcastInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class BroadcastUpdateInfo(WeightTransferUpdateInfo):
-    version: int  # the trainer step to load; must be the newest staged one
+    version: int  # the oldest trainer step acceptable; the newest staged one is loaded
 
 
 class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
@@ -58,6 +63,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stage: BroadcastStage | None = None
+        self.loaded_version: int | None = None
 
     def worker_rank(self) -> int:
         """This worker's index among all workers of the server (data parallel x tensor/pipeline)."""
@@ -72,8 +78,9 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
 
     def status(self) -> dict[str, Any]:
         if self.stage is None:
-            return {"joined": False, "received_version": 0, "error": None}
-        return {"joined": True, "received_version": self.stage.received_version, "error": self.stage.error}
+            return {"joined": False, "received_version": 0, "loaded_version": None, "error": None}
+        return {"joined": True, "received_version": self.stage.received_version,
+                "loaded_version": self.loaded_version, "error": self.stage.error}
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -83,9 +90,10 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
     def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
         if self.stage is None:
             raise RuntimeError("no weight broadcast group joined: call /init_weight_transfer_engine first")
-        state = self.stage.take(update_info.version)
+        version, state = self.stage.take_newest(update_info.version)
         # checkpoint (HF) names and layouts, as the trainer sends them; the model fuses qkv/gate_up itself
         self.model.load_weights(state.items())
+        self.loaded_version = version
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

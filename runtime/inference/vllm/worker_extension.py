@@ -25,8 +25,9 @@ class PrimebuildWorkerExtension:
     """Mixed into vLLM's worker class; names carry our prefix so they cannot clash with vLLM's."""
 
     def primebuild_broadcast_status(self) -> dict[str, Any]:
-        """{"joined", "received_version", "error"} of this worker's broadcast receiver."""
+        """{"joined", "received_version", "loaded_version", "error"} of this worker's broadcast receiver."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "status"):
-            return {"joined": False, "received_version": 0, "error": "no primebuild_broadcast engine configured"}
+            return {"joined": False, "received_version": 0, "loaded_version": None,
+                    "error": "no primebuild_broadcast engine configured"}
         return engine.status()
