@@ -56,3 +56,13 @@ class BroadcastStage:
                 raise UserError(f"no broadcast weights of version {version} are staged (have {have})",
                                 hint="ask /health for received_version first")
             return self._staged[1]
+
+    def take_newest(self, at_least: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """The newest staged (version, weights) when it is `at_least` that version: a newer step may
+        have arrived since a caller read `received_version`, and loading it is never a step back."""
+        with self._lock:
+            if self._staged is None or self._staged[0] < at_least:
+                have = "nothing" if self._staged is None else f"version {self._staged[0]}"
+                raise UserError(f"no broadcast weights of version {at_least} or newer are staged (have {have})",
+                                hint="ask for received_version first")
+            return self._staged

