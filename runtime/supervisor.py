@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -38,7 +39,8 @@ GRACE_SECONDS = 60
 QUIET, ATTENTION, VERBOSE = 0, 1, 2
 # What a person must see on the terminal: log records at WARNING and above (every process logs with its
 # level), tracebacks and `error:` lines. torch/transformers chatter, tqdm bars and access logs stay in logs/.
-_ATTENTION = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^Traceback|^error:|^\w+(Error|Exception): ")
+_ATTENTION = {"warnings": re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^Traceback|^error:|^\w+(Error|Exception): "),
+              "errors": re.compile(r"\b(ERROR|CRITICAL)\b|^Traceback|^error:")}
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Supervisor:
         self.run_dir = run_dir
         self.echo = echo
         self.verbosity = verbosity
+        self.stopping = False
         self.run.logs.mkdir(parents=True, exist_ok=True)
         self.running: dict[str, Running] = {}
         self.lock = threading.Lock()
@@ -84,15 +87,17 @@ class Supervisor:
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=env, start_new_session=True, text=True, bufsize=1)
         running = Running(spec, popen, log, restarts)
-        running.pump = threading.Thread(target=self._pump, args=(name, popen, log), daemon=True)
+        running.pump = threading.Thread(target=self._pump, args=(name, popen, log, _ATTENTION[spec.terminal]), daemon=True)
         running.pump.start()
         return running
 
-    def _pump(self, name: str, popen: subprocess.Popen, log: TextIO) -> None:
+    def _pump(self, name: str, popen: subprocess.Popen, log: TextIO, attention: re.Pattern) -> None:
         assert popen.stdout is not None
         for line in popen.stdout:
             log.write(line)
-            if self.verbosity == VERBOSE or (self.verbosity == ATTENTION and _ATTENTION.search(line)):
+            if self.stopping and self.verbosity != VERBOSE:
+                continue  # what processes say while being torn down is in their logs
+            if self.verbosity == VERBOSE or (self.verbosity == ATTENTION and attention.search(line)):
                 self.echo(f"[{name}] {line.rstrip()}")
 
     def _healthy(self, running: Running, deadline: float) -> bool:
@@ -201,11 +206,16 @@ class Supervisor:
         return Outcome(True, f"stopped at step {step}; resume with `primebuild run --resume {self.run_dir}`", 0)
 
     def _reap(self, running: Running) -> None:
+        # A process that died may leave children behind in its session (vLLM's engine core and workers):
+        # end the whole group, so a restart never runs beside an orphan holding memory or a port.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(running.popen.pid, signal.SIGKILL)
         if running.pump:
             running.pump.join(timeout=2)
         running.log.close()
 
     def stop_all(self, timeout: float = 10.0) -> None:
+        self.stopping = True
         for running in self.running.values():
             if running.popen.poll() is None:
                 try:

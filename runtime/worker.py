@@ -22,10 +22,21 @@ from primebuild.errors import UserError
 _PLACEHOLDER = re.compile(r"\{(run_dir|model_path|config|python|host:\d+)\}")
 
 
-def resolver(run: RunDir, rendezvous: Rendezvous, config_path: Path):
+def interpreter(environment: str, rendezvous: Rendezvous) -> str:
+    """`{python}` of a process: this interpreter for primebuild's own environment, else the one the
+    target prepared and named in the rendezvous."""
+    if environment == "primebuild":
+        return sys.executable
+    if environment not in rendezvous.environments:
+        raise UserError(f"the rendezvous names no python for the {environment!r} environment",
+                        hint="the target prepares it before starting workers (for vLLM: scripts/vllm-env)")
+    return rendezvous.environments[environment]
+
+
+def resolver(run: RunDir, rendezvous: Rendezvous, config_path: Path, environment: str = "primebuild"):
     hosts = rendezvous.hosts
     values = {"run_dir": str(run.root), "model_path": rendezvous.model_path, "config": str(config_path),
-              "python": sys.executable}
+              "python": interpreter(environment, rendezvous)}
 
     def sub(match: re.Match) -> str:
         key = match.group(1)
@@ -52,7 +63,7 @@ def prepare(plan: Plan, name: str, run: RunDir) -> tuple[list[str], dict[str, st
     """The resolved argv and environment of process `name`; writes its config file."""
     process: ProcessSpec = plan.process(name)
     config_path = run.config(name)
-    resolve = resolver(run, run.read_rendezvous(), config_path)
+    resolve = resolver(run, run.read_rendezvous(), config_path, process.environment)
     if process.config is not None:
         # Resolved, then parsed back into its class: what the process reads is what the plan typed.
         config = type(process.config).model_validate(resolve(process.config.model_dump(mode="json")))

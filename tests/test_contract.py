@@ -48,7 +48,8 @@ def check_configs(m: Manifest, plan: dict) -> None:
     for p in plan["processes"]:
         by_role.setdefault(p["role"], []).append(p)
         if p["role"] in ("prefill", "decode") or (p["role"] == "inference" and m.inference.engine == "vllm"):
-            assert p["config"] is None and p["argv"][:2] == ["vllm", "serve"]  # vLLM: the argv is the contract
+            assert p["config"] is None and p["environment"] == "vllm"  # vLLM: the argv is the contract
+            assert p["argv"][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
             continue
         cls = CONSUMER[p["role"]]
         config = cls.model_validate(p["config"])  # extra="forbid": nothing left over
@@ -75,7 +76,7 @@ def check_configs(m: Manifest, plan: dict) -> None:
         assert getattr(c, name) == getattr(o, name), name
     assert [(e.id, e.version, e.args, e.weight) for e in c.environments] == [
         (e.id, None if e.version == "latest" else e.version, e.args, e.weight) for e in m.environments]
-    assert c.weight_sync == m.weight_sync.mode and c.served_model_name == m.name
+    assert c.weight_sync == m.weight_sync.mode and c.served_model_name == m.name and c.engine == inf.engine
     servers = [p for p in plan["processes"] if "http" in p["ports"] and p["role"] in ("inference", "decode")]
     assert len(c.endpoints) == len(servers)
     heads = [p for p in by_role.get("inference", []) if "http" in p["ports"]]  # one per replica

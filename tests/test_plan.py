@@ -96,7 +96,7 @@ def test_glm5_processes_wire_up(plans):
     def arg(p, flag):
         return p["argv"][p["argv"].index(flag) + 1]
 
-    assert prefill["argv"][:2] == ["vllm", "serve"]
+    assert prefill["argv"][1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and prefill["environment"] == "vllm"
     assert arg(prefill, "--tensor-parallel-size") == "8"
     assert json.loads(arg(prefill, "--kv-transfer-config"))["kv_role"] == "kv_producer"
     assert json.loads(arg(head, "--kv-transfer-config"))["kv_role"] == "kv_consumer"

@@ -1,4 +1,4 @@
-"""The vLLM argv our GPU plans write is one vLLM 0.32 accepts: every inference process of the shipped
+"""The vLLM argv our GPU plans write (design studies today) is one vLLM 0.32 accepts: every inference process of the shipped
 GPU manifests, parsed by vLLM's own `serve` parser and `AsyncEngineArgs.from_cli_args` inside the vLLM
 environment (tests/vllm_parse_argv.py), with no unknown argument and no validation error."""
 
@@ -12,19 +12,23 @@ import pytest
 from conftest import REPO, run_cli
 from vllm_helpers import vllm_python
 
+from primebuild.builders.vllm_command import MODULE
+
 pytestmark = pytest.mark.vllm
 
 GPU_MANIFESTS = ["glm5.yaml", "qwen3-30b-a3b.yaml"]
 
 
 def vllm_argvs(manifest: str) -> dict[str, list[str]]:
-    result = run_cli("plan", REPO / "manifests" / manifest, "-o", "json", timeout=120)
+    result = run_cli("plan", REPO / "manifests" / manifest, "--design", "-o", "json", timeout=120)
     assert result.code == 0, result.text
     out = {}
     for process in json.loads(result.out)["processes"]:
         argv = process["argv"]
-        if argv[:2] != ["vllm", "serve"]:
+        if argv[1:3] != ["-m", MODULE]:
             continue
+        # `python -m vllm.entrypoints.openai.api_server ARGS` takes exactly the arguments of `vllm serve ARGS`
+        argv = ["vllm", "serve", *argv[3:]]
         # fill the placeholders `primebuild worker` fills at start
         filled = [re.sub(r"\{host:[^}]*\}", "127.0.0.1", a.replace("{model_path}", "/models/dummy")) for a in argv]
         assert not any("{" in a and "}" in a and not a.startswith("{\"") for a in filled), filled

@@ -22,6 +22,7 @@ from vllm_helpers import VllmServer, save_tiny_model, vllm_python
 
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
 from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
+from primebuild.runtime.trainer.model import Policy, full_state_dict
 from primebuild.runtime.weight_sync.filesystem import publish_hf_weights, step_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -33,15 +34,25 @@ START_TIMEOUT_S = 360  # ~60 s on an idle 2-core machine; three times that under
 
 
 class Models:
-    """Served weights A (seed 0); B (seed 1) published as step 7; A again as step 8 (to go back)."""
+    """Served weights A (seed 0); B = A with *every* tensor moved (norms and the tied embedding too, as a
+    trainer moves them) published as step 7; A again as step 8 (to go back)."""
 
     def __init__(self, root: Path):
+        import torch
+
         self.a = save_tiny_model(root / "model-a", seed=0)
-        b = save_tiny_model(root / "model-b", seed=1)
+        self.hf_a, self.hf_b = load_hf(self.a), load_hf(self.a)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in self.hf_b.parameters():
+                p.add_(0.2 * torch.randn(p.shape, generator=generator))
+        b = root / "model-b"
+        self.hf_b.save_pretrained(b)
         self.weights = root / "weights"
-        self.hf_a, self.hf_b = load_hf(self.a), load_hf(b)
-        publish_hf_weights(self.weights, 7, self.hf_b.state_dict(), self.hf_b.config, tokenizer_src=self.a)
-        publish_hf_weights(self.weights, 8, self.hf_a.state_dict(), self.hf_a.config, tokenizer_src=self.a)
+        # published exactly as the trainer publishes (its own state-dict function: tied weights and all)
+        for step, hf in ((7, self.hf_b), (8, self.hf_a)):
+            state = full_state_dict(Policy(hf, chunk_tokens=64), torch.float32)
+            publish_hf_weights(self.weights, step, state, hf.config, tokenizer_src=self.a)
         self.b = b
 
 
@@ -150,6 +161,11 @@ def test_filesystem_update_switches_weights_and_version(server, models):
     after = greedy(server, PROMPTS)
     assert after == reference(models.hf_b, PROMPTS)
     assert after != before
+    # every tensor was reloaded: sampled log-probs are B's, not a mix of A's and B's
+    body = completion_request(server.model_name, PROMPTS, max_tokens=10, temperature=1.0, seed=5)
+    for choice in adapt_response(server.complete(body), policy_version=7):
+        expected = teacher_forced_logprobs(models.hf_b, choice["prompt_token_ids"], choice["token_ids"])
+        assert choice["token_logprobs"] == pytest.approx(expected, abs=2e-4)
 
     # an unpublished folder is refused before the server is touched
     with pytest.raises(VllmAdminError, match="STABLE"):

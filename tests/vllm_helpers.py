@@ -64,15 +64,16 @@ class VllmServer:
 
     def __init__(self, model: Path, log_path: Path, *, admin_token: str, served_model_name: str = "tiny",
                  weight_broadcast: bool = False, max_model_len: int = 128):
-        from primebuild.runtime.inference.vllm.launch import server_argv, server_env
+        from primebuild.builders.vllm_command import VllmServer, server_argv, with_env
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_name = served_model_name
         self.log_path = log_path
-        argv = server_argv(vllm_python(), model, port=self.port, served_model_name=served_model_name,
-                           max_model_len=max_model_len, max_num_seqs=16, weight_broadcast=weight_broadcast)
-        env = server_env({**os.environ, "PRIMEBUILD_ADMIN_TOKEN": admin_token})
+        argv = server_argv(VllmServer(python=str(vllm_python()), model_path=str(model), port=self.port,
+                                      served_model_name=served_model_name, max_model_len=max_model_len,
+                                      max_num_seqs=16, weight_broadcast=weight_broadcast))
+        env = with_env({**os.environ, "PRIMEBUILD_ADMIN_TOKEN": admin_token}, cpu_kv_cache_gib=1)
         self._log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=log_path.parent)

@@ -80,7 +80,13 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     for path in loaded.files:
         run.manifests.mkdir(exist_ok=True)
         (run.manifests / path.name).write_bytes(path.read_bytes())
-    rendezvous = Rendezvous(hosts=["127.0.0.1"] * m.hardware.nodes, model_path=str(model.path))
+    environments = {}
+    if any(p.environment == "vllm" for p in plan.processes):
+        from primebuild.runtime.inference.vllm.env import ensure
+
+        environments["vllm"] = str(ensure(click.echo))
+    rendezvous = Rendezvous(hosts=["127.0.0.1"] * m.hardware.nodes, model_path=str(model.path),
+                            environments=environments)
     run.rendezvous.write_text(json.dumps(rendezvous.model_dump(mode="json"), indent=2))
     run.run_record.write_text(json.dumps(
         {"plan_hash": plan.plan_hash, "manifest_hash": loaded.manifest_hash, "code_version": _code_version(),

@@ -35,6 +35,7 @@ class OrchestratorConfig(Contract):
     eval_every: int = Field(0, ge=0)  # 0 = evaluate only before and after
     eval_prompts: int = Field(ge=1)
 
+    engine: Literal["embedded", "vllm"] = "embedded"  # which API the endpoints speak (the client adapts)
     weight_sync: Literal["filesystem", "broadcast"] = "filesystem"
     keep_weights: int = Field(3, ge=1)  # filesystem sync: published weight folders kept (the newest)
     retry_seconds: float = Field(120.0, gt=0)  # how long a request rides out a restarting server

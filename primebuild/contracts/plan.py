@@ -64,6 +64,12 @@ class ProcessSpec(Contract):
     restart: RestartPolicy
     start_order: int
     config: ProcessConfig | None = None  # what the worker writes to {config}; None: argv says it all
+    # The Python environment the process runs in, whose interpreter `{python}` names: primebuild's own,
+    # or vLLM's (its pins differ: one environment per process group, like a Nix closure per derivation).
+    environment: Literal["primebuild", "vllm"] = "primebuild"
+    # Which of its lines reach the terminal by default (all go to logs/): vLLM warns on every weight
+    # reload about modules that have no weights, so its terminal threshold is errors.
+    terminal: Literal["warnings", "errors"] = "warnings"
     secrets: list[str] = Field(default_factory=list)  # env var names passed through, never values
 
 

@@ -33,6 +33,7 @@ class Rendezvous(Contract):
 
     hosts: list[str] = Field(min_length=1)
     model_path: str
+    environments: dict[str, str] = Field(default_factory=dict)  # environment -> its python, beyond ours
 
 
 class RunDir:

@@ -73,6 +73,12 @@ class InferenceClient:
         except ValidationError as err:
             raise RuntimeError(f"{self.base_url}/completions answered outside the rollout contract: {err}") from None
 
+    async def engine(self) -> dict:
+        """Which engine answers, for the run's summary."""
+        from primebuild import __version__
+
+        return {"name": "embedded", "version": __version__}
+
     async def version(self) -> int:
         """The server's policy version; waits for a restarting server to come back."""
         return (await self.health()).policy_version

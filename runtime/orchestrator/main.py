@@ -28,6 +28,7 @@ from primebuild.contracts.run_dir import RunDir, write_json_atomic
 from primebuild.errors import UserError
 from primebuild.runtime.orchestrator.client import InferenceClient
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
+from primebuild.runtime.orchestrator.vllm_client import VllmClient
 from primebuild.runtime.orchestrator.weights import weight_source
 from primebuild.runtime.trainer.advantages import advantages_by_group
 from primebuild.runtime.trainer.batch import Sample, TrainBatch, save_batch
@@ -40,7 +41,8 @@ class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig):
         self.cfg = cfg
         self.run_dir = RunDir(cfg.run_dir)
-        self.clients = [InferenceClient.from_env(u, cfg.served_model_name, retry_seconds=cfg.retry_seconds)
+        client = VllmClient if cfg.engine == "vllm" else InferenceClient
+        self.clients = [client.from_env(u, cfg.served_model_name, retry_seconds=cfg.retry_seconds)
                         for u in cfg.endpoints]
         self.mix = EnvironmentMix(cfg.environments)
         self.metrics = MetricsWriter(self.run_dir.metrics, role="orchestrator")
@@ -179,6 +181,7 @@ class Orchestrator:
             raise RuntimeError(f"servers serve policy versions {sorted(set(served))} after syncing to {final}")
         summary["eval_reward_after"] = await self.evaluate()
         summary["eval_reward_after_step"] = final  # the trained step whose weights the eval used
+        summary["inference_engine"] = await self.clients[0].engine()
         summary["orchestrator_seconds"] = round(time.monotonic() - started, 2)
         self.metrics.write(cfg.max_steps, {"eval_reward": summary["eval_reward_after"], "eval_policy_version": final})
         write_json_atomic(summary_path, summary)

@@ -137,10 +137,10 @@ def full_state_dict(policy: Policy, dtype: torch.dtype) -> dict[str, torch.Tenso
         for k, v in sd.items()
     }
     model = policy.hf
-    text_config = model.config.get_text_config()
-    if getattr(text_config, "tie_word_embeddings", False):
-        for key in getattr(model, "all_tied_weights_keys", None) or {}:
-            sd.pop(key, None)  # HF ties it again on load, as save_pretrained does
+    # Tied weights (lm_head = embed_tokens) are published under both names, unlike save_pretrained: a
+    # server that reloads in place (vLLM's reload_weights) updates the head only from its own key, and
+    # without it served a head frozen at the first weights (measured: mismatch KL growing from 1e-12 to
+    # 3e-4 in 19 synchronous steps). HF loads either form; the bytes of the head are written twice.
     try:  # transformers 5 fuses some weights on load (MoE experts); publish the checkpoint's own naming
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:

