@@ -60,6 +60,12 @@ def _base_env(m: Manifest, gpus) -> dict[str, str]:
     return env
 
 
+def bind_host(m: Manifest, node: int) -> str:
+    """What a server on `node` listens on: the manifest's `inference.host` when written, else `{bind:N}`
+    (loopback on a single-host run, the node's address when clients come from other nodes)."""
+    return m.inference.host or f"{{bind:{node}}}"
+
+
 def _threads(m: Manifest, share: int) -> int:
     """CPU threads per process when processes share a CPU-only node (never oversubscribe)."""
     return max(1, m.hardware.cpus_per_node // share)
@@ -87,7 +93,7 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                     env["OMP_NUM_THREADS"] = str(threads)  # before torch loads: OpenMP reads it once
                 join = BroadcastJoin(init_method=init_method, rank=1 + index, world_size=world) if init_method else None
                 config = InferenceServerConfig(
-                    model_path="{model_path}", served_model_name=m.name, host=inf.host, port=port,
+                    model_path="{model_path}", served_model_name=m.name, host=bind_host(m, slot.node), port=port,
                     max_num_seqs=inf.max_num_seqs, max_model_len=m.orchestrator.seq_len,
                     precision=inf.precision, seed=m.seed + index, num_threads=threads, weight_broadcast=join)
                 argv = ["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"]
@@ -112,7 +118,7 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, slot: S
                port: int) -> list[str]:
     inf = m.inference
     argv = ["vllm", "serve", "{model_path}", "--served-model-name", m.name,
-            "--host", inf.host, "--port", str(port), "--seed", str(m.seed),
+            "--host", bind_host(m, slot.node), "--port", str(port), "--seed", str(m.seed),
             "--tensor-parallel-size", str(group.tp),
             "--max-num-seqs", str(inf.max_num_seqs), "--max-model-len", str(m.orchestrator.seq_len),
             "--gpu-memory-utilization", str(inf.gpu_memory_utilization)]
