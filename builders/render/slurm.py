@@ -28,6 +28,7 @@ from primebuild.contracts.render import RenderContext
 SCRIPT_NAME = "job.sbatch"
 MAX_REQUEUES = 3  # preemptions / node failures the job rides out (each resumes from the last checkpoint)
 SIGNAL_SECONDS = 120  # before the time limit, the batch shell gets SIGTERM: checkpoint and stop cleanly
+ORCHESTRATOR_CPUS = 16
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 
 
@@ -50,8 +51,10 @@ def _sbatch(plan: Plan, c: Component) -> str:
     opts = [f"--nodes={len(c.nodes)}", f"--ntasks-per-node={c.tasks_per_node}"]
     if c.gpus_per_node:
         opts += [f"--gres=gpu:{c.gpus_per_node}", "--exclusive"]
-    else:
+    elif plan.hardware.get("gpu") == "cpu":
         opts.append(f"--cpus-per-task={max(_threads(p) for p in c.processes)}")
+    else:  # the orchestrator of a GPU run: asyncio sampling plus environment scoring
+        opts.append(f"--cpus-per-task={min(ORCHESTRATOR_CPUS, plan.hardware.get('cpus_per_node', 1))}")
     opts.append(f"--time={target.get('time', '24:00:00')}")
     for key in ("partition", "account", "qos"):
         if target.get(key):

@@ -58,13 +58,15 @@ def render_ssh(plan: Plan, ctx: RenderContext) -> dict[str, str]:
     lines = ["#!/bin/bash", f"# primebuild {__version__}: {plan.name}, plan {plan.plan_hash}, target ssh "
              "(rendered; do not edit)"]
     lines += [f"# {n}" for n in not_runnable_notes(plan)]
-    lines += ["# Each process: one ssh session, its own process group on the host. Secrets and the admin token",
-              "# go to its stdin as NAME=value lines ending with an empty line (here: the token only, from",
-              "# PRIMEBUILD_ADMIN_TOKEN in this shell's environment).", "set -euo pipefail", ""]
+    lines += ["# Each process: one ssh session, its own process group on the host. The admin token and the",
+              "# secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from",
+              "# this shell's environment when it runs (never written here).", "set -euo pipefail",
+              ': "${PRIMEBUILD_ADMIN_TOKEN:?set the run admin token}"', ""]
     for p in sorted(plan.processes, key=lambda p: p.start_order):
         lines.append(f"# {p.name} ({p.role}) on plan node {p.node}: {host_of(plan, p)}")
         argv = " ".join(shlex.quote(a) for a in ssh_argv(plan, p))
-        lines.append(f"printf 'PRIMEBUILD_ADMIN_TOKEN=%s\\n\\n' \"${{PRIMEBUILD_ADMIN_TOKEN:?}}\" | {argv} "
-                     f"{shlex.quote(remote_command(plan, ctx.run_dir, p))} &")
+        names = ["PRIMEBUILD_ADMIN_TOKEN", *p.secrets]
+        values = " ".join(f'"{n}=${{{n}-}}"' for n in names)
+        lines.append(f"printf '%s\\n' {values} '' | {argv} {shlex.quote(remote_command(plan, ctx.run_dir, p))} &")
     lines += ["wait", ""]
     return {SCRIPT_NAME: "\n".join(lines)}
