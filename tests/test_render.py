@@ -170,3 +170,12 @@ def test_values_that_reach_a_shell_run_nothing_unintended(tmp_path):
     assert "No such file or directory" in done.stderr and str(nasty / "work") in done.stderr  # the quoted path
     leaked = [p for p in tmp_path.rglob("PWNED*")] + [p for p in Path.cwd().glob("PWNED*")]
     assert not leaked, leaked
+
+
+def test_run_on_kubernetes_without_a_cluster_refuses_and_points_at_render(tmp_path):
+    """No kube context here (or no client): `run` says so before anything is written; `render` still works."""
+    result = run_cli("run", MANIFESTS / "reverse-text.yaml", "--set", "target={kind: kubernetes}", "--runs-dir",
+                     tmp_path / "runs", timeout=120, env={"KUBECONFIG": str(tmp_path / "none"),
+                                                          "KUBERNETES_SERVICE_HOST": ""})
+    assert result.code == 2 and "target kubernetes" in result.err and "Traceback" not in result.err
+    assert "render" in result.err and not (tmp_path / "runs").exists()

@@ -365,4 +365,7 @@ def json_schema() -> dict:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://primebuild.dev/schema/v1/manifest.json"
     schema["title"] = "primebuild manifest (apiVersion primebuild/v1)"
+    # composition (primebuild/manifest/compose.py): read by the loader, merged away before validation
+    schema["properties"]["extends"] = {"type": "array", "items": {"type": "string"},
+                                       "description": "Manifests (relative to this one) deep-merged under it, in order."}
     return schema
