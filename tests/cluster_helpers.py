@@ -54,15 +54,17 @@ def require_sshd() -> Path:
     return config
 
 
-def workspace(root: Path) -> Path:
-    """Copies of the shipped manifests with a short SFT (the store is private to the test module)."""
+def workspace(root: Path, *, short_sft: bool = True) -> Path:
+    """Copies of the shipped manifests, by default with a short SFT (the store is private to the test module)."""
     manifests = root / "manifests"
     shutil.copytree(REPO / "manifests", manifests)
+    (root / "store").mkdir()
+    if not short_sft:
+        return manifests
     sft = yaml.safe_load((manifests / "reverse-text-sft.yaml").read_text())
     sft["sft"]["steps"] = 40
     sft["sft"]["warmup_steps"] = 10
     (manifests / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
-    (root / "store").mkdir()
     return manifests
 
 

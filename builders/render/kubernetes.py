@@ -63,7 +63,7 @@ class _Renderer:
         self.plan, self.ctx = plan, ctx
         self.name = plan.name.lower().replace("_", "-").replace(".", "-")
         self.namespace = plan.target.get("namespace", "default")
-        self.image = (f"primebuild@{plan.image.digest}" if plan.image else DEFAULT_IMAGE)
+        self.image = ctx.image or (f"primebuild@{plan.image.digest}" if plan.image else DEFAULT_IMAGE)
         self.comps = components(plan)
         self.lws = {c.group: _multi_node_replicas(c) for c in self.comps}
 

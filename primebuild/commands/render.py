@@ -30,8 +30,9 @@ from primebuild.errors import UserError
               help="The interpreter with primebuild on the nodes (default: this one; ssh: target.workdir's).")
 @click.option("--model-path", default=None,
               help="kubernetes: the model folder as the pods see it (default: RUN_DIR/model).")
+@click.option("--image", default=None, help="kubernetes: the image the pods run (default: primebuild:latest).")
 def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: Path | None, run_dir: str | None,
-            python: str | None, model_path: str | None) -> None:
+            python: str | None, model_path: str | None, image: str | None) -> None:
     """Render MANIFEST's plan as the artifacts of a cluster target."""
     from primebuild.builders.plan import compile_plan
     from primebuild.builders.render import render
@@ -54,7 +55,7 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
         raise UserError(f"--run-dir {run_dir}: give an absolute path (the same on every node)")
     if python is None:  # kubernetes: the image's interpreter; slurm: this one, at the same path on the nodes
         python = "python3" if kind == "kubernetes" else sys.executable
-    files = render(plan, kind, RenderContext(run_dir=run_dir, python=python,
+    files = render(plan, kind, RenderContext(run_dir=run_dir, python=python, image=image,
                                              model_path=model_path or f"{run_dir}/model"))
     if out_dir is None:
         if len(files) != 1:

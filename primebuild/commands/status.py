@@ -49,9 +49,13 @@ def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
 
 def _target_state(run, plan) -> str:
     """One line from the target itself (a Slurm job's state, live processes), never a guess."""
+    from primebuild.errors import UserError
     from primebuild.runtime.targets import target_for
 
     record = run.read_launch()
     if record is None:
         return f"{plan.target['kind']}: never launched"
-    return target_for(record.target).state(run, record)
+    try:
+        return target_for(record.target).state(run, record)
+    except UserError as err:  # e.g. an ssh host that does not answer now: the folder still says the rest
+        return f"{record.target}: unknown ({err.problems[0].message})"
