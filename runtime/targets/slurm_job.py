@@ -46,6 +46,10 @@ def supervise(run: RunDir, script: Path) -> int:
         print(text, flush=True)
 
     if restart:
+        # Slurm signalled the job before requeueing it (preemption, node failure, `scontrol requeue`): the
+        # STOP that SIGTERM wrote asked for a clean stop of *that* session; this one continues.
+        run.stop_file.unlink(missing_ok=True)
+        run.failure.unlink(missing_ok=True)  # the signal that requeued it is no component's failure
         echo(f"job requeued (restart {restart}): resuming after step {reconcile(run, echo)}")
     signal.signal(signal.SIGTERM, lambda *_: run.stop_file.touch())  # a requested stop, not a crash
     plan = read_plan(run.plan)
