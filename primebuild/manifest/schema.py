@@ -368,4 +368,8 @@ def json_schema() -> dict:
     # composition (primebuild/manifest/compose.py): read by the loader, merged away before validation
     schema["properties"]["extends"] = {"type": "array", "items": {"type": "string"},
                                        "description": "Manifests (relative to this one) deep-merged under it, in order."}
+    # a manifest that extends others may leave any field to them: only a standalone one needs them all
+    required = schema.pop("required", [])
+    schema["if"] = {"required": ["extends"]}
+    schema["else"] = {"required": required}
     return schema
