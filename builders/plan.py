@@ -170,7 +170,7 @@ def _warnings(m: Manifest, f: ModelFacts, placement: Placement) -> list[str]:
         out.append(f"{len(placement.idle_gpus)} GPU(s) idle: "
                    + ", ".join(f"node{n}:gpu{g}" for n, g in placement.idle_gpus[:8])
                    + (" …" if len(placement.idle_gpus) > 8 else ""))
-    if m.inference.host not in ("127.0.0.1", "localhost", "::1"):
+    if m.inference.host and m.inference.host not in ("127.0.0.1", "localhost", "::1"):
         out.append(f"inference binds {m.inference.host}: reachable from the network; admin calls still need the "
                    "run's token")
     if f.num_experts and not m.inference.router_replay and m.inference.engine == "vllm":

@@ -63,6 +63,12 @@ def _base_env(m: Manifest, gpus) -> dict[str, str]:
     return env
 
 
+def bind_host(m: Manifest, node: int) -> str:
+    """What a server on `node` listens on: the manifest's `inference.host` when written, else `{bind:N}`
+    (loopback on a single-host run, the node's address when clients come from other nodes)."""
+    return m.inference.host or f"{{bind:{node}}}"
+
+
 def _threads(m: Manifest, share: int) -> int:
     """CPU threads per process when processes share a CPU-only node (never oversubscribe)."""
     return max(1, m.hardware.cpus_per_node // share)
@@ -90,7 +96,7 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                     env["OMP_NUM_THREADS"] = str(threads)  # before torch loads: OpenMP reads it once
                 join = BroadcastJoin(init_method=init_method, rank=1 + index, world_size=world) if init_method else None
                 config = InferenceServerConfig(
-                    model_path="{model_path}", served_model_name=m.name, host=inf.host, port=port,
+                    model_path="{model_path}", served_model_name=m.name, host=bind_host(m, slot.node), port=port,
                     max_num_seqs=inf.max_num_seqs, max_model_len=m.orchestrator.seq_len,
                     precision=inf.precision, seed=m.seed + index, num_threads=threads, weight_broadcast=join)
                 argv = ["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"]
@@ -119,7 +125,7 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_ra
     inf = m.inference
     cpu = m.hardware.gpu == "cpu"
     server = VllmServer(
-        python="{python}", model_path="{model_path}", served_model_name=m.name, port=port, host=inf.host,
+        python="{python}", model_path="{model_path}", served_model_name=m.name, port=port, host=bind_host(m, rp.slots[node_rank].node),
         seed=m.seed, max_model_len=m.orchestrator.seq_len, max_num_seqs=inf.max_num_seqs,
         dtype=PRECISION_DTYPE.get(inf.precision, "bfloat16"), enforce_eager=cpu,  # CUDA graphs on GPUs
         weight_broadcast=broadcast, return_routed_experts=inf.router_replay,

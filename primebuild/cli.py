@@ -24,6 +24,7 @@ COMMANDS = {
     "build": "build",
     "store": "store",
     "run": "run",
+    "render": "render",
     "worker": "worker",
     "status": "status",
     "logs": "logs",

@@ -1,28 +1,30 @@
-"""The local target: start a plan's processes on this machine and watch them.
+"""The supervisor: start a plan's processes through a launcher and watch them (every target but Kubernetes).
+
+The same engine runs the local target (processes on this machine), the ssh target (processes on the
+inventory's hosts, started with fabric) and the Slurm target (inside the job, each process an `srun`
+step of its het-job component): only the launcher differs (runtime/targets/).
 
 - Processes start in the plan's start order; each order waits until the previous ones are healthy
-  (an HTTP health check, or simply alive).
-- Every process is `primebuild worker --plan … --process NAME` in its own session; its output goes to
-  logs/NAME.log. The terminal gets one progress line per step (from metrics.jsonl) and, prefixed with
-  the process's name, the lines that ask for attention (warnings, errors, tracebacks); `verbose` adds
-  every line (access logs, per-request lines), `quiet` keeps the progress alone.
-- A process that dies is restarted when its restart policy says so; otherwise everything is torn down
-  at once (fail fast) and the exit code names what failed.
+  (an HTTP health check at the address the rendezvous gives, or simply alive).
+- Every process is `primebuild worker --plan … --process NAME`; its output goes to logs/NAME.log. The
+  terminal gets one progress line per step (from metrics.jsonl) and, prefixed with the process's name,
+  the lines that ask for attention (warnings, errors, tracebacks); `verbose` adds every line (access
+  logs, per-request lines), `quiet` keeps the progress alone.
+- A process that dies is restarted when its restart policy says so. Otherwise the run fails fast:
+  failure.json names the process, its exit status and its last log lines; a STOP file lets the trainer
+  checkpoint the step it finished (so `--resume` loses nothing) for at most STOP_GRACE_SECONDS; then
+  every process gets SIGTERM and, TERM_SECONDS later, SIGKILL. The whole run is down well within 30 s.
 - The run ends when the orchestrator exits 0 and the trainer has finished.
-- Ctrl-C (or a STOP file in the run folder) asks the trainer to checkpoint and the orchestrator to stop, waits a bounded
-  time, then stops everything; `primebuild run --resume RUN_DIR` continues from there.
+- Ctrl-C (or a STOP file in the run folder) asks the trainer to checkpoint and the orchestrator to stop,
+  waits a bounded time, then stops everything; `primebuild run --resume RUN_DIR` continues from there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import secrets
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -32,10 +34,14 @@ from typing import TextIO
 
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 from primebuild.contracts.plan import Plan, ProcessSpec
-from primebuild.contracts.run_dir import RunDir
+from primebuild.contracts.run_dir import FailureRecord, RunDir, write_json_atomic
 from primebuild.runtime.progress import Progress
+from primebuild.runtime.targets.base import Handle, Launcher
 
-GRACE_SECONDS = 60
+GRACE_SECONDS = 60  # a requested stop: how long the trainer may take to finish its step and checkpoint
+STOP_GRACE_SECONDS = 8.0  # a failure: how long the survivors may take to checkpoint before SIGTERM
+TERM_SECONDS = 10.0  # SIGTERM -> SIGKILL
+LOG_TAIL_LINES = 30
 QUIET, ATTENTION, VERBOSE = 0, 1, 2
 # What a person must see on the terminal: log records at WARNING and above (every process logs with its
 # level), tracebacks and `error:` lines. torch/transformers chatter, tqdm bars and access logs stay in logs/.
@@ -46,7 +52,7 @@ _ATTENTION = {"warnings": re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^Traceback|^
 @dataclass
 class Running:
     spec: ProcessSpec
-    popen: subprocess.Popen
+    handle: Handle
     log: TextIO
     restarts: int = 0
     pump: threading.Thread | None = None
@@ -59,57 +65,74 @@ class Outcome:
     exit_code: int
 
 
+def describe_exit(code: int | None) -> tuple[str, str | None]:
+    """'exited with code 3' / 'was killed by SIGKILL', and the signal's name (Popen: -N; a shell: 128+N)."""
+    if code is None:
+        return "did not exit", None
+    number = -code if code < 0 else code - 128 if 128 < code < 160 else 0
+    if number:
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        return f"was killed by {name} (exit status {code})", name
+    return f"exited with code {code}", None
+
+
 class Supervisor:
-    def __init__(self, plan: Plan, run_dir: Path, *, echo=print, verbosity: int = ATTENTION, live=None):
+    def __init__(self, plan: Plan, run_dir: Path, launcher: Launcher, *, echo=print, verbosity: int = ATTENTION,
+                 live=None):
         self.plan = plan
         self.run = RunDir(run_dir)
         self.run_dir = run_dir
+        self.launcher = launcher
         self.echo = echo
         self.verbosity = verbosity
         self.stopping = False
         self.run.logs.mkdir(parents=True, exist_ok=True)
         self.running: dict[str, Running] = {}
-        self.lock = threading.Lock()
         # The admin token lives only in this process tree's environment: never in a file or a log.
         self.admin_token = secrets.token_urlsafe(24)
         self.progress = Progress(self.run.metrics, echo, live)
+        self.hosts = self.run.read_rendezvous().hosts
 
     # --- starting --------------------------------------------------------------------------------
 
     def _spawn(self, spec: ProcessSpec, restarts: int = 0) -> Running:
         name = spec.name
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env[ADMIN_TOKEN_ENV] = self.admin_token
-        argv = [sys.executable, "-m", "primebuild.cli", "worker", "--plan", str(self.run.plan),
-                "--process", name, "--run-dir", str(self.run_dir)]
         log = open(self.run.log(name), "a", buffering=1)  # noqa: SIM115 (closed in _reap)
         log.write(f"--- start {time.strftime('%Y-%m-%dT%H:%M:%S')} (restart {restarts}) ---\n")
-        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=env, start_new_session=True, text=True, bufsize=1)
-        running = Running(spec, popen, log, restarts)
-        running.pump = threading.Thread(target=self._pump, args=(name, popen, log, _ATTENTION[spec.terminal]), daemon=True)
+        handle = self.launcher.start(spec, {ADMIN_TOKEN_ENV: self.admin_token, "PYTHONUNBUFFERED": "1"})
+        running = Running(spec, handle, log, restarts)
+        running.pump = threading.Thread(target=self._pump, args=(name, handle, log, _ATTENTION[spec.terminal]),
+                                        daemon=True)
         running.pump.start()
         return running
 
-    def _pump(self, name: str, popen: subprocess.Popen, log: TextIO, attention: re.Pattern) -> None:
-        assert popen.stdout is not None
-        for line in popen.stdout:
+    def _pump(self, name: str, handle: Handle, log: TextIO, attention: re.Pattern) -> None:
+        for line in handle.lines():
             log.write(line)
             if self.stopping and self.verbosity != VERBOSE:
                 continue  # what processes say while being torn down is in their logs
             if self.verbosity == VERBOSE or (self.verbosity == ATTENTION and attention.search(line)):
                 self.echo(f"[{name}] {line.rstrip()}")
 
+    def health_url(self, spec: ProcessSpec) -> str:
+        url = spec.health.url or ""
+        for node, host in enumerate(self.hosts):
+            url = url.replace("{host:" + str(node) + "}", host)
+        return url
+
     def _healthy(self, running: Running, deadline: float) -> bool:
         health = running.spec.health
+        url = self.health_url(running.spec)
         while time.monotonic() < deadline:
-            if running.popen.poll() is not None:
+            if running.handle.poll() is not None:
                 return False
             if health.kind == "process":
                 return True
-            url = (health.url or "").replace("{host:" + str(running.spec.node) + "}", "127.0.0.1")
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (loopback only)
+                with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (the run's own servers)
                     if response.status == 200:
                         return True
             except OSError:
@@ -118,21 +141,18 @@ class Supervisor:
         return False
 
     def start(self) -> Outcome | None:
-        busy = ports_in_use(self.plan)
-        if busy:
-            return Outcome(False, ports_message(busy), 2)
         orders = sorted({p.start_order for p in self.plan.processes})
         for order in orders:
             group = [p for p in self.plan.processes if p.start_order == order]
             for spec in group:
                 self.running[spec.name] = self._spawn(spec)
             for spec in group:
-                if not self._healthy(self.running[spec.name], time.monotonic() + spec.health.timeout_s):
-                    code = self.running[spec.name].popen.poll()
-                    self.stop_all()
-                    return Outcome(False, f"{spec.name} did not become healthy "
-                                   f"({'exited with code ' + str(code) if code is not None else 'timed out'}); "
-                                   f"see {self.run.log(spec.name)}", 1)
+                running = self.running[spec.name]
+                if not self._healthy(running, time.monotonic() + spec.health.timeout_s):
+                    code = running.handle.poll()
+                    what = describe_exit(code)[0] if code is not None else "timed out"
+                    return self._fail(running, code, f"{spec.name} did not become healthy ({what}); "
+                                      f"see {self.run.log(spec.name)}", 1)
         return None
 
     # --- watching --------------------------------------------------------------------------------
@@ -148,6 +168,8 @@ class Supervisor:
                     outcome = self._check()
                     if outcome is not None:
                         return outcome
+                    if stop_deadline is None and stop_file.exists():
+                        stop_deadline = time.monotonic() + GRACE_SECONDS  # `primebuild stop` from elsewhere
                     if stop_deadline is not None and time.monotonic() > stop_deadline:
                         self.stop_all()
                         return self._stopped()
@@ -164,40 +186,55 @@ class Supervisor:
             self.progress.poll()
 
     def _check(self) -> Outcome | None:
-        roles_done = {"orchestrator": False, "trainer": False}
         for name, running in list(self.running.items()):
-            code = running.popen.poll()
+            code = running.handle.poll()
             if code is None:
                 continue
             role = running.spec.role
-            if code == 0 and role in roles_done:
-                roles_done[role] = True
+            if code == 0 and role in ("orchestrator", "trainer"):
                 continue
             policy = running.spec.restart
             if code != 0 and policy.policy == "on-failure" and running.restarts < policy.max_restarts:
-                self.echo(f"{name} exited with code {code}: restarting ({running.restarts + 1}/{policy.max_restarts})")
+                self.echo(f"{name} {describe_exit(code)[0]}: restarting ({running.restarts + 1}/{policy.max_restarts})")
                 self._reap(running)
                 replacement = self._spawn(running.spec, running.restarts + 1)
                 self.running[name] = replacement
                 if not self._healthy(replacement, time.monotonic() + running.spec.health.timeout_s):
-                    self.stop_all()
-                    return Outcome(False, f"{name} failed again after a restart; see {self.run.log(name)}", 1)
+                    return self._fail(replacement, replacement.handle.poll(),
+                                      f"{name} failed again after a restart; see {self.run.log(name)}", 1)
                 continue
             if code == 0:
-                self.stop_all()
-                return Outcome(False, f"{name} ({role}) exited before the run finished", 1)
-            self.stop_all()
-            return Outcome(False, f"{name} ({role}) exited with code {code}; see {self.run.log(name)}",
-                           code if 0 < code < 128 else 1)
-        orchestrator_done = all(self.running[p.name].popen.poll() == 0 for p in self.plan.by_role("orchestrator"))
-        trainers_done = all(self.running[p.name].popen.poll() == 0 for p in self.plan.by_role("trainer"))
+                return self._fail(running, code, f"{name} ({role}) exited before the run finished", 1)
+            return self._fail(running, code, f"{name} ({role}) {describe_exit(code)[0]}; see {self.run.log(name)}",
+                              code if 0 < code < 128 else 1)
+        orchestrator_done = all(self.running[p.name].handle.poll() == 0 for p in self.plan.by_role("orchestrator"))
+        trainers_done = all(self.running[p.name].handle.poll() == 0 for p in self.plan.by_role("trainer"))
         if orchestrator_done and trainers_done:
             stopped = self.run.stop_requested()
             self.stop_all()
             return self._stopped() if stopped else Outcome(True, "run complete", 0)
         return None
 
-    # --- stopping --------------------------------------------------------------------------------
+    # --- failing and stopping --------------------------------------------------------------------
+
+    def _fail(self, running: Running, code: int | None, message: str, exit_code: int) -> Outcome:
+        """Fail fast: name the process in failure.json, let the survivors checkpoint briefly, stop all."""
+        if running.pump:
+            running.pump.join(timeout=2)  # its last lines into the log first
+        running.log.flush()
+        log = self.run.log(running.spec.name)
+        tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log.is_file() else []
+        record = FailureRecord(process=running.spec.name, role=running.spec.role, exit_code=code,
+                               signal=describe_exit(code)[1], message=message, log=str(log), log_tail=tail)
+        write_json_atomic(self.run.failure, record.model_dump(mode="json"))
+        self.echo(f"error: {message}; stopping every other process")
+        self.run.stop_file.touch()  # the trainer saves the step it finished, the orchestrator stops
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        survivors = [r for r in self.running.values() if r.spec.role in ("trainer", "orchestrator")]
+        while time.monotonic() < deadline and any(r.handle.poll() is None for r in survivors):
+            time.sleep(0.2)
+        self.stop_all()
+        return Outcome(False, message, exit_code)
 
     def _stopped(self) -> Outcome:
         """A requested stop (STOP file, Ctrl-C) is a normal end: the trainer checkpointed after its step."""
@@ -206,39 +243,30 @@ class Supervisor:
         return Outcome(True, f"stopped at step {step}; resume with `primebuild run --resume {self.run_dir}`", 0)
 
     def _reap(self, running: Running) -> None:
-        # A process that died may leave children behind in its session (vLLM's engine core and workers):
-        # end the whole group, so a restart never runs beside an orphan holding memory or a port.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(running.popen.pid, signal.SIGKILL)
+        # A process that died may leave children behind in its process group (vLLM's engine core and
+        # workers): end the whole group, so a restart never runs beside an orphan holding memory or a port.
+        running.handle.kill()
         if running.pump:
             running.pump.join(timeout=2)
         running.log.close()
 
-    def stop_all(self, timeout: float = 10.0) -> None:
+    def stop_all(self, timeout: float = TERM_SECONDS) -> None:
         self.stopping = True
         for running in self.running.values():
-            if running.popen.poll() is None:
-                try:
-                    os.killpg(running.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            if running.handle.poll() is None:
+                running.handle.terminate()
         deadline = time.monotonic() + timeout
         for running in self.running.values():
-            try:
-                running.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(running.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                running.popen.wait()
+            if running.handle.wait(max(0.1, deadline - time.monotonic())) is None:
+                running.handle.kill()
+                running.handle.wait(TERM_SECONDS)
             if not running.log.closed:
                 self._reap(running)
 
 
 def ports_in_use(plan: Plan) -> list[str]:
-    """Ports of the plan another program already holds (another run, say): a health check there would
-    answer for the wrong server."""
+    """Ports of the plan another program already holds on this machine (another run, say): a health
+    check there would answer for the wrong server. (Local target: every port is on this machine.)"""
     busy = []
     for p in plan.processes:
         for purpose, port in sorted(p.ports.items()):
@@ -257,8 +285,9 @@ def ports_message(busy: list[str]) -> str:
             "(stop it, or pick free ports, e.g. --set inference.port=8100)")
 
 
-def supervise(plan: Plan, run_dir: Path, *, echo=print, verbosity: int = ATTENTION, live=None) -> Outcome:
-    supervisor = Supervisor(plan, run_dir, echo=echo, verbosity=verbosity, live=live)
+def supervise(plan: Plan, run_dir: Path, launcher: Launcher, *, echo=print, verbosity: int = ATTENTION,
+              live=None) -> Outcome:
+    supervisor = Supervisor(plan, run_dir, launcher, echo=echo, verbosity=verbosity, live=live)
     try:
         failure = supervisor.start()
         if failure is not None:

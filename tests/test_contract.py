@@ -84,7 +84,8 @@ def check_configs(m: Manifest, plan: dict) -> None:
         if m.inference.engine == "embedded":
             s = InferenceServerConfig.model_validate(p["config"])
             assert (s.max_model_len, s.max_num_seqs, s.precision) == (o.seq_len, inf.max_num_seqs, inf.precision)
-            assert (s.host, s.port, s.seed) == (inf.host, inf.port + index, m.seed + index)
+            # unset: `{bind:N}`, loopback on one host and the node's address otherwise (runtime/worker.py)
+            assert (s.host, s.port, s.seed) == (inf.host or f"{{bind:{p['node']}}}", inf.port + index, m.seed + index)
         else:
             argv = p["argv"]
             assert argv[argv.index("--max-model-len") + 1] == str(o.seq_len)
@@ -202,6 +203,16 @@ class Recorded:
     """Recorded with the run (manifest.json and the manifest hash); by design it changes nothing else."""
 
     sets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Renders:
+    """`sets` (on top of `base_sets`) changes the artifact the `target` renderer writes."""
+
+    target: str
+    sets: tuple[str, ...]
+    base_sets: tuple[str, ...]
+    base: str = RL
 
 
 @dataclass(frozen=True)
@@ -370,7 +381,9 @@ FIELDS: dict[str, list] = {
     "weight_sync.port": [Reaches(config_of(T, "weight_sync.init_method"),
                                  ("weight_sync.mode=broadcast", "weight_sync.port=29700"), "tcp://{host:0}:29700"),
                          Refused(("weight_sync.port=29700",))],
-    "target.kind": [Refused(("target={kind: slurm}",))],
+    "target.kind": [Shapes(("target={kind: slurm}",), "target", base=RL),
+                    Refused(("target={kind: slurm}", "weight_sync.mode=broadcast"), field_path="weight_sync.mode"),
+                    Refused(("target={kind: slurm}",), base=SFT)],
     "retention.keep_weights": [Reaches(config_of(O, "keep_weights"), ("retention.keep_weights=5",), 5),
                                Refused(("weight_sync.mode=broadcast", "retention.keep_weights=5")),
                                Refused(("retention.keep_weights=5",), base=SFT, field_path="retention")],
@@ -400,13 +413,20 @@ _LAYOUT = {"tp": ("inference.tp=1", "inference.ep=1"), "dp": ("inference.dp=2", 
                                  "hardware.nodes=3", "trainer.nodes=1")}
 for _dim, _sets in _LAYOUT.items():
     FIELDS[f"inference.{_dim}"] = [Refused((f"inference.{_dim}=2",)), Shapes(_sets, "processes")]
-_TARGETS = {"hosts": "{kind: ssh, hosts: [a, b]}", "user": "{kind: ssh, hosts: [a], user: me}",
-            "port": "{kind: ssh, hosts: [a], port: 2222}", "workdir": "{kind: ssh, hosts: [a], workdir: /w}",
-            "partition": "{kind: slurm, partition: p}", "account": "{kind: slurm, account: a}",
-            "qos": "{kind: slurm, qos: q}", "time": "{kind: slurm, time: '1:00:00'}",
-            "namespace": "{kind: kubernetes, namespace: ns}", "service_account": "{kind: kubernetes, service_account: sa}"}
-for _name, _value in _TARGETS.items():
-    FIELDS[f"target.{_name}"] = [Refused((f"target={_value}",), field_path="target.kind")]
+# Each target's own settings shape the artifact its renderer writes (builders/render/).
+_TARGETS = {"hosts": ("ssh", "{kind: ssh, hosts: [a]}", "target.hosts=[b]"),
+            "user": ("ssh", "{kind: ssh, hosts: [a]}", "target.user=me"),
+            "port": ("ssh", "{kind: ssh, hosts: [a]}", "target.port=2222"),
+            "workdir": ("ssh", "{kind: ssh, hosts: [a]}", "target.workdir=/w"),
+            "partition": ("slurm", "{kind: slurm}", "target.partition=p"),
+            "account": ("slurm", "{kind: slurm}", "target.account=a"),
+            "qos": ("slurm", "{kind: slurm}", "target.qos=q"),
+            "time": ("slurm", "{kind: slurm}", "target.time='1:00:00'"),
+            "namespace": ("kubernetes", "{kind: kubernetes}", "target.namespace=ns"),
+            "service_account": ("kubernetes", "{kind: kubernetes}", "target.service_account=sa")}
+for _name, (_kind, _base, _set) in _TARGETS.items():
+    FIELDS[f"target.{_name}"] = [Renders(_kind, (f"target={_base}", _set), (f"target={_base}",))]
+FIELDS["target.hosts"].append(Refused(("target={kind: ssh, hosts: [a, b]}",), field_path="target.hosts"))
 
 
 def models_in(annotation) -> list[type[BaseModel]]:
@@ -494,6 +514,14 @@ def test_field_does_what_the_table_says(name, index, check, folder):
     elif isinstance(check, Locks):
         assert requests(load_manifest(folder / check.base)) != requests(load_manifest(folder / check.base,
                                                                                        list(check.sets)))
+    elif isinstance(check, Renders):
+        from primebuild.builders.render import render
+        from primebuild.contracts.render import RenderContext
+
+        ctx = RenderContext(run_dir="/r/run", python="/p/python")
+        before, after = (render(compile_plan(load_manifest(folder / check.base, list(sets))), check.target, ctx)
+                         for sets in (check.base_sets, check.sets))
+        assert before != after
     elif isinstance(check, Loader):
         with pytest.raises(UserError) as err:
             load_manifest(folder / RL, list(check.sets))

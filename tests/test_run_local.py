@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cluster_helpers import processes_of
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_RL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40"]
@@ -329,3 +330,57 @@ def _pid_of(run_dir: Path, needle: str) -> int:
         if needle in cmdline and f"PRIMEBUILD_RUN_DIR={run_dir}" in environ:
             return int(entry.name)
     raise AssertionError(f"no process {needle} for {run_dir}")
+
+
+def test_a_killed_orchestrator_ends_the_run_within_30_s_naming_it_and_resume_loses_no_step(
+        workspace: Path, tmp_path: Path):
+    """Fail fast: the orchestrator has no restart policy. Its death stops every other process within
+    30 s, the run exits non-zero, failure.json names it with its exit status and last log lines, and the
+    trainer has checkpointed the step it finished, so --resume trains each step exactly once."""
+    runs = tmp_path / "runs"
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=6")
+    try:
+        run_dir = _wait_for_trained(runs, 2, proc)
+        os.kill(_pid_of(run_dir, "primebuild.runtime.orchestrator.main"), signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        ended = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"local: orchestrator SIGKILLed -> run over in {ended:.1f} s")
+    assert proc.returncode != 0 and ended < 30, out
+    assert "orchestrator (orchestrator) was killed by SIGKILL" in out, out
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert (failure["process"], failure["signal"], failure["exit_code"]) == ("orchestrator", "SIGKILL", -9)
+    assert failure["log_tail"] and failure["log"].endswith("orchestrator.log")
+    assert processes_of(run_dir) == []
+    done = _trained_steps(run_dir)
+    assert done == list(range(1, len(done) + 1)) and len(done) < 6
+
+    resumed = subprocess.run([sys.executable, "-m", "primebuild.cli", "run", "--resume", str(run_dir), "--quiet"],
+                             capture_output=True, text=True, env=_env(workspace), timeout=240)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr + _logs(runs)
+    assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    assert not (run_dir / "failure.json").exists()  # the resumed session ended well
+
+
+def test_sigkill_of_primebuild_run_leaves_no_process_behind(workspace: Path, tmp_path: Path):
+    """`kill -9` of `primebuild run`: its watchdog and the workers' PR_SET_PDEATHSIG end the rest."""
+    runs = tmp_path / "runs"
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=200")
+    try:
+        run_dir = _wait_for_trained(runs, 1, proc)
+        assert len(processes_of(run_dir)) >= 3
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        killed = time.monotonic()
+        deadline = killed + 30
+        while processes_of(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = processes_of(run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"local: `primebuild run` SIGKILLed -> nothing of the run left after {time.monotonic() - killed:.1f} s")
+    assert left == [], left

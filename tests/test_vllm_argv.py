@@ -30,7 +30,7 @@ def vllm_argvs(manifest: str) -> dict[str, list[str]]:
         # `python -m vllm.entrypoints.openai.api_server ARGS` takes exactly the arguments of `vllm serve ARGS`
         argv = ["vllm", "serve", *argv[3:]]
         # fill the placeholders `primebuild worker` fills at start
-        filled = [re.sub(r"\{host:[^}]*\}", "127.0.0.1", a.replace("{model_path}", "/models/dummy")) for a in argv]
+        filled = [re.sub(r"\{(host|bind):[^}]*\}", "127.0.0.1", a.replace("{model_path}", "/models/dummy")) for a in argv]
         assert not any("{" in a and "}" in a and not a.startswith("{\"") for a in filled), filled
         out[f"{manifest}:{process['name']}"] = filled
     assert out, f"{manifest} plans no vLLM process"

@@ -18,7 +18,7 @@ from primebuild.errors import UserError
 from primebuild.manifest.load import load_manifest
 from primebuild.runtime import worker
 
-PLACEHOLDER = re.compile(r"\{(run_dir|model_path|config|python|host:\d+)\}")
+PLACEHOLDER = re.compile(r"\{(run_dir|model_path|config|python|host:\d+|bind:\d+)\}")
 
 
 @pytest.fixture
@@ -40,9 +40,10 @@ def test_every_process_gets_its_typed_config_with_nothing_left_to_resolve(run: R
         config = load_contract(type(spec.config), run.config(spec.name))  # what the process itself does
         text = run.config(spec.name).read_text()
         assert not PLACEHOLDER.search(text), text
-        assert config.model_dump(exclude={"run_dir", "model_path", "weight_sync", "weight_broadcast",
-                                          "endpoints"}) == \
-            spec.config.model_dump(exclude={"run_dir", "model_path", "weight_sync", "weight_broadcast", "endpoints"})
+        resolved = {"run_dir", "model_path", "weight_sync", "weight_broadcast", "endpoints", "host"}
+        assert config.model_dump(exclude=resolved) == spec.config.model_dump(exclude=resolved)
+        if hasattr(config, "host"):  # {bind:0}: the node's own address, as it resolves on the node
+            assert spec.config.host == "{bind:0}" and config.host == "10.0.0.7"
         if hasattr(config, "run_dir"):
             assert config.run_dir == str(run.root)
         if hasattr(config, "model_path"):

@@ -1,4 +1,5 @@
-"""`primebuild run`: execute a plan (local target), or continue a stopped run with --resume."""
+"""`primebuild run`: execute a plan on its target (local, ssh, slurm, kubernetes), or continue a stopped
+run with --resume. The command drives the target only through runtime/targets/base.py's verbs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import click
 
 from primebuild.commands.options import print_notes, set_option
 from primebuild.contracts.plan import Plan, read_plan, render_json
-from primebuild.contracts.run_dir import Rendezvous, RunDir
+from primebuild.contracts.run_dir import RunDir, write_json_atomic
 from primebuild.errors import UserError
 
 
@@ -19,35 +20,45 @@ from primebuild.errors import UserError
 @click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=str))
 @set_option
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs"),
-              show_default=True, help="Where run folders are created.")
+              show_default=True, help="Where run folders are created (on a cluster: a filesystem every node sees).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
               help="Continue a stopped run from its folder (checkpoints and rollouts on disk).")
 @click.option("--quiet", "-q", is_flag=True, help="Only the progress lines (no process warnings).")
 @click.option("--verbose", "-v", is_flag=True, help="Every line every process prints (access logs too).")
+@click.option("--detach", is_flag=True,
+              help="slurm/kubernetes: submit and return; follow later with `primebuild status/logs`, end with "
+                   "`primebuild stop`. Without it, the run ends when this command is killed.")
 def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_dir: Path | None, quiet: bool,
-            verbose: bool) -> None:
-    """Run MANIFEST on this machine: build its model, start every process, report the result."""
+            verbose: bool, detach: bool) -> None:
+    """Run MANIFEST on its target: build its model, start every process, report the result."""
     from primebuild.builders.plan import compile_plan
     from primebuild.builders.store import Store
     from primebuild.manifest.load import load_manifest
+    from primebuild.runtime.supervisor import ATTENTION, QUIET, VERBOSE
+    from primebuild.runtime.targets import target_for
 
     started = time.monotonic()
-    from primebuild.runtime.supervisor import ATTENTION, QUIET, VERBOSE
-
     if quiet and verbose:
         raise UserError("--quiet and --verbose contradict each other: give one")
     verbosity = QUIET if quiet else VERBOSE if verbose else ATTENTION
     if resume_dir is not None:
         if manifest or sets:
             raise UserError("--resume takes the run folder only: its plan and manifest are already recorded")
-        run = RunDir(resume_dir.resolve()).require(resumable=True)
+        run = RunDir(resume_dir.resolve()).require(resumable=False)
         plan = read_plan(run.plan)
+        target = target_for(plan.target["kind"])
+        target.provision(plan)
+        previous = run.read_launch()
+        if previous is not None and target.active(run, previous):
+            raise UserError(f"{run.root} is still running ({target.state(run, previous)})",
+                            hint="stop it first with `primebuild stop`")
         run.stop_file.unlink(missing_ok=True)
+        run.failure.unlink(missing_ok=True)
         from primebuild.runtime.resume import reconcile
 
         after = reconcile(run, click.echo)
         click.echo(f"resuming {run.root} after step {after}")
-        _supervise(plan, run, verbosity, started, {})
+        _execute(plan, run, target, verbosity, started, detach)
         return
     if manifest is None:
         raise UserError("give a manifest (e.g. manifests/reverse-text.yaml) or --resume RUN_DIR")
@@ -65,11 +76,8 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
                    f"held-out reward {built.info.get('eval_reward')}")
         return
 
-    from primebuild.runtime.supervisor import ports_in_use, ports_message
-
-    busy = ports_in_use(plan)
-    if busy:  # before anything is built or written
-        raise UserError(ports_message(busy))
+    target = target_for(plan.target["kind"])
+    target.provision(plan)  # before anything is built or written
     model = resolve_model(loaded, store, click.echo)
     click.echo(f"model: {model.path} ({'cache hit' if model.cache_hit else 'built'} in {model.seconds:.2f} s)")
 
@@ -80,61 +88,86 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     for path in loaded.files:
         run.manifests.mkdir(exist_ok=True)
         (run.manifests / path.name).write_bytes(path.read_bytes())
-    environments = {}
+    environments = {}  # Python environments beside ours that processes of the plan run in
     if any(p.environment == "vllm" for p in plan.processes):
         from primebuild.runtime.inference.vllm.env import ensure
 
         environments["vllm"] = str(ensure(click.echo))
-    rendezvous = Rendezvous(hosts=["127.0.0.1"] * m.hardware.nodes, model_path=str(model.path),
-                            environments=environments)
-    run.rendezvous.write_text(json.dumps(rendezvous.model_dump(mode="json"), indent=2))
     run.run_record.write_text(json.dumps(
         {"plan_hash": plan.plan_hash, "manifest_hash": loaded.manifest_hash, "code_version": _code_version(),
          "manifest_path": str(loaded.path.resolve()), "model_path": str(model.path),
-         "model_cache_hit": model.cache_hit}, indent=2, sort_keys=True))
+         "model_cache_hit": model.cache_hit, "model_info": model.info, "model_seconds": round(model.seconds, 2),
+         "target": plan.target["kind"], "environments": environments}, indent=2, sort_keys=True))
     from primebuild.builders.lock import record_lock
 
     record_lock(run.lock, loaded)  # the lock as it was, when the manifest has one
     click.echo(f"run folder: {run.root}")
-    extra = {"sft": model.info, "model_seconds": round(model.seconds, 2)}
-    _supervise(plan, run, verbosity, started, extra)
+    _execute(plan, run, target, verbosity, started, detach)
 
 
-def _supervise(plan: Plan, run: RunDir, verbosity: int, started: float, extra: dict) -> None:
-    from primebuild.runtime.report import write_report, write_summary
-    from primebuild.runtime.supervisor import supervise
+def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, detach: bool) -> None:
+    from primebuild.runtime.session import finish
+    from primebuild.runtime.watchdog import Watchdog
 
-    if sys.stdout.isatty():  # a live panel under the scrolling log lines
-        from rich.console import Console
-        from rich.live import Live
-
-        with Live(console=Console(), refresh_per_second=4) as live:
-            def echo(text: str) -> None:
-                live.console.print(text, markup=False, highlight=False)
-
-            outcome = supervise(plan, run.root, echo=echo, verbosity=verbosity, live=live)
-    else:
-        outcome = supervise(plan, run.root, echo=click.echo, verbosity=verbosity)
-    wall = time.monotonic() - started
-    previous = run.read_json(run.summary)
-    summary = write_summary(run, {**extra, "wall_seconds": round(previous.get("wall_seconds", 0) + wall, 2),
-                                  "outcome": outcome.message})
-    report = write_report(run)
+    if detach and target.kind in ("local", "ssh"):
+        raise UserError(f"--detach: the {target.kind} target is supervised by `primebuild run` itself",
+                        hint="run it under nohup/tmux, or use a slurm or kubernetes target")
+    run.logs.mkdir(parents=True, exist_ok=True)
+    run.outcome.unlink(missing_ok=True)  # this session's, once it ends
+    watchdog = None if detach else Watchdog(run)  # from here on, killing this command ends the run
+    previous = run.read_launch()
+    try:
+        live_ctx = _live() if sys.stdout.isatty() else None
+        with live_ctx or _nothing() as live:
+            echo = (lambda text: live.console.print(text, markup=False, highlight=False)) if live else click.echo
+            record = target.launch(run, plan, echo=echo, verbosity=verbosity, live=live)
+            if previous is not None:
+                record = record.model_copy(update={"launches": previous.launches + 1})
+            write_json_atomic(run.launch_record, record.model_dump(mode="json"))
+            if detach:
+                click.echo(f"submitted: {target.state(run, record)}; follow with `primebuild status {run.root}` "
+                           f"and `primebuild logs {run.root} -f`, end with `primebuild stop {run.root}`")
+                return
+            outcome = target.follow(run, record, echo=echo, verbosity=verbosity)
+        if target.finishes_in_job:  # the in-job supervisor wrote summary and outcome
+            summary, report = run.read_json(run.summary), run.report if run.report.is_file() else None
+        else:
+            summary, report = finish(run, outcome, time.monotonic() - started)
+    finally:
+        if watchdog is not None:
+            watchdog.done()
     if "eval_reward_before" in summary:
         click.echo(f"eval reward before RL (SFT model): {summary['eval_reward_before']:.4f}")
     if "eval_reward_after" in summary:
         click.echo(f"eval reward after RL:              {summary['eval_reward_after']:.4f} "
                    f"(gain {summary['eval_reward_gain']:+.4f})")
-    click.echo(f"wall time {summary['wall_seconds']:.1f} s; summary {run.summary}"
+    wall = summary.get("wall_seconds")
+    click.echo((f"wall time {wall:.1f} s; " if isinstance(wall, int | float) else "") + f"summary {run.summary}"
                + (f"; report {report}" if report else ""))
     if not outcome.ok:
-        raise click.exceptions.Exit(_fail(outcome))
+        if run.failure.is_file():
+            failure = json.loads(run.failure.read_text())
+            click.echo(f"last lines of {failure['process']} ({failure['log']}):", err=True)
+            for line in failure["log_tail"][-10:]:
+                click.echo(f"  {line}", err=True)
+        click.echo(f"error: {outcome.message}", err=True)
+        raise click.exceptions.Exit(outcome.exit_code)
     click.echo(outcome.message)
 
 
-def _fail(outcome) -> int:
-    click.echo(f"error: {outcome.message}", err=True)
-    return outcome.exit_code
+def _live():
+    from rich.console import Console
+    from rich.live import Live
+
+    return Live(console=Console(), refresh_per_second=4)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _code_version() -> str:

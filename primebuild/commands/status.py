@@ -34,9 +34,28 @@ def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
         "last_reward": rewards[-1] if rewards else None, "stop_requested": run.stop_requested(),
         "outcome": summary.get("outcome"), "eval_reward_before": summary.get("eval_reward_before"),
         "eval_reward_after": summary.get("eval_reward_after"),
+        "target": _target_state(run, plan),
     }
+    failure = run.read_json(run.failure)
+    if failure:
+        state["failed_process"] = failure.get("process")
+        state["failure"] = failure.get("message")
     if output == "json":
         click.echo(json.dumps(state, indent=2, sort_keys=True))
         return
     for key, value in state.items():
         click.echo(f"{key:>20}: {value}")
+
+
+def _target_state(run, plan) -> str:
+    """One line from the target itself (a Slurm job's state, live processes), never a guess."""
+    from primebuild.errors import UserError
+    from primebuild.runtime.targets import target_for
+
+    record = run.read_launch()
+    if record is None:
+        return f"{plan.target['kind']}: never launched"
+    try:
+        return target_for(record.target).state(run, record)
+    except UserError as err:  # e.g. an ssh host that does not answer now: the folder still says the rest
+        return f"{record.target}: unknown ({err.problems[0].message})"

@@ -1,7 +1,13 @@
-"""`primebuild stop RUN_DIR`: ask a running run to checkpoint and stop (what Ctrl-C does)."""
+"""`primebuild stop [RUN_DIR]`: stop a run gracefully, on any target (what Ctrl-C does).
+
+Writes RUN_DIR/STOP: the trainer checkpoints after its current step and the orchestrator stops, so the
+run ends by itself and `primebuild run --resume` continues it. What still runs after `--grace` seconds
+is ended by the run's target (Slurm: scancel; ssh and local: the process groups the workers recorded).
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import click
@@ -9,13 +15,30 @@ import click
 from primebuild.commands.options import run_dir_argument, runs_dir_option
 from primebuild.contracts.run_dir import find_run
 
+POLL_SECONDS = 0.5
+
 
 @click.command("stop")
 @run_dir_argument
 @runs_dir_option
-def command(run_dir: Path | None, runs_dir: Path) -> None:
-    """Write RUN_DIR/STOP: the trainer checkpoints after its current step, the orchestrator stops."""
+@click.option("--grace", type=click.FloatRange(min=0, max=3600), default=60.0, show_default=True,
+              help="Seconds the run may take to checkpoint and end by itself before its target ends it.")
+@click.option("--now", is_flag=True, help="No grace: end it at once (steps after the last checkpoint are lost).")
+def command(run_dir: Path | None, runs_dir: Path, grace: float, now: bool) -> None:
+    """Ask RUN_DIR (default: the newest run) to checkpoint and stop; end what is left after --grace."""
+    from primebuild.runtime.targets import target_for
+
     run = find_run(run_dir, runs_dir)
     run.stop_file.touch()
-    run_dir = run.root
-    click.echo(f"stop requested for {run_dir}; continue later with `primebuild run --resume {run_dir}`")
+    record = run.read_launch()
+    if record is None:
+        click.echo(f"stop requested for {run.root}; continue later with `primebuild run --resume {run.root}`")
+        return
+    target = target_for(record.target)
+    deadline = time.monotonic() + (0 if now else grace)
+    while time.monotonic() < deadline and target.active(run, record):
+        time.sleep(POLL_SECONDS)
+    if target.active(run, record):
+        click.echo(target.stop(run, record))
+    click.echo(f"stopped {run.root} ({target.state(run, record)}); continue later with "
+               f"`primebuild run --resume {run.root}`")

@@ -12,8 +12,11 @@ import click
 @click.option("--process", "name", required=True, help="Process name from the plan.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Run folder (default: the plan's folder).")
-def command(plan_path: Path, name: str, run_dir: Path | None) -> None:
+@click.option("--session", is_flag=True, help="Start a new process group first (what the ssh target asks).")
+@click.option("--env-from-stdin", "stdin_env", is_flag=True,
+              help="Read NAME=value lines (secrets) from stdin up to an empty line.")
+def command(plan_path: Path, name: str, run_dir: Path | None, session: bool, stdin_env: bool) -> None:
     """Become process NAME of the plan (exec)."""
     from primebuild.runtime.worker import exec_process
 
-    exec_process(plan_path, name, (run_dir or plan_path.parent).resolve())
+    exec_process(plan_path, name, (run_dir or plan_path.parent).resolve(), session=session, stdin_env=stdin_env)

@@ -9,7 +9,8 @@ Every class here is one contract between two sides that must not drift apart:
 | `inference`     | builders/processes.py              | runtime/inference/server.py              |
 | `sft`           | builders/derivations.py            | runtime/sft.py (through runtime/derivations.py) |
 | `plan`          | builders/plan.py                   | worker, supervisor, run/status/replay/diff |
-| `run_dir`       | every process of a run             | every process of a run, and the CLI      |
+| `run_dir`       | every process of a run, targets    | every process of a run, and the CLI      |
+| `render`        | the CLI (`render`), the targets    | builders/render/ (the cluster artifacts) |
 
 They live in this one light package (pydantic only, no torch) because both sides import them and
 `builders/` never imports `runtime/`. Unknown keys are refused on read, so a field that the compiler

@@ -9,6 +9,8 @@ file, so one plan (and one hash) serves every host:
   {run_dir}     the run folder            {model_path}  the model folder resolved at start
   {config}      this process's config file, written by the worker from the plan's `config`
   {host:N}      the address of node N     {python}      the interpreter running primebuild
+  {bind:N}      the address a server on node N listens on: node N's own address as it resolves on that
+                node at start, so clients on other nodes reach it; 127.0.0.1 when the run is on one host
 """
 
 from __future__ import annotations

@@ -9,7 +9,12 @@
       checkpoints/step_000050/ …                        trainer (resume)
       orchestrator.json                                 orchestrator: held-out rewards before/after
       metrics.jsonl                                     trainer and orchestrator, one line per value
-      summary.json  report.png                          written by `primebuild run` at the end
+      summary.json  report.png  outcome.json            written by whoever supervised the run, at the end
+      failure.json                                      the component that ended the run: exit status, log tail
+      launch.json                                       the target's record: Slurm job id, supervisor pid …
+      pids/<process>.json                               each worker: its host and process group (teardown)
+      job.sbatch  kubernetes.yaml  ssh.sh               the rendered artifact the target submitted
+      logs/job-<id>.log                                 the Slurm job's own output (in-job supervisor)
       STOP                                              present: finish the current step, checkpoint, stop
 
 Every process gets the folder as `run_dir` in its config and wraps it in `RunDir`; nothing else
@@ -29,11 +34,65 @@ from primebuild.errors import UserError
 
 
 class Rendezvous(Contract):
-    """What a run knows only at start: the address of every node and the resolved model folder."""
+    """What a run knows only at start: the address of every node and the resolved model folder.
+
+    `hosts[N]` is how other nodes reach plan node N (Slurm: the node's NodeAddr; ssh: the inventory
+    entry; Kubernetes: the pod's DNS name). When the whole run is on one host, every entry is
+    127.0.0.1, so every server binds loopback (`{bind:N}` resolves to it).
+    """
 
     hosts: list[str] = Field(min_length=1)
     model_path: str
     environments: dict[str, str] = Field(default_factory=dict)  # environment -> its python, beyond ours
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def single_host_or(hosts: list[str]) -> list[str]:
+    """The rendezvous hosts for a run whose nodes resolved to `hosts`: loopback when there is only one."""
+    return [LOOPBACK] * len(hosts) if len(set(hosts)) <= 1 else list(hosts)
+
+
+class ProcessRecord(Contract):
+    """Written by each worker before it becomes its process: where it runs, so teardown can end it."""
+
+    process: str
+    host: str  # socket.gethostname() of the machine it runs on
+    pid: int
+    pgid: int  # its process group: the process and everything it started
+
+
+class FailureRecord(Contract):
+    """The component that ended a run: what a person reads first after a failed run."""
+
+    process: str
+    role: str
+    exit_code: int | None  # None: it did not exit (timed out becoming healthy)
+    signal: str | None = None  # e.g. SIGKILL, when the exit code says it was killed by one
+    message: str
+    log: str  # the log file, in this run folder
+    log_tail: list[str]
+
+
+class OutcomeRecord(Contract):
+    """How a run ended, written by its supervisor (local, ssh, or the in-job one on Slurm)."""
+
+    ok: bool
+    message: str
+    exit_code: int
+
+
+class LaunchRecord(Contract):
+    """What a target started for this run, so that `status`, `stop` and teardown find it again."""
+
+    target: str  # local, ssh, slurm, kubernetes
+    supervisor_host: str | None = None  # local/ssh: where `primebuild run` supervises
+    supervisor_pid: int | None = None
+    job_id: str | None = None  # slurm
+    namespace: str | None = None  # kubernetes
+    objects: list[str] = Field(default_factory=list)  # kubernetes: kind/name of what was applied
+    launches: int = Field(1, ge=1)  # 1 + how many times the run was resumed
 
 
 class RunDir:
@@ -78,6 +137,51 @@ class RunDir:
 
     def log(self, process: str) -> Path:
         return self.logs / f"{process}.log"
+
+    def job_log(self, job_id: str) -> Path:
+        return self.logs / f"job-{job_id}.log"
+
+    @property
+    def pids(self) -> Path:
+        return self.root / "pids"
+
+    def process_record(self, process: str) -> Path:
+        return self.pids / f"{process}.json"
+
+    def process_records(self) -> list[ProcessRecord]:
+        out = []
+        for path in sorted(self.pids.glob("*.json")) if self.pids.is_dir() else []:
+            try:
+                out.append(ProcessRecord.model_validate_json(path.read_text()))
+            except ValueError:  # half-written by a worker that was killed: nothing to end
+                continue
+        return out
+
+    @property
+    def launch_record(self) -> Path:
+        return self.root / "launch.json"
+
+    def read_launch(self) -> LaunchRecord | None:
+        if not self.launch_record.is_file():
+            return None
+        return parse_contract(LaunchRecord, json.loads(self.launch_record.read_text()), where=str(self.launch_record))
+
+    def artifact(self, name: str) -> Path:
+        """A rendered artifact the target submitted (job.sbatch, kubernetes.yaml, ssh.sh)."""
+        return self.root / name
+
+    @property
+    def failure(self) -> Path:
+        return self.root / "failure.json"
+
+    @property
+    def outcome(self) -> Path:
+        return self.root / "outcome.json"
+
+    def read_outcome(self) -> OutcomeRecord | None:
+        if not self.outcome.is_file():
+            return None
+        return parse_contract(OutcomeRecord, json.loads(self.outcome.read_text()), where=str(self.outcome))
 
     @property
     def stop_file(self) -> Path:

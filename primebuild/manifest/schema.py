@@ -130,7 +130,10 @@ class Inference(Strict):
     max_num_seqs: PositiveInt = Field(256, le=65536)
     gpu_memory_utilization: float = Field(0.9, gt=0.05, le=0.98)
     router_replay: bool = Field(False, description="Return routed experts so the trainer replays them (MoE).")
-    host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 only on trusted cluster networks.")
+    host: str | None = Field(
+        None, description="Bind address of the inference servers. Unset: loopback when the run is on one host, "
+        "else the node's own address as resolved at start (plan placeholder {bind:N}); 0.0.0.0 only on trusted "
+        "cluster networks.")
     port: Port = 8000
     threads: PositiveInt | None = Field(None, le=1024, description="CPU threads per process (CPU runs).")
 
@@ -144,8 +147,8 @@ class Inference(Strict):
 
     @field_validator("host")
     @classmethod
-    def _host(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9.:-]{1,253}", v):
+    def _host(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9.:-]{1,253}", v):
             raise ValueError("must be an IP address or host name")
         return v
 
@@ -362,4 +365,11 @@ def json_schema() -> dict:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://primebuild.dev/schema/v1/manifest.json"
     schema["title"] = "primebuild manifest (apiVersion primebuild/v1)"
+    # composition (primebuild/manifest/compose.py): read by the loader, merged away before validation
+    schema["properties"]["extends"] = {"type": "array", "items": {"type": "string"},
+                                       "description": "Manifests (relative to this one) deep-merged under it, in order."}
+    # a manifest that extends others may leave any field to them: only a standalone one needs them all
+    required = schema.pop("required", [])
+    schema["if"] = {"required": ["extends"]}
+    schema["else"] = {"required": required}
     return schema

@@ -1,0 +1,69 @@
+"""`primebuild render MANIFEST --target slurm|ssh|kubernetes [-o DIR]`: the exact artifacts a target submits.
+
+Pure, like `plan`: nothing is submitted or started. One file goes to stdout; with `-o DIR` every file is
+written there. A plan that no built backend can run (a design study such as glm5) still renders, with a
+header that lists what is not runnable; `primebuild run` refuses it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from primebuild.commands.options import manifest_argument, print_notes, set_option
+from primebuild.errors import UserError
+
+
+@click.command("render")
+@manifest_argument
+@set_option
+@click.option("--target", "target", type=click.Choice(["slurm", "ssh", "kubernetes"]), default=None,
+              help="Render for this target (default: the manifest's own target.kind).")
+@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write the artifacts into this folder instead of stdout.")
+@click.option("--run-dir", default=None,
+              help="The run folder the artifacts name (default: RUNS/<name>, absolute). On a cluster it must be "
+                   "on a filesystem every node sees.")
+@click.option("--python", "python", default=None,
+              help="The interpreter with primebuild on the nodes (default: this one; ssh: target.workdir's).")
+@click.option("--model-path", default=None,
+              help="kubernetes: the model folder as the pods see it (default: RUN_DIR/model).")
+@click.option("--image", default=None, help="kubernetes: the image the pods run (default: primebuild:latest).")
+def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: Path | None, run_dir: str | None,
+            python: str | None, model_path: str | None, image: str | None) -> None:
+    """Render MANIFEST's plan as the artifacts of a cluster target."""
+    from primebuild.builders.plan import compile_plan
+    from primebuild.builders.render import render
+    from primebuild.contracts.render import RenderContext
+    from primebuild.manifest.load import load_manifest
+
+    loaded = load_manifest(manifest, sets)
+    if target and target != loaded.manifest.target.kind:  # the target's own settings at their defaults
+        loaded = load_manifest(manifest, [*sets, f"target={{kind: {target}}}"])
+    print_notes(loaded.notes)
+    kind = loaded.manifest.target.kind
+    if kind == "local":
+        raise UserError("the local target has nothing to render: `primebuild plan` shows what it starts",
+                        hint="give --target slurm, ssh or kubernetes")
+    plan = compile_plan(loaded, design=True)  # a design study renders too, marked as such
+    if plan.build is not None:
+        raise UserError(f"{manifest}: an sft: manifest is one store build, not processes on a cluster")
+    run_dir = run_dir or str((Path("runs") / plan.name).resolve())
+    if not run_dir.startswith("/"):
+        raise UserError(f"--run-dir {run_dir}: give an absolute path (the same on every node)")
+    if python is None:  # kubernetes: the image's interpreter; slurm: this one, at the same path on the nodes
+        python = "python3" if kind == "kubernetes" else sys.executable
+    files = render(plan, kind, RenderContext(run_dir=run_dir, python=python, image=image,
+                                             model_path=model_path or f"{run_dir}/model"))
+    if out_dir is None:
+        if len(files) != 1:
+            raise UserError(f"{len(files)} files: give -o DIR")
+        click.echo(next(iter(files.values())), nl=False)
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out_dir / name).write_text(text)
+        click.echo(str(out_dir / name))
+

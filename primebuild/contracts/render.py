@@ -1,0 +1,15 @@
+"""RenderContext: what a target renderer needs beyond the plan (written by the CLI or a target, read by
+builders/render/). Only paths: everything about the processes is in the plan."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from primebuild.contracts.base import Contract
+
+
+class RenderContext(Contract):
+    run_dir: str = Field(min_length=1)  # absolute; on a filesystem every node sees, at the same path
+    python: str = Field(min_length=1)  # an interpreter with primebuild installed, same path on every node
+    image: str | None = None  # kubernetes: the image reference (default: the plan's built image, else primebuild:latest)
+    model_path: str = "{model_path}"  # kubernetes: the model folder as the pods see it (on the shared volume)

@@ -1,0 +1,24 @@
+"""The end of one session of a run (a first start or a resume), whoever supervised it: summary.json
+(held-out rewards, KL, wall time summed over sessions), report.png and outcome.json. `primebuild run`
+calls it for the targets it supervises itself; on Slurm the in-job supervisor does, so a detached or
+requeued job leaves the same run folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from primebuild.contracts.run_dir import OutcomeRecord, RunDir, write_json_atomic
+
+
+def finish(run: RunDir, outcome, session_seconds: float) -> tuple[dict, Path | None]:
+    from primebuild.runtime.report import write_report, write_summary
+
+    record = run.read_json(run.run_record)
+    previous = run.read_json(run.summary)
+    extra = {"sft": record.get("model_info", {}), "model_seconds": record.get("model_seconds"),
+             "wall_seconds": round(previous.get("wall_seconds", 0) + session_seconds, 2),
+             "outcome": outcome.message}
+    summary = write_summary(run, extra)
+    write_json_atomic(run.outcome, OutcomeRecord(ok=outcome.ok, message=outcome.message,
+                                                 exit_code=outcome.exit_code).model_dump(mode="json"))
+    return summary, write_report(run)

@@ -1,0 +1,25 @@
+"""Targets: where a plan's processes run. `target_for(kind)` gives the one a plan names."""
+
+from __future__ import annotations
+
+from primebuild.runtime.targets.base import Target
+
+
+def target_for(kind: str) -> Target:
+    if kind == "local":
+        from primebuild.runtime.targets.local import LocalTarget
+
+        return LocalTarget()
+    if kind == "slurm":
+        from primebuild.runtime.targets.slurm import SlurmTarget
+
+        return SlurmTarget()
+    if kind == "ssh":
+        from primebuild.runtime.targets.ssh import SshTarget
+
+        return SshTarget()
+    if kind == "kubernetes":
+        from primebuild.runtime.targets.kubernetes import KubernetesTarget
+
+        return KubernetesTarget()
+    raise ValueError(f"unknown target {kind!r}")

@@ -1,0 +1,79 @@
+"""A local child process as a supervisor `Handle`: in its own session, so that its whole group (torchrun
+ranks, engine workers) is signalled together and a terminal's Ctrl-C reaches only the supervisor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+from primebuild.contracts.run_dir import ProcessRecord, RunDir
+
+
+class ProcessHandle:
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path | None = None):
+        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=env, cwd=cwd, start_new_session=True,
+                                      text=True, bufsize=1, errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def lines(self) -> Iterator[str]:
+        assert self.popen.stdout is not None
+        yield from self.popen.stdout
+
+
+def belongs_to(pid: int, run: RunDir) -> bool:
+    """Is `pid` a live process of this run? (Its environment names the run folder: a recycled pid is not.)"""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"PRIMEBUILD_RUN_DIR={run.root}".encode() in environ.split(b"\0")
+
+
+def end_groups(records: list[ProcessRecord], run: RunDir, *, term_seconds: float = 10.0) -> list[str]:
+    """SIGTERM, then SIGKILL, the process groups of `records` that still belong to this run (this host)."""
+    import time
+
+    alive = [r for r in records if belongs_to(r.pgid, run)]
+    for r in alive:
+        try:
+            os.killpg(r.pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + term_seconds
+    while time.monotonic() < deadline and any(belongs_to(r.pgid, run) for r in alive):
+        time.sleep(0.2)
+    for r in alive:
+        if belongs_to(r.pgid, run):
+            try:
+                os.killpg(r.pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return [r.process for r in alive]

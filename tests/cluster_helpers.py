@@ -1,0 +1,156 @@
+"""What the `cluster` tests share: the services scripts/ci-services starts, and the run helpers.
+
+Under CI=true a missing service FAILS the test (.ci/run starts them, so missing means broken); on a
+developer machine it skips, saying why and how to start it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SSH_DIR = Path(os.environ.get("PRIMEBUILD_CI_SSH_DIR", "/var/lib/primebuild-ci/ssh"))
+SSH_HOSTS = ("127.0.0.2", "127.0.0.3")
+# A run folder path full of what a shell would interpret: every artifact must quote it.
+NASTY = "runs it's $(touch PWNED) `touch PWNED2`; x"
+
+
+def missing(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: .ci/run starts it with scripts/ci-services)")
+    pytest.skip(f"{reason}; start it with `scripts/ci-services` (as root)")
+
+
+def require_slurm() -> None:
+    if shutil.which("sbatch") is None:
+        missing("Slurm is not installed (no sbatch)")
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
+    if "UP" not in ping.stdout:
+        missing(f"slurmctld does not answer: {ping.stdout.strip() or ping.stderr.strip()}")
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
+    idle = [line for line in nodes.stdout.splitlines() if line.split()[1].startswith(("idle", "mix", "alloc"))]
+    if len(idle) < 3:
+        missing(f"need 3 Slurm nodes up (a het job gives each component its own), have: {nodes.stdout.strip()}")
+
+
+def require_sshd() -> Path:
+    config = SSH_DIR / "config"
+    if not config.is_file():
+        missing(f"no ssh client config at {config}")
+    for host in SSH_HOSTS:
+        probe = subprocess.run(["ssh", "-F", str(config), "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host,
+                                "true"], capture_output=True, text=True, timeout=30)
+        if probe.returncode != 0:
+            missing(f"sshd on {host}:2222 does not answer: {probe.stderr.strip()}")
+    return config
+
+
+def workspace(root: Path, *, short_sft: bool = True) -> Path:
+    """Copies of the shipped manifests, by default with a short SFT (the store is private to the test module)."""
+    manifests = root / "manifests"
+    shutil.copytree(REPO / "manifests", manifests)
+    (root / "store").mkdir()
+    if not short_sft:
+        return manifests
+    sft = yaml.safe_load((manifests / "reverse-text-sft.yaml").read_text())
+    sft["sft"]["steps"] = 40
+    sft["sft"]["warmup_steps"] = 10
+    (manifests / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
+    return manifests
+
+
+def cli(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "primebuild.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def start(*args: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "primebuild.cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def run_dir_of(runs: Path) -> Path:
+    (found,) = [p for p in runs.iterdir() if p.is_dir()]
+    return found
+
+
+def trained_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return sorted(r["step"] for r in rows if r["role"] == "trainer" and r["name"] == "loss")
+
+
+def rewards(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["value"] for r in sorted(rows, key=lambda r: r["step"])
+            if r["role"] == "orchestrator" and r["name"] == "reward_mean"]
+
+
+def wait_trained(runs: Path, step: int, proc: subprocess.Popen | None, timeout: float = 240) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.stdout.read() if proc.stdout else ''}")
+        dirs = [p for p in runs.iterdir() if p.is_dir()] if runs.exists() else []
+        if dirs and step in trained_steps(dirs[0]):
+            return dirs[0]
+        time.sleep(0.3)
+    raise AssertionError(f"step {step} was not trained within {timeout} s")
+
+
+def processes_of(run_dir: Path) -> list[str]:
+    """Live processes that belong to the run: its folder in their environment or command line."""
+    found = []
+    needle = str(run_dir).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in cmdline or b"PRIMEBUILD_RUN_DIR=" + needle in environ:
+            shown = cmdline.replace(b"\0", b" ").decode(errors="replace")[:120]
+            found.append(f"{entry.name}: {shown}")
+    return found
+
+
+def pid_of(run_dir: Path, needle: str) -> int:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in cmdline and f"PRIMEBUILD_RUN_DIR={run_dir}".encode() in environ.split(b"\0"):
+            return int(entry.name)
+    raise AssertionError(f"no process {needle} for {run_dir}")
+
+
+def wait_gone(run_dir: Path, timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = processes_of(run_dir)
+        if not left:
+            return []
+        time.sleep(0.5)
+    return processes_of(run_dir)
+
+
+def logs_tail(run_dir: Path) -> str:
+    out = []
+    for log in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
+        out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="ignore").splitlines()[-20:]))
+    return "\n".join(out)

@@ -1,0 +1,173 @@
+"""The Slurm target for real: `primebuild run` submits reverse-text-slurm.yaml as a heterogeneous job to
+the localhost Slurm (scripts/ci-services: slurmctld + three slurmd nodes at 127.0.0.11-13), follows it,
+and status / logs / stop / --resume work on it; fault tests end it within 30 s naming the component.
+
+The run folder of the first test sits under a path full of shell metacharacters, so the whole chain
+(sbatch header, job script, srun steps, workers) runs with it for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cluster_helpers import (
+    NASTY,
+    cli,
+    logs_tail,
+    pid_of,
+    require_slurm,
+    rewards,
+    run_dir_of,
+    start,
+    trained_steps,
+    wait_gone,
+    wait_trained,
+    workspace,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
+SMALL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    require_slurm()
+    root = tmp_path_factory.mktemp("slurm")
+    manifests = workspace(root, short_sft=False)  # RL from the default's own start (held-out ~0.77)
+    env = {**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1"}
+    built = cli("run", manifests / "reverse-text-sft.yaml", env=env)  # the store entry every job reads
+    assert built.returncode == 0, built.stderr
+    return manifests, env
+
+
+def _job_state(job_id: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    fields = dict(p.split("=", 1) for p in shown.stdout.split() if "=" in p)
+    return fields.get("JobState", "gone")
+
+
+def test_a_het_job_runs_the_embedded_default_and_learns(ws, tmp_path: Path):
+    manifests, env = ws
+    runs = tmp_path / NASTY
+    started = time.monotonic()
+    result = cli("run", manifests / "reverse-text-slurm.yaml", "--runs-dir", runs, "--quiet",
+                 "--set", "orchestrator.max_steps=40", "--set", f"inference.port={_port()}", env=env, timeout=400)
+    wall = time.monotonic() - started
+    run_dir = run_dir_of(runs)
+    assert result.returncode == 0, result.stdout + result.stderr + logs_tail(run_dir)
+    print(f"slurm job: 40 steps, {wall:.1f} s wall (submit to end)")
+    # the same run folder as a local run
+    for name in ("plan.json", "run.json", "manifest.json", "rendezvous.json", "summary.json", "report.png",
+                 "outcome.json", "launch.json", "job.sbatch", "orchestrator.json"):
+        assert (run_dir / name).is_file(), name
+    assert trained_steps(run_dir) == list(range(1, 41))
+    assert sorted(p.name for p in (run_dir / "rollouts").iterdir())[-1] == "step_000040.pt"
+    for name in ("inference-0", "trainer", "orchestrator"):
+        assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
+    record = json.loads((run_dir / "launch.json").read_text())
+    assert record["target"] == "slurm" and _job_state(record["job_id"]) == "COMPLETED"
+    # a real het job: three components on three nodes; the server bound its node's address, not loopback
+    shown = subprocess.run(["scontrol", "show", "job", "-o", record["job_id"]], capture_output=True, text=True,
+                           timeout=30).stdout
+    assert len([line for line in shown.splitlines() if "HetJobOffset=" in line]) == 3
+    rendezvous = json.loads((run_dir / "rendezvous.json").read_text())
+    assert rendezvous["hosts"][0] in ("127.0.0.11", "127.0.0.12", "127.0.0.13")
+    server_log = re.sub(r"\x1b\[[0-9;]*m", "", (run_dir / "logs" / "inference-0.log").read_text())
+    assert f"Uvicorn running on http://{rendezvous['hosts'][0]}:" in server_log
+    # it learns: the rollout reward of the last 10 steps beats the first 10 (sampled at temperature 1)
+    r = rewards(run_dir)
+    first, last = sum(r[:10]) / 10, sum(r[-10:]) / 10
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(f"rollout reward {first:.3f} -> {last:.3f}; held-out {summary['eval_reward_before']:.3f} -> "
+          f"{summary['eval_reward_after']:.3f}")
+    assert last > first + 0.01, (first, last)
+    # nothing a path smuggled in ran, anywhere
+    assert not list(tmp_path.rglob("PWNED*")) and not list(run_dir.rglob("PWNED*"))
+    # status / logs read the run folder and ask Slurm
+    status = cli("status", run_dir, "-o", "json", env=env, timeout=60)
+    state = json.loads(status.stdout)
+    assert state["steps_trained"] == 40 and state["outcome"] == "run complete"
+    assert state["target"].startswith(f"slurm job {record['job_id']}: COMPLETED")
+    logs = cli("logs", run_dir, "--process", "trainer", "-n", "200", env=env, timeout=60)
+    assert logs.returncode == 0 and "step 40 loss" in logs.stdout
+
+
+def test_a_killed_component_ends_the_job_within_30_s_and_resume_loses_no_step(ws, tmp_path: Path):
+    manifests, env = ws
+    runs = tmp_path / "runs"
+    proc = start("run", manifests / "reverse-text-slurm.yaml", "--runs-dir", runs, "--quiet", *SMALL,
+                 "--set", "orchestrator.max_steps=6", "--set", f"inference.port={_port()}", env=env)
+    try:
+        run_dir = wait_trained(runs, 2, proc)
+        os.kill(pid_of(run_dir, "primebuild.runtime.orchestrator.main"), signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        ended = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"slurm: orchestrator SIGKILLed -> job over and `primebuild run` exited in {ended:.1f} s")
+    assert proc.returncode != 0 and ended < 30, (ended, out)
+    assert "orchestrator" in out and "SIGKILL" in out, out
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["process"] == "orchestrator" and failure["signal"] == "SIGKILL" and failure["log_tail"]
+    job = json.loads((run_dir / "launch.json").read_text())["job_id"]
+    assert _job_state(job) == "FAILED"
+    assert wait_gone(run_dir, 15) == []
+    done = trained_steps(run_dir)
+    assert done == list(range(1, len(done) + 1)) and len(done) < 6
+
+    resumed = cli("run", "--resume", run_dir, "--quiet", env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr + logs_tail(run_dir)
+    assert trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # each step exactly once, across two jobs
+    assert json.loads((run_dir / "launch.json").read_text())["launches"] == 2
+
+
+def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path):
+    manifests, env = ws
+    runs = tmp_path / "runs"
+    submitted = cli("run", manifests / "reverse-text-slurm.yaml", "--runs-dir", runs, "--detach", *SMALL,
+                    "--set", "orchestrator.max_steps=200", "--set", f"inference.port={_port()}", env=env)
+    assert submitted.returncode == 0 and "submitted" in submitted.stdout, submitted.stdout + submitted.stderr
+    run_dir = wait_trained(runs, 2, None)
+    assert "RUNNING" in json.loads(cli("status", run_dir, "-o", "json", env=env).stdout)["target"]
+    stopped = cli("stop", run_dir, "--grace", "60", env=env, timeout=120)  # graceful: checkpoint, then end
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    job = json.loads((run_dir / "launch.json").read_text())["job_id"]
+    assert _job_state(job) == "COMPLETED"  # it ended by itself, within the grace
+    assert json.loads((run_dir / "outcome.json").read_text())["message"].startswith("stopped at step")
+    done = trained_steps(run_dir)
+    assert done == list(range(1, len(done) + 1))
+
+    proc = start("run", "--resume", run_dir, "--quiet", env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while trained_steps(run_dir)[-1] <= done[-1] + 1 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)  # the follower dies: its watchdog cancels the job
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    new_job = json.loads((run_dir / "launch.json").read_text())["job_id"]
+    assert new_job != job
+    deadline = time.monotonic() + 30
+    while _job_state(new_job) not in ("CANCELLED", "gone") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _job_state(new_job) in ("CANCELLED", "gone"), (run_dir / "logs" / "watchdog.log").read_text()
+    assert wait_gone(run_dir, 30) == []

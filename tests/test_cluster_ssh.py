@@ -1,0 +1,103 @@
+"""The ssh target for real: two "hosts" on loopback (sshd on 127.0.0.2 and 127.0.0.3, scripts/ci-services)
+— inference on the first, trainer and orchestrator on the second — started with fabric, host keys
+checked against known_hosts. The run folder and the primebuild install are reached through paths
+full of shell metacharacters, so every quoted command line runs for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from cluster_helpers import (
+    NASTY,
+    REPO,
+    SSH_HOSTS,
+    cli,
+    logs_tail,
+    require_sshd,
+    start,
+    trained_steps,
+    wait_gone,
+    wait_trained,
+    workspace,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    config = require_sshd()
+    root = tmp_path_factory.mktemp("ssh")
+    manifests = workspace(root)
+    workdir = root / "primebuild $(touch PWNED) ;x"
+    workdir.symlink_to(REPO)  # the install on every "host", under a name a shell would love to run
+    env = {**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1",
+           "PRIMEBUILD_SSH_CONFIG": str(config)}
+    return manifests, env, workdir, config
+
+
+def _ssh_connection(pid: int) -> str:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(e.decode() for e in environ if e.startswith(b"SSH_CONNECTION=")).split("=", 1)[1]
+
+
+def test_a_run_spans_two_ssh_hosts(ws, tmp_path: Path):
+    manifests, env, workdir, _ = ws
+    runs = tmp_path / NASTY
+    proc = start("run", manifests / "reverse-text-ssh.yaml", "--runs-dir", runs, "--quiet",
+                 "--set", "orchestrator.max_steps=4", "--set", "orchestrator.rollouts_per_step=32",
+                 "--set", "orchestrator.eval_prompts=40", "--set", f"inference.port={_port()}",
+                 "--set", f"target.workdir={workdir}", env=env)
+    try:
+        run_dir = wait_trained(runs, 1, proc)
+        # each process runs in an ssh session of its plan node's host: inference on hosts[0], the rest on [1]
+        served = {}
+        for record in (run_dir / "pids").glob("*.json"):
+            data = json.loads(record.read_text())
+            served[data["process"]] = _ssh_connection(data["pid"]).split()[2]  # the server side of the session
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + logs_tail(run_dir)
+    assert served == {"inference-0": SSH_HOSTS[0], "trainer": SSH_HOSTS[1], "orchestrator": SSH_HOSTS[1]}
+    assert trained_steps(run_dir) == [1, 2, 3, 4]
+    rendezvous = json.loads((run_dir / "rendezvous.json").read_text())
+    assert rendezvous["hosts"] == list(SSH_HOSTS)
+    # the server bound its host's address (clients come from the other host), never all interfaces
+    assert f"Uvicorn running on http://{SSH_HOSTS[0]}:" in (run_dir / "logs" / "inference-0.log").read_text()
+    orchestrator = json.loads((run_dir / "config" / "orchestrator.json").read_text())
+    assert orchestrator["endpoints"][0].startswith(f"http://{SSH_HOSTS[0]}:")
+    for name in ("summary.json", "report.png", "launch.json", "outcome.json"):
+        assert (run_dir / name).is_file(), name
+    assert not list(tmp_path.rglob("PWNED*")) and not list(workdir.parent.glob("PWNED*"))
+    assert wait_gone(run_dir, 10) == []
+    # the admin token went over stdin: in no log, config or record
+    token_env = [p for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".json", ".log")
+                 and "PRIMEBUILD_ADMIN_TOKEN=" in p.read_text(errors="ignore")]
+    assert token_env == []
+
+
+def test_an_unknown_host_key_is_refused_before_anything_starts(ws, tmp_path: Path):
+    manifests, env, workdir, config = ws
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    other = tmp_path / "config"
+    other.write_text(config.read_text().replace(str(config.parent / "known_hosts"), str(empty)))
+    runs = tmp_path / "runs"
+    result = cli("run", manifests / "reverse-text-ssh.yaml", "--runs-dir", runs, "--set",
+                 f"target.workdir={workdir}", env={**env, "PRIMEBUILD_SSH_CONFIG": str(other)}, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "not found in known_hosts" in result.stderr and "Traceback" not in result.stderr
+    assert not runs.exists()
+    assert empty.read_text() == ""  # nothing was added behind the user's back
