@@ -27,6 +27,7 @@
         httpx
         matplotlib
         uv
+        fabric
       ];
       # [project.optional-dependencies].test
       testDeps = ps: with ps; [ pytest pytest-timeout hypothesis openai jsonschema ];

@@ -66,13 +66,13 @@ def test_a_plan_that_claims_unbuilt_backends_is_a_located_error(name, capsys):
     lines = [line for line in result.err.splitlines() if not line.startswith("    hint:")]
     refused = [line for line in lines if f"{name}.yaml:" in line]
     assert refused and all(":" in line.split(".yaml:", 1)[1] for line in refused)  # file:line:col
-    assert any("inference.engine: engine vllm" in line for line in refused)
+    assert any("trainer.ep: ep=" in line for line in refused)
     assert "plan --design" in lines[-1]
     design = call_cli(capsys, "plan", str(MANIFESTS / f"{name}.yaml"), "--design", "-o", "json")
     plan = json.loads(design.out)
     assert design.code == 0 and plan["runnable"] is False
     fields = {u["field"] for u in plan["unsupported"]}
-    assert "inference.engine" in fields and "target.kind" not in fields  # its target (slurm, ssh) is built
+    assert "trainer.ep" in fields and "inference.engine" not in fields and "target.kind" not in fields  # its target (slurm, ssh) is built
 
 
 def test_text_plan_and_validate_output(capsys):

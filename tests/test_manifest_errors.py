@@ -126,9 +126,9 @@ def _cases() -> list[Case]:
     shape = edit(cpu, "  group_size: 8", "  group_size: 7")
     add(id="rollouts-not-multiple-of-group", text=shape, line=line_of(shape, "orchestrator"), field="orchestrator",
         message=r"rollouts_per_step \(64\) must be a multiple of group_size \(7\)", subprocess=False)
-    vllm_cpu = edit(cpu, "  engine: embedded", "  engine: vllm")
-    add(id="vllm-not-wired-yet", text=vllm_cpu, line=line_of(vllm_cpu, "  engine: vllm"), field="inference.engine",
-        message="engine vllm: starting vLLM servers", hint="--design", subprocess=False)
+    vllm_fp8 = edit(cpu, "  engine: embedded\n  precision: fp32", "  engine: vllm\n  precision: fp8")
+    add(id="vllm-cpu-fp8", text=vllm_fp8, line=line_of(vllm_fp8, "  precision: fp8"), field="inference.precision",
+        message="vllm-cpu: FP8 is not tested on CPUs", hint="precision: fp32", subprocess=False)
 
     # compiler problems (need hardware and model facts): located in the manifest, with a concrete fix
     g = glm5()

@@ -14,7 +14,6 @@ import subprocess
 from pathlib import Path
 
 import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 from conftest import MANIFESTS, REPO, run_cli
@@ -62,14 +61,14 @@ def test_glm5_is_one_het_job_with_a_component_per_group():
     assert "--gres" not in components[3]
     assert text.count("exec srun --het-group=") == 4 + 12 + 12 + 1
     assert "--het-group=2 " in text and "--kill-on-bad-exit=1" in text
-    assert "DESIGN STUDY, NOT RUNNABLE" in text and "inference.engine" in text  # rendered, but marked
+    assert "DESIGN STUDY, NOT RUNNABLE" in text and "trainer.ep" in text  # rendered, but marked
     assert "HF_TOKEN" in text and "WANDB_API_KEY" in text  # named …
     assert "SLURM_JOB_NODELIST_HET_GROUP_3" in text
 
 
 def test_run_refuses_what_render_marks_not_runnable(tmp_path):
     result = run_cli("run", MANIFESTS / "glm5.yaml", "--runs-dir", tmp_path, timeout=60)
-    assert result.code == 2 and "inference.engine" in result.err and "Traceback" not in result.err
+    assert result.code == 2 and "trainer.ep" in result.err and "Traceback" not in result.err
     assert not any(tmp_path.iterdir())
 
 
@@ -88,6 +87,8 @@ def _pod_templates(obj: dict) -> list[dict]:
 
 @pytest.mark.parametrize("golden", ["glm5.kubernetes.yaml", "reverse-text.kubernetes.yaml"])
 def test_kubernetes_objects_validate_against_the_schemas(golden):
+    # a test extra from PyPI (not in nixpkgs: the flake's check skips this one test)
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     crds = {"JobSet": json.loads((CRDS / "jobset-v1alpha2.json").read_text()),
             "LeaderWorkerSet": json.loads((CRDS / "leaderworkerset-v1.json").read_text())}
     kinds = []

@@ -73,8 +73,19 @@ class VllmClient(InferenceClient):
         if body.get("source", "folder") == "folder":
             verify(body["path"])  # a damaged folder is named here, not by a dead server
             _check_finite(Path(body["path"]))
-        await self.admin.update_weights(version=int(body["version"]), path=body.get("path"),
-                                        source=body.get("source", "folder"), in_flight="resume")
+        deadline = asyncio.get_running_loop().time() + self.retry_seconds
+        while True:
+            try:
+                await self.admin.update_weights(version=int(body["version"]), path=body.get("path"),
+                                                source=body.get("source", "folder"), in_flight="resume")
+                return
+            except httpx.TransportError as err:
+                # The server died during the update; its restart comes back on the base weights, so the
+                # whole update is done again once it answers.
+                if asyncio.get_running_loop().time() > deadline:
+                    raise InferenceUnavailable(f"{self.root}: weight update failed for {self.retry_seconds:.0f} s: "
+                                               f"{err}") from err
+                await self.version()
 
 
 def _check_finite(folder: Path) -> None:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 5955949559395da28acecd3aa2b25c626e945c65fb8b259b11c34fc7909f40f4, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 911ebd20b75c876094473786fab96f561e6cd18f3cef9f1a31479b47b0c4a195, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here).
