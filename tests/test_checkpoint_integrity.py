@@ -37,7 +37,7 @@ def folder_with(tmp_path: Path, files: dict[str, bytes]) -> Path:
         for name, data in files.items():
             (stage / name).parent.mkdir(parents=True, exist_ok=True)
             (stage / name).write_bytes(data)
-    return fs.publish_dir(fs.step_dir(tmp_path, 1), write, 1)
+    return fs.publish_dir(fs.step_folder(tmp_path, 1), write, 1)
 
 
 @pytest.mark.parametrize(("damage", "named"), [
@@ -76,9 +76,9 @@ def new_run(tmp_path: Path, tiny, **fields):
 def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path, tiny, caplog):
     run, cfg = new_run(tmp_path, tiny, max_steps=4, checkpoint_every=1)
     run_trainer(cfg)
-    shard = sorted(fs.step_dir(run.checkpoints, 4).glob("*.distcp"))[0]
+    shard = sorted(fs.step_folder(run.checkpoints, 4).glob("*.distcp"))[0]
     flip_a_byte(shard)
-    (fs.step_dir(run.checkpoints, 3) / "trainer_state.json").write_text('{"step": 3')  # truncated
+    (fs.step_folder(run.checkpoints, 3) / "trainer_state.json").write_text('{"step": 3')  # truncated
     echoed = []
     assert reconcile(run, echoed.append) == 2  # what `run --resume` does before starting anything
     assert any("step_000004" in e and "sha256 differs" in e for e in echoed)
@@ -95,7 +95,7 @@ def test_resume_with_no_checkpoint_that_verifies_is_a_clean_error(tmp_path, tiny
     run, cfg = new_run(tmp_path, tiny, max_steps=2, checkpoint_every=1)
     run_trainer(cfg)
     for step in (1, 2):
-        (fs.step_dir(run.checkpoints, step) / fs.STABLE).unlink()
+        (fs.step_folder(run.checkpoints, step) / fs.STABLE).unlink()
     with pytest.raises(UserError, match="no checkpoint verifies"):
         run_trainer(cfg.model_copy(update={"max_steps": 3}))
 
@@ -125,7 +125,7 @@ def test_inference_refuses_damaged_or_non_finite_weights(tmp_path):
     engine = Engine(str(base), max_num_seqs=2, max_model_len=32)
     try:
         tensors = load_file(base / "model.safetensors")
-        published = fs.publish_dir(fs.step_dir(tmp_path / "weights", 1), lambda d: _copy_folder(base, d), 1)
+        published = fs.publish_dir(fs.step_folder(tmp_path / "weights", 1), lambda d: _copy_folder(base, d), 1)
         engine.update_weights(str(published), 1)  # intact: loads
         flip_a_byte(published / "model.safetensors")
         with pytest.raises(UserError, match="model.safetensors: sha256 differs"):
@@ -154,8 +154,8 @@ def test_primebuild_verify_names_every_damaged_folder(tmp_path, tiny, capsys):
     (run.plan).write_text("{}")  # a run folder (verify reads no plan content)
     clean = call_cli(capsys, "verify", run.root)
     assert clean.code == 0 and "4 folder(s) checked, 0 damaged" in clean.out
-    flip_a_byte(fs.step_dir(run.weights, 2) / "model.safetensors")
-    (fs.step_dir(run.checkpoints, 1) / fs.STABLE).unlink()
+    flip_a_byte(fs.step_folder(run.weights, 2) / "model.safetensors")
+    (fs.step_folder(run.checkpoints, 1) / fs.STABLE).unlink()
     damaged = call_cli(capsys, "verify", run.root, "-o", "json")
     assert damaged.code == 2
     rows = {(r["kind"], r["step"]): r for r in json.loads(damaged.out)["folders"]}

@@ -12,7 +12,7 @@ from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 
 from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.trainer.metrics import read_metrics
-from primebuild.runtime.weight_sync.filesystem import stable_steps, step_dir
+from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 
 torch.set_num_threads(2)
 
@@ -61,15 +61,15 @@ def test_two_ranks_match_one_rank(tmp_path):
         for name in ("loss", "grad_norm", "behaviour_kl", "entropy", "tokens", "masked_fraction"):
             assert two[step][name] == pytest.approx(one[step][name], rel=1e-5, abs=1e-7), (step, name)
     assert one[3]["loss"] != one[1]["loss"]  # the trajectory moved
-    w1 = load_file(step_dir(runs["one"] / "weights", 3) / "model.safetensors")
-    w2 = load_file(step_dir(runs["two"] / "weights", 3) / "model.safetensors")
+    w1 = load_file(step_folder(runs["one"] / "weights", 3) / "model.safetensors")
+    w2 = load_file(step_folder(runs["two"] / "weights", 3) / "model.safetensors")
     assert w1.keys() == w2.keys()
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
     # The sharded checkpoint of the 2-rank run is stable and complete (one shard file per rank).
     ckpt = runs["two"] / "checkpoints"
     assert stable_steps(ckpt) == [3]
-    assert len(list(step_dir(ckpt, 3).glob("*.distcp"))) == 2
+    assert len(list(step_folder(ckpt, 3).glob("*.distcp"))) == 2
 
     # DCP re-shards on load: the 2-rank checkpoint resumes on 1 rank and stays on the 1-rank trajectory.
     for name in ("one", "two"):

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.trainer.metrics import read_metrics
-from primebuild.runtime.weight_sync.filesystem import step_dir
+from primebuild.runtime.weight_sync.filesystem import step_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -27,6 +27,6 @@ def test_cuda_training(tmp_path, dtype):
         assert m[1]["mismatch_kl"] < 1e-6
     else:
         assert m[1]["mismatch_kl"] < 1e-2  # bf16 compute against fp32 sampling: small but not zero
-    folder = step_dir(run / "weights", 2)
+    folder = step_folder(run / "weights", 2)
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     assert loaded.dtype == (torch.float32 if dtype == "float32" else torch.bfloat16)

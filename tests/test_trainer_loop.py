@@ -15,7 +15,7 @@ from primebuild.runtime.trainer.losses import resolve_loss
 from primebuild.runtime.trainer.main import main, run_trainer, train_step
 from primebuild.runtime.trainer.metrics import read_metrics
 from primebuild.runtime.trainer.model import DistEnv, full_state_dict, load_model
-from primebuild.runtime.weight_sync.filesystem import is_stable, publish_hf_weights, stable_steps, step_dir
+from primebuild.runtime.weight_sync.filesystem import is_stable, publish_hf_weights, stable_steps, step_folder
 
 torch.set_num_threads(2)
 
@@ -57,7 +57,7 @@ def test_step1_mismatch_kl_is_zero_and_weights_publish_atomically(tmp_path, tiny
     weights = Path(cfg.run_dir) / "weights"
     assert stable_steps(weights) == [1, 2]
     assert not [p for p in weights.iterdir() if p.name.startswith(".")]
-    folder = step_dir(weights, 2)
+    folder = step_folder(weights, 2)
     assert {"config.json", "model.safetensors", "STABLE"} <= {p.name for p in folder.iterdir()}
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     base = AutoModelForCausalLM.from_pretrained(cfg.model_path)
@@ -97,8 +97,8 @@ def test_resume_continues_identically(tmp_path, tiny):
     for step in (1, 2, 3, 4):
         for name in ("loss", "grad_norm", "behaviour_kl", "entropy"):
             assert b[step][name] == pytest.approx(a[step][name], rel=1e-9, abs=1e-12), (step, name)
-    wa = load_file(step_dir(Path(straight.run_dir) / "weights", 4) / "model.safetensors")
-    wb = load_file(step_dir(Path(first.run_dir) / "weights", 4) / "model.safetensors")
+    wa = load_file(step_folder(Path(straight.run_dir) / "weights", 4) / "model.safetensors")
+    wb = load_file(step_folder(Path(first.run_dir) / "weights", 4) / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -135,6 +135,6 @@ def test_moe_model_trains_and_publishes_loadable_weights(tmp_path):
     run_trainer(cfg)
     m = read_metrics(run / "metrics.jsonl")
     assert m[1]["mismatch_kl"] < 1e-6
-    loaded = AutoModelForCausalLM.from_pretrained(step_dir(run / "weights", 1))
+    loaded = AutoModelForCausalLM.from_pretrained(step_folder(run / "weights", 1))
     base = AutoModelForCausalLM.from_pretrained(model)
     assert any(not torch.equal(v, base.state_dict()[k]) for k, v in loaded.state_dict().items())

@@ -23,7 +23,7 @@ from vllm_helpers import VllmServer, save_tiny_model, vllm_python
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
 from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
 from primebuild.runtime.trainer.model import Policy, full_state_dict
-from primebuild.runtime.weight_sync.filesystem import publish_hf_weights, step_dir
+from primebuild.runtime.weight_sync.filesystem import publish_hf_weights, step_folder
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -154,7 +154,7 @@ def test_pause_holds_requests_until_resume(server, models):
 
 def test_filesystem_update_switches_weights_and_version(server, models):
     before = greedy(server, PROMPTS)
-    served, seconds = admin_call(server, lambda a: timed_update(a, version=7, path=step_dir(models.weights, 7)))
+    served, seconds = admin_call(server, lambda a: timed_update(a, version=7, path=step_folder(models.weights, 7)))
     assert served == 7
     print(f"\nfilesystem weight update (pause, reload, reset KV, version, resume): {seconds:.2f} s")
     assert admin_call(server, VllmAdmin.policy_version) == 7
@@ -172,17 +172,17 @@ def test_filesystem_update_switches_weights_and_version(server, models):
         admin_call(server, lambda a: a.update_weights(version=9, path=models.b))
     assert admin_call(server, VllmAdmin.policy_version) == 7
 
-    admin_call(server, lambda a: a.update_weights(version=8, path=step_dir(models.weights, 8)))
+    admin_call(server, lambda a: a.update_weights(version=8, path=step_folder(models.weights, 8)))
     assert admin_call(server, VllmAdmin.policy_version) == 8
     assert greedy(server, PROMPTS) == before
 
 
 def test_finish_mode_update(server, models):
     """in_flight="finish" pauses with vLLM's "wait" mode (drain, then swap)."""
-    admin_call(server, lambda a: a.update_weights(version=9, path=step_dir(models.weights, 7), in_flight="finish"))
+    admin_call(server, lambda a: a.update_weights(version=9, path=step_folder(models.weights, 7), in_flight="finish"))
     assert admin_call(server, VllmAdmin.policy_version) == 9
     assert greedy(server, PROMPTS) == reference(models.hf_b, PROMPTS)
-    admin_call(server, lambda a: a.update_weights(version=10, path=step_dir(models.weights, 8)))
+    admin_call(server, lambda a: a.update_weights(version=10, path=step_folder(models.weights, 8)))
     assert greedy(server, PROMPTS) == reference(models.hf_a, PROMPTS)
 
 

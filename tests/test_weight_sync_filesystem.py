@@ -14,7 +14,7 @@ from primebuild.runtime.weight_sync.filesystem import (
     publish_dir,
     publish_hf_weights,
     stable_steps,
-    step_dir,
+    step_folder,
     wait_for_step,
 )
 
@@ -45,8 +45,8 @@ def test_reader_never_sees_partial_folder(tmp_path):
     t = threading.Thread(target=reader)
     t.start()
     for step in range(1, 8):
-        publish_dir(step_dir(root, step), write, step)
-    publish_dir(step_dir(root, 3), write, 3)  # re-publishing a step replaces it whole
+        publish_dir(step_folder(root, step), write, step)
+    publish_dir(step_folder(root, 3), write, 3)  # re-publishing a step replaces it whole
     stop.set()
     t.join()
     assert problems == []
@@ -60,23 +60,23 @@ def test_failed_write_leaves_nothing(tmp_path):
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        publish_dir(step_dir(tmp_path, 1), boom, 1)
+        publish_dir(step_folder(tmp_path, 1), boom, 1)
     assert list(tmp_path.iterdir()) == []
     assert latest_stable(tmp_path) is None
 
 
 def test_unmarked_folder_is_ignored_and_wait_times_out(tmp_path):
-    step_dir(tmp_path, 5).mkdir()  # e.g. copied by hand, never marked
+    step_folder(tmp_path, 5).mkdir()  # e.g. copied by hand, never marked
     assert latest_stable(tmp_path) is None
     with pytest.raises(TimeoutError):
         wait_for_step(tmp_path, 5, timeout_s=0.3, poll_s=0.05)
-    publish_dir(step_dir(tmp_path, 6), lambda d: None, 6)
-    assert wait_for_step(tmp_path, 5, timeout_s=1) == step_dir(tmp_path, 6)
+    publish_dir(step_folder(tmp_path, 6), lambda d: None, 6)
+    assert wait_for_step(tmp_path, 5, timeout_s=1) == step_folder(tmp_path, 6)
 
 
 def test_prune_keeps_newest(tmp_path):
     for s in (1, 2, 3, 4):
-        publish_dir(step_dir(tmp_path, s), lambda d: None, s)
+        publish_dir(step_folder(tmp_path, s), lambda d: None, s)
     prune(tmp_path, keep_last=2)
     assert stable_steps(tmp_path) == [3, 4]
 

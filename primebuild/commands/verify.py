@@ -17,13 +17,13 @@ from primebuild.contracts.run_dir import RunDir
 @output_option
 def command(run_dir: Path, output: str) -> None:
     """Verify RUN_DIR's checkpoints/ and weights/ step folders; exit 2 if any is damaged or incomplete."""
-    from primebuild.runtime.weight_sync.filesystem import DamagedFolder, step_dir, step_folders, verify
+    from primebuild.runtime.weight_sync.filesystem import DamagedFolder, step_folder, step_folders, verify
 
     run = RunDir(run_dir).require()
     rows = []
     for kind, root in (("checkpoint", run.checkpoints), ("weights", run.weights)):
         for step in step_folders(root):
-            folder = step_dir(root, step)
+            folder = step_folder(root, step)
             try:
                 verify(folder)
                 rows.append({"kind": kind, "step": step, "folder": str(folder), "ok": True, "problem": None})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from pydantic import Field
@@ -47,6 +48,14 @@ class Rendezvous(Contract):
 
 
 LOOPBACK = "127.0.0.1"
+
+# Per-step files and folders (rollouts, published weights, checkpoints): zero-padded so they sort.
+STEP_NAME = re.compile(r"^step_(\d+)$")
+
+
+def step_folder(root: str | os.PathLike, step: int) -> Path:
+    """``root/step_000042``: the folder (or, with a suffix, the file) of one step under ``root``."""
+    return Path(root) / f"step_{step:06d}"
 
 
 def single_host_or(hosts: list[str]) -> list[str]:
@@ -196,7 +205,7 @@ class RunDir:
         return self.root / "rollouts"
 
     def rollout(self, step: int) -> Path:
-        return self.rollouts / f"step_{step:06d}.pt"
+        return step_folder(self.rollouts, step).with_suffix(".pt")
 
     @property
     def weights(self) -> Path:

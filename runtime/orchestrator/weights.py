@@ -14,7 +14,7 @@ from pathlib import Path
 
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.orchestrator.client import InferenceClient
-from primebuild.runtime.weight_sync.filesystem import latest_stable, remove_steps, stable_steps, step_dir
+from primebuild.runtime.weight_sync.filesystem import latest_stable, remove_steps, stable_steps, step_folder
 
 
 class FilesystemWeights:
@@ -27,7 +27,7 @@ class FilesystemWeights:
         return 0 if found is None else found[0]
 
     async def load(self, client: InferenceClient, version: int) -> None:
-        await client.update_weights({"path": str(step_dir(self.weights_dir, version)), "version": version})
+        await client.update_weights({"path": str(step_folder(self.weights_dir, version)), "version": version})
 
     def retire(self, served: int) -> None:
         """Every server serves `served` now: folders older than it, beyond the newest `keep`, are read by

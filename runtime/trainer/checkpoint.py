@@ -37,7 +37,7 @@ def save_checkpoint(
     env: DistEnv,
     keep_last: int | None = None,
 ) -> Path:
-    final = fs.step_dir(root, step)
+    final = fs.step_folder(root, step)
     if env.is_main:
         fs.begin(final)
     _barrier(env)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -24,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from primebuild.contracts.run_dir import STEP_NAME, step_folder
 from primebuild.errors import UserError
 from primebuild.hashing import sha256_file
 
 STABLE = "STABLE"
-_STEP_RE = re.compile(r"^step_(\d+)$")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -41,10 +40,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-
-
-def step_dir(root: str | os.PathLike, step: int) -> Path:
-    return Path(root) / f"step_{step:06d}"
 
 
 def staging_dir(final: str | os.PathLike) -> Path:
@@ -112,7 +107,7 @@ def latest_verified(root: str | os.PathLike, warn: Callable[[str], None] = print
     """The newest step folder under ``root`` that verifies; every newer one that does not is named to
     ``warn`` (a folder still being written lives under its hidden staging name, so it is not seen)."""
     for step in reversed(step_folders(root)):
-        folder = step_dir(root, step)
+        folder = step_folder(root, step)
         try:
             verify(folder)
         except DamagedFolder as err:
@@ -164,7 +159,7 @@ def publish_dir(final: str | os.PathLike, write: Callable[[Path], None], step: i
 def step_folders(root: str | os.PathLike) -> list[int]:
     """Steps of every `step_k` folder under ``root``, complete or not (staging folders are hidden)."""
     root = Path(root)
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name))) if root.is_dir() else []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := STEP_NAME.match(p.name))) if root.is_dir() else []
 
 
 def is_stable(folder: str | os.PathLike) -> bool:
@@ -177,7 +172,7 @@ def stable_steps(root: str | os.PathLike) -> list[int]:
         return []
     steps = []
     for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
+        m = STEP_NAME.match(p.name)
         if m and is_stable(p):
             steps.append(int(m.group(1)))
     return sorted(steps)
@@ -188,7 +183,7 @@ def latest_stable(root: str | os.PathLike) -> tuple[int, Path] | None:
     steps = stable_steps(root)
     if not steps:
         return None
-    return steps[-1], step_dir(root, steps[-1])
+    return steps[-1], step_folder(root, steps[-1])
 
 
 def wait_for_step(root: str | os.PathLike, step: int, timeout_s: float, poll_s: float = 0.1) -> Path:
@@ -213,7 +208,7 @@ def remove_steps(root: str | os.PathLike, steps: list[int]) -> None:
     """Remove these step folders, each renamed away first, so a reader never finds a folder that is being
     deleted under a stable name."""
     for s in steps:
-        folder = step_dir(root, s)
+        folder = step_folder(root, s)
         trash = folder.parent / f".{folder.name}.trash"
         os.rename(folder, trash)
         shutil.rmtree(trash, ignore_errors=True)
@@ -264,6 +259,6 @@ def publish_hf_weights(
 ) -> Path:
     """Publish ``weights_dir/step_{k:06d}`` in HF layout, atomically; optionally prune older steps."""
     final = publish_dir(
-        step_dir(weights_dir, step), lambda d: write_hf_folder(d, state_dict, config, tokenizer_src), step
+        step_folder(weights_dir, step), lambda d: write_hf_folder(d, state_dict, config, tokenizer_src), step
     )
     return final
