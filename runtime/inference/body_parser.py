@@ -17,7 +17,7 @@ import pickle
 import struct
 import subprocess
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -77,29 +77,29 @@ def parse_checked(raw: bytes, model: type[BaseModel], bounds: PromptBounds) -> B
 
 
 class BodyParser:
-    """One per app; the child process starts at the first large body and serves one body at a time."""
+    """One per app; the child process starts at the first large body and parses one body at a time, fed
+    by a thread of its own (large bodies queue there, never in the event loop's default executor)."""
 
     def __init__(self, bounds: PromptBounds):
         self.bounds = bounds
         self._child: subprocess.Popen | None = None
-        self._lock = threading.Lock()
+        self._feeder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="body-parser")
 
     async def parse(self, raw: bytes, model: type[BaseModel]) -> BaseModel:
         if len(raw) <= INLINE_BYTES:
             return parse_checked(raw, model, self.bounds)
-        return await asyncio.to_thread(self._in_child, raw, model)
+        return await asyncio.get_running_loop().run_in_executor(self._feeder, self._in_child, raw, model)
 
     def _in_child(self, raw: bytes, model: type[BaseModel]) -> BaseModel:
-        with self._lock:
-            if self._child is None or self._child.poll() is not None:
-                self._child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                               stdout=subprocess.PIPE)
-            try:
-                _write(self._child.stdin, pickle.dumps((raw, model, self.bounds)))
-                ok, value = pickle.loads(_read(self._child.stdout))
-            except (OSError, EOFError, pickle.UnpicklingError):
-                self._stop()
-                raise ApiError(500, "the request body parser failed") from None
+        if self._child is None or self._child.poll() is not None:
+            self._child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE)
+        try:
+            _write(self._child.stdin, pickle.dumps((raw, model, self.bounds)))
+            ok, value = pickle.loads(_read(self._child.stdout))
+        except (OSError, EOFError, pickle.UnpicklingError):
+            self._stop()
+            raise ApiError(500, "the request body parser failed") from None
         if not ok:
             raise value
         return value
@@ -116,8 +116,8 @@ class BodyParser:
                 child.wait(5)
 
     def close(self) -> None:
-        with self._lock:
-            self._stop()
+        self._feeder.submit(self._stop).result()
+        self._feeder.shutdown()
 
 
 def _write(stream: BinaryIO, payload: bytes) -> None:
