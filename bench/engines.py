@@ -237,7 +237,8 @@ def main() -> None:
             check = prompts_for(1, 32)
             expected = _greedy(served, check)
             took = http_runner(ours, check)() == expected and http_runner(vllm, check)() == expected
-            print(f"\nweight update, {published / 1e6:.2f} MB of safetensors, median of {steps - 1} after a warm-up (seconds): "
+            print(f"\nweight update, {published / 1e6:.2f} MB of safetensors, median of {steps - 1} after a "
+                  f"warm-up (seconds): "
                   f"raw save+load {statistics.median(raw[1:]):.3f} | embedded /update_weights "
                   f"{statistics.median(embedded[1:]):.3f} | vLLM pause->reload->resume "
                   f"{statistics.median(vllm_s[1:]):.3f} | both serve the new weights: {took} | load {load()}")

@@ -248,10 +248,10 @@ class Orchestrator(Strict):
                              "give every sample of a group the same completion and advantage 0) and the trainer "
                              "divides its logits by it; use a value > 0 such as 1.0 (evaluation is always greedy)")
         if v < MIN_SAMPLING_TEMPERATURE:
-            raise ValueError(f"{v:g} is below {MIN_SAMPLING_TEMPERATURE:g}: both inference engines sample at "
-                             f"{MIN_SAMPLING_TEMPERATURE:g} then (vLLM's floor against inf/NaN logits), so the trainer, "
-                             f"which divides by {v:g}, would score another distribution than the one sampled; use "
-                             f"a temperature >= {MIN_SAMPLING_TEMPERATURE:g}")
+            floor = MIN_SAMPLING_TEMPERATURE
+            raise ValueError(f"{v:g} is below {floor:g}: both inference engines sample at {floor:g} then "
+                             f"(vLLM's floor against inf/NaN logits), so the trainer, which divides by {v:g}, "
+                             f"would score another distribution than the one sampled; use a temperature >= {floor:g}")
         return v
 
     @model_validator(mode="after")

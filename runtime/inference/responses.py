@@ -46,7 +46,8 @@ class Generation:
         try:
             for index, prompt in enumerate(prompts):
                 # max_tokens beyond the context left is cut to it (vLLM's rule; validation.py refused the rest)
-                fitted = dataclasses.replace(params, max_tokens=min(params.max_tokens, engine.max_model_len - len(prompt)))
+                room = engine.max_model_len - len(prompt)
+                fitted = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
                 self.requests.append(engine.submit(prompt, fitted, functools.partial(self._sink, index)))
         except UserError as err:
             self.abort()

@@ -40,7 +40,8 @@ class RequestChecks:
         self.ids(params.stop_token_ids, "stop_token_ids")
         if params.max_tokens > engine.max_model_len:
             raise ApiError(400, f"max_tokens ({params.max_tokens}) is larger than this model's maximum context "
-                           f"length, {engine.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+                           f"length, {engine.max_model_len} tokens", param="max_tokens",
+                           code="context_length_exceeded")
         for prompt in prompts:
             if not prompt:
                 raise ApiError(400, "the prompt is empty (it has no tokens)", param=prompt_param)
