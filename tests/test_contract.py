@@ -559,6 +559,10 @@ def test_greedy_rollouts_are_a_located_error_at_every_door(tmp_path, capsys):
         assert "orchestrator.temperature: 0 is not a sampling temperature" in result.err
         assert "use a value > 0" in result.err
     assert not (tmp_path / "runs").exists()
+    # below vLLM's floor both engines sample at 0.01 while the trainer would divide by the written value
+    result = call_cli(capsys, "plan", str(MANIFESTS / RL), "--set", "orchestrator.temperature=1e-06")
+    assert result.code == 2 and "Traceback" not in result.err
+    assert "orchestrator.temperature: 1e-06 is below 0.01" in result.err
 
     plan = compile_json(scratch_folder_for(tmp_path), RL, ())
     for role, module in (("trainer", "primebuild.runtime.trainer.main"),
@@ -569,7 +573,7 @@ def test_greedy_rollouts_are_a_located_error_at_every_door(tmp_path, capsys):
         done = subprocess.run([sys.executable, "-m", module, "--config", str(path)], capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 2, done.stderr
-        assert f"{path}: temperature: Input should be greater than 0" in done.stderr
+        assert f"{path}: temperature: Input should be greater than or equal to 0.01" in done.stderr
         assert "Traceback" not in done.stderr
 
 

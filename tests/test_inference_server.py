@@ -224,7 +224,7 @@ def _decode_histogram(url: str) -> dict:
     [
         ({"model": "nope", "prompt": "a"}, 404, "model"),
         ({"model": "tiny", "prompt": "a", "max_tokens": 100000}, 400, "max_tokens"),
-        ({"model": "tiny", "prompt": "a" * 600}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "a" * 600}, 400, "prompt"),
         ({"model": "tiny", "prompt": "a", "temperature": -1}, 400, "temperature"),
         ({"model": "tiny", "prompt": "a", "top_p": 0}, 400, "top_p"),
         ({"model": "tiny", "prompt": [99]}, 400, "prompt"),

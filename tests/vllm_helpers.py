@@ -22,6 +22,8 @@ from inference_helpers import EOS_ID, free_port, save_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 FACTS = REPO / "manifests" / "models" / "reverse-text-tiny.json"
+VLLM_ADMIN_TOKEN = "vllm-test-admin-token"
+START_TIMEOUT_S = 360  # ~60 s on an idle 2-core machine; three times that under load seen
 
 
 def vllm_python() -> Path:
@@ -68,6 +70,7 @@ class VllmServer:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.model_path = model
         self.model_name = served_model_name
         self.log_path = log_path
         argv = server_argv(VllmServer(python=str(vllm_python()), model_path=str(model), port=self.port,
@@ -111,3 +114,17 @@ class VllmServer:
         response = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
         assert response.status_code == 200, response.text
         return response.json()
+
+
+@contextlib.contextmanager
+def shared_tiny_server(root: Path):
+    """The seed-0 tiny model served by vLLM with every feature the `vllm` modules use (admin token,
+    weight broadcast); conftest's session fixture `vllm_tiny` holds one for all of them."""
+    model = save_tiny_model(root / "model", seed=0)
+    server = VllmServer(model, root / "server.log", admin_token=VLLM_ADMIN_TOKEN, weight_broadcast=True)
+    try:
+        seconds = server.wait_healthy(START_TIMEOUT_S)
+        print(f"\nvLLM server healthy after {seconds:.1f} s")
+        yield server
+    finally:
+        server.stop()

@@ -12,6 +12,9 @@ from pydantic import Field
 from primebuild.contracts.base import Contract
 
 ADMIN_TOKEN_ENV = "PRIMEBUILD_ADMIN_TOKEN"  # the run's admin token travels in this variable only
+# Both engines sample a positive temperature below this at this value (vLLM 0.32's floor, `_MAX_TEMP`
+# in vllm/sampling_params.py: logits / 1e-40 overflow float32); manifests may not ask for less.
+MIN_SAMPLING_TEMPERATURE = 0.01
 
 
 class BroadcastJoin(Contract):

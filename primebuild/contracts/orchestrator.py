@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from primebuild.contracts.base import Contract
+from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
 
 
 class EnvironmentConfig(Contract):
@@ -29,7 +30,7 @@ class OrchestratorConfig(Contract):
     max_off_policy_steps: int = Field(ge=0)  # 0 = synchronous RL
     max_completion_tokens: int = Field(ge=1)
     max_steps: int = Field(ge=1)
-    temperature: float = Field(gt=0)  # sampling; evaluation is always greedy
+    temperature: float = Field(ge=MIN_SAMPLING_TEMPERATURE)  # sampling; evaluation is always greedy
     top_p: float = Field(1.0, gt=0, le=1)
     normalize_advantage_std: bool = False
     eval_every: int = Field(0, ge=0)  # 0 = evaluate only before and after

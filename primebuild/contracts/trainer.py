@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from primebuild.contracts.base import Contract
+from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
 
 Precision = Literal["fp32", "bf16", "fp8"]
 
@@ -86,7 +87,7 @@ class TrainerConfig(Contract):
     loss: LossConfig = DppoKlLoss()
     loss_normalizer: Literal["step_tokens", "samples_x_max_tokens"] = "step_tokens"
     max_completion_tokens: int = Field(ge=1)  # for samples_x_max_tokens
-    temperature: float = Field(gt=0)  # the sampling temperature: logits are divided by it
+    temperature: float = Field(ge=MIN_SAMPLING_TEMPERATURE)  # the sampling temperature: logits are divided by it
 
     # Optimisation (the lr is linear warm-up then constant: step k uses lr * min(1, k / warmup))
     optimizer: Literal["adamw"] = "adamw"

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
+
 API_VERSION = "primebuild/v1"
 
 SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
@@ -245,6 +247,11 @@ class Orchestrator(Strict):
             raise ValueError(f"{v:g} is not a sampling temperature: RL needs samples that differ (greedy rollouts "
                              "give every sample of a group the same completion and advantage 0) and the trainer "
                              "divides its logits by it; use a value > 0 such as 1.0 (evaluation is always greedy)")
+        if v < MIN_SAMPLING_TEMPERATURE:
+            floor = MIN_SAMPLING_TEMPERATURE
+            raise ValueError(f"{v:g} is below {floor:g}: both inference engines sample at {floor:g} then "
+                             f"(vLLM's floor against inf/NaN logits), so the trainer, which divides by {v:g}, "
+                             f"would score another distribution than the one sampled; use a temperature >= {floor:g}")
         return v
 
     @model_validator(mode="after")

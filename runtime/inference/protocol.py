@@ -8,14 +8,15 @@ Unknown fields are ignored, as the OpenAI API does for fields a client library a
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .sampling import SamplingParams
+if TYPE_CHECKING:  # imported where used: body_parser.py's child process parses bodies without torch
+    from .sampling import SamplingParams
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 4  # OpenAI's limit, and vLLM's
 MAX_TOP_LOGPROBS = 20
 
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**64)]
@@ -44,6 +45,13 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
+    def __reduce__(self):  # crosses the pipe from body_parser.py's child process
+        return _api_error, (self.status, self.message, self.param, self.code, self.kind)
+
+
+def _api_error(status, message, param, code, kind) -> ApiError:
+    return ApiError(status, message, param=param, code=code, kind=kind)
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -70,6 +78,13 @@ class CommonRequest(_Body):
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     return_routed_experts: bool = False
 
+    # OpenAI and vLLM answer 400 to these two; an ApiError passes through pydantic with its param
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> CommonRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        return self
+
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
@@ -77,6 +92,8 @@ class CommonRequest(_Body):
         return stops
 
     def sampling(self, max_tokens: int, top_logprobs: int) -> SamplingParams:
+        from .sampling import SamplingParams
+
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name} is not supported by this engine (use 0)", param=name)
@@ -128,6 +145,12 @@ class ChatRequest(CommonRequest):
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
     add_generation_prompt: bool = True
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
+
 
 class UpdateWeightsRequest(_Body):
     path: str | None = Field(None, min_length=1)  # an HF step folder, for source "folder"
@@ -156,7 +179,21 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         return model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
+        where = ".".join(str(p) for p in _input_path(data, first["loc"])) or None
         raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
     except RecursionError:
         raise ApiError(400, "request body is nested too deeply") from None
+
+
+def _input_path(data, loc: tuple) -> list:
+    """The part of a pydantic error location that exists in the request: ("prompt", "str") -> ["prompt"]
+    (a union's member names are no parameter a client could fix)."""
+    path, node = [], data
+    for part in loc:
+        if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int) \
+                and 0 <= part < len(node):
+            path.append(part)
+            node = node[part]
+        else:
+            return path if path else [part]
+    return path

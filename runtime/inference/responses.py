@@ -4,11 +4,13 @@ One builder (`choice_item`) shapes every choice: whole (non-streamed) or as a st
 tokens, for `/v1/completions` and `/v1/chat/completions` alike; on top of OpenAI's fields each choice
 carries what an RL orchestrator needs (docs/inference.md): `prompt_token_ids`, `token_ids`,
 `token_logprobs`, `policy_version(s)`, `resumed_from_version` and, when asked, `routed_experts`.
+Where OpenAI's API leaves a detail open, vLLM's answer decides it (docs/inference.md, "Decided by vLLM").
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -28,6 +30,8 @@ from .tokenizer import ServedTokenizer
 Api = Literal["completion", "chat"]
 OBJECT = {("completion", False): "text_completion", ("completion", True): "text_completion",
           ("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}
+ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
+LOGPROB_FLOOR = -9999.0  # vLLM's floor: a token masked by top-k/top-p has -inf, which JSON cannot carry
 
 
 class Generation:
@@ -41,7 +45,10 @@ class Generation:
         self.requests = []
         try:
             for index, prompt in enumerate(prompts):
-                self.requests.append(engine.submit(prompt, params, functools.partial(self._sink, index)))
+                # max_tokens beyond the context left is cut to it (vLLM's rule; validation.py refused the rest)
+                room = engine.max_model_len - len(prompt)
+                fitted = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+                self.requests.append(engine.submit(prompt, fitted, functools.partial(self._sink, index)))
         except UserError as err:
             self.abort()
             raise ApiError(400, str(err)) from None
@@ -68,14 +75,28 @@ class Generation:
 class Choice:
     """One choice being built: accumulated results plus the text already streamed."""
 
-    def __init__(self, index: int, prompt_ids: list[int], tokenizer: ServedTokenizer, stops: list[str]):
+    def __init__(self, index: int, prompt_ids: list[int], tokenizer: ServedTokenizer, params: SamplingParams):
         self.result = ChoiceResult(index, prompt_ids)
         self.tokenizer = tokenizer
-        self.hold_back = max((len(s) for s in stops), default=1) - 1
+        self.hold_back = max((len(s) for s in params.stop), default=1) - 1
+        self.stop_token_ids = set(params.stop_token_ids)
         self.sent = ""
+        self.text_offset = 0  # of the next streamed token in the completions log-probs
+
+    def stop_reason(self) -> str | int | None:
+        """vLLM's field: the stop string or stop token id that ended the choice (None for EOS or length)."""
+        r = self.result
+        if r.finish_reason != "stop":
+            return None
+        if r.stop_text is not None:
+            return r.stop_text
+        return r.token_ids[-1] if r.token_ids and r.token_ids[-1] in self.stop_token_ids else None
 
     def text(self) -> str:
-        text = self.tokenizer.decode(self.result.token_ids)
+        ids = self.result.token_ids
+        if isinstance(self.stop_reason(), int):  # a stop token ends the text without being part of it (vLLM)
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids)
         if self.result.stop_text:
             cut = text.find(self.result.stop_text)
             if cut >= 0:
@@ -95,16 +116,28 @@ class Choice:
         return new
 
 
+def finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 def completion_logprobs(tok: ServedTokenizer, ids, logprobs, tops, want_top: bool, offset: int) -> dict:
+    """OpenAI's legacy shape: `top_logprobs` holds the sampled token and the `logprobs` most likely ones
+    (up to logprobs + 1 entries; with logprobs 0, the sampled token alone), as OpenAI and vLLM do."""
     tokens = [tok.token_text(t) for t in ids]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
+    top_logprobs = []
+    for position, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+        entries = {token: finite(logprob)}
+        for i, lp in tops[position] if want_top else ():
+            entries.setdefault(tok.token_text(i), finite(lp))
+        top_logprobs.append(entries)
     return {
         "tokens": tokens,
-        "token_logprobs": list(logprobs),
-        "top_logprobs": [{tok.token_text(i): lp for i, lp in top} for top in tops] if want_top else None,
+        "token_logprobs": [finite(lp) for lp in logprobs],
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
 
@@ -112,7 +145,7 @@ def completion_logprobs(tok: ServedTokenizer, ids, logprobs, tops, want_top: boo
 def chat_logprobs(tok: ServedTokenizer, ids, logprobs, tops, want_top: bool) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = tok.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
 
     content = []
     for position, (token_id, logprob) in enumerate(zip(ids, logprobs, strict=True)):
@@ -131,23 +164,23 @@ def choice_item(c: Choice, api: Api, tokenizer: ServedTokenizer, *, logprobs: bo
     window = new if stream else slice(None)
     ids, lps, tops = r.token_ids[window], r.logprobs[window], r.top_logprobs[window]
     if api == "completion":
-        offset = len(c.sent) if stream else 0  # before delta() moves it on
         content: dict = {"text": c.delta() if stream else c.text()}
-        shaped = completion_logprobs(tokenizer, ids, lps, tops, top > 0, offset) if logprobs else None
+        shaped = None
+        if logprobs:  # text_offset counts every token's text, special ones included (as vLLM does)
+            shaped = completion_logprobs(tokenizer, ids, lps, tops, top > 0, c.text_offset if stream else 0)
+            if stream and shaped["tokens"]:
+                c.text_offset = shaped["text_offset"][-1] + len(shaped["tokens"][-1])
     else:
         if stream:
-            delta = {"content": c.delta()}
-            if window.start == 0:
-                delta["role"] = "assistant"
-            content = {"delta": delta}
+            content = {"delta": {"content": c.delta()}}
         else:
             content = {"message": {"role": "assistant", "content": c.text()}}
         shaped = chat_logprobs(tokenizer, ids, lps, tops, top > 0) if logprobs else None
     item = {"index": r.index, **content, "finish_reason": r.finish_reason, "logprobs": shaped,
             "token_ids": ids, "token_logprobs": lps, "policy_versions": r.versions[window]}
     if r.finish_reason is not None or not stream:
-        item.update(prompt_token_ids=r.prompt_token_ids, policy_version=r.policy_version,
-                    resumed_from_version=r.resumed_from_version)
+        item.update(stop_reason=c.stop_reason(), prompt_token_ids=r.prompt_token_ids,
+                    policy_version=r.policy_version, resumed_from_version=r.resumed_from_version)
         if r.routed_experts is not None:
             item["routed_experts"] = r.routed_experts
     return item
@@ -169,9 +202,9 @@ async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: 
                  logprobs: bool, top: int):
     """Run one API call on the engine and answer it, whole or as server-sent events."""
     generation = Generation(engine, prompts, params)
-    choices = [Choice(p * params.n + i, prompts[p], tokenizer, params.stop)
+    choices = [Choice(p * params.n + i, prompts[p], tokenizer, params)
                for p in range(len(prompts)) for i in range(params.n)]
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served_model_name,
+    meta = {"id": f"{ID_PREFIX[api]}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served_model_name,
             "object": OBJECT[(api, stream)]}
 
     if not stream:
@@ -189,6 +222,11 @@ async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: 
 
     async def events():
         try:
+            if api == "chat":  # OpenAI's (and vLLM's) first chunk of each choice: the role, no content yet
+                for choice in choices:
+                    item = choice_item(choice, api, tokenizer, logprobs=False, top=0, new=slice(0, 0))
+                    item["delta"] = {"role": "assistant", "content": ""}
+                    yield sse({**meta, "choices": [item]})
             async for tagged in generation.updates():
                 for index, update in tagged:
                     choice = choices[index]
@@ -196,6 +234,7 @@ async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: 
                     choice.result.apply(update)
                     if update.error:
                         yield sse(ApiError(500, update.error).body())
+                        yield sse("[DONE]")  # an error ends the stream as vLLM ends it
                         return
                     item = choice_item(choice, api, tokenizer, logprobs=logprobs, top=top, new=slice(before, None))
                     yield sse({**meta, "choices": [item]})

@@ -1,19 +1,26 @@
-"""The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+"""The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
+
+Nothing whose cost grows with the request runs on the event loop: bodies are parsed by `BodyParser`,
+prompts are rendered and tokenised in a worker thread, so one huge request does not stall the others.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
 
+from .body_parser import BodyParser
 from .engine import Engine
-from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
+from .protocol import ApiError, ChatRequest, CompletionRequest
 from .responses import answer
 from .tokenizer import ServedTokenizer
 from .validation import RequestChecks
 
 
-def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str) -> APIRouter:
+def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str,
+                  body_parser: BodyParser) -> APIRouter:
     router = APIRouter()
     check = RequestChecks(engine, tokenizer, served_model_name)
     created = int(time.time())
@@ -25,11 +32,11 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
 
     @router.post("/v1/completions")
     async def completions(request: Request):
-        body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+        body: CompletionRequest = await body_parser.parse(await request.body(), CompletionRequest)
         check.model(body.model)
         if body.echo or body.suffix:
             raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
-        prompts = check.completion_prompts(body.prompt)
+        prompts = await asyncio.to_thread(check.completion_prompts, body.prompt)
         top = body.logprobs or 0
         params = body.sampling(body.max_tokens or 16, top)
         check.limits(prompts, params)
@@ -37,13 +44,7 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
                             stream=bool(body.stream), include_usage=_include_usage(body),
                             logprobs=body.logprobs is not None, top=top)
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body: ChatRequest = parse_body(await request.body(), ChatRequest)
-        check.model(body.model)
-        if not tokenizer.has_chat_template:
-            raise ApiError(400, "the served model's tokenizer has no chat template; use /v1/completions",
-                           param="messages")
+    def chat_prompt(body: ChatRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
@@ -51,10 +52,20 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
             raise ApiError(400, f"the chat template rejected the messages: {str(err)[:200]}",
                            param="messages") from None
         check.ids(prompt, "messages")
+        return prompt
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body: ChatRequest = await body_parser.parse(await request.body(), ChatRequest)
+        check.model(body.model)
+        if not tokenizer.has_chat_template:
+            raise ApiError(400, "the served model's tokenizer has no chat template; use /v1/completions",
+                           param="messages")
+        prompt = await asyncio.to_thread(chat_prompt, body)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.max_model_len - len(prompt))
         top = (body.top_logprobs or 0) if body.logprobs else 0
         params = body.sampling(max_tokens, top)
-        check.limits([prompt], params)
+        check.limits([prompt], params, prompt_param="messages")
         return await answer(engine, tokenizer, served_model_name, "chat", [prompt], params,
                             stream=bool(body.stream), include_usage=_include_usage(body),
                             logprobs=bool(body.logprobs), top=top)

@@ -3,7 +3,9 @@
 Log-probs are taken from the same processed logits that the token was drawn from (temperature applied,
 top-k/top-p masked, renormalised): that is the distribution the sample really came from, which is
 what an importance ratio needs. Greedy rows (temperature 0) take the argmax of the raw logits and
-report log-probs of the raw logits (temperature 1, no filtering).
+report log-probs of the raw logits (temperature 1, no filtering). A positive temperature below
+MIN_TEMPERATURE is raised to it (vLLM's rule, which the trainer's manifest check matches): logits / 1e-40
+overflow float32 to inf and the log-softmax to NaN.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE as MIN_TEMPERATURE
 
 
 @dataclass
@@ -26,6 +30,10 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0  # how many alternatives to report per token (0: none)
     return_routed_experts: bool = False
+
+    def __post_init__(self) -> None:
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
 
 def make_generator(seed: int, device) -> torch.Generator:

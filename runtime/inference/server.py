@@ -27,6 +27,7 @@ from primebuild.contracts.base import load_contract
 from primebuild.contracts.inference import InferenceServerConfig
 from primebuild.errors import UserError
 
+from .body_parser import BodyParser, PromptBounds
 from .engine import Engine
 from .protocol import ApiError
 from .routes_admin import admin_router
@@ -55,9 +56,12 @@ def create_app(
     if not engine.eos_token_ids:
         engine.eos_token_ids = set(tokenizer.eos_token_ids)
 
+    body_parser = BodyParser(PromptBounds(engine.max_model_len, tokenizer.max_chars_per_token))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        body_parser.close()
         if shutdown_engine_on_exit:
             engine.shutdown()
 
@@ -80,7 +84,7 @@ def create_app(
         log.exception("unhandled error")
         return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}").body(), status_code=500)
 
-    app.include_router(openai_router(engine, tokenizer, served_model_name))
+    app.include_router(openai_router(engine, tokenizer, served_model_name, body_parser))
     app.include_router(admin_router(engine, served_model_name, admin_token, weight_stage))
     return app
 

@@ -26,6 +26,9 @@ class ServedTokenizer:
                 )
             ) from None
         self.eos_token_ids = sorted(self._eos_ids(path))
+        # No token covers more characters than its vocabulary string (vLLM's bound): a text longer than
+        # max_model_len * this has too many tokens, known without tokenising it (30 MB took 260 s).
+        self.max_chars_per_token = max(len(token) for token in self._tok.get_vocab())
 
     def _eos_ids(self, path: Path) -> set[int]:
         """EOS ids from generation_config.json, config.json and the tokenizer (real checkpoints differ)."""
