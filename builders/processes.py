@@ -217,7 +217,9 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec]) 
         max_off_policy_steps=o.max_off_policy_steps, max_completion_tokens=o.max_completion_tokens,
         max_steps=o.max_steps, temperature=o.temperature, top_p=o.top_p,
         normalize_advantage_std=o.normalize_advantage_std, eval_every=o.eval_every, eval_prompts=o.eval_prompts,
-        engine=m.inference.engine, weight_sync=m.weight_sync.mode, keep_weights=m.retention.keep_weights)
+        engine=m.inference.engine, weight_sync=m.weight_sync.mode, keep_weights=m.retention.keep_weights,
+        # a restarted server may take as long to come back as the supervisor waits for its health
+        retry_seconds=HEALTH_TIMEOUT_S)
     env = _base_env(m, [])
     if m.hardware.gpu == "cpu":
         env["OMP_NUM_THREADS"] = "1"
