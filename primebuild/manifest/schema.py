@@ -290,8 +290,13 @@ class Retention(Strict):
 
 
 class Image(Strict):
-    base: str = Field("python:3.11-slim", description="Base image reference; the lock pins it to a digest.",
-                      pattern=r"^[A-Za-z0-9_.\-/:@]+$", max_length=255)
+    base: str = Field(
+        "deb:bookworm", pattern=r"^[A-Za-z0-9_.\-/:@]+$", max_length=255,
+        description="`deb:<release>`: a root filesystem assembled from Debian packages of that release, each "
+        "pinned in the lock (version, sha256); or an image reference (`oci:DIR[:TAG]`, a registry name) "
+        "that the lock pins to a digest.")
+    packages: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9+.-]+$", max_length=128)]] = Field(
+        default_factory=list, description="Debian packages added to a deb: base (with their dependencies).")
     python: str = Field("3.11", pattern=r"^3\.\d+$", max_length=8)
     extras: list[Literal["gpu", "test"]] = Field(default_factory=list)
 
