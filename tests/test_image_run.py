@@ -1,0 +1,155 @@
+"""The runnable image: same lock -> same digest from two clones and two empty stores, a code change
+rebuilds only the code layer, and podman (runc, vfs) runs `primebuild plan` and the main job in it.
+
+Needs the Debian archive and PyPI (the first build downloads the pinned .deb files and wheels), `podman`
+and `runc` (`apt-get install podman runc`; scripts/bootstrap --test installs them as root). Under CI=true
+a missing podman fails. The Debian and Python layers (~1.1 GB) are built once per store: the module
+builds two stores from scratch, everything else re-uses them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from cluster_helpers import missing
+from conftest import REPO, run_cli
+
+from primebuild.builders.image import ImageSpec, build_image_in_store
+from primebuild.builders.lock import read_lock
+from primebuild.builders.python_env import render_requirements
+from primebuild.builders.store import Store
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+LOCK = read_lock(REPO / "lockfiles" / "reverse-text.lock")
+# what test-infra.md found podman needs on these machines (no systemd, no overlay in the sandbox)
+PODMAN_FLAGS = ["--storage-driver", "vfs", "--runtime", "runc", "--cgroup-manager", "cgroupfs"]
+RUN_FLAGS = ["--network", "none", "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=1024:1024"]
+
+
+def git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+                          check=True).stdout
+
+
+def spec_for(clone: Path) -> ImageSpec:
+    """The image `primebuild build manifests/reverse-text.yaml` makes, minus the run layer."""
+    return ImageSpec(name="reverse-text", tag="test", debian=LOCK["base_image"], install=True, python="3.11",
+                     requirements=render_requirements(LOCK["python"]["cpu"]), project_dir=clone)
+
+
+@pytest.fixture(scope="module")
+def clones(tmp_path_factory) -> tuple[Path, Path]:
+    if not (REPO / ".git").exists():
+        pytest.skip("not running from a git checkout")
+    root = tmp_path_factory.mktemp("clones")
+    for name, umask in (("one", "0022"), ("two", "0077")):
+        subprocess.run(f"umask {umask} && git clone -q --no-hardlinks {REPO} {root / name}", shell=True,
+                       check=True, timeout=120)
+    return root / "one", root / "two"
+
+
+@pytest.fixture(scope="module")
+def images(clones, tmp_path_factory):
+    """Clone one into store A, clone two into store B: both empty, nothing shared but the download
+    caches (the .deb files and uv's wheel cache, which hold bytes the lock names by sha256)."""
+    stores = tmp_path_factory.mktemp("stores")
+    built = []
+    for clone, store in zip(clones, ("a", "b"), strict=True):
+        started = time.perf_counter()
+        built.append(build_image_in_store(spec_for(clone), Store(stores / store)))
+        print(f"image from {clone.name} into empty store {store}: {time.perf_counter() - started:.1f} s")
+    return built, stores
+
+
+def test_two_clones_and_two_empty_stores_give_the_same_digest(images):
+    (a, b), _ = images
+    assert not a.cached and not b.cached
+    assert a.digest == b.digest, [(x.created_by, x.digest == y.digest) for x, y in zip(a.layers, b.layers)]
+    assert [la.created_by for la in a.layers] == [
+        "primebuild: Debian bookworm base (48 packages pinned in the lock)",
+        "primebuild: locked Python packages (uv pip install --require-hashes)",
+        "primebuild: project code, installed"]
+    blobs = sorted(p.name for p in (a.layout_path / "blobs" / "sha256").iterdir())
+    assert blobs == sorted(p.name for p in (b.layout_path / "blobs" / "sha256").iterdir())
+    assert (a.layout_path / "index.json").read_bytes() == (b.layout_path / "index.json").read_bytes()
+    assert len(LOCK["base_image"]["packages"]) == 48  # the message above names the lock's count
+
+
+def test_a_code_change_rebuilds_only_the_code_layer(clones, images):
+    (_, before), stores = images
+    clone = clones[1]
+    (clone / "README.md").write_text((clone / "README.md").read_text() + "\nchanged\n")
+    git(clone, "commit", "-qam", "a code change")
+    store = Store(stores / "b")
+    heavy = sorted(p.name for p in store.root.iterdir() if p.name.split("-", 1)[-1].startswith("layer-"))
+    started = time.perf_counter()
+    after = build_image_in_store(spec_for(clone), store)
+    print(f"rebuild after a code change: {time.perf_counter() - started:.1f} s")
+    assert not after.cached and after.digest != before.digest
+    assert [la.digest for la in after.layers[:2]] == [la.digest for la in before.layers[:2]]
+    assert after.layers[2].digest != before.layers[2].digest
+    # the Debian and Python layers were store hits: no new layer entry was made
+    assert heavy == sorted(p.name for p in store.root.iterdir() if p.name.split("-", 1)[-1].startswith("layer-"))
+    assert len(heavy) == 2
+
+
+@pytest.fixture(scope="module")
+def podman(tmp_path_factory):
+    """podman with a private storage root (removed afterwards) and the image of `images` pulled into it."""
+    if shutil.which("podman") is None or shutil.which("runc") is None:
+        missing("podman and runc are not installed (apt-get install podman runc)")
+    root = tmp_path_factory.mktemp("podman")
+    base = ["podman", "--root", str(root / "storage"), "--runroot", str(root / "run"), *PODMAN_FLAGS]
+    yield base
+    subprocess.run([*base, "system", "reset", "--force"], capture_output=True, timeout=300)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_podman_runs_the_plan_and_the_main_job(images, podman, tmp_path):
+    (image, _), _ = images
+    started = time.perf_counter()
+    pulled = subprocess.run([*podman, "pull", "-q", image.reference], capture_output=True, text=True, timeout=600)
+    assert pulled.returncode == 0, pulled.stderr
+    image_id = pulled.stdout.strip().splitlines()[-1]
+    print(f"podman pull: {time.perf_counter() - started:.1f} s")
+    # a workspace for the main job: the default's manifests with a short SFT (as test_run_local does)
+    work = tmp_path / "work"
+    shutil.copytree(REPO / "manifests", work / "manifests", ignore=shutil.ignore_patterns("*.json"))
+    shutil.copytree(REPO / "manifests" / "models", work / "manifests" / "models", dirs_exist_ok=True)
+    sft = yaml.safe_load((work / "manifests" / "reverse-text-sft.yaml").read_text())
+    sft["sft"].update(steps=40, warmup_steps=10)
+    (work / "manifests" / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
+    script = ("primebuild plan manifests/glm5.yaml --design -o json > /work/glm5.json && "
+              "primebuild run /work/manifests/reverse-text.yaml --runs-dir /work/runs --quiet"
+              " --set orchestrator.max_steps=3 --set orchestrator.rollouts_per_step=32"
+              " --set orchestrator.eval_prompts=40")
+    started = time.perf_counter()
+    done = subprocess.run([*podman, "run", "--rm", *RUN_FLAGS, "-v", f"{work}:/work", "-e",
+                           "PRIMEBUILD_STORE=/work/store", "--entrypoint", "/bin/sh", image_id, "-c", script],
+                          capture_output=True, text=True, timeout=600)
+    print(f"podman run (plan + main job, 3 steps): {time.perf_counter() - started:.1f} s")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the plan inside the image is the host's plan
+    host = run_cli("plan", REPO / "manifests" / "glm5.yaml", "--design", "-o", "json")
+    assert host.code == 0, host.text
+    inside = json.loads((work / "glm5.json").read_text())
+    assert inside["plan_hash"] == json.loads(host.out)["plan_hash"]
+    # the main job ran to completion in the container
+    (run_dir,) = (work / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_reward_after_step"] == 3 and 0 <= summary["eval_reward_after"] <= 1
+    steps = {json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["role"] == "trainer"}
+    assert steps == {1, 2, 3}
+    assert (run_dir / "report.png").stat().st_size > 1000
+    assert json.loads((run_dir / "run.json").read_text())["plan_hash"] == \
+        json.loads((run_dir / "plan.json").read_text())["plan_hash"]
