@@ -73,7 +73,7 @@ def images(clones, tmp_path_factory):
 def test_two_clones_and_two_empty_stores_give_the_same_digest(images):
     (a, b), _ = images
     assert not a.cached and not b.cached
-    assert a.digest == b.digest, [(x.created_by, x.digest == y.digest) for x, y in zip(a.layers, b.layers)]
+    assert a.digest == b.digest, [(x.created_by, x.digest == y.digest) for x, y in zip(a.layers, b.layers, strict=True)]
     assert [la.created_by for la in a.layers] == [
         "primebuild: Debian bookworm base (48 packages pinned in the lock)",
         "primebuild: locked Python packages (uv pip install --require-hashes)",
