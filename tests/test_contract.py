@@ -140,6 +140,8 @@ def config_of(role: str, path: str) -> Callable[[dict], object]:
     def get(plan: dict) -> object:
         value: object = process(plan, role)["config"]
         for part in path.split("."):
+            if value is None:  # an optional section the base leaves out (trackers.wandb)
+                raise KeyError(part)
             value = value[int(part)] if isinstance(value, list) else value[part]  # type: ignore[index]
         return value
     return get

@@ -13,15 +13,16 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 from cluster_helpers import missing
-from conftest import REPO, run_cli
+from conftest import REPO, call_cli, run_cli
 
-from primebuild.builders.image import ImageSpec, build_image_in_store
+from primebuild.builders.image import LABEL_DEBIAN_BASE, LABEL_PLAN_HASH, ImageSpec, build_image_in_store
 from primebuild.builders.lock import read_lock
 from primebuild.builders.python_env import render_requirements
 from primebuild.builders.store import Store
@@ -31,6 +32,10 @@ LOCK = read_lock(REPO / "lockfiles" / "reverse-text.lock")
 # what test-infra.md found podman needs on these machines (no systemd, no overlay in the sandbox)
 PODMAN_FLAGS = ["--storage-driver", "vfs", "--runtime", "runc", "--cgroup-manager", "cgroupfs"]
 RUN_FLAGS = ["--network", "none", "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=1024:1024"]
+
+
+def _blob(layout: Path, digest: str) -> Path:
+    return layout / "blobs" / "sha256" / digest.split(":", 1)[1]
 
 
 def git(cwd: Path, *args: str) -> str:
@@ -100,6 +105,70 @@ def test_a_code_change_rebuilds_only_the_code_layer(clones, images):
     # the Debian and Python layers were store hits: no new layer entry was made
     assert heavy == sorted(p.name for p in store.root.iterdir() if p.name.split("-", 1)[-1].startswith("layer-"))
     assert len(heavy) == 2
+
+
+def test_build_command_reuses_the_layers_and_rebuilds_as_a_cache_hit(images, capsys, locked_module: Path):
+    _, stores = images
+    store = stores / "a"  # holds the Debian and Python layers of the same pins
+    manifest = locked_module / "reverse-text.yaml"
+    first = call_cli(capsys, "build", manifest, "--store", store, "-o", "json")
+    assert first.code == 0, first.text
+    a = json.loads(first.out)
+    print(f"build with the layers in the store: {a['seconds']:.1f} s")
+    started = time.perf_counter()
+    second = call_cli(capsys, "build", manifest, "--store", store, "-o", "json")
+    elapsed = time.perf_counter() - started
+    assert second.code == 0, second.text
+    b = json.loads(second.out)
+    assert a["image_digest"] == b["image_digest"] and a["image_digest"].startswith("sha256:")
+    assert not a["cached"] and b["cached"]
+    assert b["seconds"] < 3.0 and elapsed < 6.0, (b["seconds"], elapsed)
+    assert [la["created_by"].split(" (")[0] for la in a["layers"]] == [
+        "primebuild: Debian bookworm base", "primebuild: locked Python packages",
+        "primebuild: project code, installed", "primebuild: manifest, lock and plan"]
+
+
+def test_the_image_holds_python_the_locked_packages_the_project_and_the_plan(images, capsys, locked_module: Path):
+    _, stores = images
+    store = stores / "a"
+    manifest = locked_module / "reverse-text.yaml"
+    result = call_cli(capsys, "build", manifest, "--store", store, "-o", "json")
+    assert result.code == 0, result.text
+    info = json.loads(result.out)
+    layout = Path(info["layout"])
+    dockerfile = Path(info["dockerfile"]).read_text()
+    assert "--require-hashes" in dockerfile and "python3-minimal=" in dockerfile
+    index = json.loads((layout / "index.json").read_text())
+    manifest_blob = json.loads(_blob(layout, index["manifests"][0]["digest"]).read_bytes())
+    assert index["manifests"][0]["digest"] == info["image_digest"]
+    config = json.loads(_blob(layout, manifest_blob["config"]["digest"]).read_bytes())
+    labels = config["config"]["Labels"]
+    assert labels[LABEL_PLAN_HASH] == f"sha256:{info['plan_hash']}" and labels[LABEL_DEBIAN_BASE].startswith("deb:")
+    assert config["config"]["Entrypoint"] == ["primebuild"] and "PYTHONSAFEPATH=1" in config["config"]["Env"]
+    members: dict[str, tarfile.TarInfo] = {}
+    small: dict[str, bytes] = {}
+    for layer in manifest_blob["layers"]:
+        with tarfile.open(_blob(layout, layer["digest"])) as tar:  # gzip or plain tar
+            for member in tar:
+                members[member.name] = member
+                if member.isfile() and member.size < 1 << 20 and member.name.startswith(("opt/", "usr/local/bin/")):
+                    small[member.name] = tar.extractfile(member).read()  # type: ignore[union-attr]
+    assert members["usr/bin/python3"].issym() and members["usr/bin/python3.11"].isfile()
+    assert members["bin"].issym() and members["bin"].linkname == "usr/bin"  # merged /usr, as debootstrap lays it
+    assert "usr/local/lib/python3.11/dist-packages/torch/__init__.py" in members
+    assert small["usr/local/bin/primebuild"].startswith(b"#!/usr/bin/python3\n")
+    requirements = small["opt/primebuild/requirements.lock.txt"].decode()
+    assert "torch==2.13.0+cpu" in requirements and "--hash=sha256:" in requirements
+    plan = json.loads(small["opt/primebuild/run/plan.json"])
+    assert plan["plan_hash"] == info["plan_hash"] and plan["image"] is None and plan["lock_hash"]
+    assert "opt/primebuild/run/lock.json" in small and "opt/primebuild/src/builders/lock.py" in small
+    assert "usr/local/lib/python3.11/dist-packages/primebuild/builders/lock.py" in members  # installed too
+    # the plan that names the image: same as `plan --locked --image-digest`
+    named = call_cli(capsys, "plan", "--locked", "--image-digest", info["image_digest"], "-o", "json", manifest)
+    assert named.code == 0, named.text
+    outer = json.loads(named.out)
+    assert outer["image"] == {"digest": info["image_digest"], "plan_hash": info["plan_hash"]}
+    assert outer["plan_hash"] == info["plan_hash_with_image"]
 
 
 @pytest.fixture(scope="module")
