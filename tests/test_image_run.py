@@ -222,3 +222,28 @@ def test_podman_runs_the_plan_and_the_main_job(images, podman, tmp_path):
     assert (run_dir / "report.png").stat().st_size > 1000
     assert json.loads((run_dir / "run.json").read_text())["plan_hash"] == \
         json.loads((run_dir / "plan.json").read_text())["plan_hash"]
+
+
+def test_lock_pins_the_debian_base_from_the_signed_index(tmp_path: Path):
+    """`lock` reads the archive's index (gpg-checked InRelease, sha256-checked Packages.xz) and pins every
+    package of the closure; image.packages adds to it; `--update` re-reads the index."""
+    shutil.copytree(REPO / "manifests", tmp_path / "manifests", ignore=shutil.ignore_patterns("*.lock"))
+    (tmp_path / "lockfiles").mkdir()
+    for committed in (REPO / "lockfiles").glob("*.lock"):  # the Python variants come from these siblings
+        shutil.copy(committed, tmp_path / "lockfiles" / f"committed-{committed.name}")
+    manifest = tmp_path / "manifests" / "reverse-text-sft.yaml"
+    text = manifest.read_text() + "image:\n  packages: [coreutils]\n"
+    manifest.write_text(text)
+    done = run_cli("lock", manifest, "-o", "json", timeout=300)
+    assert done.code == 0, done.text
+    base = read_lock(tmp_path / "lockfiles" / "reverse-text-sft.lock")["base_image"]
+    assert base["pinned"] and base["request"] == {"ref": "deb:bookworm", "packages": ["coreutils"]}
+    assert base["python"] == "3.11" and {"python3", "libc6", "coreutils"} <= base["packages"].keys()
+    for name, pin in base["packages"].items():
+        assert len(pin["sha256"]) == 64 and pin["path"].startswith("pool/main/") and pin["path"].endswith(".deb")
+        assert pin["archive"] in ("debian", "debian-security"), name
+    if shutil.which("gpgv"):
+        assert {s["signature"] for s in base["suites"].values()} == {"gpgv: Debian archive keyring"}
+    update = run_cli("lock", "--update", manifest, "-o", "json", timeout=300)
+    assert update.code == 0, update.text
+    assert read_lock(tmp_path / "lockfiles" / "reverse-text-sft.lock")["base_image"]["pinned"]

@@ -75,5 +75,8 @@ def test_the_api_key_is_in_no_file(run_dir: Path):
     assert any(p.suffix == ".wandb" for p in files) and any("tfevents" in p.name for p in files)
     leaked = [str(p) for p in files if CANARY.encode() in p.read_bytes()]
     assert leaked == []
+    # nor the run's admin token (test_run_local's check, here over the trackers' folders, binary files too)
+    tracked = [p for p in files if p.relative_to(run_dir).parts[0] in ("wandb", "tensorboard")]
+    assert not [str(p) for p in tracked if b"Bearer" in p.read_bytes() or b"PRIMEBUILD_ADMIN_TOKEN" in p.read_bytes()]
     plan = (run_dir / "plan.json").read_text()
     assert "PB_WANDB_KEY" in plan and CANARY not in plan  # by name only
