@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -179,7 +180,7 @@ def podman(tmp_path_factory):
     root = tmp_path_factory.mktemp("podman")
     base = ["podman", "--root", str(root / "storage"), "--runroot", str(root / "run"), *PODMAN_FLAGS]
     yield base
-    subprocess.run([*base, "system", "reset", "--force"], capture_output=True, timeout=300)
+    subprocess.run([*base, "rmi", "--all", "--force"], capture_output=True, timeout=300)
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -240,7 +241,7 @@ def test_lock_pins_the_debian_base_from_the_signed_index(tmp_path: Path):
     assert base["pinned"] and base["request"] == {"ref": "deb:bookworm", "packages": ["coreutils"]}
     assert base["python"] == "3.11" and {"python3", "libc6", "coreutils"} <= base["packages"].keys()
     for name, pin in base["packages"].items():
-        assert len(pin["sha256"]) == 64 and pin["path"].startswith("pool/main/") and pin["path"].endswith(".deb")
+        assert len(pin["sha256"]) == 64 and re.match(r"pool/(updates/)?main/.+\.deb$", pin["path"]), pin
         assert pin["archive"] in ("debian", "debian-security"), name
     if shutil.which("gpgv"):
         assert {s["signature"] for s in base["suites"].values()} == {"gpgv: Debian archive keyring"}
