@@ -30,7 +30,7 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,7 +211,6 @@ def build_image_in_store(spec: ImageSpec, store: Store | None = None) -> ImageRe
 class BuiltLayer:
     layer: Layer
     blob: Path  # where its bytes are (a store entry, or a scratch folder)
-    cached: bool  # found in the store rather than built now
 
 
 def _heavy_layers(inputs: _Inputs, store: Store | None, scratch: Path | None) -> list[BuiltLayer]:
@@ -222,7 +221,7 @@ def _heavy_layers(inputs: _Inputs, store: Store | None, scratch: Path | None) ->
         out.append(_layer_entry(
             store, scratch, f"layer-debian-{release}",
             {"builder": [BUILDER_ID, LAYER_VERSION], "epoch": inputs.epoch, "debian": _debian_fingerprint(inputs.debian)},
-            lambda: debian_rootfs.rootfs_entries(inputs.debian),
+            lambda _work: debian_rootfs.rootfs_entries(inputs.debian),
             f"primebuild: Debian {release} base ({len(inputs.debian['packages'])} packages pinned in the lock)"))
     if spec.install and inputs.requirements is not None:
         requirements = inputs.requirements
@@ -236,34 +235,33 @@ def _heavy_layers(inputs: _Inputs, store: Store | None, scratch: Path | None) ->
             {"builder": [BUILDER_ID, LAYER_VERSION], "epoch": inputs.epoch, "python": spec.python,
              "platform": python_layer.python_env.PLATFORM, "uv": _uv_version(),
              "requirements": _sha256(requirements)},
-            python_entries, "primebuild: locked Python packages (uv pip install --require-hashes)", work=True))
+            python_entries, "primebuild: locked Python packages (uv pip install --require-hashes)"))
     return out
 
 
-def _layer_entry(store: Store | None, scratch: Path | None, name: str, key: dict[str, Any], entries,
-                 created_by: str, work: bool = False) -> BuiltLayer:
-    """One uncompressed layer, in its own store entry (`blob` + `layer.json`) or in `scratch`."""
+def _layer_entry(store: Store | None, scratch: Path | None, name: str, key: dict[str, Any],
+                 entries: Callable[[Path], list[TarEntry]], created_by: str) -> BuiltLayer:
+    """One uncompressed layer, in its own store entry (`blob` + `layer.json`) or in `scratch`; `entries`
+    gets a scratch folder that lives until the layer is written."""
 
     def build(out: Path) -> None:
         layout = OciLayout(out)
         with tempfile.TemporaryDirectory(prefix="primebuild-layer-") as tmp:
-            made = entries(Path(tmp)) if work else entries()
+            made = entries(Path(tmp))
             layer = layout.write_layer(made, mtime=key["epoch"], created_by=created_by, compress=False)
         (out / "layer.json").write_bytes(canonical_bytes(
             {"descriptor": layer.descriptor.to_json(), "diff_id": layer.diff_id, "created_by": created_by}))
 
-    built = []
     if store is not None:
-        path = store.build(name, key, lambda out: built.append(build(out)))
+        path = store.build(name, key, build)
     else:
         path = Path(scratch) / name  # type: ignore[arg-type]
         path.mkdir()
         build(path)
-        built.append(True)
     record = json.loads((path / "layer.json").read_bytes())
     descriptor = Descriptor.from_json(record["descriptor"])
     return BuiltLayer(Layer(descriptor, record["diff_id"], record["created_by"]),
-                      path / "blobs" / "sha256" / descriptor.digest.removeprefix("sha256:"), cached=not built)
+                      path / "blobs" / "sha256" / descriptor.digest.removeprefix("sha256:"))
 
 
 def _debian_fingerprint(debian: Mapping[str, Any] | None) -> dict[str, Any] | None:
