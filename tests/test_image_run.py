@@ -201,8 +201,7 @@ def podman(tmp_path_factory):
     root = tmp_path_factory.mktemp("podman")
     base = ["podman", "--root", str(root / "storage"), "--runroot", str(root / "run"), *PODMAN_FLAGS]
     yield base
-    subprocess.run([*base, "rmi", "--all", "--force"], capture_output=True, timeout=300)
-    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)  # its own storage only: nothing else of podman's is touched
 
 
 def test_podman_runs_the_plan_and_the_main_job(images, podman, tmp_path):
