@@ -94,7 +94,20 @@ def _rl(m: Manifest) -> Iterator[Refusal]:
     yield from _target(m)
     yield from _engine(m)
     yield from _trainer(m)
+    yield from _trackers(m)
     yield from _no_effect(m)
+
+
+def _trackers(m: Manifest) -> Iterator[Refusal]:
+    wandb = m.trackers.wandb
+    if wandb is None:
+        return
+    if wandb.api_key_secret is not None and wandb.api_key_secret not in m.secrets:
+        yield Refusal("trackers.wandb.api_key_secret", f"names {wandb.api_key_secret}, which `secrets:` does not "
+                      "list: no process would receive it", f"add {wandb.api_key_secret} to secrets")
+    if wandb.mode == "online" and wandb.api_key_secret is None:
+        yield Refusal("trackers.wandb.mode", "online mode needs the API key, passed by name as a secret",
+                      "set api_key_secret (and list it in secrets), or use mode: offline")
 
 
 def _target(m: Manifest) -> Iterator[Refusal]:

@@ -1,14 +1,21 @@
 """Build the project's OCI image from locked inputs, bit-reproducibly and without a Docker daemon.
 
-Layers, from least to most often changed (so that a code change re-uses the requirements layer):
-  1. `/opt/primebuild/requirements.lock.txt`: the locked Python requirements, with hashes, as given;
-  2. `/opt/primebuild/src/`: the project code (git-tracked files, or an explicit file list);
-  3. `/opt/primebuild/run/`: the manifest, lock and plan this image was built for.
-On top of an optional base image read from a local OCI layout (`oci:DIR[:TAG]`, `oci:DIR@sha256:…`).
-A registry reference (`python:3.11-slim@sha256:…`) cannot be pulled here: it is recorded as the
-intended base (label and annotation `dev.primebuild.intended-base`), a warning says so, and the
-image holds only our layers. The Dockerfile written next to the layout does use it, and installs the
-requirements and the project, for people who build with docker.
+Layers, from least to most often changed (so that a code change re-uses everything below the code):
+  1. with a Debian base (`deb:<release>`, pinned in the lock): the root filesystem assembled from the
+     pinned .deb files (debian_rootfs.py), Python included;
+  2. `/opt/primebuild/requirements.lock.txt`: the locked Python requirements, with hashes; with
+     `install` also the packages themselves, installed into the image's Python (python_layer.py);
+  3. `/opt/primebuild/src/`: the project code (git-tracked files, or an explicit file list); with
+     `install` also the project installed like `pip install .` (the `primebuild` command);
+  4. `/opt/primebuild/run/`: the manifest, lock and plan this image was built for.
+Layers 1 and 2 are store entries of their own when building into the store (`layer-debian-…`,
+`layer-python-…`, keyed by the pins they hold): a code change rebuilds only layers 3 and 4, and those
+two are written uncompressed (see oci.write_layer). Instead of a Debian base, an image can extend a
+local OCI layout (`oci:DIR[:TAG]`, `oci:DIR@sha256:…`). A registry reference
+(`python:3.11-slim@sha256:…`) cannot be pulled here: it is recorded as the intended base (label and
+annotation `dev.primebuild.intended-base`), a warning says so, and the image holds only our layers.
+The Dockerfile written next to the layout does use it, and installs the requirements and the project,
+for people who build with docker.
 
 The image digest depends only on content: file bytes, git modes (not the checkout's umask or
 mtimes), the spec and SOURCE_DATE_EPOCH (0 by default), never on paths, clocks or users.
@@ -22,11 +29,13 @@ import logging
 import os
 import re
 import subprocess
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from primebuild.builders import debian_rootfs, python_layer
 from primebuild.builders.oci import (
     MEDIA_CONFIG,
     MEDIA_MANIFEST,
@@ -47,7 +56,7 @@ from primebuild.hashing import canonical_bytes
 log = logging.getLogger(__name__)
 
 BUILDER_ID = "primebuild.image"
-BUILDER_VERSION = 1  # bump whenever the bytes this module writes for the same spec change
+BUILDER_VERSION = 2  # bump whenever the bytes this module writes for the same spec change
 IMAGE_HOME = "/opt/primebuild"
 REQUIREMENTS_PATH = f"{IMAGE_HOME}/requirements.lock.txt"
 SRC_DIR = f"{IMAGE_HOME}/src"
@@ -55,8 +64,10 @@ RUN_DIR = f"{IMAGE_HOME}/run"
 LABEL_PLAN_HASH = "dev.primebuild.plan.sha256"
 LABEL_REQUIREMENTS_HASH = "dev.primebuild.requirements.sha256"
 LABEL_INTENDED_BASE = "dev.primebuild.intended-base"
+LABEL_DEBIAN_BASE = "dev.primebuild.debian-base"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TEMPLATES = Path(__file__).parent / "templates"
+LAYER_VERSION = 1  # bump whenever the bytes of the Debian or Python layer change for the same pins
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
@@ -68,7 +79,10 @@ class ImageSpec:
     name: str = "primebuild"
     tag: str = "latest"
     base: str | None = None  # "oci:DIR[:TAG]", "oci:DIR@sha256:…" or a registry reference (recorded only)
+    debian: Mapping[str, Any] | None = None  # a lock's pinned `deb:` base entry (debian_index.pin)
     requirements: Path | str | None = None  # a Path is read; a str is the requirements text itself
+    install: bool = False  # install the requirements and the project into the image's Python (needs `debian`)
+    python: str = "3.11"  # the image's Python (major.minor), where `install` puts packages
     project_dir: Path | None = None
     files: tuple[str, ...] | None = None  # relative to project_dir; None: the files git tracks there
     manifest: Path | None = None
@@ -132,6 +146,7 @@ class _Inputs:
     spec: ImageSpec
     epoch: int
     base: BaseImage | None
+    debian: dict[str, Any] | None
     intended_base: str | None
     requirements: bytes | None
     project: list[TarEntry]  # paths relative to SRC_DIR
@@ -147,7 +162,9 @@ class _Inputs:
             "epoch": self.epoch,
             "platform": [spec.architecture, spec.os],
             "base": self.base.manifest_digest if self.base else None,
+            "debian": _debian_fingerprint(self.debian),
             "intended_base": self.intended_base,
+            "install": self.spec.install and {"python": self.spec.python, "uv": _uv_version()},
             "requirements": _sha256(self.requirements) if self.requirements is not None else None,
             "project": [_entry_fingerprint(e) for e in self.project],
             "run": [_entry_fingerprint(e) for e in self.run_files],
@@ -167,19 +184,96 @@ def build_image(spec: ImageSpec, out_dir: Path) -> ImageResult:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"image output directory {out_dir} is not empty; choose a new one or delete it")
     out_dir.mkdir(parents=True, exist_ok=True)
-    return _write(inputs, out_dir)
+    with tempfile.TemporaryDirectory(prefix="primebuild-layers-") as scratch:
+        return _write(inputs, out_dir, _heavy_layers(inputs, None, Path(scratch)))
 
 
 def build_image_in_store(spec: ImageSpec, store: Store | None = None) -> ImageResult:
-    """Build into the content-addressed store: an unchanged spec is a cache hit that writes nothing."""
+    """Build into the content-addressed store: an unchanged spec is a cache hit that writes nothing.
+    The Debian and Python layers are store entries of their own, re-used by any image that pins the same."""
     store = store or Store()
     inputs = _resolve(spec)
+    key_inputs = inputs.fingerprint()
+    hit = store.lookup(store.key(f"image-{spec.name}", key_inputs))
+    if hit is not None:
+        return ImageResult(**{**ImageResult.load(hit).__dict__, "store_path": hit, "cached": True})
+    heavy = _heavy_layers(inputs, store, None)
     built = []
-    path = store.build(
-        f"image-{spec.name}", inputs.fingerprint(), lambda out: built.append(_write(inputs, out))
-    )
+    path = store.build(f"image-{spec.name}", key_inputs, lambda out: built.append(_write(inputs, out, heavy)))
     result = ImageResult.load(path)
     return ImageResult(**{**result.__dict__, "store_path": path, "cached": not built})
+
+
+# ---- the large layers: Debian base and installed Python packages ----------------------------------------
+
+
+@dataclass(frozen=True)
+class BuiltLayer:
+    layer: Layer
+    blob: Path  # where its bytes are (a store entry, or a scratch folder)
+
+
+def _heavy_layers(inputs: _Inputs, store: Store | None, scratch: Path | None) -> list[BuiltLayer]:
+    """The Debian root filesystem and the installed requirements, each built once per content."""
+    spec, out = inputs.spec, []
+    if inputs.debian is not None:
+        release = inputs.debian["release"]
+        out.append(_layer_entry(
+            store, scratch, f"layer-debian-{release}",
+            {"builder": [BUILDER_ID, LAYER_VERSION], "epoch": inputs.epoch, "debian": _debian_fingerprint(inputs.debian)},
+            lambda _work: debian_rootfs.rootfs_entries(inputs.debian),
+            f"primebuild: Debian {release} base ({len(inputs.debian['packages'])} packages pinned in the lock)"))
+    if spec.install and inputs.requirements is not None:
+        requirements = inputs.requirements
+
+        def python_entries(work: Path) -> list[TarEntry]:
+            installed = python_layer.install_requirements(requirements.decode(), spec.python, work)
+            return [TarEntry(REQUIREMENTS_PATH.lstrip("/"), "file", 0o644, requirements), *installed]
+
+        out.append(_layer_entry(
+            store, scratch, "layer-python",
+            {"builder": [BUILDER_ID, LAYER_VERSION], "epoch": inputs.epoch, "python": spec.python,
+             "platform": python_layer.python_env.PLATFORM, "uv": _uv_version(),
+             "requirements": _sha256(requirements)},
+            python_entries, "primebuild: locked Python packages (uv pip install --require-hashes)"))
+    return out
+
+
+def _layer_entry(store: Store | None, scratch: Path | None, name: str, key: dict[str, Any],
+                 entries: Callable[[Path], list[TarEntry]], created_by: str) -> BuiltLayer:
+    """One uncompressed layer, in its own store entry (`blob` + `layer.json`) or in `scratch`; `entries`
+    gets a scratch folder that lives until the layer is written."""
+
+    def build(out: Path) -> None:
+        layout = OciLayout(out)
+        with tempfile.TemporaryDirectory(prefix="primebuild-layer-") as tmp:
+            made = entries(Path(tmp))
+            layer = layout.write_layer(made, mtime=key["epoch"], created_by=created_by, compress=False)
+        (out / "layer.json").write_bytes(canonical_bytes(
+            {"descriptor": layer.descriptor.to_json(), "diff_id": layer.diff_id, "created_by": created_by}))
+
+    if store is not None:
+        path = store.build(name, key, build)
+    else:
+        path = Path(scratch) / name  # type: ignore[arg-type]
+        path.mkdir()
+        build(path)
+    record = json.loads((path / "layer.json").read_bytes())
+    descriptor = Descriptor.from_json(record["descriptor"])
+    return BuiltLayer(Layer(descriptor, record["diff_id"], record["created_by"]),
+                      path / "blobs" / "sha256" / descriptor.digest.removeprefix("sha256:"))
+
+
+def _debian_fingerprint(debian: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if debian is None:
+        return None
+    return {"release": debian["release"], "architecture": debian["architecture"],
+            "packages": {name: pin["sha256"] for name, pin in sorted(debian["packages"].items())}}
+
+
+def _uv_version() -> str:
+    uv = python_layer.python_env.find_uv()
+    return python_layer.python_env.uv_version(uv) if uv else "uv missing"
 
 
 # ---- reading the inputs -------------------------------------------------------------------------------------
@@ -206,6 +300,16 @@ def _resolve(spec: ImageSpec) -> _Inputs:
                 warnings.append(
                     f"base image {spec.base!r} has no @sha256 digest: a tag can move, pin the digest"
                 )
+    debian = dict(spec.debian) if spec.debian is not None else None
+    if debian is not None and (base is not None or intended is not None):
+        raise UserError("an image has one base: a Debian base (deb:) or another image, not both")
+    if debian is not None and not debian.get("pinned"):
+        raise UserError(f"the Debian base is not pinned: {debian.get('reason', 'no packages')}",
+                        hint="lock it with network access to the Debian archive: `primebuild lock --update MANIFEST`")
+    if spec.install and debian is None:
+        raise UserError("installing Python packages needs a base with Python in it: a deb:<release> base")
+    if spec.install and debian.get("python") != spec.python:  # type: ignore[union-attr]
+        raise UserError(f"the Debian base has Python {debian.get('python')}, the image asks for {spec.python}")  # type: ignore[union-attr]
     requirements = _read_requirements(spec.requirements) if spec.requirements is not None else None
     project = _project_entries(spec, warnings) if spec.project_dir is not None else []
     if spec.files is not None and spec.project_dir is None:
@@ -218,7 +322,7 @@ def _resolve(spec: ImageSpec) -> _Inputs:
             )
     for warning in warnings:
         log.warning(warning)
-    return _Inputs(spec, _epoch(spec), base, intended, requirements, project, run_files, warnings)
+    return _Inputs(spec, _epoch(spec), base, debian, intended, requirements, project, run_files, warnings)
 
 
 def _epoch(spec: ImageSpec) -> int:
@@ -351,7 +455,7 @@ def _git_files(root: Path) -> list[tuple[str, str]]:
 # ---- writing the image --------------------------------------------------------------------------------------
 
 
-def _write(inputs: _Inputs, out_dir: Path) -> ImageResult:
+def _write(inputs: _Inputs, out_dir: Path, heavy: list[BuiltLayer]) -> ImageResult:
     spec, epoch = inputs.spec, inputs.epoch
     layout = OciLayout(out_dir / "oci")
     base_config: dict[str, Any] = inputs.base.config if inputs.base else {}
@@ -361,14 +465,22 @@ def _write(inputs: _Inputs, out_dir: Path) -> ImageResult:
 
     home = IMAGE_HOME.lstrip("/")
     layers: list[Layer] = []
-    if inputs.requirements is not None:
+    for built in heavy:
+        layout.link_blob(built.blob, built.layer.descriptor)
+        layers.append(built.layer)
+    if inputs.requirements is not None and not spec.install:
         entry = TarEntry(REQUIREMENTS_PATH.lstrip("/"), "file", 0o644, inputs.requirements)
         layers.append(
             layout.write_layer([entry], mtime=epoch, created_by="primebuild: locked Python requirements")
         )
     if inputs.project:
         moved = [_under(f"{home}/src", e) for e in inputs.project]
-        layers.append(layout.write_layer(moved, mtime=epoch, created_by="primebuild: project code"))
+        if spec.install:
+            with tempfile.TemporaryDirectory(prefix="primebuild-project-") as work:
+                moved += python_layer.install_project(inputs.project, spec.python, Path(work))
+                layers.append(layout.write_layer(moved, mtime=epoch, created_by="primebuild: project code, installed"))
+        else:
+            layers.append(layout.write_layer(moved, mtime=epoch, created_by="primebuild: project code"))
     if inputs.run_files:
         moved = [_under(f"{home}/run", e) for e in inputs.run_files]
         layers.append(
@@ -477,6 +589,9 @@ def _labels(inputs: _Inputs, created: str) -> dict[str, str]:
         labels[LABEL_REQUIREMENTS_HASH] = "sha256:" + _sha256(inputs.requirements)
     if inputs.intended_base:
         labels[LABEL_INTENDED_BASE] = inputs.intended_base
+    if inputs.debian:
+        pins = canonical_bytes(_debian_fingerprint(inputs.debian))
+        labels[LABEL_DEBIAN_BASE] = f"deb:{inputs.debian['release']} sha256:{_sha256(pins)}"
     labels.update(spec.labels)
     return labels
 
@@ -486,6 +601,10 @@ def _env(inputs: _Inputs, base_env: list[str]) -> list[str]:
     merged = dict(item.split("=", 1) for item in base_env if "=" in item)
     merged.setdefault("PATH", DEFAULT_PATH)
     merged["PYTHONUNBUFFERED"] = "1"
+    if inputs.spec.install:
+        # The working directory holds the source tree, whose primebuild/ folder lacks the builders/,
+        # runtime/ and kernels/ the installed package maps in: `python -m` must not put it on sys.path.
+        merged["PYTHONSAFEPATH"] = "1"
     for entry in inputs.run_files:
         role = entry.path.split(".")[0]
         merged[f"PRIMEBUILD_{role.upper()}"] = f"{RUN_DIR}/{entry.path}"
@@ -521,6 +640,8 @@ def _write_docker_context(
         )
     else:
         base_note = None
+    debian = inputs.debian
+    apt_packages = [f"{n}={p['version']}" for n, p in sorted(debian["packages"].items())] if debian else []
     env_template = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
         undefined=jinja2.StrictUndefined,
@@ -534,9 +655,11 @@ def _write_docker_context(
         image_name=inputs.spec.name,
         tag=inputs.spec.tag,
         digest_note=digest,
-        base_image=inputs.intended_base or ("" if inputs.base else "scratch"),
+        base_image=inputs.intended_base or (f"debian:{debian['release']}-slim" if debian else "")
+        or ("" if inputs.base else "scratch"),
         base_note=base_note,
-        python_base=inputs.base is not None or inputs.intended_base is not None,
+        apt_packages=apt_packages,
+        python_base=inputs.base is not None or inputs.intended_base is not None or debian is not None,
         epoch=inputs.epoch,
         requirements=inputs.requirements is not None,
         requirements_path=REQUIREMENTS_PATH,

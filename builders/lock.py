@@ -14,7 +14,8 @@ Sections (each an *entry*: `request` = what the manifest asks for, then what it 
     environments   {id: built-in (env version, primebuild version) | installed Python package
                    (distribution version, sha256 of its RECORD)}
     python         {cpu, gpu}: packages with hashes from `uv pip compile` (see python_env.py)
-    base_image     image.base pinned to a digest
+    base_image     image.base pinned: a `deb:<release>` base to every .deb's version, sha256 and pool path
+                   (debian_index.py; `image.packages` plus what Python needs), an image to a digest
 An entry that could not be pinned has `"pinned": false` and a `reason`; the lock is still written
 (offline locking records what it can) and `plan --locked` warns about it. Staleness (the manifest or
 an input changed since locking) is checked by lock_check.py against the same `requests()` used here.
@@ -128,8 +129,16 @@ def requests(loaded: LoadedManifest, project_dir: Path = python_env.PROJECT_DIR)
         "environments": {e.id: {"id": e.id, "version": e.version} for e in m.environments},
         "python": {v: python_env.variant_request(v, m.image.python, list(m.image.extras), project_dir)
                    for v in python_env.VARIANTS},
-        "base_image": {"ref": m.image.base},
+        "base_image": base_request(m.image.base, list(m.image.packages)),
     }
+
+
+def base_request(ref: str, packages: list[str]) -> dict:
+    from primebuild.builders import debian_index
+
+    if debian_index.is_debian_base(ref):
+        return {"ref": ref, "packages": sorted(set(packages))}
+    return {"ref": ref}
 
 
 def model_request(loaded: LoadedManifest) -> dict:
@@ -170,7 +179,7 @@ def make_lock(loaded: LoadedManifest, previous: dict | None = None, *, update: b
         environments[env_id] = keep((previous.get("environments") or {}).get(env_id), request) or \
             resolve_environment(request)
     python = {}
-    reusable = _python_from_siblings(sibling_locks) if not update else {}
+    reusable = _pinned_from_siblings(sibling_locks) if not update else {}
     for variant, request in wanted["python"].items():
         old = keep((previous.get("python") or {}).get(variant), request)
         if old is None:
@@ -180,8 +189,18 @@ def make_lock(loaded: LoadedManifest, previous: dict | None = None, *, update: b
             old = {"request": request, **python_env.resolve_variant(request, project_dir=project_dir,
                                                                        offline=offline)}
         python[variant] = old
-    base = keep(previous.get("base_image"), wanted["base_image"]) or resolve_base_image(
-        wanted["base_image"]["ref"], offline=offline)
+    base = keep(previous.get("base_image"), wanted["base_image"]) or reusable.get(
+        canonical_json(wanted["base_image"]))
+    if base is None:
+        if "packages" in wanted["base_image"]:
+            echo(f"resolving the Debian packages of {wanted['base_image']['ref']} …")
+        base = resolve_base_image(wanted["base_image"]["ref"], offline=offline,
+                                  packages=wanted["base_image"].get("packages", []))
+    if base.get("kind") == "debian" and base.get("pinned") and base.get("python") != loaded.manifest.image.python:
+        raise UserError(loaded.source.problem(
+            ("image", "python"), f"Python {loaded.manifest.image.python} asked for, but the Debian base "
+            f"{wanted['base_image']['ref']} has Python {base.get('python')}",
+            hint=f"set image.python: '{base.get('python')}', or choose the Debian release that has it"))
     return {
         "lock_version": LOCK_VERSION,
         "primebuild_version": __version__,
@@ -193,12 +212,14 @@ def make_lock(loaded: LoadedManifest, previous: dict | None = None, *, update: b
     }
 
 
-def _python_from_siblings(paths: list[Path]) -> dict[str, dict]:
-    """Pinned python variants of other locks, by request: the same request resolves the same way."""
+def _pinned_from_siblings(paths: list[Path]) -> dict[str, dict]:
+    """Pinned Python variants and base images of other locks, by request: the same request resolves
+    the same way, and manifests locked side by side share one set of pins."""
     found: dict[str, dict] = {}
     for path in paths:
         with contextlib.suppress(UserError, AttributeError):
-            for entry in (read_lock(path).get("python") or {}).values():
+            lock = read_lock(path)
+            for entry in [*(lock.get("python") or {}).values(), lock.get("base_image")]:
                 if isinstance(entry, dict) and entry.get("pinned") and "request" in entry:
                     found.setdefault(canonical_json(entry["request"]), entry)
     return found
@@ -362,10 +383,19 @@ def resolve_environment(request: dict) -> dict:
 # base image -----------------------------------------------------------------------------------------------
 
 
-def resolve_base_image(ref: str, *, offline: bool = False) -> dict:
+def resolve_base_image(ref: str, *, offline: bool = False, packages: list[str] = ()) -> dict:
+    from primebuild.builders import debian_index
     from primebuild.builders.oci import parse_oci_reference, read_base_image
 
-    request = {"ref": ref}
+    request = base_request(ref, list(packages))
+    if debian_index.is_debian_base(ref):
+        if offline:
+            return {"request": request, "pinned": False, "kind": "debian",
+                    "reason": "offline (--offline): the Debian archive's index was not read"}
+        try:
+            return {"request": request, **debian_index.pin(ref, list(packages))}
+        except debian_index.ArchiveUnreachable as err:
+            return {"request": request, "pinned": False, "kind": "debian", "reason": _timeless(str(err))}
     if "@sha256:" in ref:
         return {"request": request, "pinned": True, "digest": ref.rsplit("@", 1)[1]}
     if parse_oci_reference(ref) is not None:
@@ -395,7 +425,7 @@ def base_image_reference(entry: dict) -> str:
     from primebuild.builders.oci import parse_oci_reference
 
     ref = entry["request"]["ref"]
-    if not entry.get("pinned") or "@" in ref:
+    if entry.get("kind") == "debian" or not entry.get("pinned") or "@" in ref:
         return ref
     parsed = parse_oci_reference(ref)
     if parsed is not None:

@@ -19,6 +19,7 @@ import io
 import json
 import os
 import re
+import shutil
 import tarfile
 import tempfile
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
 MEDIA_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+MEDIA_LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
 REF_NAME = "org.opencontainers.image.ref.name"
 GZIP_LEVEL = 6
 
@@ -42,6 +44,7 @@ _DOCKER_TO_OCI = {
     "application/vnd.docker.distribution.manifest.list.v2+json": MEDIA_INDEX,
     "application/vnd.docker.container.image.v1+json": MEDIA_CONFIG,
     "application/vnd.docker.image.rootfs.diff.tar.gzip": MEDIA_LAYER_GZIP,
+    "application/vnd.docker.image.rootfs.diff.tar": MEDIA_LAYER_TAR,
 }
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -86,6 +89,7 @@ class TarEntry:
     mode: int = 0o644
     data: bytes = b""
     target: str = ""  # symlink target
+    source: str | None = None  # a file to read `data` from when the layer is written (large trees)
 
 
 @dataclass(frozen=True)
@@ -155,25 +159,44 @@ class OciLayout:
     def write_json(self, obj: dict[str, Any], media_type: str) -> Descriptor:
         return self.write_blob(canonical_bytes(obj), media_type)
 
-    def write_layer(self, entries: list[TarEntry], *, mtime: int, created_by: str) -> Layer:
-        """Write a gzip-compressed tar layer of `entries` (parents added) and return its descriptors."""
+    def write_layer(self, entries: list[TarEntry], *, mtime: int, created_by: str, compress: bool = True) -> Layer:
+        """Write a tar layer of `entries` (parents added), gzip-compressed unless `compress` is False, and
+        return its descriptors. Uncompressed suits the large layers (Debian base, Python packages): gzip -6
+        of the 1 GB Python layer took 97 s here (-1: 27 s), and its bytes would depend on the zlib build;
+        a tar's digest depends only on its files (`skopeo copy --dest-compress` compresses for a push)."""
         fd, tmp_name = tempfile.mkstemp(prefix=".tmp-layer-", dir=self.blobs)
         try:
             with os.fdopen(fd, "wb") as raw:
-                compressed = _Counting(raw)
-                with gzip.GzipFile(
-                    filename="", mode="wb", fileobj=compressed, compresslevel=GZIP_LEVEL, mtime=0
-                ) as gz:
-                    uncompressed = _Counting(gz)
+                written = _Counting(raw)
+                if compress:
+                    with gzip.GzipFile(
+                        filename="", mode="wb", fileobj=written, compresslevel=GZIP_LEVEL, mtime=0
+                    ) as gz:
+                        uncompressed = _Counting(gz)
+                        _write_tar(uncompressed, entries, mtime)
+                else:
+                    uncompressed = written
                     _write_tar(uncompressed, entries, mtime)
-            os.replace(tmp_name, self.blob_path(compressed.digest))
+            os.replace(tmp_name, self.blob_path(written.digest))
         except BaseException:
             if os.path.exists(tmp_name):
                 os.unlink(tmp_name)
             raise
-        return Layer(
-            Descriptor(MEDIA_LAYER_GZIP, compressed.digest, compressed.size), uncompressed.digest, created_by
-        )
+        media = MEDIA_LAYER_GZIP if compress else MEDIA_LAYER_TAR
+        return Layer(Descriptor(media, written.digest, written.size), uncompressed.digest, created_by)
+
+    def link_blob(self, source: Path, descriptor: Descriptor) -> None:
+        """Put a blob built elsewhere (a layer's store entry) into this layout: a hard link where the
+        filesystem allows (store entries are immutable), else a copy; its digest is checked by the store."""
+        dst = self.blob_path(descriptor.digest)
+        if dst.exists():
+            return
+        try:
+            os.link(source, dst)
+        except OSError:
+            tmp = self.blobs / f".tmp-link-{os.getpid()}"
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, dst)
 
     def copy_blob(self, source: Path, descriptor: Descriptor) -> None:
         """Copy a blob from another layout, checking that its bytes match its digest."""
@@ -225,6 +248,10 @@ def _write_tar(out: _Counting, entries: list[TarEntry], mtime: int) -> None:
                 info.linkname = entry.target
                 info.mode = 0o777  # what every tool shows for a symlink; its mode is never used
                 tar.addfile(info)
+            elif entry.kind == "file" and entry.source is not None:
+                with open(entry.source, "rb") as data:
+                    info.size = os.fstat(data.fileno()).st_size
+                    tar.addfile(info, data)
             elif entry.kind == "file":
                 info.size = len(entry.data)
                 tar.addfile(info, io.BytesIO(entry.data))

@@ -14,6 +14,7 @@ from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
 from primebuild.contracts.inference import BroadcastJoin, InferenceServerConfig
 from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig
 from primebuild.contracts.plan import HEALTH_TIMEOUT_S, START_ORDER, HealthCheck, ProcessSpec, RestartPolicy
+from primebuild.contracts.trackers import TensorboardConfig, TrackersConfig, WandbConfig
 from primebuild.contracts.trainer import (
     AipoLoss,
     BroadcastSync,
@@ -187,7 +188,16 @@ def trainer_config(m: Manifest, sync=None) -> TrainerConfig:
         parallel=ParallelDims(dp_replicate=t.dp_replicate, dp_shard=t.dp_shard, cp=t.cp, tp=t.tp, ep=t.ep),
         optimizer_cpu_offload=t.optimizer.cpu_offload,
         weight_sync=sync or FilesystemSync(), weight_dtype=m.model.dtype, checkpoint_every=t.checkpoint_every,
-        keep_checkpoints=m.retention.keep_checkpoints)
+        keep_checkpoints=m.retention.keep_checkpoints, trackers=trackers_config(m))
+
+
+def trackers_config(m: Manifest) -> TrackersConfig:
+    """The manifest's trackers: section, as the trainer and the orchestrator feed them."""
+    wandb, tensorboard = m.trackers.wandb, m.trackers.tensorboard
+    return TrackersConfig(
+        wandb=WandbConfig(project=wandb.project, entity=wandb.entity, mode=wandb.mode, group=m.name,
+                          tags=list(wandb.tags), api_key_env=wandb.api_key_secret) if wandb else None,
+        tensorboard=TensorboardConfig(flush_secs=tensorboard.flush_secs) if tensorboard else None)
 
 
 def trainer_loss(loss: DppoKl | Aipo | Grpo | Cispo):
@@ -218,6 +228,7 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec]) 
         max_steps=o.max_steps, temperature=o.temperature, top_p=o.top_p,
         normalize_advantage_std=o.normalize_advantage_std, eval_every=o.eval_every, eval_prompts=o.eval_prompts,
         engine=m.inference.engine, weight_sync=m.weight_sync.mode, keep_weights=m.retention.keep_weights,
+        trackers=trackers_config(m),
         # a restarted server may take as long to come back as the supervisor waits for its health
         retry_seconds=HEALTH_TIMEOUT_S)
     env = _base_env(m, [])

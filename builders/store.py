@@ -189,7 +189,9 @@ class Store:
                 if path != tmp:
                     os.chmod(path, 0o555)
             elif stat.S_ISREG(st.st_mode):
-                os.chmod(path, 0o555 if st.st_mode & 0o111 else 0o444)
+                wanted = 0o555 if st.st_mode & 0o111 else 0o444
+                if stat.S_IMODE(st.st_mode) != wanted:  # a hard link into another entry: leave its ctime be
+                    os.chmod(path, wanted)
             else:
                 raise ValueError(f"store entries hold files, dirs and symlinks only; {path} is neither")
         os.chmod(tmp, 0o555)

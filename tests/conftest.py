@@ -91,9 +91,19 @@ environments:
 
 @pytest.fixture
 def locked(tmp_path: Path) -> Path:
-    """A copy of manifests/ with fresh locks in lockfiles/, made offline: the Python variants come from
-    the committed locks (siblings with the same request), so no test depends on PyPI or on the
-    committed locks being fresh for today's manifests."""
+    """A copy of manifests/ with fresh locks in lockfiles/, made offline: the Python variants and the
+    Debian base come from the committed locks (siblings with the same request), so no test depends on
+    PyPI, the Debian archive or the committed locks being fresh for today's manifests."""
+    return make_locked(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def locked_module(tmp_path_factory) -> Path:
+    """`locked`, once per module (for tests that share what they build from it)."""
+    return make_locked(tmp_path_factory.mktemp("locked"))
+
+
+def make_locked(tmp_path: Path) -> Path:
     shutil.copytree(MANIFESTS, tmp_path / "manifests", ignore=shutil.ignore_patterns("*.lock"))
     (tmp_path / "lockfiles").mkdir()
     for committed in sorted((REPO / "lockfiles").glob("*.lock")):

@@ -140,6 +140,8 @@ def config_of(role: str, path: str) -> Callable[[dict], object]:
     def get(plan: dict) -> object:
         value: object = process(plan, role)["config"]
         for part in path.split("."):
+            if value is None:  # an optional section the base leaves out (trackers.wandb)
+                raise KeyError(part)
             value = value[int(part)] if isinstance(value, list) else value[part]  # type: ignore[index]
         return value
     return get
@@ -286,6 +288,24 @@ FIELDS: dict[str, list] = {
                                         Refused(("hardware.storage_bandwidth_gb_s=5",))],
     "image.base": [Locks(("image.base=debian:12",))],
     "image.extras": [Locks(("image.extras=[test]",))],
+    "image.packages": [Locks(("image.packages=[curl]",))],
+    "trackers.wandb.project": [Reaches(config_of(T, "trackers.wandb.project"), ("trackers.wandb.project=rl",), "rl"),
+                               Reaches(config_of(O, "trackers.wandb.project"), ("trackers.wandb.project=rl",), "rl"),
+                               Refused(("trackers.wandb.project=rl",), base=SFT, field_path="trackers")],
+    "trackers.wandb.entity": [Reaches(config_of(O, "trackers.wandb.entity"),
+                                      ("trackers.wandb.project=rl", "trackers.wandb.entity=lab"), "lab")],
+    "trackers.wandb.mode": [Reaches(config_of(T, "trackers.wandb.mode"),
+                                    ("trackers.wandb.project=rl", "trackers.wandb.mode=online", "secrets=[WANDB_API_KEY]",
+                                     "trackers.wandb.api_key_secret=WANDB_API_KEY"), "online"),
+                            Refused(("trackers.wandb.project=rl", "trackers.wandb.mode=online"))],
+    "trackers.wandb.api_key_secret": [
+        Reaches(config_of(T, "trackers.wandb.api_key_env"),
+                ("trackers.wandb.project=rl", "secrets=[WB_KEY]", "trackers.wandb.api_key_secret=WB_KEY"), "WB_KEY"),
+        Refused(("trackers.wandb.project=rl", "trackers.wandb.api_key_secret=WB_KEY"))],
+    "trackers.wandb.tags": [Reaches(config_of(O, "trackers.wandb.tags"),
+                                    ("trackers.wandb.project=rl", "trackers.wandb.tags=[a, b]"), ["a", "b"])],
+    "trackers.tensorboard.flush_secs": [Reaches(config_of(T, "trackers.tensorboard.flush_secs"),
+                                                ("trackers.tensorboard.flush_secs=3",), 3)],
     "image.python": [Locks(("image.python=3.12",))],
     "inference.engine": [Reaches(config_of(O, "engine"), ("inference.engine=vllm",), "vllm"),
                          Shapes(("inference.engine=embedded",), "processes")],

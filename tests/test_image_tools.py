@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from cluster_helpers import missing
 
 from primebuild.builders.image import ImageSpec, build_image, build_image_in_store
 from primebuild.builders.store import Store
@@ -24,7 +25,7 @@ REQUIREMENTS = "click==8.1.7 --hash=sha256:ae74fb96c20a0277a1d615f1e4d73c8414f5a
 def need(tool: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        pytest.skip(f"{tool} is not installed (apt-get install -y {tool})")
+        missing(f"{tool} is not installed (apt-get install -y {tool}; scripts/bootstrap --test does it as root)")
     return path
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,6 +23,9 @@ GOLDEN = REPO / "tests" / "golden"
 CRDS = REPO / "tests" / "data" / "crds"
 K8S_VERSION = "1.33"
 FIXED = ["--run-dir", "/shared/runs/demo", "--python", "/opt/primebuild/.venv/bin/python"]
+# glm5 as it would run from a pushed image, pinned by digest (pyxis on Slurm, the pods' image on Kubernetes)
+IMAGE = ["--image", "registry.example.com/rl/primebuild:latest", "--image-digest", "sha256:" + "5e" * 32,
+         "--container-mount", "/shared/store"]
 CASES = [("glm5.yaml", "slurm", "glm5.sbatch"), ("glm5.yaml", "kubernetes", "glm5.kubernetes.yaml"),
          ("reverse-text.yaml", "kubernetes", "reverse-text.kubernetes.yaml"),
          ("reverse-text-slurm.yaml", "slurm", "reverse-text-slurm.sbatch"),
@@ -37,7 +41,7 @@ def rendered(manifest: str, target: str, *extra: str) -> str:
 
 @pytest.mark.parametrize(("manifest", "target", "golden"), CASES, ids=[c[2] for c in CASES])
 def test_rendered_artifacts_match_their_golden_files(manifest, target, golden):
-    text = rendered(manifest, target)
+    text = rendered(manifest, target, *(IMAGE if manifest == "glm5.yaml" else ()))
     path = GOLDEN / golden
     if os.environ.get("PRIMEBUILD_UPDATE_GOLDEN"):
         path.write_text(text)
@@ -180,3 +184,18 @@ def test_run_on_kubernetes_without_a_cluster_refuses_and_points_at_render(tmp_pa
                                                           "KUBERNETES_SERVICE_HOST": ""})
     assert result.code == 2 and "target kubernetes" in result.err and "Traceback" not in result.err
     assert "render" in result.err and not (tmp_path / "runs").exists()
+
+
+def test_glm5_steps_and_pods_run_the_image_by_digest():
+    """With --image-digest every Slurm step runs in the image through pyxis and every pod pulls it by
+    digest (a tag can move; the digest is the bytes `primebuild build` made)."""
+    digest = IMAGE[IMAGE.index("--image-digest") + 1]
+    sbatch = (GOLDEN / "glm5.sbatch").read_text()
+    steps = [line for line in sbatch.splitlines() if line.strip().startswith("exec srun")]
+    assert len(steps) == 29  # 4 prefill + 12 decode + 12 trainer nodes, and the orchestrator
+    assert all(f"--container-image=registry.example.com#rl/primebuild@{digest}'" in s for s in steps)
+    assert sbatch.count("/usr/bin/python3 -m primebuild.cli worker") == 29
+    images = re.findall(r"^\s+image: (\S+)$", (GOLDEN / "glm5.kubernetes.yaml").read_text(), re.M)
+    assert images and set(images) == {f"registry.example.com/rl/primebuild@{digest}"}
+    plain = rendered("reverse-text-slurm.yaml", "slurm")  # no image: the nodes' own installation
+    assert "--container-image" not in plain

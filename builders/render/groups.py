@@ -73,3 +73,17 @@ def not_runnable_notes(plan: Plan) -> list[str]:
         return []
     return ["DESIGN STUDY, NOT RUNNABLE: `primebuild run` refuses this plan; these fields need backends that "
             "are not built:"] + [f"  {u.field}: {u.message}" for u in plan.unsupported]
+
+
+def image_reference(image: str | None, plan: Plan) -> str | None:
+    """The image the processes run: `--image NAME` (where the built image was pushed) pinned to the plan's
+    image digest when the plan names one (`render --image-digest`, `plan --image-digest`); a tag is then
+    dropped, since a digest says exactly which bytes. None: no image (the nodes' own installation)."""
+    if plan.image is None:
+        return image
+    name = image or "primebuild"
+    if "@" in name:
+        return name
+    if ":" in name.rsplit("/", 1)[-1]:
+        name = name.rsplit(":", 1)[0]
+    return f"{name}@{plan.image.digest}"

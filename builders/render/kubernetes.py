@@ -31,7 +31,13 @@ import shlex
 import yaml
 
 from primebuild import __version__
-from primebuild.builders.render.groups import Component, components, env_literals, not_runnable_notes
+from primebuild.builders.render.groups import (
+    Component,
+    components,
+    env_literals,
+    image_reference,
+    not_runnable_notes,
+)
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 from primebuild.contracts.plan import Plan, ProcessSpec, render_json
 from primebuild.contracts.render import RenderContext
@@ -63,7 +69,7 @@ class _Renderer:
         self.plan, self.ctx = plan, ctx
         self.name = plan.name.lower().replace("_", "-").replace(".", "-")
         self.namespace = plan.target.get("namespace", "default")
-        self.image = ctx.image or (f"primebuild@{plan.image.digest}" if plan.image else DEFAULT_IMAGE)
+        self.image = image_reference(ctx.image, plan) or DEFAULT_IMAGE
         self.comps = components(plan)
         self.lws = {c.group: _multi_node_replicas(c) for c in self.comps}
 

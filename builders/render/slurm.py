@@ -19,6 +19,7 @@ from primebuild.builders.render.groups import (
     Component,
     components,
     env_literals,
+    image_reference,
     node_owners,
     not_runnable_notes,
 )
@@ -29,6 +30,8 @@ SCRIPT_NAME = "job.sbatch"
 MAX_REQUEUES = 3  # preemptions / node failures the job rides out (each resumes from the last checkpoint)
 SIGNAL_SECONDS = 120  # before the time limit, the batch shell gets SIGTERM: checkpoint and stop cleanly
 ORCHESTRATOR_CPUS = 16
+IMAGE_PYTHON = "/usr/bin/python3"  # the interpreter of a primebuild image (builders/python_layer.py)
+IMAGE_WORKDIR = "/opt/primebuild/src"  # builders/image.py SRC_DIR
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 
 
@@ -75,6 +78,20 @@ def _srun(c: Component, p: ProcessSpec) -> str:
     return " ".join(shlex.quote(o) for o in opts) + " " + node
 
 
+def _container(image: str | None, ctx: RenderContext) -> str:
+    """pyxis options of a process step (srun --container-*), which runs it in the image with enroot: the
+    tool GPU Slurm clusters use for containers (NVIDIA's DGX and most H100/H200 sites). pyxis writes a
+    registry as `REGISTRY#IMAGE`; the run folder and the store are mounted at their own paths."""
+    if image is None:
+        return ""
+    first, _, rest = image.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        image = f"{first}#{rest}"
+    mounts = '--container-mounts="$RUN_DIR:$RUN_DIR"' + "".join(shlex.quote(f",{m}:{m}") for m in ctx.mounts)
+    return " ".join([shlex.quote(f"--container-image={image}"), mounts,
+                     shlex.quote(f"--container-workdir={IMAGE_WORKDIR}")])
+
+
 def _exports(p: ProcessSpec) -> str:
     env = env_literals(p)
     env["PRIMEBUILD_RUN_DIR"] = "${RUN_DIR}"
@@ -101,14 +118,17 @@ def render_slurm(plan: Plan, ctx: RenderContext) -> dict[str, str]:
         else:
             ci, rank = owner
             owners.append(f'"$(node_addr "${{NODES_{ci}[{rank}]}}")"')
+    image = image_reference(ctx.image, plan)
     text = _env().get_template("slurm.sbatch.j2").render(
+        image=image, step_python=IMAGE_PYTHON if image else None,
         version=__version__, name=plan.name, plan_hash=plan.plan_hash, notes=not_runnable_notes(plan),
         job_name=shlex.quote(plan.name), output_header=_output_header(ctx.run_dir),
         signal_seconds=SIGNAL_SECONDS, max_requeues=MAX_REQUEUES, run_dir=ctx.run_dir, python=ctx.python,
         secrets=", ".join(sorted({s for p in plan.processes for s in p.secrets})),
         components=[{"index": c.index, "group": c.group, "nodes": c.nodes, "gpus": c.gpus_per_node,
                      "names": ", ".join(p.name for p in c.processes), "sbatch": _sbatch(plan, c)} for c in comps],
-        processes=[{"name": p.name, "exports": _exports(p), "srun": _srun(by_name[p.name], p)}
+        processes=[{"name": p.name, "exports": _exports(p),
+                    "srun": " ".join(filter(None, [_srun(by_name[p.name], p), _container(image, ctx)]))}
                    for p in sorted(plan.processes, key=lambda p: (p.start_order, by_name[p.name].index))],
         owners=owners)
     return {SCRIPT_NAME: text}

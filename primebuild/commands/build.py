@@ -26,9 +26,10 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
             output: str) -> None:
     """Build MANIFEST's image (OCI layout + Dockerfile) from its lock; an unchanged build is a cache hit.
 
-    The image holds the locked requirements of the variant `image.extras` selects (gpu or cpu), the
-    project's git-tracked files, and the composed manifest, the lock and the plan under
-    /opt/primebuild/run. That plan has no `image` field (it cannot name the image that contains it);
+    With a `deb:` base (the default) the image runs: a Debian root filesystem from the .deb files the
+    lock pins, the locked Python packages of the variant `image.extras` selects (gpu or cpu) installed
+    into its Python, the project (its git-tracked files under /opt/primebuild/src, installed), and
+    the composed manifest, the lock and the plan under /opt/primebuild/run. That plan has no `image` field (it cannot name the image that contains it);
     `primebuild plan --locked --image-digest DIGEST` gives the plan that names this image.
     """
     from primebuild import __version__
@@ -52,6 +53,11 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
         raise UserError(f"the lock has no pinned Python packages for the {variant} variant: "
                         f"{python.get('reason', 'missing')}",
                         hint=f"re-lock with network access to PyPI: `primebuild lock --update {loaded.path}`")
+    base = lock["base_image"]
+    debian = base if base.get("kind") == "debian" else None
+    if debian is not None and not debian.get("pinned"):
+        raise UserError(f"the lock has not pinned the Debian base {base['request']['ref']}: {debian.get('reason')}",
+                        hint=f"re-lock with access to the Debian archive: `primebuild lock --update {loaded.path}`")
     plan = compile_plan(loaded, lock)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="primebuild-build-") as tmp:
@@ -62,8 +68,11 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
         spec = ImageSpec(
             name=_image_name(m.name),
             tag=f"plan-{plan.plan_hash[:16]}",
-            base=lockmod.base_image_reference(lock["base_image"]),
+            base=None if debian else lockmod.base_image_reference(base),
+            debian=debian,
             requirements=render_requirements(python),
+            install=debian is not None,
+            python=m.image.python,
             project_dir=PROJECT_DIR,
             manifest=run_files.manifest,
             lock=run_files.lock,
@@ -84,7 +93,8 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
         "cached": result.cached,
         "seconds": round(seconds, 3),
         "variant": variant,
-        "base": spec.base,
+        "base": spec.base or base["request"]["ref"],
+        "layers": [{"created_by": la.created_by, "digest": la.digest, "size": la.size} for la in result.layers],
         "plan_hash": plan.plan_hash,
         "plan_hash_with_image": lockmod.plan_with_image(plan, result.digest).plan_hash,
         "warnings": list(result.warnings),

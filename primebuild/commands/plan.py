@@ -5,14 +5,15 @@ from __future__ import annotations
 import click
 
 from primebuild.builders.plan import compile_plan, render_json
-from primebuild.commands.options import manifest_argument, output_option, print_notes, set_option
+from primebuild.commands.options import manifest_argument, print_notes, set_option
 from primebuild.manifest.load import load_manifest
 
 
 @click.command("plan")
 @manifest_argument
 @set_option
-@output_option
+@click.option("-o", "--output", type=click.Choice(["text", "json", "html"]), default="text", show_default=True,
+              help="Tables, the canonical JSON, or one self-contained HTML page (node x GPU map, memory, step time).")
 @click.option("--locked", is_flag=True,
               help="Use the manifest's lock (lockfiles/<stem>.lock); refuse it when stale or incomplete.")
 @click.option("--lock", "lock_path", type=click.Path(dir_okay=False, path_type=str), default=None,
@@ -44,6 +45,10 @@ def command(manifest: str, sets: tuple[str, ...], output: str, locked: bool, loc
         plan = plan_with_image(plan, image_digest)
     if output == "json":
         click.echo(render_json(plan, compact=compact), nl=False)
+    elif output == "html":
+        from primebuild.builders.plan_html import render_plan_html
+
+        click.echo(render_plan_html(plan.to_json()), nl=False)
     else:
         from primebuild.commands.plan_view import show_plan
 

@@ -30,9 +30,16 @@ from primebuild.errors import UserError
               help="The interpreter with primebuild on the nodes (default: this one; ssh: target.workdir's).")
 @click.option("--model-path", default=None,
               help="kubernetes: the model folder as the pods see it (default: RUN_DIR/model).")
-@click.option("--image", default=None, help="kubernetes: the image the pods run (default: primebuild:latest).")
+@click.option("--image", default=None,
+              help="Where the image of `primebuild build` was pushed (REGISTRY/NAME): kubernetes pods run it (default "
+                   "primebuild:latest), slurm steps run in it with pyxis (default: no container).")
+@click.option("--image-digest", default=None, metavar="sha256:…",
+              help="The digest `primebuild build` printed: the artifacts then name the image by digest.")
+@click.option("--container-mount", "mounts", multiple=True, metavar="PATH",
+              help="slurm with an image: a host path mounted into every step at the same path (e.g. the store).")
 def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: Path | None, run_dir: str | None,
-            python: str | None, model_path: str | None, image: str | None) -> None:
+            python: str | None, model_path: str | None, image: str | None, image_digest: str | None,
+            mounts: tuple[str, ...]) -> None:
     """Render MANIFEST's plan as the artifacts of a cluster target."""
     from primebuild.builders.plan import compile_plan
     from primebuild.builders.render import render
@@ -50,12 +57,19 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
     plan = compile_plan(loaded, design=True)  # a design study renders too, marked as such
     if plan.build is not None:
         raise UserError(f"{manifest}: an sft: manifest is one store build, not processes on a cluster")
+    for mount in mounts:
+        if not mount.startswith("/") or any(ch in mount for ch in ",:\n"):
+            raise UserError(f"--container-mount {mount!r}: give an absolute path without ',' or ':' (pyxis separators)")
+    if image_digest:
+        from primebuild.builders.lock import plan_with_image
+
+        plan = plan_with_image(plan, image_digest)
     run_dir = run_dir or str((Path("runs") / plan.name).resolve())
     if not run_dir.startswith("/"):
         raise UserError(f"--run-dir {run_dir}: give an absolute path (the same on every node)")
     if python is None:  # kubernetes: the image's interpreter; slurm: this one, at the same path on the nodes
         python = "python3" if kind == "kubernetes" else sys.executable
-    files = render(plan, kind, RenderContext(run_dir=run_dir, python=python, image=image,
+    files = render(plan, kind, RenderContext(run_dir=run_dir, python=python, image=image, mounts=list(mounts),
                                              model_path=model_path or f"{run_dir}/model"))
     if out_dir is None:
         if len(files) != 1:

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from primebuild.contracts.base import Contract
 from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
+from primebuild.contracts.trackers import TrackersConfig
 
 
 class EnvironmentConfig(Contract):
@@ -40,6 +41,7 @@ class OrchestratorConfig(Contract):
     weight_sync: Literal["filesystem", "broadcast"] = "filesystem"
     keep_weights: int = Field(3, ge=1)  # filesystem sync: published weight folders kept (the newest)
     retry_seconds: float = Field(120.0, gt=0)  # how long a request rides out a restarting server
+    trackers: TrackersConfig = TrackersConfig()  # metric sinks besides metrics.jsonl
 
     @model_validator(mode="after")
     def _whole_groups(self) -> OrchestratorConfig:

@@ -11,5 +11,6 @@ from primebuild.contracts.base import Contract
 class RenderContext(Contract):
     run_dir: str = Field(min_length=1)  # absolute; on a filesystem every node sees, at the same path
     python: str = Field(min_length=1)  # an interpreter with primebuild installed, same path on every node
-    image: str | None = None  # kubernetes: the image reference (default: the plan's built image, else primebuild:latest)
+    image: str | None = None  # where the image was pushed (REGISTRY/NAME[:TAG]); pinned to the plan's image digest
+    mounts: list[str] = Field(default_factory=list)  # slurm + image: host paths mounted at the same path (the store)
     model_path: str = "{model_path}"  # kubernetes: the model folder as the pods see it (on the shared volume)

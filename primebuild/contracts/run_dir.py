@@ -9,6 +9,7 @@
       checkpoints/step_000050/ …                        trainer (resume)
       orchestrator.json                                 orchestrator: held-out rewards before/after
       metrics.jsonl                                     trainer and orchestrator, one line per value
+      wandb/  tensorboard/<role>/                       the same values, for the trackers the manifest names
       summary.json  report.png  outcome.json            written by whoever supervised the run, at the end
       failure.json                                      the component that ended the run: exit status, log tail
       launch.json                                       the target's record: Slurm job id, supervisor pid …
@@ -218,6 +219,14 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def wandb(self) -> Path:
+        """Where wandb keeps its runs (offline-run-<time>-<id>/); it is always `wandb/` in the `dir` it is given."""
+        return self.root / "wandb"
+
+    def tensorboard(self, role: str) -> Path:
+        return self.root / "tensorboard" / role
 
     @property
     def orchestrator_state(self) -> Path:

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from primebuild.contracts.base import Contract
 from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
+from primebuild.contracts.trackers import TrackersConfig
 
 Precision = Literal["fp32", "bf16", "fp8"]
 
@@ -82,6 +83,7 @@ class TrainerConfig(Contract):
     run_dir: str
     seed: int = 0
     resume: bool = True  # continue after the newest stable checkpoint of the run, if any
+    trackers: TrackersConfig = TrackersConfig()  # metric sinks besides metrics.jsonl
 
     # Objective
     loss: LossConfig = DppoKlLoss()

@@ -297,10 +297,44 @@ class Retention(Strict):
 
 
 class Image(Strict):
-    base: str = Field("python:3.11-slim", description="Base image reference; the lock pins it to a digest.",
-                      pattern=r"^[A-Za-z0-9_.\-/:@]+$", max_length=255)
+    base: str = Field(
+        "deb:bookworm", pattern=r"^[A-Za-z0-9_.\-/:@]+$", max_length=255,
+        description="`deb:<release>`: a root filesystem assembled from Debian packages of that release, each "
+        "pinned in the lock (version, sha256); or an image reference (`oci:DIR[:TAG]`, a registry name) "
+        "that the lock pins to a digest.")
+    packages: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9+.-]+$", max_length=128)]] = Field(
+        default_factory=list, description="Debian packages added to a deb: base (with their dependencies).")
     python: str = Field("3.11", pattern=r"^3\.\d+$", max_length=8)
-    extras: list[Literal["gpu", "test"]] = Field(default_factory=list)
+    extras: list[Literal["gpu", "test", "trackers"]] = Field(default_factory=list)
+
+
+# --- experiment trackers --------------------------------------------------------------------------
+
+
+class WandbTracker(Strict):
+    """Weights & Biases: one run per process role (trainer, orchestrator) in the group `name`."""
+
+    project: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)
+    entity: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: the run folder's wandb/ holds the runs (`wandb sync` uploads them).")
+    api_key_secret: str | None = Field(
+        None, pattern=ENV_NAME, description="Name of the secret (listed in `secrets:`) that holds the API key; "
+        "online mode needs one. Only the name is written anywhere.")
+    tags: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list)
+
+
+class TensorboardTracker(Strict):
+    """TensorBoard event files under the run folder's tensorboard/<role>/."""
+
+    flush_secs: PositiveInt = Field(10, le=3600, description="How often the event files are flushed.")
+
+
+class Trackers(Strict):
+    """Metric sinks beside metrics.jsonl: every value the trainer and the orchestrator record."""
+
+    wandb: WandbTracker | None = None
+    tensorboard: TensorboardTracker | None = None
 
 
 # --- targets ---------------------------------------------------------------------------------------
@@ -353,6 +387,7 @@ class Manifest(Strict):
     environments: list[Environment] = Field(min_length=1)
     weight_sync: WeightSync = WeightSync()
     retention: Retention = Retention()
+    trackers: Trackers = Trackers()
     image: Image = Image()
     target: Target = LocalTarget()
     secrets: list[Annotated[str, Field(pattern=ENV_NAME)]] = Field(

@@ -30,6 +30,7 @@ from primebuild.runtime.orchestrator.client import InferenceClient
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.vllm_client import VllmClient
 from primebuild.runtime.orchestrator.weights import weight_source
+from primebuild.runtime.trackers import open_sinks
 from primebuild.runtime.trainer.advantages import advantages_by_group
 from primebuild.runtime.trainer.batch import Sample, TrainBatch, save_batch
 from primebuild.runtime.trainer.metrics import MetricsWriter
@@ -45,7 +46,8 @@ class Orchestrator:
         self.clients = [client.from_env(u, cfg.served_model_name, retry_seconds=cfg.retry_seconds)
                         for u in cfg.endpoints]
         self.mix = EnvironmentMix(cfg.environments)
-        self.metrics = MetricsWriter(self.run_dir.metrics, role="orchestrator")
+        self.metrics = MetricsWriter(self.run_dir.metrics, role="orchestrator",
+                                     sinks=open_sinks(cfg.trackers, self.run_dir, "orchestrator"))
         self.server_version = 0
         self.sync_lock = asyncio.Lock()
         self.weights = weight_source(cfg.weight_sync, self.run_dir, cfg.keep_weights)
@@ -197,14 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
+    orchestrator = None
     try:
-        asyncio.run(Orchestrator(load_contract(OrchestratorConfig, args.config)).run())
+        orchestrator = Orchestrator(load_contract(OrchestratorConfig, args.config))
+        asyncio.run(orchestrator.run())
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except asyncio.CancelledError:
         log.info("stopped before the last step")
         return 0
+    finally:
+        if orchestrator is not None:
+            orchestrator.metrics.close()
     return 0
 
 

@@ -41,6 +41,7 @@ from primebuild.contracts.trainer import TrainerConfig, loss_params
 from primebuild.errors import UserError
 from primebuild.runtime.weight_sync import filesystem as fs
 
+from ..trackers import open_sinks
 from . import finite
 from .batch import load_batch, loss_normalizer, pack
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -284,7 +285,8 @@ def run_trainer(config: TrainerConfig) -> None:
     start = 1
     if config.resume:
         start = resume(ckpt_dir, model, optimizer, env)
-    metrics = MetricsWriter(run.metrics, enabled=env.is_main)
+    sinks = open_sinks(config.trackers, run, "trainer") if env.is_main else []
+    metrics = MetricsWriter(run.metrics, enabled=env.is_main, sinks=sinks)
     publisher = WeightPublisher(config, env)
     last_done, last_saved = start - 1, start - 1
     try:
@@ -316,6 +318,7 @@ def run_trainer(config: TrainerConfig) -> None:
         if last_done > last_saved:  # the end of a run is always resumable
             save_checkpoint(ckpt_dir, last_done, model, optimizer, env, config.keep_checkpoints)
     finally:
+        metrics.close()
         publisher.close()
         if env.distributed and dist.is_initialized():
             dist.destroy_process_group()

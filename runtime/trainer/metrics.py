@@ -4,6 +4,8 @@ One line per metric and step: ``{"step": k, "role": "trainer", "name": "loss", "
 orchestrator appends its own lines (role "orchestrator") to the same file: each step's lines go out in
 one ``write`` on a file opened for appending, so concurrent writers do not interleave inside a line.
 After a resume a step may appear twice; readers keep the last line per (role, step, name).
+
+The same values go to the experiment trackers the manifest names (`sinks`, see runtime/trackers/).
 """
 
 from __future__ import annotations
@@ -11,15 +13,18 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 
 class MetricsWriter:
-    def __init__(self, path: str | os.PathLike, enabled: bool = True, role: str = "trainer"):
+    def __init__(self, path: str | os.PathLike, enabled: bool = True, role: str = "trainer",
+                 sinks: Sequence[Any] = ()):
         self.path = Path(path)
         self.enabled = enabled
         self.role = role
+        self.sinks = list(sinks)  # runtime/trackers: objects with log(step, values) and close()
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
         if not self.enabled:
@@ -44,6 +49,14 @@ class MetricsWriter:
             os.write(fd, ("\n".join(lines) + "\n").encode())
         finally:
             os.close(fd)
+        for sink in self.sinks:
+            sink.log(step, values)
+
+    def close(self) -> None:
+        """Flush and close the trackers (wandb finishes its run); metrics.jsonl needs nothing."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
 
 def read_metrics(path: str | os.PathLike, role: str = "trainer") -> dict[int, dict[str, float | None]]:

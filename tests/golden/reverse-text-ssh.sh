@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 9219075e3226edd00f8f9f4213ca86bf3533e9011a333e1ecbc9bd15830d578b, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 73c21f90685538536b7151afbb4d8b46ac6dc966c34ea3e888eb34f24482f5a6, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here).
