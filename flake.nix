@@ -31,7 +31,7 @@
         python-debian
       ];
       # [project.optional-dependencies].test
-      testDeps = ps: with ps; [ pytest pytest-timeout hypothesis openai jsonschema ];
+      testDeps = ps: with ps; [ pytest pytest-timeout hypothesis openai jsonschema wandb tensorboard ];
 
       primebuildFor = pkgs:
         let ps = pkgs.python311Packages;
