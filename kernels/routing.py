@@ -58,3 +58,17 @@ def select_moe_layers(routes: np.ndarray, moe_layers: list[int]) -> np.ndarray:
     if moe_layers and max(moe_layers) >= routes.shape[1]:
         raise ValueError(f"routed_experts has {routes.shape[1]} layers; MoE layer {max(moe_layers)} is not among them")
     return np.ascontiguousarray(routes[:, moe_layers, :])
+
+
+def sample_routes(encoded: str | None, moe_layers: list[int], prompt_len: int, completion_len: int) -> np.ndarray:
+    """One choice's ``routed_experts`` as the rollout batch carries it: [fed positions, moe_layers, top_k],
+    checked to cover every position fed through the model (prompt + completion - 1)."""
+    if encoded is None:
+        raise ValueError("the server returned no routed_experts (router replay needs them: embedded engine, or "
+                         "vLLM started with --enable-return-routed-experts)")
+    routes = select_moe_layers(decode_routes(encoded), moe_layers)
+    fed = prompt_len + completion_len - 1
+    if routes.shape[0] != fed:
+        raise ValueError(f"routed_experts has {routes.shape[0]} positions for {fed} fed tokens "
+                         f"({prompt_len} prompt + {completion_len} completion - 1)")
+    return routes

@@ -39,6 +39,16 @@ class OrchestratorConfig(Contract):
     weight_sync: Literal["filesystem", "broadcast"] = "filesystem"
     keep_weights: int = Field(3, ge=1)  # filesystem sync: published weight folders kept (the newest)
     retry_seconds: float = Field(120.0, gt=0)  # how long a request rides out a restarting server
+    # Router replay: ask the servers for the routed experts of every sample and carry those of these
+    # decoder layers (the model's MoE layers) in the rollout batch.
+    router_replay: bool = False
+    moe_layers: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _replay_needs_layers(self) -> OrchestratorConfig:
+        if self.router_replay and not self.moe_layers:
+            raise ValueError("router_replay needs moe_layers (the model's MoE decoder layers)")
+        return self
 
     @model_validator(mode="after")
     def _whole_groups(self) -> OrchestratorConfig:
