@@ -125,12 +125,22 @@ class BlockFp8Weight:
 
     __slots__ = ("q", "scales", "fast", "dequantised")
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, parts: tuple[int, ...] | None = None):
+        """`parts`: the row counts of the checkpoint weights fused into `weight` (q|k|v, gate|up); each is
+        quantised on its own blocks, as an FP8 checkpoint stores it, so a fused matmul computes exactly
+        what the separate ones would. The fused scales stay a valid block format (and the fast GEMM
+        usable) when every part's rows are a multiple of the block."""
         n, k = weight.shape
-        self.q, self.scales = quantize_blockwise(weight)
-        self.fast = fast_path_available(weight.device, n, k)
+        parts = parts or (n,)
+        if sum(parts) != n:
+            raise ValueError(f"parts {parts} do not add up to the weight's {n} rows")
+        quantised = [quantize_blockwise(w) for w in weight.split(list(parts))]
+        self.q = torch.cat([q for q, _ in quantised])
+        aligned = all(rows % BLOCK == 0 for rows in parts[:-1])
+        self.scales = torch.cat([sc for _, sc in quantised]) if aligned else None
+        self.fast = aligned and fast_path_available(weight.device, n, k)
         dtype = weight.dtype if weight.dtype == torch.float64 else torch.float32
-        self.dequantised = dequantize_blockwise(self.q, self.scales, dtype=dtype)
+        self.dequantised = torch.cat([dequantize_blockwise(q, sc, dtype=dtype) for q, sc in quantised])
 
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., K] @ w.T in FP8 (x quantised per 1x128 tile) -> [..., N] in ``out_dtype`` (default x's)."""

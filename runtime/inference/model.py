@@ -239,8 +239,8 @@ class Fp8Linear(Linear):
 
     __slots__ = ("fp8",)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.fp8 = BlockFp8Weight(weight)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: tuple[int, ...] | None = None):
+        self.fp8 = BlockFp8Weight(weight, parts)  # parts: the checkpoint weights fused here, each its own blocks
         super().__init__(self.fp8.dequantised.to(weight.dtype), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -406,9 +406,13 @@ def load_weights(
         input_norm = norm_weight(p + "input_layernorm.weight", h)
         post_norm = norm_weight(p + "post_attention_layernorm.weight", h)
         q_bias = maybe(p + "self_attn.q_proj.bias", (q_out,)) if c.attention_bias else None
-        matmul = Fp8Linear if fp8 else Linear
-        # FP8 quantises the checkpoint's weights: the norm scales then stay on the activations.
+        # FP8 quantises the checkpoint's weights, each on its own blocks (fused ones name their parts): the
+        # norm scales then stay on the activations.
         fold_input, fold_post = (1, 1) if fp8 else (input_norm[None, :], post_norm[None, :])
+
+        def matmul(weight, bias=None, parts=None):
+            return Fp8Linear(weight, bias, parts) if fp8 else Linear(weight, bias)
+
         layer = LayerWeights(
             qkv=matmul(
                 torch.cat(
@@ -428,6 +432,7 @@ def load_weights(
                         get(p + "self_attn.v_proj.bias", (kv_out,)),
                     ]
                 ),
+                parts=(q_out, kv_out, kv_out),
             ),
             qk_norm=torch.cat(
                 [
@@ -446,7 +451,8 @@ def load_weights(
             _load_experts(layer, p + "mlp.", c, get, source)
             layer.router = layer.router * fold_post
             if fp8:
-                layer.experts_fp8 = ([BlockFp8Weight(w) for w in layer.experts_gate_up],
+                inter = c.moe_intermediate_size
+                layer.experts_fp8 = ([BlockFp8Weight(w, (inter, inter)) for w in layer.experts_gate_up],
                                      [BlockFp8Weight(w) for w in layer.experts_down])
                 layer.experts_gate_up = layer.experts_down = None
             else:
@@ -457,7 +463,8 @@ def load_weights(
                 torch.cat(
                     [get(p + "mlp.gate_proj.weight", (inter, h)), get(p + "mlp.up_proj.weight", (inter, h))]
                 )
-                * fold_post
+                * fold_post,
+                parts=(inter, inter),
             )
             layer.down = matmul(get(p + "mlp.down_proj.weight", (h, inter)))
         layers.append(layer)
