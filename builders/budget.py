@@ -27,7 +27,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
     """Return (memory by group, estimates, problems, warnings). Suggested fixes are only ones the plan's
     backends apply (in a design study: any)."""
     def can(field: str, value: object) -> bool:
-        return design or applies(m, field, value)
+        return design or applies(m, field, value, f)
 
     hw = m.hardware
     host_bytes = int(hw.host_memory_gb * GIB)

@@ -37,7 +37,9 @@ ON_FAILURE = RestartPolicy(policy="on-failure", max_restarts=3)
 ALIVE = HealthCheck(kind="process")
 
 
-def build_processes(m: Manifest, placement: Placement) -> list[ProcessSpec]:
+def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ...] = ()) -> list[ProcessSpec]:
+    """Every process of the plan; `moe_layers` (the model's MoE decoder layers) tells the orchestrator
+    which routed-expert columns to carry when the manifest asks for router replay."""
     heads = [rp for rp in placement.inference]  # one HTTP server per replica, on its first node
     broadcast = m.weight_sync.mode == "broadcast"
     init_method = f"tcp://{{host:{placement.trainer[0].node}}}:{m.weight_sync.port}"
@@ -45,7 +47,7 @@ def build_processes(m: Manifest, placement: Placement) -> list[ProcessSpec]:
     processes = _inference_processes(m, placement.inference, init_method if broadcast else None, world)
     sync = BroadcastSync(init_method=init_method, world_size=world) if broadcast else FilesystemSync()
     processes += _trainer_processes(m, placement.trainer, sync)
-    processes.append(_orchestrator_process(m, placement.orchestrator_node, processes))
+    processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers))
     return processes
 
 
@@ -184,6 +186,7 @@ def trainer_config(m: Manifest, sync=None) -> TrainerConfig:
         max_grad_norm=t.optimizer.max_grad_norm, warmup_steps=o.warmup_steps, max_steps=o.max_steps,
         micro_batch_tokens=t.micro_batch_tokens, logprob_chunk_tokens=t.logprob_chunk_tokens,
         precision=t.precision, activation_checkpointing=t.activation_checkpointing,
+        router_replay=m.inference.router_replay,
         parallel=ParallelDims(dp_replicate=t.dp_replicate, dp_shard=t.dp_shard, cp=t.cp, tp=t.tp, ep=t.ep),
         optimizer_cpu_offload=t.optimizer.cpu_offload,
         weight_sync=sync or FilesystemSync(), weight_dtype=m.model.dtype, checkpoint_every=t.checkpoint_every,
@@ -204,7 +207,8 @@ def trainer_loss(loss: DppoKl | Aipo | Grpo | Cispo):
 # --- orchestrator ------------------------------------------------------------------------------------------
 
 
-def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec]) -> ProcessSpec:
+def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec],
+                          moe_layers: tuple[int, ...]) -> ProcessSpec:
     o = m.orchestrator
     # P/D: requests go to the decode servers (vLLM's proxy in front of prefill is issue P9).
     servers = [p for p in processes if "http" in p.ports and p.role in ("inference", "decode")]
@@ -217,7 +221,9 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec]) 
         max_off_policy_steps=o.max_off_policy_steps, max_completion_tokens=o.max_completion_tokens,
         max_steps=o.max_steps, temperature=o.temperature, top_p=o.top_p,
         normalize_advantage_std=o.normalize_advantage_std, eval_every=o.eval_every, eval_prompts=o.eval_prompts,
-        engine=m.inference.engine, weight_sync=m.weight_sync.mode, keep_weights=m.retention.keep_weights)
+        engine=m.inference.engine, weight_sync=m.weight_sync.mode, keep_weights=m.retention.keep_weights,
+        router_replay=m.inference.router_replay,
+        moe_layers=list(moe_layers) if m.inference.router_replay else [])
     env = _base_env(m, [])
     if m.hardware.gpu == "cpu":
         env["OMP_NUM_THREADS"] = "1"
