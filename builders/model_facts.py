@@ -84,6 +84,7 @@ class ModelFacts:
     qkv_bias: bool = False
     model_type: str = ""  # the HF config's model_type (which runtime code paths apply)
     moe_layers: tuple[int, ...] = ()  # indices of the decoder layers with routed experts
+    quantized: str = ""  # quantization_config.quant_method of a pre-quantised checkpoint ("fp8"), else ""
 
     # ---- shape ----------------------------------------------------------------------------------
 
@@ -325,6 +326,7 @@ def facts_from_hf_config(cfg: dict[str, Any], source: str) -> ModelFacts:
         qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias")),
         model_type=model_type,
         moe_layers=moe_layers,
+        quantized=str((cfg.get("quantization_config") or {}).get("quant_method") or ""),
         **mla,
         **moe,
         **index,
