@@ -24,7 +24,8 @@ Metrics (one JSON line each, see metrics.py), means are over trained tokens of t
   wait_s, step_s, publish_s;
   with router replay (router_replay.py) also behaviour_kl_no_replay and mismatch_kl_no_replay (the same
   tokens scored once more without replay, no gradient, every ``replay_check_every`` steps: one extra
-  forward per micro-batch) and routing_agreement (replayed routes the trainer's router chose itself).
+  forward per micro-batch, its seconds in replay_check_s) and routing_agreement (replayed routes the
+  trainer's router chose itself).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
     # then router replay's: kl and fresh kl without replay, routes the trainer's router chose itself, routes.
     totals = torch.zeros(14, dtype=torch.float64)
     bad_loss = None
+    check_seconds = 0.0
     for mb in mine:
         mb.input_ids = mb.input_ids.to(env.device)
         mb.attention_mask = mb.attention_mask.to(env.device)
@@ -157,8 +159,10 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
             (loss_sum * (env.world_size / normalizer)).backward()
         free = torch.zeros(2, dtype=torch.float64)
         if check:  # the mismatch replay removes: the same tokens scored with the trainer's own routing
+            started = time.perf_counter()
             with torch.no_grad(), autocast_context(env, compute_dtype(config, env.device)):
                 lp_free, _ = model(mb.input_ids, mb.attention_mask, config.temperature)
+            check_seconds += time.perf_counter() - started
             kl_free = kl_per_token(lp_free - inference_lp)
             free = torch.stack([torch.where(mask, kl_free, 0.0).sum(), torch.where(fresh, kl_free, 0.0).sum()])
         agreed = torch.tensor(replay.take_agreement() if replay is not None else (0.0, 0.0), dtype=torch.float64)
@@ -203,6 +207,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
             "behaviour_kl_no_replay": kl_free / n_tok if check else float("nan"),
             "mismatch_kl_no_replay": fresh_kl_free / fresh_tokens if check and fresh_tokens else float("nan"),
             "routing_agreement": agreed / replayed_routes if replayed_routes else float("nan"),
+            "replay_check_s": check_seconds,  # this rank's time in the forward without replay (in step_s)
         }
     return {
         "loss": loss / normalizer,
