@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precisions", default="fp32,bf16,fp8")
     parser.add_argument("--fp8-trainer", action="store_true", help="also score with the FP8 trainer (fp8 rows)")
+    parser.add_argument("--model", type=Path, help="an HF folder of the tiny MoE (default: the SFT output, the "
+                        "RL run's start; e.g. a run's weights/step_N to measure a trained policy)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -102,7 +104,7 @@ def main() -> None:
     from primebuild.runtime.trainer.fp8 import apply_fp8_training
     from primebuild.runtime.trainer.model import Policy, decoder_layers
 
-    folder = model_folder()
+    folder = args.model or model_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     env = load_environment("reverse-text", None, {})
     tasks = env.sample_tasks(random.Random(0), args.prompts)
