@@ -26,6 +26,9 @@ rewritten after every section, so a run killed by its time limit keeps what it m
    `repeats` runs after one warm-up each, the two interleaved. Batch sizes not started by
    `engine_cutoff_s` are skipped (and listed).
 6. trainer_large: section 4 for the Qwen3-1.7B shape, only if it starts within `budget_s`.
+7. engine_fp8: the embedded engine with FP8 block-scaled weights (`precision: fp8`, runtime/inference/model.py)
+   vs bf16 on a random ~1B Qwen3-MoE (32 experts, top-4), greedy, same prompts and token counts as section
+   5, the two interleaved: decode tokens/s of each, their ratio, and how many greedy tokens agree.
 
 bench/gpu.sh runs this under a hard time limit of 300 s; the cut-offs keep the whole run inside it.
 """
@@ -61,6 +64,15 @@ MODEL_SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512),
 }
+MOE_SHAPES = {
+    # ~1.05B total, ~0.25B active: Qwen3-0.6B's attention with a Qwen3-MoE block of 32 experts (top-4)
+    "qwen3-moe-1b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, num_experts=32,
+                         num_experts_per_tok=4, moe_intermediate_size=512, norm_topk_prob=True),
+    "tiny-moe": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, vocab_size=512, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=128, norm_topk_prob=True),
+}
 
 
 @dataclass
@@ -71,6 +83,7 @@ class Sizes:
     gemm_iters: int
     check_shapes: list[tuple[int, int, int]]
     engine_model: str
+    moe_model: str  # section engine_fp8
     batches: list[int]
     prompt_len: int
     new_tokens: int
@@ -93,6 +106,7 @@ GPU_SIZES = Sizes(
     gemm_iters=20,
     check_shapes=[(512, 4096, 1024), (1, 2048, 7168), (37, 384, 640)],  # aligned first
     engine_model="qwen3-0.6b",
+    moe_model="qwen3-moe-1b",
     batches=[1, 16, 64, 256],
     prompt_len=32,
     new_tokens=128,
@@ -115,6 +129,7 @@ SMOKE_SIZES = Sizes(
     gemm_iters=2,
     check_shapes=[(5, 128, 256)],
     engine_model="tiny",
+    moe_model="tiny-moe",
     batches=[1, 3],
     prompt_len=4,
     new_tokens=4,
@@ -406,6 +421,67 @@ def section_engine(sizes: Sizes, workdir: Path, report: Report) -> dict:
             "skipped_batches_over_time": skipped}
 
 
+def build_random_qwen3_moe(folder: Path, shape: str, device: str) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if folder.exists():
+        return folder
+    config = Qwen3MoeConfig(**MOE_SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    del model
+    free_memory()
+    return folder
+
+
+def section_engine_fp8(sizes: Sizes, workdir: Path, report: Report) -> dict:
+    from primebuild.runtime.inference.engine import Engine
+    from primebuild.runtime.inference.sampling import SamplingParams
+
+    device = sizes.device
+    folder = build_random_qwen3_moe(workdir / sizes.moe_model, sizes.moe_model, device)
+    vocab, new = MOE_SHAPES[sizes.moe_model]["vocab_size"], sizes.new_tokens
+    # one engine at a time holds the weights; each batch size runs both, interleaved repeat by repeat
+    engines = {name: Engine(folder, max_num_seqs=max(sizes.batches), max_model_len=sizes.prompt_len + new,
+                            dtype="bfloat16", device=device, fp8=name == "fp8") for name in ("bf16", "fp8")}
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    rows, skipped = [], []
+    try:
+        fast = engines["fp8"].forward.weights.layers[0].qkv.fp8.fast
+        for batch in sizes.batches:
+            if report.elapsed() > sizes.engine_cutoff_s:
+                skipped.append(batch)
+                continue
+            prompts = torch.randint(10, vocab, (batch, sizes.prompt_len),
+                                    generator=torch.Generator().manual_seed(batch)).tolist()
+            outputs, times = {}, {name: [] for name in engines}
+            for name, engine in engines.items():  # warm-up
+                outputs[name] = [c[0].token_ids for c in engine.generate(prompts, params)]
+            for _ in range(sizes.repeats):
+                for name, engine in engines.items():
+                    sync(device)
+                    start = time.perf_counter()
+                    outputs[name] = [c[0].token_ids for c in engine.generate(prompts, params)]
+                    times[name].append(time.perf_counter() - start)
+            bf16_s, fp8_s = statistics.median(times["bf16"]), statistics.median(times["fp8"])
+            agree = sum(a == b for x, y in zip(outputs["bf16"], outputs["fp8"], strict=True)
+                        for a, b in zip(x, y, strict=True))
+            row = {"batch": batch, "bf16_tok_s": round(batch * new / bf16_s, 1),
+                   "fp8_tok_s": round(batch * new / fp8_s, 1), "fp8_over_bf16": round(bf16_s / fp8_s, 2),
+                   "token_agreement": round(agree / (batch * new), 4)}
+            rows.append(row)
+            print(row, flush=True)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    return {"model": sizes.moe_model, "fp8_gemm": "cuBLAS block-scaled" if fast else "reference (dequantised)",
+            "prompt_len": sizes.prompt_len, "new_tokens": new, "repeats": sizes.repeats, "rows": rows,
+            "skipped_batches_over_time": skipped}
+
+
 def synthetic_batch(step: int, sizes: Sizes, vocab: int):
     """Fixed-length samples (no padding), a quarter prompt, random ids and +-1 advantages."""
     from primebuild.runtime.trainer.batch import Sample, TrainBatch
@@ -521,6 +597,10 @@ def print_summary(data: dict) -> None:
     for row in engine.get("rows", []):
         print(f"  engine batch {row['batch']:>4}: generate {row['generate_tok_s']:>9.1f} tok/s, engine "
               f"{row['engine_tok_s']:>9.1f} tok/s, x{row['speedup']}, agreement {row['token_agreement']}")
+    engine_fp8 = sections.get("engine_fp8", {}).get("result") or {}
+    for row in engine_fp8.get("rows", []):
+        print(f"  MoE engine batch {row['batch']:>4}: bf16 {row['bf16_tok_s']:>9.1f} tok/s, fp8 {row['fp8_tok_s']:>9.1f} "
+              f"tok/s ({engine_fp8['fp8_gemm']}), x{row['fp8_over_bf16']}, agreement {row['token_agreement']}")
     for name in ("trainer", "trainer_large"):
         trainer = sections.get(name, {}).get("result") or {}
         for run in trainer.get("runs", []):
@@ -539,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="every section at tiny sizes on CPU")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default $OUT/gpu_results.json)")
-    parser.add_argument("--sections", default="env,fp8_check,gemm,trainer,engine,trainer_large")
+    parser.add_argument("--sections", default="env,fp8_check,gemm,trainer,engine,trainer_large,engine_fp8")
     parser.add_argument("--workdir", type=Path, default=None, help="where models are written (default: a temp dir)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # keep the log (whose tail comes back) short
@@ -566,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("trainer", section_trainer, (sizes, workdir)),
                 ("engine", section_engine, (sizes, workdir, report)),
                 ("trainer_large", section_trainer_large, (sizes, workdir, report)),
+                ("engine_fp8", section_engine_fp8, (sizes, workdir, report)),
             ]
             for name, fn, fn_args in plan:
                 if name in wanted:

@@ -27,7 +27,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
     """Return (memory by group, estimates, problems, warnings). Suggested fixes are only ones the plan's
     backends apply (in a design study: any)."""
     def can(field: str, value: object) -> bool:
-        return design or applies(m, field, value)
+        return design or applies(m, field, value, f)
 
     hw = m.hardware
     host_bytes = int(hw.host_memory_gb * GIB)
@@ -39,13 +39,19 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
     warnings: list[str] = []
     inference_section = "inference.disaggregation" if m.inference.disaggregation else "inference"
 
+    # The embedded engine's FP8 on a CPU multiplies in fp32 by a dequantised copy of each FP8 weight
+    # (runtime/inference/model.py): fp32 weights plus the 1-byte ones, not less memory.
+    cpu_fp8 = cpu and m.inference.precision == "fp8"
     for name, g in m.inference.groups.items():
         mem = inference_memory_per_gpu(
-            f, precision=m.inference.precision, kv_cache_dtype=m.inference.kv_cache_dtype, tp=g.tp, ep=g.ep,
+            f, precision="fp32" if cpu_fp8 else m.inference.precision, kv_cache_dtype=m.inference.kv_cache_dtype,
+            tp=g.tp, ep=g.ep,
             dp=g.dp, gpu_memory_bytes=capacity, gpu_memory_utilization=m.inference.gpu_memory_utilization,
             max_num_seqs=m.inference.max_num_seqs, seq_len=m.orchestrator.seq_len,
             overhead_bytes=CPU_PROCESS_OVERHEAD if cpu else None)
         kv_cache = max(mem.kv_cache_bytes, 0)
+        if cpu_fp8:
+            mem = dataclasses.replace(mem, weights=mem.weights + f.param_counts().matmul_weights)
         if cpu:  # the embedded engine preallocates exactly max_num_seqs full-length slots
             kv_cache = m.inference.max_num_seqs * m.orchestrator.seq_len * mem.kv_bytes_per_token
         used = mem.weights + mem.activations + mem.overhead + kv_cache
@@ -193,7 +199,7 @@ def _g(n: float) -> str:
 
 def _inference_fixes(m: Manifest, gpus_per_replica: int, gpus_per_node: int, can) -> str:
     fixes = []
-    if m.inference.precision != "fp8" and can("inference.precision", "fp8"):
+    if m.inference.precision != "fp8" and m.hardware.gpu != "cpu" and can("inference.precision", "fp8"):
         fixes.append("precision: fp8 (halves the weights)")
     if m.inference.kv_cache_dtype != "fp8" and can("inference.kv_cache_dtype", "fp8"):
         fixes.append("kv_cache_dtype: fp8")

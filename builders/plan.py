@@ -34,7 +34,7 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
     config, facts_shown = read_facts_json(loaded)
     facts = facts_from_hf_config(config, facts_shown)
 
-    refused = refusals(m)
+    refused = refusals(m, facts)
     if m.sft is not None:
         _raise_unless_design(loaded, refused, [], design)
         return _sft_plan(loaded, facts, lock, refused)
@@ -44,7 +44,7 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
     _raise_unless_design(loaded, refused, problems + place_problems, design)
     assert placement is not None
 
-    processes = build_processes(m, placement)
+    processes = build_processes(m, placement, facts.moe_layers, facts.quantized)
     memory, estimates, budget_problems, warnings = budget.compute(m, facts, placement, design=design)
     warnings = _warnings(m, facts, placement) + warnings
     if budget_problems:

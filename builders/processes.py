@@ -38,15 +38,20 @@ ON_FAILURE = RestartPolicy(policy="on-failure", max_restarts=3)
 ALIVE = HealthCheck(kind="process")
 
 
-def build_processes(m: Manifest, placement: Placement) -> list[ProcessSpec]:
+def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ...] = (),
+                    checkpoint_quantized: str = "") -> list[ProcessSpec]:
+    """Every process of the plan; `moe_layers` (the model's MoE decoder layers) tells the orchestrator
+    which routed-expert columns to carry when the manifest asks for router replay; `checkpoint_quantized`
+    (the checkpoint's own quant_method, "" for bf16/fp32 weights) picks vLLM's FP8 option."""
     heads = [rp for rp in placement.inference]  # one HTTP server per replica, on its first node
     broadcast = m.weight_sync.mode == "broadcast"
     init_method = f"tcp://{{host:{placement.trainer[0].node}}}:{m.weight_sync.port}"
     world = 1 + len(heads)  # trainer rank 0 sends; every server head receives
-    processes = _inference_processes(m, placement.inference, init_method if broadcast else None, world)
+    processes = _inference_processes(m, placement.inference, init_method if broadcast else None, world,
+                                     checkpoint_quantized)
     sync = BroadcastSync(init_method=init_method, world_size=world) if broadcast else FilesystemSync()
     processes += _trainer_processes(m, placement.trainer, sync)
-    processes.append(_orchestrator_process(m, placement.orchestrator_node, processes))
+    processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers))
     return processes
 
 
@@ -79,7 +84,7 @@ def _threads(m: Manifest, share: int) -> int:
 
 
 def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], init_method: str | None,
-                         world: int) -> list[ProcessSpec]:
+                         world: int, checkpoint_quantized: str = "") -> list[ProcessSpec]:
     inf = m.inference
     groups = inf.groups
     out = []
@@ -102,7 +107,8 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                     precision=inf.precision, seed=m.seed + index, num_threads=threads, weight_broadcast=join)
                 argv = ["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"]
             else:
-                argv = _vllm_argv(m, rp, group, node_rank, port, broadcast=init_method is not None)
+                argv = _vllm_argv(m, rp, group, node_rank, port, broadcast=init_method is not None,
+                                  checkpoint_quantized=checkpoint_quantized)
                 env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB if m.hardware.gpu == "cpu" else None,
                                       routed_experts=inf.router_replay))
                 if m.hardware.gpu == "cpu":
@@ -121,8 +127,17 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
     return out
 
 
+def vllm_fp8_option(checkpoint_quantized: str) -> str:
+    """vLLM 0.32's FP8 for `inference.precision: fp8`. A bf16/fp32 checkpoint: `fp8_per_block`, online
+    quantisation into kernels/fp8.py's format (128x128 weight blocks, dynamic 1x128 activation tiles; the
+    lm_head and the MoE router gate stay unquantised): the same function as the embedded engine and the
+    FP8 trainer. Plain `fp8` would refuse such a checkpoint at load ("no longer supports online
+    quantization"); it is for checkpoints stored in FP8, whose own block scales vLLM then uses."""
+    return "fp8" if checkpoint_quantized == "fp8" else "fp8_per_block"
+
+
 def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_rank: int, port: int,
-               broadcast: bool) -> list[str]:
+               broadcast: bool, checkpoint_quantized: str = "") -> list[str]:
     inf = m.inference
     cpu = m.hardware.gpu == "cpu"
     server = VllmServer(
@@ -131,7 +146,8 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_ra
         dtype=PRECISION_DTYPE.get(inf.precision, "bfloat16"), enforce_eager=cpu,  # CUDA graphs on GPUs
         weight_broadcast=broadcast, return_routed_experts=inf.router_replay,
         gpu_memory_utilization=None if cpu else inf.gpu_memory_utilization, tensor_parallel=group.tp,
-        expert_parallel=group.ep > 1, quantization="fp8" if inf.precision == "fp8" else None,
+        expert_parallel=group.ep > 1,
+        quantization=vllm_fp8_option(checkpoint_quantized) if inf.precision == "fp8" else None,
         kv_cache_dtype=None if inf.kv_cache_dtype == "auto" else inf.kv_cache_dtype)
     if group.dp > 1:
         local = group.dp // len(rp.slots)
@@ -185,6 +201,7 @@ def trainer_config(m: Manifest, sync=None) -> TrainerConfig:
         max_grad_norm=t.optimizer.max_grad_norm, warmup_steps=o.warmup_steps, max_steps=o.max_steps,
         micro_batch_tokens=t.micro_batch_tokens, logprob_chunk_tokens=t.logprob_chunk_tokens,
         precision=t.precision, activation_checkpointing=t.activation_checkpointing,
+        router_replay=m.inference.router_replay,
         parallel=ParallelDims(dp_replicate=t.dp_replicate, dp_shard=t.dp_shard, cp=t.cp, tp=t.tp, ep=t.ep),
         optimizer_cpu_offload=t.optimizer.cpu_offload,
         weight_sync=sync or FilesystemSync(), weight_dtype=m.model.dtype, checkpoint_every=t.checkpoint_every,
@@ -214,7 +231,8 @@ def trainer_loss(loss: DppoKl | Aipo | Grpo | Cispo):
 # --- orchestrator ------------------------------------------------------------------------------------------
 
 
-def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec]) -> ProcessSpec:
+def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec],
+                          moe_layers: tuple[int, ...]) -> ProcessSpec:
     o = m.orchestrator
     # P/D: requests go to the decode servers (vLLM's proxy in front of prefill is issue P9).
     servers = [p for p in processes if "http" in p.ports and p.role in ("inference", "decode")]
@@ -229,6 +247,8 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec]) 
         normalize_advantage_std=o.normalize_advantage_std, eval_every=o.eval_every, eval_prompts=o.eval_prompts,
         engine=m.inference.engine, weight_sync=m.weight_sync.mode, keep_weights=m.retention.keep_weights,
         trackers=trackers_config(m),
+        router_replay=m.inference.router_replay,
+        moe_layers=list(moe_layers) if m.inference.router_replay else [],
         # a restarted server may take as long to come back as the supervisor waits for its health
         retry_seconds=HEALTH_TIMEOUT_S)
     env = _base_env(m, [])

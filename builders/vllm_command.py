@@ -57,7 +57,7 @@ class VllmServer:
     data_parallel_rpc_port: int | None = None
     data_parallel_start_rank: int | None = None  # a headless follower node
     expert_parallel: bool = False
-    quantization: str | None = None  # "fp8"
+    quantization: str | None = None  # "fp8_per_block" (online, bf16 checkpoints) or "fp8" (FP8 checkpoints)
     kv_cache_dtype: str | None = None
     kv_transfer: dict = field(default_factory=dict)  # P/D: {"kv_connector", "kv_role"}
 

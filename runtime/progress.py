@@ -3,6 +3,8 @@
 One line per trained step: reward of its rollouts, the trainer's KL to the sampling policy (behaviour:
 numerics plus async staleness; mismatch: numerics alone, on samples drawn with the trained weights, "-"
 when every sample is stale), off-policy lag, inference tokens/s and the policy version that sampled it.
+With router replay each KL is followed by "/" and the same KL without replay (the trainer scores the
+batch once more with its own routing), e.g. "mismatch 3.1e-07/2.4e-03".
 On a terminal, a live panel (rich) also shows the latest step, the best reward so far and the pace.
 """
 
@@ -60,7 +62,7 @@ class Progress:
             self.last = {"step": step, **orch, **values}
             self.echo(
                 f"step {step:4d} | reward {orch['reward_mean']:.3f} | KL behaviour "
-                f"{_fmt(values.get('behaviour_kl'))} mismatch {_fmt(values.get('mismatch_kl'))} | lag "
+                f"{_kl(values, 'behaviour_kl')} mismatch {_kl(values, 'mismatch_kl')} | lag "
                 f"{orch.get('off_policy_lag', 0):.0f} | {orch.get('tokens_per_s', 0):,.0f} tok/s | "
                 f"sampled by v{orch.get('policy_version', 0):.0f}")
         if self.live is not None:
@@ -77,8 +79,8 @@ class Progress:
         best = max((r for _, r in self.evals), default=None)
         table.add_row(
             str(last.get("step", "-")), f"{last['reward_mean']:.3f}" if "reward_mean" in last else "-",
-            f"{best:.3f}" if best is not None else "-", _fmt(last.get("behaviour_kl")),
-            _fmt(last.get("mismatch_kl")), f"{last.get('off_policy_lag', 0):.0f}" if last else "-",
+            f"{best:.3f}" if best is not None else "-", _kl(last, "behaviour_kl"),
+            _kl(last, "mismatch_kl"), f"{last.get('off_policy_lag', 0):.0f}" if last else "-",
             f"{last.get('tokens_per_s', 0):,.0f}" if last else "-",
             f"v{last.get('policy_version', 0):.0f}" if last else "-",
             f"{time.monotonic() - self.started:,.0f} s")
@@ -87,3 +89,11 @@ class Progress:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2e}"
+
+
+def _kl(values: dict, name: str) -> str:
+    """A KL, and after "/" the same without router replay where the trainer measured that."""
+    replay_off = f"{name}_no_replay"
+    if replay_off not in values:
+        return _fmt(values.get(name))
+    return f"{_fmt(values.get(name))}/{_fmt(values[replay_off])}"

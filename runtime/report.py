@@ -54,6 +54,10 @@ def write_report(run: RunDir) -> Path | None:
             ax.lines[-1].set_label("behaviour (all samples)")
             mx, my = series(rows, "trainer", "mismatch_kl")
             ax.plot(mx, my, "s", label="mismatch (samples of the trained weights)")
+            nx, ny = series(rows, "trainer", "mismatch_kl_no_replay")
+            if ny:  # router replay: the same samples scored without replaying the routes
+                ax.plot(nx, ny, "x", label="mismatch without router replay")
+                my = my + ny
             ax.legend()
             if ys and min(ys + my) > 0:
                 ax.set_yscale("log")
@@ -70,8 +74,12 @@ def write_summary(run: RunDir, extra: dict) -> dict:
     summary = run.read_json(run.orchestrator_state)
     summary.update(extra)
     rows = read_metrics(run.metrics)
-    for name in ("mismatch_kl", "behaviour_kl"):  # over every step where it was measured
-        steps, kl = series(rows, "trainer", name)
+    # Over every step where each was measured; the *_no_replay ones (router replay: the same tokens
+    # scored without it) and the routing figures only exist in router-replay runs.
+    for role, name in (("trainer", "mismatch_kl"), ("trainer", "behaviour_kl"), ("trainer", "mismatch_kl_no_replay"),
+                       ("trainer", "behaviour_kl_no_replay"), ("trainer", "routing_agreement"),
+                       ("orchestrator", "routing_bytes_per_token")):
+        steps, kl = series(rows, role, name)
         if kl:
             summary[f"{name}_max"] = max(kl)
             summary[f"{name}_mean"] = sum(kl) / len(kl)

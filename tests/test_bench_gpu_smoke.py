@@ -21,7 +21,7 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     sections = data["sections"]
-    assert list(sections) == ["env", "fp8_check", "gemm", "trainer", "engine", "trainer_large"]
+    assert list(sections) == ["env", "fp8_check", "gemm", "trainer", "engine", "trainer_large", "engine_fp8"]
     assert all(entry["ok"] for entry in sections.values()), {k: v.get("error") for k, v in sections.items()}
     assert "=== summary" in proc.stdout
 
@@ -38,6 +38,9 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     assert [row["batch"] for row in engine["rows"]] == [1, 3]
     for row in engine["rows"]:
         assert row["engine_tok_s"] > 0 and row["generate_tok_s"] > 0 and 0 <= row["token_agreement"] <= 1
+    moe = sections["engine_fp8"]["result"]
+    assert moe["fp8_gemm"] == "reference (dequantised)" and [row["batch"] for row in moe["rows"]] == [1, 3]
+    assert all(row["bf16_tok_s"] > 0 and row["fp8_tok_s"] > 0 for row in moe["rows"])
 
     runs = sections["trainer"]["result"]["runs"] + sections["trainer_large"]["result"]["runs"]
     assert len(runs) == 2

@@ -68,7 +68,7 @@ def check_configs(m: Manifest, plan: dict) -> None:
                                                               t.optimizer.max_grad_norm)
         assert c.optimizer_cpu_offload == t.optimizer.cpu_offload and c.optimizer == t.optimizer.name
         assert (c.activation_checkpointing, c.checkpoint_every) == (t.activation_checkpointing, t.checkpoint_every)
-        assert c.weight_sync.mode == m.weight_sync.mode
+        assert c.weight_sync.mode == m.weight_sync.mode and c.router_replay == inf.router_replay
     (orch,) = by_role["orchestrator"]
     c = OrchestratorConfig.model_validate(orch["config"])
     for name in ("rollouts_per_step", "group_size", "max_off_policy_steps", "max_completion_tokens", "max_steps",
@@ -77,6 +77,7 @@ def check_configs(m: Manifest, plan: dict) -> None:
     assert [(e.id, e.version, e.args, e.weight) for e in c.environments] == [
         (e.id, None if e.version == "latest" else e.version, e.args, e.weight) for e in m.environments]
     assert c.weight_sync == m.weight_sync.mode and c.served_model_name == m.name and c.engine == inf.engine
+    assert c.router_replay == inf.router_replay and bool(c.moe_layers) == inf.router_replay
     servers = [p for p in plan["processes"] if "http" in p["ports"] and p["role"] in ("inference", "decode")]
     assert len(c.endpoints) == len(servers)
     heads = [p for p in by_role.get("inference", []) if "http" in p["ports"]]  # one per replica
@@ -239,6 +240,28 @@ def _only_adamw_reaches_the_trainer(folder: Path) -> None:
         load_manifest(folder / RL, ["trainer.optimizer.name=sgd"])
 
 
+# the tiny MoE as the RL manifest's model (reverse-text-moe.yaml's)
+_MOE = ("model.from_manifest=reverse-text-moe-sft.yaml",)
+
+
+def _replay_is_refused_for_unknown_routers(folder: Path) -> None:
+    """A router the trainer has no replay for (here Qwen2-MoE's) is refused at the field, naming it."""
+    facts = json.loads((folder / "models" / "qwen3-30b-a3b.json").read_text())
+    (folder / "models" / "qwen2-moe-like.json").write_text(json.dumps({**facts, "model_type": "qwen2_moe"}))
+    with pytest.raises(UserError) as err:
+        compile_json(folder, GPU, ("model.facts=models/qwen2-moe-like.json",))
+    (problem,) = [p for p in err.value.problems if p.field == "inference.router_replay"]
+    assert "qwen2_moe" in problem.message and problem.file and problem.hint
+
+
+def _glm5_routes_are_replayed(folder: Path) -> None:
+    """GLM-5's router (glm_moe_dsa) is replayed: its design study refuses other fields, not this one, and
+    the orchestrator carries its 75 MoE layers (the first 3 of 78 are dense)."""
+    plan = compile_json(folder, GLM5, (), design=True)
+    assert "inference.router_replay" not in [u["field"] for u in plan["unsupported"]]
+    assert config_of(O, "moe_layers")(plan) == list(range(3, 78))
+
+
 # what makes qwen3's layout fit a small dense model
 _DENSE = ("trainer.ep=1", "inference.tp=1", "inference.ep=1", "inference.router_replay=false",
           "orchestrator.seq_len=128", "orchestrator.max_completion_tokens=64")
@@ -315,14 +338,20 @@ FIELDS: dict[str, list] = {
     "inference.port": [Reaches(config_of(I, "port"), ("inference.port=9100",), 9100)],
     "inference.max_num_seqs": [Reaches(config_of(I, "max_num_seqs"), ("inference.max_num_seqs=17",), 17)],
     "inference.precision": [Reaches(config_of(I, "precision"), ("inference.precision=bf16",), "bf16"),
-                            Refused(("inference.precision=fp8",))],
+                            Reaches(config_of(I, "precision"), ("inference.precision=fp8",), "fp8"),
+                            Refused(("inference.precision=fp8", "inference.engine=vllm"))],
     "inference.threads": [Reaches(config_of(I, "num_threads"), ("inference.threads=2",), 2),
                           Refused(("inference.threads=2",), base=GPU)],
     "inference.kv_cache_dtype": [Refused(("inference.kv_cache_dtype=fp8",)),
                                  Shapes(("inference.kv_cache_dtype=fp8",), "memory")],
     "inference.gpu_memory_utilization": [Refused(("inference.gpu_memory_utilization=0.5",)),
                                          Shapes(("inference.gpu_memory_utilization=0.5",), "memory")],
-    "inference.router_replay": [Refused(("inference.router_replay=true",), base=GPU)],
+    "inference.router_replay": [Reaches(config_of(T, "router_replay"), (*_MOE, "inference.router_replay=true"), True),
+                                Reaches(config_of(O, "moe_layers"), (*_MOE, "inference.router_replay=true"), [0, 1]),
+                                Refused(("inference.router_replay=true",)),  # a dense model
+                                Refused((*_MOE, "inference.router_replay=true", "inference.engine=vllm")),
+                                Custom(lambda folder: _replay_is_refused_for_unknown_routers(folder)),
+                                Custom(lambda folder: _glm5_routes_are_replayed(folder))],
     "model.dtype": [Reaches(config_of(T, "weight_dtype"), ("model.dtype=bfloat16",), "bfloat16"),
                     Refused(("model.dtype=bfloat16",), base=SFT)],
     "model.facts": [Shapes(("model.facts=models/reverse-text-tiny.json", *_DENSE), "model", base_sets=_DENSE)],  # noqa: E501
@@ -380,7 +409,7 @@ FIELDS: dict[str, list] = {
     "trainer.tp": [Refused(("trainer.tp=2",))],
     "trainer.ep": [Refused(("trainer.ep=2",), base=GPU)],
     "trainer.precision": [Reaches(config_of(T, "precision"), ("trainer.precision=bf16",), "bf16"),
-                          Refused(("trainer.precision=fp8",))],
+                          Reaches(config_of(T, "precision"), ("trainer.precision=fp8",), "fp8")],
     "trainer.activation_checkpointing": [Reaches(config_of(T, "activation_checkpointing"),
                                                  ("trainer.activation_checkpointing=true",), True)],
     "trainer.optimizer.name": [Custom(lambda folder: _only_adamw_reaches_the_trainer(folder))],

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from inference_helpers import hf_greedy, load_hf, save_model, teacher_forced_logprobs
 
+from primebuild.kernels.routing import decode_routes
 from primebuild.runtime.inference.engine import ChoiceResult, Engine
 from primebuild.runtime.inference.sampling import SamplingParams
 
@@ -123,13 +125,40 @@ def test_routed_experts_match_hf_router(setup):
         [prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_routed_experts=True)
     )[0][0]
     fed = prompt + result.token_ids[:-1]  # the last sampled token is never fed through the model
-    assert len(result.routed_experts) == len(fed)
+    routes = decode_routes(result.routed_experts)  # vLLM's layout: every decoder layer, dense ones zero
+    k = engine.config.num_experts_per_tok
+    assert routes.shape == (len(fed), engine.config.num_layers, k) and routes.dtype == np.uint8
     with torch.no_grad():
         out = hf(torch.tensor([fed]), output_router_logits=True)
     sparse = [i for i, s in enumerate(engine.config.sparse_layers) if s]
-    k = engine.config.num_experts_per_tok
-    for layer_index, router_logits in enumerate(out.router_logits):
+    assert len(out.router_logits) == len(sparse) and sparse != list(range(engine.config.num_layers))
+    for layer, router_logits in zip(sparse, out.router_logits, strict=True):
         want = router_logits.float().softmax(-1).topk(k, dim=-1).indices
-        got = torch.tensor([pos[layer_index] for pos in result.routed_experts])
+        got = torch.from_numpy(routes[:, layer].astype(np.int64))
         assert torch.equal(got.sort(-1).values, want.sort(-1).values)
-    assert len(out.router_logits) == len(sparse)
+    dense = [i for i in range(engine.config.num_layers) if i not in sparse]
+    assert not routes[:, dense].any()
+
+
+def test_routed_experts_survive_batching_forks_and_repacking(setup):
+    """Routes live in the cache slots: n > 1 forks and slot moves (short sequences finishing while long
+    ones decode) must keep every sequence's own routes, equal to those of the sequence decoded alone."""
+    engine, _ = setup
+    if not engine.config.is_moe:
+        pytest.skip("dense model has no experts")
+    prompts = [[1, 9, 10, 11], [1, 4, 5]]
+    params = SamplingParams(max_tokens=9, temperature=1.0, seed=3, n=3, return_routed_experts=True, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, return_routed_experts=True)
+    shorts = []
+    side = threading.Thread(target=lambda: shorts.extend(engine.generate([[1, 2], [1, 3, 3]], short)))
+    side.start()
+    together = engine.generate(prompts, params)
+    side.join()
+    assert engine.metrics.preemptions == 0  # moves inside the cache, not re-prefills
+    for prompt, choices in zip(prompts, together, strict=True):
+        for i, choice in enumerate(choices):
+            alone = engine.generate([prompt], SamplingParams(**{**params.__dict__, "n": 1, "seed": 3 + i}))[0][0]
+            assert alone.token_ids == choice.token_ids
+            np.testing.assert_array_equal(decode_routes(alone.routed_experts), decode_routes(choice.routed_experts))
+    for prompt, (choice,) in zip([[1, 2], [1, 3, 3]], shorts, strict=True):
+        assert decode_routes(choice.routed_experts).shape[0] == len(prompt) + 1

@@ -22,6 +22,8 @@ from inference_helpers import (
     teacher_forced_logprobs,
 )
 
+from primebuild.kernels.routing import decode_routes
+
 torch.set_num_threads(1)
 TOL = 1e-5
 
@@ -293,8 +295,6 @@ def test_routed_experts_on_request(served):
     if not config.is_moe:
         assert "routed_experts" not in choice
         return
-    routed = choice["routed_experts"]
-    assert len(routed) == 3 + 4 - 1  # every position fed through the model
-    assert all(
-        len(pos) == sum(config.sparse_layers) and len(pos[0]) == config.num_experts_per_tok for pos in routed
-    )
+    routed = decode_routes(choice["routed_experts"])  # vLLM's wire form: base64 .npy, every decoder layer
+    assert routed.shape == (3 + 4 - 1, config.num_layers, config.num_experts_per_tok)  # every position fed
+    assert routed.max() < config.num_experts

@@ -213,3 +213,25 @@ def test_gpu_auto_uses_fast_path_for_fp32_inputs_too():
     assert y.dtype == torch.float32
     assert rel(y, fp8_block_matmul_reference(x, w_q, w_s)) < 1e-2
     assert fast_path_available(x.device, 512, 1024)  # not switched off by a refusal
+
+
+@pytest.mark.parametrize("k", [128, 384, 200])
+def test_fake_quantized_activation_is_the_round_trip_bit_for_bit(k):
+    """The CPU path's one-call rounding equals dequantize(quantize(x)), outlier and all-zero tiles included."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(7, k, generator=g) * torch.logspace(-6, 4, k)
+    x[2] = 0.0  # all-zero tiles
+    x[3, 5] = 1e30  # an outlier flattens its own tile only
+    want = fp8.dequantize_activation(*fp8.quantize_activation(x), dtype=torch.float32)
+    got = fp8.fake_quantize_activation(x)
+    assert torch.equal(got, want) and torch.isfinite(got).all() and not got[2].any()
+
+
+def test_block_weight_matmul_is_the_reference_and_close_to_fp32():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(33, 256, generator=g), torch.randn(384, 256, generator=g)
+    weight = fp8.BlockFp8Weight(w)
+    assert not weight.fast  # CPU: the reference function with the weight dequantised once
+    got = weight.matmul(x)
+    assert torch.equal(got, fp8.fp8_block_matmul_reference(x, weight.q, weight.scales))
+    assert rel(got, x @ w.T) < 0.045  # e4m3 on both operands: ~2.6% each, as test_matmul_vs_fp32

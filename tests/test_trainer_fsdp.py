@@ -78,3 +78,59 @@ def test_two_ranks_match_one_rank(tmp_path):
     two = read_metrics(runs["two"] / "metrics.jsonl")
     assert two[4]["loss"] == pytest.approx(one[4]["loss"], rel=1e-5, abs=1e-7)
     assert two[4]["grad_norm"] == pytest.approx(one[4]["grad_norm"], rel=1e-5)
+
+
+def _with_routes(batch_path, model_path, seed: int) -> None:
+    """Attach routes to every sample: the HF router's own choice, with every 4th position's experts
+    replaced (so replay changes the function), as uint8 [fed positions, moe_layers, top_k]."""
+    from transformers import AutoModelForCausalLM
+
+    from primebuild.runtime.trainer.batch import load_batch, save_batch
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    batch = load_batch(batch_path)
+    g = torch.Generator().manual_seed(seed)
+    k, experts = hf.config.num_experts_per_tok, hf.config.num_experts
+    for s in batch.samples:
+        ids = torch.tensor([s.prompt_ids + s.completion_ids[:-1]])
+        with torch.no_grad():
+            logits = hf(ids, output_router_logits=True).router_logits
+        routes = torch.stack([r.topk(k, -1).indices for r in logits], dim=1)  # [fed, layers, k]
+        other = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(routes.shape[0] * routes.shape[1])])
+        other = other.view_as(routes)
+        routes[::4] = other[::4]
+        s.routed_experts = routes.to(torch.uint8)
+    save_batch(batch_path, batch)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_router_replay_under_fsdp2_and_activation_checkpointing_matches_one_plain_rank(tmp_path):
+    """The replay hooks sit inside FSDP-wrapped blocks and must hold their routes through the backward's
+    recomputation: 2 ranks with activation checkpointing follow 1 rank without it, step for step."""
+    model = make_tiny_model(tmp_path / "model", moe=True)
+    common = dict(model_path=str(model), max_steps=2, lr=1e-3, micro_batch_tokens=48, loss="cispo",
+                  router_replay=True)
+    runs = {name: tmp_path / name for name in ("one", "two")}
+    for run in runs.values():
+        write_rollouts(run, model, range(1, 3), num_prompts=4, group_size=3)
+        for step in (1, 2):
+            _with_routes(run / "rollouts" / f"step_{step:06d}.pt", model, seed=step)
+    run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
+    cfg = tmp_path / "two.json"
+    cfg.write_text(trainer_config(run_dir=str(runs["two"]), parallel={"dp_shard": 2}, activation_checkpointing=True,
+                                  **common).model_dump_json())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
+                           str(cfg)], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
+    for step in (1, 2):
+        for name in ("loss", "grad_norm", "behaviour_kl", "behaviour_kl_no_replay", "routing_agreement"):
+            assert two[step][name] == pytest.approx(one[step][name], rel=1e-5, abs=1e-7), (step, name)
+    # replay changed the function: the replaced routes cost KL that the trainer's own routing does not
+    assert one[1]["routing_agreement"] < 0.9 and one[1]["behaviour_kl"] > 10 * one[1]["behaviour_kl_no_replay"]
+    w1, w2 = (load_file(step_folder(runs[n] / "weights", 2) / "model.safetensors") for n in ("one", "two"))
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], rtol=1e-5, atol=1e-6)

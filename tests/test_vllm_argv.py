@@ -38,7 +38,7 @@ def vllm_argvs(manifest: str) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def parsed() -> dict[str, str | None]:
+def vllm_output() -> dict:
     argvs = {}
     for manifest in GPU_MANIFESTS:
         argvs.update(vllm_argvs(manifest))
@@ -49,7 +49,27 @@ def parsed() -> dict[str, str | None]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def parsed(vllm_output) -> dict[str, str | None]:
+    return vllm_output["argv"]
+
+
 @pytest.mark.parametrize("manifest", GPU_MANIFESTS)
 def test_vllm_accepts_every_inference_argv(parsed, manifest):
     errors = {name: err for name, err in parsed.items() if name.startswith(manifest + ":") and err}
     assert not errors, "vLLM 0.32 refuses these argv:\n" + "\n".join(f"{k}: {v}" for k, v in errors.items())
+
+
+
+def test_the_plans_vllm_fp8_is_the_block_format_of_kernels_fp8(vllm_output):
+    """`inference.precision: fp8` on a bf16 checkpoint (glm5.yaml) asks vLLM for `fp8_per_block`: 128x128
+    e4m3 weight blocks (linear layers and routed experts) with fp32 scales, activations in dynamic 1x128
+    tiles -- kernels/fp8.py's format, what the embedded engine and the FP8 trainer compute. Plain `fp8`
+    would refuse that checkpoint at load (vLLM 0.32 quantises online only through the shorthands)."""
+    (argv,) = {tuple(a[a.index("--quantization"):][:2]) for a in vllm_argvs("glm5.yaml").values()
+               if "--quantization" in a}
+    assert argv == ("--quantization", "fp8_per_block")
+    got = vllm_output["quantization"]
+    assert got["fp8_per_block"]["linear"] == got["fp8_per_block"]["moe"] == [128, 128, "torch.float8_e4m3fn", True]
+    assert got["fp8_per_block"]["activation"] == [1, 128, "torch.float8_e4m3fn", False]
+    assert "no longer supports online quantization" in got["fp8"]["bf16_checkpoint"]

@@ -43,6 +43,17 @@ class OrchestratorConfig(Contract):
     retry_seconds: float = Field(120.0, gt=0)  # how long a request rides out a restarting server
     trackers: TrackersConfig = TrackersConfig()  # metric sinks besides metrics.jsonl
 
+    # Router replay: ask the servers for the routed experts of every sample and carry those of these
+    # decoder layers (the model's MoE layers) in the rollout batch.
+    router_replay: bool = False
+    moe_layers: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _replay_needs_layers(self) -> OrchestratorConfig:
+        if self.router_replay and not self.moe_layers:
+            raise ValueError("router_replay needs moe_layers (the model's MoE decoder layers)")
+        return self
+
     @model_validator(mode="after")
     def _whole_groups(self) -> OrchestratorConfig:
         if self.rollouts_per_step % self.group_size:

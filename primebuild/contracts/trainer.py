@@ -105,6 +105,11 @@ class TrainerConfig(Contract):
     micro_batch_tokens: int = Field(ge=1)  # padded tokens (rows x longest row) per forward
     logprob_chunk_tokens: int = Field(ge=1)  # tokens whose fp32 logits exist at once (kernels/logprobs.py)
     precision: Precision = "fp32"  # compute precision; master weights and Adam state stay fp32
+    # Replay the experts inference routed each token to (a batch carries them when the orchestrator asks),
+    # and every `replay_check_every` steps (0: never) also score the batch without replay, no gradient,
+    # to log the mismatch KL that replay removes.
+    router_replay: bool = False
+    replay_check_every: int = Field(1, ge=0)
     activation_checkpointing: bool = False
     parallel: ParallelDims = ParallelDims()
     optimizer_cpu_offload: bool = False

@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from primebuild.errors import Problem, UserError
+from primebuild.kernels.routing import encode_routes, routes_dtype
 from primebuild.runtime.weight_sync.filesystem import STABLE, verify
 
 from .kv_cache import KVCache
@@ -57,7 +59,7 @@ class SeqUpdate(NamedTuple):
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_text: str | None = None  # the stop string that ended it, if any
-    routed_experts: list | None = None  # on the final update only: [position][moe_layer][k]
+    routed_experts: str | None = None  # on the final update only: kernels/routing.py's wire form
     error: str | None = None
 
 
@@ -73,7 +75,7 @@ class ChoiceResult:
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_text: str | None = None
-    routed_experts: list | None = None
+    routed_experts: str | None = None  # base64 .npy [position, decoder_layer, k] (kernels/routing.py)
     error: str | None = None
 
     def apply(self, update: SeqUpdate) -> None:
@@ -142,7 +144,6 @@ class Sequence:
         self.prompt_len = len(request.prompt_ids)
         self.generator = generator
         self.slot = -1
-        self.routed: list = []  # per fed position: [moe_layer][k]
         self.stop_scan_from = 0  # text offset already searched for stop strings
         # Finish conditions, decided once here so that the per-token check is two look-ups.
         self.stop_ids = frozenset(params.stop_token_ids) | (
@@ -194,6 +195,7 @@ class Engine:
         eos_token_ids: list[int] | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         max_prefill_tokens: int = 8192,
+        fp8: bool = False,
     ):
         if dtype not in DTYPES:
             raise UserError(f"dtype {dtype!r} is not supported", hint=f"use one of {', '.join(DTYPES)}")
@@ -209,12 +211,16 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids or [])
         self.detokenize = detokenize
         self.version = policy_version
-        weights = load_weights(model_path, self.config, self.dtype, self.device)
+        self.fp8 = fp8  # FP8 block-quantised matmul weights, at load and at every update (model.py)
+        weights = load_weights(model_path, self.config, self.dtype, self.device, fp8=fp8)
         rope = RotaryTable(self.config, self.max_model_len, self.dtype, self.device)
         self.forward = Qwen3Forward(self.config, weights, rope)
         self.cache = KVCache(self.config, max_num_seqs, self.max_model_len, self.dtype, self.device)
         self.generator = make_generator(seed, self.device)
         self.metrics = EngineMetrics()
+        self._slot_index = torch.arange(max_num_seqs, device=self.device)
+        self._moe_layers = [i for i, sparse in enumerate(self.config.sparse_layers) if sparse]
+        self._has_routes = bool(self._moe_layers)
 
         self.running: list[Sequence] = []  # index == cache slot
         self.waiting: collections.deque = collections.deque()  # Request (new) or Sequence (resume)
@@ -312,7 +318,7 @@ class Engine:
                             hint="weight updates must keep every shape of the served model",
                         )
                     )
-            weights = load_weights(path, self.config, self.dtype, self.device)
+            weights = load_weights(path, self.config, self.dtype, self.device, fp8=self.fp8)
             swap = _Swap(weights, int(version), in_flight, threading.Event())
             with self._cv:
                 self._swap = swap
@@ -447,7 +453,7 @@ class Engine:
         tokens = torch.zeros(len(token_lists), steps, dtype=torch.long)
         for row, ids in enumerate(token_lists):
             tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        routed = [] if any(g[0].params.return_routed_experts for g in groups) else None
+        routed = [] if self._has_routes and any(g[0].params.return_routed_experts for g in groups) else None
         logits = self.forward.prefill(
             tokens.to(self.device),
             torch.tensor(lengths, device=self.device),
@@ -456,14 +462,13 @@ class Engine:
             routed,
         )
         self.metrics.prefill_steps += 1
+        if routed is not None:  # before the forks below copy the first slot's rows
+            self.cache.write_routes(torch.tensor(first_slots, device=self.device), slice(0, steps), routed)
         rows, seqs = [], []
         for row, (group, length) in enumerate(zip(groups, lengths, strict=True)):
             for seq in group:
                 if seq.slot != group[0].slot:
                     self.cache.copy_slot(group[0].slot, seq.slot, length)
-                if routed is not None and seq.params.return_routed_experts:
-                    per_layer = [layer[row, :length].tolist() for layer in routed]
-                    seq.routed = [list(pos) for pos in zip(*per_layer, strict=True)]
                 rows.append(row)
                 seqs.append(seq)
         self._emit(seqs, logits[torch.tensor(rows, device=logits.device)])
@@ -475,14 +480,11 @@ class Engine:
         inputs = torch.tensor([s.tokens[-1] for s in seqs] + positions, device=self.device)
         max_len = max(positions) + 1
         self.cache.ensure(max_len)
-        routed = [] if self.config.is_moe and any(s.params.return_routed_experts for s in seqs) else None
+        routed = [] if self._has_routes and any(s.params.return_routed_experts for s in seqs) else None
         logits = self.forward.decode(inputs[:batch], inputs[batch:], self.cache, max_len, routed)
         self.metrics.observe_decode_batch(batch)
-        if routed is not None:
-            per_layer = [layer.tolist() for layer in routed]
-            for row, seq in enumerate(seqs):
-                if seq.params.return_routed_experts:
-                    seq.routed.append([layer[row] for layer in per_layer])
+        if routed is not None:  # decode rows are slots 0..batch-1
+            self.cache.write_routes(self._slot_index[:batch], inputs[batch:], routed)
         self._emit(seqs, logits)
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -511,7 +513,7 @@ class Engine:
                 update = SeqUpdate(seq.index, (token,), (logprob,), versions, top)
             else:
                 finished.append(seq)
-                routed = seq.routed if seq.params.return_routed_experts and self.config.is_moe else None
+                routed = self._routes_of(seq) if seq.params.return_routed_experts and self._has_routes else None
                 update = SeqUpdate(seq.index, (token,), (logprob,), versions, top, reason, stop_text, routed)
             request = seq.request
             entry = by_request.get(request.id)
@@ -526,6 +528,15 @@ class Engine:
                 self._release(seq)
         for request, updates in by_request.values():
             self._deliver(request, updates)
+
+    def _routes_of(self, seq: Sequence) -> str:
+        """The experts of every position `seq` fed through the model, in vLLM's wire layout: one row per
+        decoder layer (zeros for dense ones), encoded once when the sequence finishes."""
+        fed = len(seq.tokens) - 1  # its last token was sampled, never fed
+        moe = self.cache.routes[seq.slot, :fed].cpu().numpy()
+        out = np.zeros((fed, self.config.num_layers, moe.shape[-1]), dtype=routes_dtype(self.config.num_experts))
+        out[:, self._moe_layers] = moe
+        return encode_routes(out)
 
     def _stop_string(self, seq: Sequence) -> tuple[str | None, str | None]:
         """("stop", the string) if the text generated so far newly contains a stop string."""

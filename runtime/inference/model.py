@@ -9,6 +9,16 @@ tests compare against, token for token and log-prob for log-prob.
 
 Only inference: no autograd, no dropout. Supported: `model_type` qwen3 and qwen3_moe with default RoPE
 and full attention (what every released Qwen3 checkpoint uses).
+
+FP8 (`load_weights(..., fp8=True)`): every matmul weight of the decoder layers (attention projections,
+dense MLPs, routed experts) is quantised into kernels/fp8.py's block format (128 x 128 blocks, fp32
+scales) when loaded -- at start and at every weight update, which loads through here too -- and each
+call quantises its input per 1 x 128 tile. The norms are then *not* folded into those weights (their
+scale multiplies the activations instead): quantised is the checkpoint's own weight, as FP8 checkpoints
+and vLLM quantise it. Kept in the compute dtype: the embedding, the router (a top-k choice flips on
+logit errors far smaller than e4m3's 2^-4 relative step, and changes which weights a token uses: the
+mismatch router replay exists to remove) and the lm_head (its logits are the log-probs RL compares;
+DeepSeek-V3's FP8 recipe keeps both, and vLLM's fp8 leaves the router gate and lm_head unquantised).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from primebuild.errors import Problem, UserError
+from primebuild.kernels.fp8 import BlockFp8Weight, fake_quantize_activation
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
@@ -220,6 +231,30 @@ class Linear:
         return torch.addmm(self.bias, x, self.weight_t).add_(residual)
 
 
+class Fp8Linear(Linear):
+    """A Linear whose weight is held in FP8 blocks and whose input is quantised per 1x128 tile at every
+    call: on a GPU with the block-scaled GEMM through cuBLAS, elsewhere as the fp32 product of the
+    rounded input and the dequantised weight (kernels/fp8.py, `BlockFp8Weight`), which also takes the
+    packed oneDNN path for many rows."""
+
+    __slots__ = ("fp8",)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: tuple[int, ...] | None = None):
+        self.fp8 = BlockFp8Weight(weight, parts)  # parts: the checkpoint weights fused here, each its own blocks
+        super().__init__(self.fp8.dequantised.to(weight.dtype), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8.fast:
+            y = self.fp8.matmul(x)
+            return y if self.bias is None else y + self.bias
+        return super().__call__(fake_quantize_activation(x))
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8.fast:
+            return residual + self(x)
+        return super().add_to(residual, fake_quantize_activation(x))
+
+
 if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
     _onednn_linear = torch.ops.mkldnn._linear_pointwise.default
     _onednn_linear_add = torch.ops.mkldnn._linear_pointwise.binary
@@ -244,6 +279,11 @@ class LayerWeights:
     router: torch.Tensor | None = None  # [experts, hidden], norm folded in
     experts_gate_up: torch.Tensor | None = None  # [experts, 2 * moe_intermediate, hidden], norm folded in
     experts_down: torch.Tensor | None = None  # [experts, hidden, moe_intermediate]
+    # FP8: the norm scales multiply the activations (not folded into quantised weights), and each
+    # expert's two matrices are block-quantised.
+    input_scale: torch.Tensor | None = None  # [hidden]
+    post_scale: torch.Tensor | None = None  # [hidden]
+    experts_fp8: tuple[list[BlockFp8Weight], list[BlockFp8Weight]] | None = None
 
     def dense(self) -> list[Linear]:
         return [m for m in (self.qkv, self.o_proj, self.gate_up, self.down) if m is not None]
@@ -324,9 +364,10 @@ def load_weights(
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    fp8: bool = False,
 ) -> ModelWeights:
     """Read an HF folder (or a state dict in HF naming) into fresh tensors, never touching weights in
-    use, fused for the hot path."""
+    use, fused for the hot path; with `fp8`, the decoder's matmul weights block-quantised (see top)."""
     if isinstance(origin, Mapping):
         source = _DictSource(origin, "broadcast weights")
     else:
@@ -365,8 +406,15 @@ def load_weights(
         input_norm = norm_weight(p + "input_layernorm.weight", h)
         post_norm = norm_weight(p + "post_attention_layernorm.weight", h)
         q_bias = maybe(p + "self_attn.q_proj.bias", (q_out,)) if c.attention_bias else None
+        # FP8 quantises the checkpoint's weights, each on its own blocks (fused ones name their parts): the
+        # norm scales then stay on the activations.
+        fold_input, fold_post = (1, 1) if fp8 else (input_norm[None, :], post_norm[None, :])
+
+        def matmul(weight, bias=None, parts=None):
+            return Fp8Linear(weight, bias, parts) if fp8 else Linear(weight, bias)
+
         layer = LayerWeights(
-            qkv=Linear(
+            qkv=matmul(
                 torch.cat(
                     [
                         get(p + "self_attn.q_proj.weight", (q_out, h)),
@@ -374,7 +422,7 @@ def load_weights(
                         get(p + "self_attn.v_proj.weight", (kv_out, h)),
                     ]
                 )
-                * input_norm[None, :],
+                * fold_input,
                 None
                 if q_bias is None
                 else torch.cat(
@@ -384,6 +432,7 @@ def load_weights(
                         get(p + "self_attn.v_proj.bias", (kv_out,)),
                     ]
                 ),
+                parts=(q_out, kv_out, kv_out),
             ),
             qk_norm=torch.cat(
                 [
@@ -391,24 +440,33 @@ def load_weights(
                     norm_weight(p + "self_attn.k_norm.weight", d).expand(c.num_kv_heads, d),
                 ]
             ),
-            o_proj=Linear(
+            o_proj=matmul(
                 get(p + "self_attn.o_proj.weight", (h, q_out)),
                 maybe(p + "self_attn.o_proj.bias", (h,)) if c.attention_bias else None,
             ),
         )
+        if fp8:
+            layer.input_scale, layer.post_scale = input_norm, post_norm
         if c.sparse_layers and c.sparse_layers[i]:
             _load_experts(layer, p + "mlp.", c, get, source)
-            layer.router = layer.router * post_norm[None, :]
-            layer.experts_gate_up = layer.experts_gate_up * post_norm[None, None, :]
+            layer.router = layer.router * fold_post
+            if fp8:
+                inter = c.moe_intermediate_size
+                layer.experts_fp8 = ([BlockFp8Weight(w, (inter, inter)) for w in layer.experts_gate_up],
+                                     [BlockFp8Weight(w) for w in layer.experts_down])
+                layer.experts_gate_up = layer.experts_down = None
+            else:
+                layer.experts_gate_up = layer.experts_gate_up * post_norm[None, None, :]
         else:
             inter = c.intermediate_size
-            layer.gate_up = Linear(
+            layer.gate_up = matmul(
                 torch.cat(
                     [get(p + "mlp.gate_proj.weight", (inter, h)), get(p + "mlp.up_proj.weight", (inter, h))]
                 )
-                * post_norm[None, :]
+                * fold_post,
+                parts=(inter, inter),
             )
-            layer.down = Linear(get(p + "mlp.down_proj.weight", (h, inter)))
+            layer.down = matmul(get(p + "mlp.down_proj.weight", (h, inter)))
         layers.append(layer)
     embed = get("model.embed_tokens.weight", (c.vocab_size, h))
     tied = c.tie_word_embeddings or not source.has("lm_head.weight")
@@ -510,6 +568,10 @@ class Qwen3Forward:
         """RMSNorm without its weight and its sqrt(hidden) (both folded into the next matmul)."""
         return _unit(x, self.config.rms_norm_eps)
 
+    def _input_norm(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        normed = self._norm(x)
+        return normed if layer.input_scale is None else normed * layer.input_scale
+
     def _qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Normed input [N, hidden] -> q (pre-scaled) and k with q/k norm and RoPE applied, [N, heads, D]
         each, and v [N, kv_heads, D] (a view into the projection's output)."""
@@ -522,6 +584,8 @@ class Qwen3Forward:
     def _mlp(self, layer: LayerWeights, x: torch.Tensor, routed: list | None) -> torch.Tensor:
         """x + MLP(norm(x)) for 2-D x; a dense MLP's down projection carries the residual add."""
         normed = self._norm(x)
+        if layer.post_scale is not None:  # FP8: the norm's weight is not folded into quantised weights
+            normed = normed * layer.post_scale
         if layer.router is None:
             gate, up = layer.gate_up(normed).chunk(2, dim=-1)
             return layer.down.add_to(x, F.silu(gate).mul_(up))
@@ -543,6 +607,8 @@ class Qwen3Forward:
         counts = torch.bincount(by_expert, minlength=c.num_experts).tolist()
         token_of = order // c.num_experts_per_tok
         weight_of = top_weights.flatten()[order]
+        if layer.experts_fp8 is not None:
+            return self._moe_fp8(layer, flat, counts, token_of, weight_of)
         out = torch.zeros_like(flat)
         start = 0
         for expert, count in enumerate(counts):
@@ -553,6 +619,32 @@ class Qwen3Forward:
             y = F.linear(F.silu(gate) * up, layer.experts_down[expert])
             out.index_add_(0, tokens, y * weight_of[start : start + count, None])
             start += count
+        return out
+
+    def _moe_fp8(self, layer: LayerWeights, flat: torch.Tensor, counts: list[int], token_of: torch.Tensor,
+                 weight_of: torch.Tensor) -> torch.Tensor:
+        """The experts with FP8 weights. Quantisation is per token and 1x128 tile, so the tokens' inputs
+        are quantised once for every expert, and on the reference path the inner activations of all
+        experts at once (3 quantisations per layer instead of 1 + 2 per expert)."""
+        gate_up, down = layer.experts_fp8
+        reference = not gate_up[0].fast
+        source = fake_quantize_activation(flat.float()) if reference else flat  # reference: fp32 sums
+        inner, ranges, start = [], [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = token_of[start : start + count]
+                w = gate_up[expert]
+                g, u = (source[rows] @ w.dequantised.T if reference else w.matmul(source[rows])).chunk(2, dim=-1)
+                inner.append(F.silu(g) * u)
+                ranges.append((expert, start, count))
+            start += count
+        if reference:
+            inner = fake_quantize_activation(torch.cat(inner)).split([n for _, _, n in ranges])
+        out = torch.zeros_like(flat)
+        for h, (expert, start, count) in zip(inner, ranges, strict=True):
+            w = down[expert]
+            y = (h @ w.dequantised.T if reference else w.matmul(h)).to(flat.dtype)
+            out.index_add_(0, token_of[start : start + count], y * weight_of[start : start + count, None])
         return out
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -581,7 +673,7 @@ class Qwen3Forward:
         sin = self.rope.sin_signed[:steps].repeat(batch, 1)[:, None, :]
         x = F.embedding(tokens.flatten(), w.embed)
         for index, layer in enumerate(w.layers):
-            q, k, v = self._qkv(layer, self._norm(x), cos, sin)  # [B * T, heads, D]
+            q, k, v = self._qkv(layer, self._input_norm(layer, x), cos, sin)  # [B * T, heads, D]
             q = q.view(batch, steps, c.num_heads, c.head_dim).transpose(1, 2)
             k = k.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
             v = v.view(batch, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
@@ -625,7 +717,7 @@ class Qwen3Forward:
             bias = bias.reshape(flat_batch, groups, max_len)
         x = w.embed.index_select(0, tokens)
         for index, layer in enumerate(w.layers):
-            q, k, v = self._qkv(layer, self._norm(x), cos, sin)  # [B, heads, D]
+            q, k, v = self._qkv(layer, self._input_norm(layer, x), cos, sin)  # [B, heads, D]
             cache.k_rows[index].index_put_(new_rows, k)
             cache.v_rows[index].index_put_(new_rows, v)
             keys, values = cache.k[index], cache.v[index]

@@ -37,7 +37,7 @@ from .weight_receiver import BroadcastStage
 
 log = logging.getLogger(__name__)
 
-PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # fp8: not built (builders/capabilities.py)
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # fp8: FP8 weights over one of these (serve)
 
 
 def create_app(
@@ -94,8 +94,12 @@ def serve(config: InferenceServerConfig) -> None:
     import torch
     import uvicorn
 
-    if config.precision not in PRECISION_DTYPES:
-        raise UserError(f"precision {config.precision}: the embedded engine computes in fp32 or bf16")
+    if config.precision not in PRECISION_DTYPES and config.precision != "fp8":
+        raise UserError(f"precision {config.precision}: the embedded engine computes in fp32, bf16 or fp8")
+    # fp8: FP8 matmul weights; everything else in bf16 on a GPU, fp32 on a CPU (whose bf16 matmuls are
+    # no faster and whose FP8 is the reference function, computed in fp32: kernels/fp8.py)
+    fp8 = config.precision == "fp8"
+    dtype = ("bfloat16" if torch.cuda.is_available() else "float32") if fp8 else PRECISION_DTYPES[config.precision]
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     admin_token = os.environ.get(config.admin_token_env) or None
@@ -108,7 +112,7 @@ def serve(config: InferenceServerConfig) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         weight_stage = BroadcastStage(join.init_method, join.rank, join.world_size, device=device)
     engine = Engine(config.model_path, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                    dtype=PRECISION_DTYPES[config.precision], seed=config.seed, policy_version=config.policy_version,
+                    dtype=dtype, fp8=fp8, seed=config.seed, policy_version=config.policy_version,
                     eos_token_ids=tokenizer.eos_token_ids, detokenize=tokenizer.decode)
     app = create_app(engine, tokenizer, served_model_name=config.served_model_name, admin_token=admin_token,
                      shutdown_engine_on_exit=True, weight_stage=weight_stage)

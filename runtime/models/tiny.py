@@ -52,6 +52,31 @@ def tiny_config(
     )
 
 
+# Mixture-of-experts facts a tiny Qwen3-MoE takes from its facts file (manifests/models/*.json).
+MOE_FACTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+             "mlp_only_layers", "router_aux_loss_coef")
+
+
+def tiny_config_from_facts(arch: dict):
+    """The config of a tiny model described by architecture facts (HF config.json form): the dense
+    Qwen3 of `tiny_config`, or, for `model_type: qwen3_moe`, the same attention with a Qwen3-MoE block."""
+    dense = tiny_config(hidden_size=arch["hidden_size"], num_layers=arch["num_hidden_layers"],
+                        num_heads=arch["num_attention_heads"], num_kv_heads=arch["num_key_value_heads"],
+                        intermediate_size=arch["intermediate_size"])
+    if arch.get("model_type", "qwen3") == "qwen3":
+        return dense
+    if arch["model_type"] != "qwen3_moe":
+        raise UserError(f"tiny models are qwen3 or qwen3_moe, not {arch['model_type']!r}",
+                        hint="set model_type in the facts file to qwen3 or qwen3_moe")
+    from transformers import Qwen3MoeConfig
+
+    shared = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
+              "eos_token_id", "pad_token_id")
+    return Qwen3MoeConfig(**{k: getattr(dense, k) for k in shared}, **{k: arch[k] for k in MOE_FACTS if k in arch},
+                          dtype="float32")
+
+
 def init_tiny_model(config, seed: int):
     """A randomly initialised `Qwen3ForCausalLM`, identical for the same config and seed.
 
@@ -59,11 +84,11 @@ def init_tiny_model(config, seed: int):
     sampling or data order of whoever asked for it.
     """
     import torch
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model.float().eval()
 
 

@@ -62,11 +62,14 @@ class InferenceClient:
             return response.json()
 
     async def complete(self, prompt: str, *, n: int, temperature: float, top_p: float, max_tokens: int,
-                       seed: int | None = None) -> CompletionResult:
+                       seed: int | None = None, routed_experts: bool = False) -> CompletionResult:
+        """Sample `n` completions; with `routed_experts`, each choice carries its routes (router replay)."""
         body = {"model": self.model, "prompt": prompt, "n": n, "temperature": temperature, "top_p": top_p,
                 "max_tokens": max_tokens, "logprobs": 0}
         if seed is not None:
             body["seed"] = seed
+        if routed_experts:
+            body["return_routed_experts"] = True
         answer = await self._post("/completions", body)
         try:
             return CompletionResult.model_validate(answer)

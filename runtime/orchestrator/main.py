@@ -22,17 +22,20 @@ import random
 import sys
 import time
 
+import torch
+
 from primebuild.contracts.base import load_contract
 from primebuild.contracts.orchestrator import OrchestratorConfig
 from primebuild.contracts.run_dir import RunDir, write_json_atomic
 from primebuild.errors import UserError
+from primebuild.kernels.routing import sample_routes
 from primebuild.runtime.orchestrator.client import InferenceClient
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.vllm_client import VllmClient
 from primebuild.runtime.orchestrator.weights import weight_source
 from primebuild.runtime.trackers import open_sinks
 from primebuild.runtime.trainer.advantages import advantages_by_group
-from primebuild.runtime.trainer.batch import Sample, TrainBatch, save_batch
+from primebuild.runtime.trainer.batch import Sample, TrainBatch, routing_bytes, save_batch
 from primebuild.runtime.trainer.metrics import MetricsWriter
 
 log = logging.getLogger("primebuild.orchestrator")
@@ -88,7 +91,8 @@ class Orchestrator:
         while True:
             response = await client.complete(
                 env.format_prompt(task), n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
-                max_tokens=cfg.max_completion_tokens, seed=cfg.seed * 1_000_003 + step * 10_007 + index)
+                max_tokens=cfg.max_completion_tokens, seed=cfg.seed * 1_000_003 + step * 10_007 + index,
+                routed_experts=cfg.router_replay)
             if min(c.policy_version for c in response.choices) >= self.server_version:
                 break
             # The server restarted on the base weights: give it the current policy, sample again.
@@ -100,8 +104,17 @@ class Orchestrator:
             out.append((Sample(
                 prompt_ids=list(choice.prompt_token_ids), completion_ids=list(choice.token_ids),
                 inference_logprobs=list(choice.token_logprobs), advantage=0.0, reward=reward,
-                policy_version=choice.policy_version, env_id=env.id), choice.text))
+                policy_version=choice.policy_version, env_id=env.id, routed_experts=self.routes_of(choice)),
+                choice.text))
         return out
+
+    def routes_of(self, choice) -> torch.Tensor | None:
+        """Router replay: the choice's routes as one [fed positions, moe_layers, top_k] uint8/uint16 tensor."""
+        if not self.cfg.router_replay:
+            return None
+        routes = sample_routes(choice.routed_experts, self.cfg.moe_layers, len(choice.prompt_token_ids),
+                               len(choice.token_ids))
+        return torch.from_numpy(routes)
 
     async def make_batch(self, step: int) -> TrainBatch:
         cfg = self.cfg
@@ -171,7 +184,7 @@ class Orchestrator:
                 "off_policy_lag": step - 1 - min(s.policy_version for s in batch.samples),
                 "policy_version": self.server_version, "generation_seconds": generation,
                 "wait_seconds": waited, "tokens_per_s": tokens / max(generation, 1e-9),
-                "completion_tokens": tokens})
+                "completion_tokens": tokens, **routing_bytes(batch.samples)})
             if cfg.eval_every and step % cfg.eval_every == 0:
                 self.metrics.write(step, {"eval_reward": await self.evaluate(),
                                           "eval_policy_version": self.server_version})

@@ -36,7 +36,9 @@ class VllmClient(InferenceClient):
         await super().close()
 
     async def complete(self, prompt: str, *, n: int, temperature: float, top_p: float, max_tokens: int,
-                       seed: int | None = None) -> CompletionResult:
+                       seed: int | None = None, routed_experts: bool = False) -> CompletionResult:
+        """As the embedded client's; vLLM returns routes when started with --enable-return-routed-experts
+        (the plan adds it with router_replay), not per request."""
         body = {"model": self.model, "prompt": prompt, "n": n, "temperature": temperature, "top_p": top_p,
                 "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True}
         if seed is not None:

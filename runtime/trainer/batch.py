@@ -9,6 +9,11 @@ Contract (files in the run folder; the orchestrator writes, the trainer reads):
   sees a partial file. The payload is plain Python data (dicts, lists, numbers, strings) and loads with
   ``torch.load(weights_only=True)``: no pickled classes cross the process boundary.
 - Advantages are computed by the orchestrator (see ``advantages.py``); the trainer only consumes them.
+- With router replay, a sample carries ``routed_experts``: one uint8 (uint16 above 256 experts) tensor
+  [fed positions, moe_layers, top_k] -- the experts inference routed each position fed through the
+  model to, prompt + completion - 1 positions (kernels/routing.py) -- and a micro-batch carries them
+  as [rows, tokens, moe_layers, top_k] int64, -1 where nothing was recorded (each row's last token and
+  padding: the trainer's router chooses there; no log-prob depends on them).
 
 Packing: samples are right-padded into 2-D micro-batches whose *padded* size (rows × longest row) stays
 within ``micro_batch_tokens``; micro-batches are balanced over ranks by token count, and every rank gets
@@ -46,6 +51,8 @@ class Sample:
     env_id: str = ""
     # 1 = train on this completion token, 0 = do not (e.g. tool output inside a multi-turn completion).
     completion_mask: list[int] | None = None
+    # router replay: [num_tokens - 1, moe_layers, top_k] expert ids (uint8 / uint16), see the module doc
+    routed_experts: torch.Tensor | None = None
 
     def validate(self, where: str) -> None:
         if not self.prompt_ids:
@@ -60,6 +67,11 @@ class Sample:
             raise UserError(
                 f"{where}: completion_mask has {len(self.completion_mask)} entries for {n} tokens"
             )
+        routes = self.routed_experts
+        if routes is not None and (routes.dim() != 3 or routes.shape[0] != self.num_tokens - 1
+                                   or routes.is_floating_point()):
+            raise UserError(f"{where}: routed_experts {routes.dtype} {tuple(routes.shape)}: want integer "
+                            f"[{self.num_tokens - 1} fed positions, moe_layers, top_k]")
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +141,7 @@ class MicroBatch:
     inference_logprobs: torch.Tensor  # [B, T] float32
     advantages: torch.Tensor  # [B, T] float32
     sample_indices: list[int]  # rows -> index in the batch (empty for padding micro-batches)
+    routed_experts: torch.Tensor | None = None  # [B, T, moe_layers, top_k] int64, -1 = not recorded
 
     @property
     def is_empty(self) -> bool:
@@ -158,7 +171,32 @@ def _collate(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBat
         loss_mask[r, p : p + c] = mask
         inf_lp[r, p : p + c] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
         adv[r, p : p + c] = float(s.advantage)
-    return MicroBatch(input_ids, attention, loss_mask, inf_lp, adv, list(indices))
+    return MicroBatch(input_ids, attention, loss_mask, inf_lp, adv, list(indices), _collate_routes(samples, indices, width))
+
+
+def _collate_routes(samples: list[Sample], indices: list[int], width: int) -> torch.Tensor | None:
+    routes = [samples[i].routed_experts for i in indices]
+    if all(r is None for r in routes):
+        return None
+    if any(r is None for r in routes):
+        raise UserError("some samples of the batch carry routed_experts and some do not",
+                        hint="router replay needs the routes of every sample")
+    _, layers, top_k = routes[0].shape
+    out = torch.full((len(indices), width, layers, top_k), -1, dtype=torch.long)
+    for row, r in enumerate(routes):
+        if r.shape[1:] != (layers, top_k):
+            raise UserError(f"routed_experts of shape {tuple(r.shape)} next to [..., {layers}, {top_k}]")
+        out[row, : r.shape[0]] = r.long()
+    return out
+
+
+def routing_bytes(samples: list[Sample]) -> dict[str, float]:
+    """Bytes of routing data the batch carries per token (router replay), {} without any."""
+    carried = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not carried:
+        return {}
+    tokens = sum(s.num_tokens for s in samples)
+    return {"routing_bytes_per_token": sum(r.numel() * r.element_size() for r in carried) / tokens}
 
 
 def empty_micro_batch(pad_id: int = 0) -> MicroBatch:

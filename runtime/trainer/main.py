@@ -21,12 +21,17 @@ Metrics (one JSON line each, see metrics.py), means are over trained tokens of t
   grad_norm (before clipping), lr, tokens, samples, reward_mean, advantage_abs_mean, async_lag_mean/max
   (k − 1 − policy_version of a sample: how many optimizer steps behind its sampler was),
   padding_fraction,
-  wait_s, step_s, publish_s.
+  wait_s, step_s, publish_s;
+  with router replay (router_replay.py) also behaviour_kl_no_replay and mismatch_kl_no_replay (the same
+  tokens scored once more without replay, no gradient, every ``replay_check_every`` steps: one extra
+  forward per micro-batch, its seconds in replay_check_s) and routing_agreement (replayed routes the
+  trainer's router chose itself).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -55,6 +60,7 @@ from .model import (
     full_state_dict,
     init_distributed,
     load_model,
+    precision_dtype,
 )
 
 __all__ = ["TrainerConfig", "run_trainer", "main"]
@@ -106,6 +112,25 @@ def _grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def fresh_mask(mb, samples, mask: torch.Tensor, step: int, device) -> torch.Tensor:
+    """Trained tokens of samples drawn with exactly the weights being trained (policy version step-1)."""
+    rows = torch.tensor([samples[i].policy_version == step - 1 for i in mb.sample_indices], dtype=torch.bool,
+                        device=device)
+    return mask & rows[:, None] if len(mb.sample_indices) else torch.zeros_like(mask)
+
+
+@torch.no_grad()
+def score_without_replay(model, mb, samples, config: TrainerConfig, env: DistEnv, step: int) -> torch.Tensor:
+    """(KL sum over trained tokens, over fresh ones) of micro-batch `mb` scored with the trainer's own
+    routing: the mismatch router replay removes."""
+    mask = mb.loss_mask.to(env.device)
+    with autocast_context(env, compute_dtype(config, env.device)):
+        lp, _ = model(mb.input_ids.to(env.device), mb.attention_mask.to(env.device), config.temperature)
+    kl = kl_per_token(lp - mb.inference_logprobs.to(env.device))
+    fresh = fresh_mask(mb, samples, mask, step, env.device)
+    return torch.stack([torch.where(mask, kl, 0.0).sum(), torch.where(fresh, kl, 0.0).sum()]).double().cpu()
+
+
 def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: DistEnv, step: int) -> dict:
     """One optimizer step on ``batch``; returns the step's metrics (identical on every rank)."""
     meta_temp = batch.metadata.get("temperature")
@@ -122,28 +147,41 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
         config.max_completion_tokens or batch.metadata.get("max_completion_tokens"),
     )
     mine = pack(samples, config.micro_batch_tokens, env.world_size, config.pad_token_id)[env.rank]
+    replay = model.replay
+    replayed = replay is not None and any(s.routed_experts is not None for s in samples)
+    # The same on every rank (FSDP collectives must match): score the batch once more without replay.
+    check = replayed and config.replay_check_every > 0 and step % config.replay_check_every == 0
 
     # Sums over this rank's tokens: loss, tokens, kl, masked, ratio, entropy, real, padded, and the
-    # tokens and kl of "fresh" samples, drawn with exactly the weights being trained (version step-1).
-    totals = torch.zeros(10, dtype=torch.float64)
+    # tokens and kl of "fresh" samples, drawn with exactly the weights being trained (version step-1);
+    # then router replay's: kl and fresh kl without replay, routes the trainer's router chose itself, routes.
+    totals = torch.zeros(14, dtype=torch.float64)
     bad_loss = None
-    for mb in mine:
+    started = time.perf_counter()
+    # Before any backward: under FSDP2 a forward between micro-batches' backwards corrupted the gradients
+    # (measured: 2 ranks gave grad_norm 0.49 where 1 rank gave 0.77; with the forwards first, equal).
+    free = [score_without_replay(model, mb, samples, config, env, step) if check else torch.zeros(2, dtype=torch.float64)
+            for mb in mine]
+    check_seconds = time.perf_counter() - started
+    for mb, free_kl in zip(mine, free, strict=True):
         mb.input_ids = mb.input_ids.to(env.device)
         mb.attention_mask = mb.attention_mask.to(env.device)
         mask = mb.loss_mask.to(env.device)
-        with autocast_context(env, compute_dtype(config)):
-            lp, entropy = model(mb.input_ids, mb.attention_mask, config.temperature)
+        routes = mb.routed_experts.to(env.device) if replayed and mb.routed_experts is not None else None
         inference_lp = mb.inference_logprobs.to(env.device)
-        loss_sum, m = loss_fn(lp, inference_lp, mb.advantages.to(env.device), mask)
-        if bad_loss is None and not torch.isfinite(loss_sum).item():
-            bad_loss = f"of samples {mb.sample_indices[0]}..{mb.sample_indices[-1]}" if mb.sample_indices else ""
-        fresh_rows = torch.tensor([samples[i].policy_version == step - 1 for i in mb.sample_indices],
-                                  dtype=torch.bool, device=env.device)
-        fresh = mask & fresh_rows[:, None] if len(mb.sample_indices) else torch.zeros_like(mask)
-        # FSDP2 averages gradients over ranks; scaling by world_size turns that back into the sum that
-        # one rank holding every micro-batch would compute.
-        (loss_sum * (env.world_size / normalizer)).backward()
-        totals += torch.stack(
+        fresh = fresh_mask(mb, samples, mask, step, env.device)
+        # Routes stay set through backward: activation checkpointing recomputes the routers there.
+        with replay.replaying(routes) if replay is not None else contextlib.nullcontext():
+            with autocast_context(env, compute_dtype(config, env.device)):
+                lp, entropy = model(mb.input_ids, mb.attention_mask, config.temperature)
+            loss_sum, m = loss_fn(lp, inference_lp, mb.advantages.to(env.device), mask)
+            if bad_loss is None and not torch.isfinite(loss_sum).item():
+                bad_loss = f"of samples {mb.sample_indices[0]}..{mb.sample_indices[-1]}" if mb.sample_indices else ""
+            # FSDP2 averages gradients over ranks; scaling by world_size turns that back into the sum that
+            # one rank holding every micro-batch would compute.
+            (loss_sum * (env.world_size / normalizer)).backward()
+        agreed = torch.tensor(replay.take_agreement() if replay is not None else (0.0, 0.0), dtype=torch.float64)
+        totals += torch.cat([torch.stack(
             [
                 loss_sum.detach().double().cpu(),
                 m["tokens"].double().cpu(),
@@ -156,7 +194,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
                 fresh.sum().double().cpu(),
                 torch.where(fresh, kl_per_token(lp - inference_lp), 0.0).sum().double().cpu(),
             ]
-        )
+        ), free_kl, agreed])
     if env.distributed:
         t = totals.to(env.device)
         dist.all_reduce(t)
@@ -172,9 +210,20 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
     optimizer.zero_grad(set_to_none=True)
     finite.check(step, finite.first_non_finite(finite.weights(model)), "the updated weight", env.device)
 
-    loss, tokens, kl, masked, ratio, ent, real, padded, fresh_tokens, fresh_kl = totals.tolist()
+    loss, tokens, kl, masked, ratio, ent, real, padded, fresh_tokens, fresh_kl, kl_free, fresh_kl_free, agreed, \
+        replayed_routes = totals.tolist()
     n_tok = max(tokens, 1.0)
     lags = [step - 1 - s.policy_version for s in samples]
+    replay_metrics = {}
+    if replayed:
+        # KLs as if the trainer had not replayed the routes (NaN -> null when not measured this step), and
+        # how many of the replayed routes the trainer's own router would have chosen
+        replay_metrics = {
+            "behaviour_kl_no_replay": kl_free / n_tok if check else float("nan"),
+            "mismatch_kl_no_replay": fresh_kl_free / fresh_tokens if check and fresh_tokens else float("nan"),
+            "routing_agreement": agreed / replayed_routes if replayed_routes else float("nan"),
+            "replay_check_s": check_seconds,  # this rank's time in the forward without replay (in step_s)
+        }
     return {
         "loss": loss / normalizer,
         # KL(inference ‖ trainer) over every token: engine numerics plus the staleness of async samples
@@ -194,6 +243,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
         "async_lag_mean": sum(lags) / max(1, len(lags)),
         "async_lag_max": max(lags, default=0),
         "padding_fraction": 1.0 - real / padded if padded else 0.0,
+        **replay_metrics,
     }
 
 
@@ -233,10 +283,10 @@ class WeightPublisher:
             self.sender.close()
 
 
-def compute_dtype(config: TrainerConfig) -> str:
-    if config.precision not in PRECISION_DTYPES:
-        raise UserError(f"trainer precision {config.precision}: this trainer computes in fp32 or bf16")
-    return PRECISION_DTYPES[config.precision]
+def compute_dtype(config: TrainerConfig, device: torch.device | None = None) -> str:
+    if config.precision not in (*PRECISION_DTYPES, "fp8"):
+        raise UserError(f"trainer precision {config.precision}: this trainer computes in fp32, bf16 or fp8")
+    return precision_dtype(config.precision, device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def check_launch(config: TrainerConfig, env: DistEnv) -> None:
@@ -276,8 +326,8 @@ def run_trainer(config: TrainerConfig) -> None:
     if env.is_main:
         run.root.mkdir(parents=True, exist_ok=True)
     loss_fn = resolve_loss(config.loss.name, loss_params(config.loss))
-    model = load_model(config.model_path, env, compute_dtype(config), config.activation_checkpointing,
-                       config.logprob_chunk_tokens)
+    model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,
+                       config.logprob_chunk_tokens, config.router_replay, fp8=config.precision == "fp8")
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
@@ -305,12 +355,14 @@ def run_trainer(config: TrainerConfig) -> None:
             last_done = step
             if env.is_main:
                 log.info(
-                    "step %d loss %.4g behaviour_kl %.3g mismatch_kl %.3g grad_norm %.3g",
+                    "step %d loss %.4g behaviour_kl %.3g mismatch_kl %.3g grad_norm %.3g%s",
                     step,
                     stats["loss"],
                     stats["behaviour_kl"],
                     stats["mismatch_kl"],
                     stats["grad_norm"],
+                    f" (no replay: behaviour_kl {stats['behaviour_kl_no_replay']:.3g} mismatch_kl "
+                    f"{stats['mismatch_kl_no_replay']:.3g})" if "behaviour_kl_no_replay" in stats else "",
                 )
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 save_checkpoint(ckpt_dir, step, model, optimizer, env, config.keep_checkpoints)

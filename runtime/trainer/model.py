@@ -9,8 +9,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .router_replay import RouterReplay
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # fp8 training is not built (capabilities.py)
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def precision_dtype(precision: str, device: torch.device) -> str:
+    """The compute dtype of a trainer precision; fp8 computes its FP8 matmuls inside it (fp8.py): bf16 on
+    GPUs, fp32 on CPUs (no faster in bf16, and where FP8 is the fp32 reference function anyway)."""
+    if precision == "fp8":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return PRECISION_DTYPES[precision]
 
 
 @dataclass(frozen=True)
@@ -59,13 +69,15 @@ class Policy(nn.Module):
     It is the FSDP root, so the head, embeddings and final norm are unsharded for its forward and
     their gradients are reduced like every other's."""
 
-    def __init__(self, hf: nn.Module, chunk_tokens: int):
+    def __init__(self, hf: nn.Module, chunk_tokens: int, router_replay: bool = False):
         super().__init__()
         head = hf.get_output_embeddings()
         if getattr(head, "bias", None) is not None or getattr(hf.config, "final_logit_softcapping", None):
             raise ValueError(f"{type(hf).__name__}: its head is more than one linear map (bias or soft-capping)")
         self.hf = hf
         self.chunk_tokens = chunk_tokens
+        # hooks on the routers, inert outside `replay.replaying(routes)` (router_replay.py)
+        self.replay = RouterReplay(hf) if router_replay else None
 
     @property
     def config(self):
@@ -89,7 +101,7 @@ class Policy(nn.Module):
 
 
 def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
-               logprob_chunk_tokens: int) -> Policy:
+               logprob_chunk_tokens: int, router_replay: bool = False, fp8: bool = False) -> Policy:
     """Load the HF causal LM with fp32 master weights, and shard it with FSDP2 when there are several
     ranks: one FSDP unit per decoder block (its all-gather overlaps the previous block's compute) plus
     the root for embeddings, final norm and head. Parameters are computed in ``compute_dtype``;
@@ -98,6 +110,10 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
     hf.config.use_cache = False
+    if fp8:  # before FSDP wraps the blocks: the switched modules keep their parameters (fp8.py)
+        from .fp8 import apply_fp8_training
+
+        apply_fp8_training(hf, decoder_layers(hf))
     if activation_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks; blocks recompute in backward.
         kwargs = {"use_reentrant": False}
@@ -105,7 +121,7 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model = Policy(hf, logprob_chunk_tokens).to(env.device)
+    model = Policy(hf, logprob_chunk_tokens, router_replay).to(env.device)
     if env.distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

