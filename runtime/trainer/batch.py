@@ -161,6 +161,20 @@ def _collate(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBat
     return MicroBatch(input_ids, attention, loss_mask, inf_lp, adv, list(indices))
 
 
+def pad_columns(mb: MicroBatch, width: int, pad_id: int) -> MicroBatch:
+    """`mb` right-padded to `width` columns (no attention, no loss there): context parallelism splits
+    a sequence into equal chunks."""
+    extra = width - mb.input_ids.shape[1]
+    if extra <= 0:
+        return mb
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.cat([t, torch.full((t.shape[0], extra), value, dtype=t.dtype)], dim=1)
+
+    return MicroBatch(pad(mb.input_ids, pad_id), pad(mb.attention_mask, 0), pad(mb.loss_mask, False),
+                      pad(mb.inference_logprobs, 0.0), pad(mb.advantages, 0.0), mb.sample_indices)
+
+
 def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
     """A two-token row with no loss: it still runs forward and backward, so its rank joins every FSDP
     collective, while contributing exactly zero gradient."""
