@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from primebuild.contracts.base import Contract
 
@@ -20,6 +20,20 @@ class BroadcastJoin(Contract):
     init_method: str  # tcp://HOST:PORT, hosted by trainer rank 0
     rank: int = Field(ge=1)
     world_size: int = Field(ge=2)
+
+
+class DisaggregationRole(Contract):
+    """P/D: this server prefills (ships KV to decode servers' inboxes) or decodes (receives KV at
+    tcp://host:kv_port). See runtime/inference/disaggregation.py."""
+
+    role: Literal["prefill", "decode"]
+    kv_port: int | None = Field(None, ge=1, le=65535)  # decode: where its KV inbox listens
+
+    @model_validator(mode="after")
+    def _decode_listens(self) -> DisaggregationRole:
+        if (self.role == "decode") != (self.kv_port is not None):
+            raise ValueError("a decode server needs kv_port (its KV inbox); a prefill server has none")
+        return self
 
 
 class InferenceServerConfig(Contract):
@@ -36,3 +50,4 @@ class InferenceServerConfig(Contract):
     policy_version: int = Field(0, ge=0)  # the version of the weights it starts with
     admin_token_env: str = ADMIN_TOKEN_ENV
     weight_broadcast: BroadcastJoin | None = None
+    disaggregation: DisaggregationRole | None = None

@@ -6,6 +6,7 @@ import time
 
 from fastapi import APIRouter, Request
 
+from .disaggregation import Disaggregation
 from .engine import Engine
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from .responses import answer
@@ -13,8 +14,10 @@ from .tokenizer import ServedTokenizer
 from .validation import RequestChecks
 
 
-def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str) -> APIRouter:
+def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str,
+                  pd: Disaggregation | None = None) -> APIRouter:
     router = APIRouter()
+    pd = pd or Disaggregation(None)
     check = RequestChecks(engine, tokenizer, served_model_name)
     created = int(time.time())
 
@@ -33,9 +36,12 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
         top = body.logprobs or 0
         params = body.sampling(body.max_tokens or 16, top)
         check.limits(prompts, params)
+        exported, prefilled = await pd.handle(engine, body.kv_transfer, prompts, params)
+        if exported is not None:
+            return exported
         return await answer(engine, tokenizer, served_model_name, "completion", prompts, params,
                             stream=bool(body.stream), include_usage=_include_usage(body),
-                            logprobs=body.logprobs is not None, top=top)
+                            logprobs=body.logprobs is not None, top=top, prefilled=prefilled)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -55,9 +61,12 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
         top = (body.top_logprobs or 0) if body.logprobs else 0
         params = body.sampling(max_tokens, top)
         check.limits([prompt], params)
+        exported, prefilled = await pd.handle(engine, body.kv_transfer, [prompt], params)
+        if exported is not None:
+            return exported
         return await answer(engine, tokenizer, served_model_name, "chat", [prompt], params,
                             stream=bool(body.stream), include_usage=_include_usage(body),
-                            logprobs=bool(body.logprobs), top=top)
+                            logprobs=bool(body.logprobs), top=top, prefilled=prefilled)
 
     return router
 
