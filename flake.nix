@@ -28,6 +28,7 @@
         matplotlib
         uv
         fabric
+        pyzmq
       ];
       # [project.optional-dependencies].test
       testDeps = ps: with ps; [ pytest pytest-timeout hypothesis openai jsonschema ];

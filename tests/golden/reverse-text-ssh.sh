@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 911ebd20b75c876094473786fab96f561e6cd18f3cef9f1a31479b47b0c4a195, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan dc1e2bfb4523463ef9e864a91f2c2996e03c18b220309092a29a44cba6f68714, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here).
