@@ -104,8 +104,9 @@ class ExpertParallelExperts(nn.Module):
             gate, up = nn.functional.linear(rows, gate_up[expert]).chunk(2, dim=-1)
             outs.append(nn.functional.linear(self.act_fn(gate) * up, down[expert]))
             start += count
-        y = torch.cat(outs) if outs else x.new_zeros((0, x.shape[1]))
-        return torch.empty_like(y).index_copy(0, by_expert, y)  # back to arrival order
+        # back to arrival order by indexing with the inverse permutation: index_copy would keep its
+        # source for backward, one more [pairs, hidden] tensor per layer (measured)
+        return torch.cat(outs)[torch.argsort(by_expert)]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
