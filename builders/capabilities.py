@@ -123,6 +123,11 @@ def _engine(m: Manifest) -> Iterator[Refusal]:
 def _embedded(m: Manifest) -> Iterator[Refusal]:
     inf = m.inference
     section = "inference.disaggregation" if inf.disaggregation else "inference"
+    if inf.disaggregation and m.target.kind in SPLIT_TARGETS:
+        # the router sits on the orchestrator's plan node, which a listening server group also has
+        yield Refusal("inference.disaggregation", f"embedded P/D on {m.target.kind}: every group gets an allocation "
+                      "of its own there, and the router would share a plan node's address with another group that "
+                      "listens", "run it with target local or ssh")
     if inf.disaggregation and is_set(m, "inference.disaggregation.kv_connector"):
         yield Refusal("inference.disaggregation.kv_connector", "the embedded engine ships KV caches from prefill to "
                       "decode servers over ZMQ (runtime/inference/kv_transfer.py); kv_connector names a vLLM connector",
