@@ -258,7 +258,8 @@ class Engine:
         and calls `sink(Prefilled)` once, sampling nothing."""
         if not prompt_ids:
             raise UserError("the prompt has no tokens")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+        # an export samples nothing here: its prompt needs room for one token (the decode server checks the rest)
+        if len(prompt_ids) + (1 if export else params.max_tokens) > self.max_model_len:
             raise UserError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
