@@ -17,9 +17,12 @@ gloo implements all_to_all_single with uneven splits (checked), so this runs on 
 
 Parameters: `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] become DTensors sharded on dim 0 over the
 EP mesh, under their HF names, so checkpoints (DCP) and the full state dict gather whole experts.
-Their gradients sum over the EP group inside the all-to-all's backward; FSDP then reduces them over
-the ranks that own the same experts (meshes.efsdp) and divides by the whole FSDP degree (see
-model.parallelize).
+Their gradients sum over the EP group inside the all-to-all's backward (each rank's loss is scaled for
+an average over all dp_shard*cp ranks), and FSDP then averages them over the ranks that own the same
+experts (meshes.efsdp, dp_shard*cp/ep of them); the missing 1/ep is applied to the expert weights'
+gradient here (`_ScaleGrad`), so they end up divided by the whole FSDP degree like every other
+gradient. (FSDP's own `set_gradient_divide_factor` would do it with ReduceOp.PREMUL_SUM, which gloo
+lacks: measured, it fails as soon as efsdp > 1.)
 """
 
 from __future__ import annotations
@@ -51,6 +54,19 @@ class _AllToAll(torch.autograd.Function):
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` on its way back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 class ExpertParallelExperts(nn.Module):
@@ -94,7 +110,8 @@ class ExpertParallelExperts(nn.Module):
         return out.index_add(0, order // k, back * weights[:, None])
 
     def _run_local(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self._local(self.gate_up_proj), self._local(self.down_proj)
+        gate_up = _ScaleGrad.apply(self._local(self.gate_up_proj), 1.0 / self.ep)
+        down = _ScaleGrad.apply(self._local(self.down_proj), 1.0 / self.ep)
         by_expert = torch.argsort(local_ids, stable=True)
         counts = torch.bincount(local_ids, minlength=self.local_experts).tolist()
         grouped = x[by_expert]

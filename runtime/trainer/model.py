@@ -138,9 +138,8 @@ def parallelize(model: Policy, meshes: Meshes, compute_dtype: str) -> None:
     2. CP: attention runs through the context-parallel attention function (context_parallel.py);
        the split itself happens per micro-batch (Policy.forward);
     3. FSDP: each decoder block and the root over meshes.fsdp (dp_shard * cp ranks); with EP, each
-       block's experts first, over meshes.efsdp, sharded on dim 1 (dim 0 is already EP's), and their
-       gradient divided by the whole FSDP degree like every other one (their all-to-all backward has
-       already summed them over the EP group)."""
+       block's experts first, over meshes.efsdp, sharded on dim 1 (dim 0 is already EP's); their
+       gradient ends up divided by the whole FSDP degree like every other one (expert_parallel.py)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
@@ -151,7 +150,6 @@ def parallelize(model: Policy, meshes: Meshes, compute_dtype: str) -> None:
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
     for experts in expert_modules:
         fully_shard(experts, mesh=meshes.efsdp, mp_policy=mp, shard_placement_fn=lambda _: Shard(1))
-        experts.set_gradient_divide_factor(float(meshes.fsdp.size()))
     for layer in decoder_layers(hf):
         fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp)
     fully_shard(model, mesh=meshes.fsdp, mp_policy=mp)
