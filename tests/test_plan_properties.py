@@ -84,6 +84,8 @@ def gpu_manifest(draw) -> dict:
         prefill, prefill_nodes = draw(inference_group(gpus_per_node, heads, moe))
         decode, decode_nodes = draw(inference_group(gpus_per_node, heads, moe))
         inference["disaggregation"] = {"prefill": prefill, "decode": decode}
+        if inference["router_replay"]:  # vLLM 0.32 returns routed experts with none of the NIXL connectors
+            inference["disaggregation"]["kv_connector"] = "LMCacheConnectorV1"
         inference_nodes = prefill_nodes + decode_nodes
     else:
         group, inference_nodes = draw(inference_group(gpus_per_node, heads, moe))

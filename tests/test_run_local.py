@@ -48,6 +48,7 @@ def workspace(tmp_path_factory) -> Path:
     sft["sft"]["warmup_steps"] = 10
     (manifests / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
     shutil.copy(REPO / "manifests" / "reverse-text.yaml", manifests / "reverse-text.yaml")
+    shutil.copy(REPO / "manifests" / "reverse-text-pd.yaml", manifests / "reverse-text-pd.yaml")
     (root / "store").mkdir()
     return root
 
@@ -56,9 +57,9 @@ def _env(workspace: Path) -> dict:
     return {**os.environ, "PRIMEBUILD_STORE": str(workspace / "store"), "PYTHONUNBUFFERED": "1"}
 
 
-def _run(workspace: Path, runs: Path, *args: str) -> subprocess.CompletedProcess:
+def _run(workspace: Path, runs: Path, *args: str, manifest: str = "reverse-text.yaml") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text.yaml"),
+        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / manifest),
          "--runs-dir", str(runs), "--quiet", *_small(*args)],
         capture_output=True, text=True, env=_env(workspace), timeout=280)
 
@@ -204,6 +205,24 @@ def test_broadcast_weight_sync_delivers_exactly_the_trained_weights(workspace: P
     kls = [r["value"] for r in _metrics(run_dir) if r["role"] == "trainer" and r["name"] == "mismatch_kl"]
     assert len(kls) == 3 and all(abs(k) < 1e-3 for k in kls), kls
     assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == 3
+
+
+def test_prefill_decode_split_with_a_context_parallel_trainer(workspace: Path, tmp_path: Path):
+    """reverse-text-pd.yaml (prefill server -> KV over ZMQ -> decode server, a router in front) with a
+    2-rank cp=2 trainer, synchronous: the trainer, scoring each sequence split over two ranks, gives the
+    log-probs the decode server reported on shipped KV caches (mismatch KL at float noise)."""
+    runs = tmp_path / "runs"
+    result = _run(workspace, runs, "--set", "orchestrator.max_steps=3", "--set", "orchestrator.max_off_policy_steps=0",
+                  "--set", "trainer.ranks=2", "--set", "trainer.cp=2", manifest="reverse-text-pd.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr + _logs(runs)
+    run_dir = _run_dir(runs)
+    names = {p["name"] for p in json.loads((run_dir / "plan.json").read_text())["processes"]}
+    assert {"prefill-0", "decode-0", "router", "trainer", "orchestrator"} <= names
+    kls = [r["value"] for r in _metrics(run_dir) if r["role"] == "trainer" and r["name"] == "mismatch_kl"]
+    assert len(kls) == 3 and all(abs(k) < 1e-6 for k in kls), kls
+    router_log = (run_dir / "logs" / "router.log").read_text()
+    assert router_log.count("POST /v1/completions") >= 3 * 4  # every sample went through the router
+    assert "prefilling it here" not in (run_dir / "logs" / "decode-0.log").read_text()  # no KV was stale
 
 
 def test_killed_inference_is_restarted_and_no_step_is_lost(workspace: Path, tmp_path: Path):

@@ -103,14 +103,24 @@ def _with_routes(batch_path, model_path, seed: int) -> None:
     save_batch(batch_path, batch)
 
 
+# The replay hooks sit inside FSDP-wrapped blocks and must hold their routes through the backward's
+# recomputation; with context parallelism each rank replays the routes of its own positions, and with
+# expert parallelism the experts run (in FP8 too) whatever top-k the hooks chose.
+REPLAY_LAYOUTS = {
+    "fsdp2": dict(parallel={"dp_shard": 2}),
+    "cp2-ep2-fp8": dict(parallel={"dp_shard": 1, "cp": 2, "ep": 2}, precision="fp8"),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_router_replay_under_fsdp2_and_activation_checkpointing_matches_one_plain_rank(tmp_path):
-    """The replay hooks sit inside FSDP-wrapped blocks and must hold their routes through the backward's
-    recomputation: 2 ranks with activation checkpointing follow 1 rank without it, step for step."""
+@pytest.mark.parametrize("layout", list(REPLAY_LAYOUTS))
+def test_router_replay_on_two_ranks_with_activation_checkpointing_matches_one_plain_rank(layout, tmp_path):
+    """2 ranks with activation checkpointing follow 1 rank without it, step for step."""
     model = make_tiny_model(tmp_path / "model", moe=True)
+    spec = REPLAY_LAYOUTS[layout]
     common = dict(model_path=str(model), max_steps=2, lr=1e-3, micro_batch_tokens=48, loss="cispo",
-                  router_replay=True)
+                  router_replay=True, precision=spec.get("precision", "fp32"))
     runs = {name: tmp_path / name for name in ("one", "two")}
     for run in runs.values():
         write_rollouts(run, model, range(1, 3), num_prompts=4, group_size=3)
@@ -118,7 +128,7 @@ def test_router_replay_under_fsdp2_and_activation_checkpointing_matches_one_plai
             _with_routes(run / "rollouts" / f"step_{step:06d}.pt", model, seed=step)
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
     cfg = tmp_path / "two.json"
-    cfg.write_text(trainer_config(run_dir=str(runs["two"]), parallel={"dp_shard": 2}, activation_checkpointing=True,
+    cfg.write_text(trainer_config(run_dir=str(runs["two"]), parallel=spec["parallel"], activation_checkpointing=True,
                                   **common).model_dump_json())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
@@ -130,7 +140,12 @@ def test_router_replay_under_fsdp2_and_activation_checkpointing_matches_one_plai
         for name in ("loss", "grad_norm", "behaviour_kl", "behaviour_kl_no_replay", "routing_agreement"):
             assert two[step][name] == pytest.approx(one[step][name], rel=1e-5, abs=1e-7), (step, name)
     # replay changed the function: the replaced routes cost KL that the trainer's own routing does not
-    assert one[1]["routing_agreement"] < 0.9 and one[1]["behaviour_kl"] > 10 * one[1]["behaviour_kl_no_replay"]
+    assert one[1]["routing_agreement"] < 0.9
+    if common["precision"] == "fp32":  # (in FP8 the rounding of every matmul costs KL of its own)
+        assert one[1]["behaviour_kl"] > 10 * one[1]["behaviour_kl_no_replay"]
     w1, w2 = (load_file(step_folder(runs[n] / "weights", 2) / "model.safetensors") for n in ("one", "two"))
+    # FP8: a sum in another order can round an activation to the neighbouring e4m3 value (measured: one
+    # weight in 2048 off by 2.6e-6 after 2 steps)
+    tol = dict(rtol=1e-5, atol=1e-6) if common["precision"] == "fp32" else dict(rtol=1e-3, atol=1e-5)
     for key in w1:
-        torch.testing.assert_close(w2[key], w1[key], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w2[key], w1[key], **tol)

@@ -7,6 +7,7 @@ Every class here is one contract between two sides that must not drift apart:
 | `trainer`       | builders/processes.py              | runtime/trainer/main.py                  |
 | `orchestrator`  | builders/processes.py              | runtime/orchestrator/main.py             |
 | `inference`     | builders/processes.py              | runtime/inference/server.py              |
+| `router`        | builders/processes.py              | runtime/inference/router.py (P/D)        |
 | `sft`           | builders/derivations.py            | runtime/sft.py (through runtime/derivations.py) |
 | `plan`          | builders/plan.py                   | worker, supervisor, run/status/replay/diff |
 | `run_dir`       | every process of a run, targets    | every process of a run, and the CLI      |

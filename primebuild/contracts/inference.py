@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from primebuild.contracts.base import Contract
 
@@ -25,6 +25,20 @@ class BroadcastJoin(Contract):
     world_size: int = Field(ge=2)
 
 
+class DisaggregationRole(Contract):
+    """P/D: this server prefills (ships KV to decode servers' inboxes) or decodes (receives KV at
+    tcp://host:kv_port). See runtime/inference/disaggregation.py."""
+
+    role: Literal["prefill", "decode"]
+    kv_port: int | None = Field(None, ge=1, le=65535)  # decode: where its KV inbox listens
+
+    @model_validator(mode="after")
+    def _decode_listens(self) -> DisaggregationRole:
+        if (self.role == "decode") != (self.kv_port is not None):
+            raise ValueError("a decode server needs kv_port (its KV inbox); a prefill server has none")
+        return self
+
+
 class InferenceServerConfig(Contract):
     kind: Literal["inference"] = "inference"
     model_path: str
@@ -39,3 +53,4 @@ class InferenceServerConfig(Contract):
     policy_version: int = Field(0, ge=0)  # the version of the weights it starts with
     admin_token_env: str = ADMIN_TOKEN_ENV
     weight_broadcast: BroadcastJoin | None = None
+    disaggregation: DisaggregationRole | None = None

@@ -24,6 +24,7 @@ from pydantic import Field
 from primebuild.contracts.base import Contract, parse_contract
 from primebuild.contracts.inference import InferenceServerConfig
 from primebuild.contracts.orchestrator import OrchestratorConfig
+from primebuild.contracts.router import DecodeServer, RouterConfig  # noqa: F401  (DecodeServer: re-export)
 from primebuild.contracts.sft import SFTConfig
 from primebuild.contracts.trainer import TrainerConfig
 from primebuild.errors import UserError
@@ -31,15 +32,16 @@ from primebuild.hashing import canonical_json, sha256_json
 
 PLAN_VERSION = 2  # 2: typed process configs (no `extra` bags), `runnable`/`unsupported`, typed loss
 
-Role = Literal["inference", "prefill", "decode", "trainer", "orchestrator"]
+Role = Literal["inference", "prefill", "decode", "router", "trainer", "orchestrator"]
 # Roles start in this order; each waits for the health of everything before it.
-START_ORDER: dict[str, int] = {"inference": 0, "prefill": 0, "decode": 0, "trainer": 1, "orchestrator": 2}
+START_ORDER: dict[str, int] = {"inference": 0, "prefill": 0, "decode": 0, "router": 1, "trainer": 1, "orchestrator": 2}
 
 # Defaults that more than one side needs, in one place.
 HEALTH_TIMEOUT_S = 1800.0  # an inference server loading a large model from a network disk
 PROCESS_HEALTH_TIMEOUT_S = 300.0
 
-ProcessConfig = Annotated[TrainerConfig | OrchestratorConfig | InferenceServerConfig, Field(discriminator="kind")]
+ProcessConfig = Annotated[TrainerConfig | OrchestratorConfig | InferenceServerConfig | RouterConfig,
+                          Field(discriminator="kind")]
 
 
 class HealthCheck(Contract):

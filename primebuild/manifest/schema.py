@@ -116,7 +116,9 @@ class Disaggregation(Strict):
 
     prefill: InferenceGroup
     decode: InferenceGroup
-    kv_connector: str = Field("P2pNcclConnector", description="vLLM KV-transfer connector.")
+    kv_connector: str = Field("NixlConnector", description="vLLM KV-transfer connector (a name vLLM 0.32 registers: "
+                              "NixlConnector for GPU clusters; LMCacheConnectorV1 with router_replay). The embedded "
+                              "engine ships KV over its own ZMQ transfer and takes no connector.")
 
 
 class Inference(Strict):

@@ -64,6 +64,18 @@ class SeqUpdate(NamedTuple):
 
 
 @dataclass
+class Prefilled:
+    """A prompt prefilled elsewhere (P/D): what a decode server needs to continue it."""
+
+    prompt_ids: list[int]
+    k: torch.Tensor  # [layers, kv_heads, T, head_dim]
+    v: torch.Tensor
+    logits: torch.Tensor  # [vocab] fp32, at the prompt's last position
+    version: int  # policy version of the weights that computed k, v and logits
+    routed: list | None = None  # [position][moe_layer][k] when asked for
+
+
+@dataclass
 class ChoiceResult:
     """Accumulates the updates of one sequence (used by the server and by `Engine.generate`)."""
 
@@ -112,6 +124,8 @@ class Request:
         params: SamplingParams,
         sink,
         on_abort: Callable[[], None] | None = None,
+        prefilled: Prefilled | None = None,
+        export: bool = False,
     ):
         self.id = request_id
         self.prompt_ids = prompt_ids
@@ -119,6 +133,8 @@ class Request:
         self.sink: Callable[[list[SeqUpdate]], None] = sink
         self.aborted = False
         self._on_abort = on_abort
+        self.prefilled = prefilled  # P/D decode: the prompt's KV, computed by a prefill server
+        self.export = export  # P/D prefill: compute the prompt's KV and hand it to the sink, sample nothing
 
     def abort(self) -> None:
         """Thread-safe: the engine drops the request at its next step."""
@@ -172,6 +188,9 @@ class EngineMetrics:
         self.prefill_steps = 0
         self.preemptions = 0
         self.weight_updates = 0
+        self.kv_exported = 0  # P/D prefill: prompts whose KV went to the sink
+        self.kv_installed = 0  # P/D decode: prompts continued from a shipped KV cache
+        self.kv_stale = 0  # P/D decode: shipped KV of another policy version, prefilled here instead
         self.decode_batch_counts = [0] * (len(DECODE_BATCH_BUCKETS) + 1)
         self.decode_batch_sum = 0
 
@@ -236,18 +255,26 @@ class Engine:
         self._thread.start()
 
     # ---------------------------------------------------------------- public, thread-safe
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink) -> Request:
-        """Queue a prompt; `sink(list[SeqUpdate])` is called on the engine thread as tokens arrive."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink, *, prefilled: Prefilled | None = None,
+               export: bool = False) -> Request:
+        """Queue a prompt; `sink(list[SeqUpdate])` is called on the engine thread as tokens arrive.
+
+        P/D: `prefilled` continues from a KV cache computed elsewhere (used only if its policy version
+        is the one being served, else the prompt is prefilled here); `export` computes the prompt's KV
+        and calls `sink(Prefilled)` once, sampling nothing."""
         if not prompt_ids:
             raise UserError("the prompt has no tokens")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+        # an export samples nothing here: its prompt needs room for one token (the decode server checks the rest)
+        if len(prompt_ids) + (1 if export else params.max_tokens) > self.max_model_len:
             raise UserError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
         if params.n > self.max_num_seqs:
             raise UserError(f"n ({params.n}) exceeds max_num_seqs ({self.max_num_seqs})")
-        request = Request(next(self._ids), list(prompt_ids), params, sink, self._note_abort)
+        if prefilled is not None and list(prefilled.prompt_ids) != list(prompt_ids):
+            raise UserError("the shipped KV cache belongs to another prompt")
+        request = Request(next(self._ids), list(prompt_ids), params, sink, self._note_abort, prefilled, export)
         with self._cv:
             self._incoming.append(request)
             self._cv.notify()
@@ -388,8 +415,11 @@ class Engine:
         self._drop_aborted()
         already_running = len(self.running)
         admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
+        installs = [u for u in admitted if isinstance(u, Request) and self._installable(u)]
+        if installs:
+            self._install(installs)
+        if len(installs) < len(admitted):
+            self._prefill([u for u in admitted if not (isinstance(u, Request) and u.prefilled is not None)])
         if already_running:
             self._decode(self.running[:already_running])
 
@@ -413,7 +443,7 @@ class Engine:
             if _request_of(unit).aborted:
                 self.waiting.popleft()
                 continue
-            needs = unit.params.n if isinstance(unit, Request) else 1
+            needs = (1 if unit.export else unit.params.n) if isinstance(unit, Request) else 1
             length = len(unit.prompt_ids) if isinstance(unit, Request) else len(unit.tokens)
             new_padded = max(padded_len, length)
             if needs > free or (admitted and new_padded * (len(admitted) + 1) > self.max_prefill_tokens):
@@ -423,6 +453,50 @@ class Engine:
             free -= needs
             padded_len = new_padded
         return admitted
+
+    def _installable(self, request: Request) -> bool:
+        """A shipped KV cache is used only if the weights that computed it are the ones served now: the
+        KV of an old policy is never continued by a new one (it is prefilled here instead, and counted)."""
+        shipped = request.prefilled
+        if shipped is None:
+            return False
+        if shipped.version != self.version:
+            log.info("request %s: KV computed by policy %d, serving %d: prefilling it here", request.id,
+                     shipped.version, self.version)
+            self.metrics.kv_stale += 1
+            request.prefilled = None
+            return False
+        return True
+
+    def _install(self, requests: list[Request]) -> None:
+        """Continue prompts prefilled elsewhere: their KV into a slot (copied to the other n - 1), then
+        the first token sampled from the shipped logits exactly as `_prefill` samples it."""
+        seqs, logits = [], []
+        for request in requests:
+            shipped, length = request.prefilled, len(request.prompt_ids)
+            request.prefilled = None
+            self.cache.ensure(length)
+            group = []
+            for i in range(request.params.n):
+                generator = None if request.params.seed is None else make_generator(request.params.seed + i,
+                                                                                     self.device)
+                seq = Sequence(request, i, generator, self.eos_token_ids, self.max_model_len)
+                self._place(seq)
+                group.append(seq)
+            first = group[0].slot
+            for layer in range(self.config.num_layers):
+                self.cache.k[layer][first, :, :length] = shipped.k[layer].to(self.device, self.dtype)
+                self.cache.v[layer][first, :, :length] = shipped.v[layer].to(self.device, self.dtype)
+            if shipped.routed is not None and self.cache.routes is not None:
+                self.cache.routes[first, :length] = torch.tensor(shipped.routed, dtype=self.cache.routes.dtype)
+            for seq in group:
+                if seq.slot != first:
+                    self.cache.copy_slot(first, seq.slot, length)
+            seqs += group
+            logits += [shipped.logits.to(self.device)] * len(group)
+            self.metrics.prompt_tokens += length
+            self.metrics.kv_installed += 1
+        self._emit(seqs, torch.stack(logits))
 
     def _place(self, seq: Sequence) -> None:
         seq.slot = len(self.running)
@@ -434,7 +508,7 @@ class Engine:
             if isinstance(unit, Request):
                 params = unit.params
                 seqs = []
-                for i in range(params.n):
+                for i in range(1 if unit.export else params.n):
                     generator = None if params.seed is None else make_generator(params.seed + i, self.device)
                     seq = Sequence(unit, i, generator, self.eos_token_ids, self.max_model_len)
                     self._place(seq)
@@ -462,16 +536,40 @@ class Engine:
             routed,
         )
         self.metrics.prefill_steps += 1
-        if routed is not None:  # before the forks below copy the first slot's rows
+        if routed is not None:  # before the forks and exports below read the first slot's rows
             self.cache.write_routes(torch.tensor(first_slots, device=self.device), slice(0, steps), routed)
-        rows, seqs = [], []
+        rows, seqs, exported = [], [], []
         for row, (group, length) in enumerate(zip(groups, lengths, strict=True)):
+            if group[0].request.export:
+                self._export(group[0], logits[row], length)
+                exported.append(group[0])
+                continue
             for seq in group:
                 if seq.slot != group[0].slot:
                     self.cache.copy_slot(group[0].slot, seq.slot, length)
                 rows.append(row)
                 seqs.append(seq)
-        self._emit(seqs, logits[torch.tensor(rows, device=logits.device)])
+        if seqs:
+            self._emit(seqs, logits[torch.tensor(rows, device=logits.device)])
+        # Exported prompts leave their slots only now: `_release` moves the last sequence into the freed
+        # slot copying all but its newest position, which holds for sequences that have sampled a token.
+        for seq in sorted(exported, key=lambda s: s.slot, reverse=True):
+            self._release(seq)
+
+    def _export(self, seq: Sequence, logits: torch.Tensor, length: int) -> None:
+        """P/D prefill: hand the prompt's KV (copied out of its slot) and last logits to the request's sink."""
+        request = seq.request
+        k = torch.stack([layer[seq.slot, :, :length] for layer in self.cache.k])
+        v = torch.stack([layer[seq.slot, :, :length] for layer in self.cache.v])
+        per_position = None  # [position][moe_layer][k]: the slot's routes, as the decode server stores them
+        if request.params.return_routed_experts and self.cache.routes is not None:
+            per_position = self.cache.routes[seq.slot, :length].tolist()
+        self.metrics.kv_exported += 1
+        shipped = Prefilled(list(request.prompt_ids), k, v, logits.float().clone(), self.version, per_position)
+        try:
+            request.sink(shipped)
+        except Exception:
+            log.exception("export sink failed for request %s", request.id)
 
     def _decode(self, seqs: list[Sequence]) -> None:
         batch = len(seqs)
@@ -573,7 +671,7 @@ class Engine:
         seen: dict[int, tuple[Request, list[SeqUpdate]]] = {}
         for unit in units:
             request = _request_of(unit)
-            indices = range(request.params.n) if isinstance(unit, Request) else [unit.index]
+            indices = range(1 if request.export else request.params.n) if isinstance(unit, Request) else [unit.index]
             for index in indices:
                 update = SeqUpdate(index, (), (), (), finish_reason="abort", error=message)
                 seen.setdefault(request.id, (request, []))[1].append(update)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from .disaggregation import Disaggregation
 from .engine import DECODE_BATCH_BUCKETS, Engine
 
 PREFIX = "primebuild_inference"
 
 
-def render(engine: Engine, model_name: str) -> str:
+def render(engine: Engine, model_name: str, pd: Disaggregation | None = None) -> str:
     stats = engine.stats()
     m = engine.metrics
     label = f'model="{_escape(model_name)}"'
@@ -34,6 +35,25 @@ def render(engine: Engine, model_name: str) -> str:
     metric("prefill_steps_total", "counter", "Batched prefill steps.", m.prefill_steps)
     metric("preemptions_total", "counter", "Sequences re-prefilled after a weight update.", m.preemptions)
     metric("weight_updates_total", "counter", "Weight swaps applied.", m.weight_updates)
+
+    if pd is not None and (pd.prefill or pd.decode):
+        # P/D: what crossed between the servers. KV bytes / tokens is the model's KV bytes per token.
+        side = "sent" if pd.prefill else "received"
+        c = pd.prefill.sender.counters if pd.prefill else pd.decode.inbox.counters
+        metric(f"kv_transfer_{side}_total", "counter", f"Prompts whose KV cache was {side}.", c.transfers)
+        metric(f"kv_transfer_{side}_bytes_total", "counter", f"Bytes of K and V {side}.", c.kv_bytes)
+        metric(f"kv_transfer_{side}_tokens_total", "counter", f"Prompt tokens whose K and V were {side}.", c.tokens)
+        metric(f"kv_transfer_{side}_logits_bytes_total", "counter",
+               f"Bytes of last-position logits {side} beside the KV.", c.logits_bytes)
+        metric(f"kv_transfer_{side}_seconds_total", "counter",
+               "Seconds from KV ready to sent (prefill) or from sent to received (decode).", c.seconds)
+        if pd.decode:
+            metric("kv_transfer_installed_total", "counter", "Prompts continued from a shipped KV cache.",
+                   m.kv_installed)
+            metric("kv_transfer_stale_total", "counter", "Shipped KV caches of another policy version, prefilled "
+                   "here instead.", m.kv_stale)
+            metric("kv_transfer_missing_total", "counter", "Transfers that did not arrive in time, prefilled here.",
+                   pd.decode.missing)
 
     name = f"{PREFIX}_decode_batch_size"
     lines.append(f"# HELP {name} Sequences per decode step (continuous batching at work).")

@@ -61,6 +61,14 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class KvTransfer(_Body):
+    """P/D (set by the router): on a prefill server `to` is the decode server's KV inbox, and the prompts'
+    KV caches go there under `id`; on a decode server the request continues from the KV shipped as `id`."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    to: str | None = Field(None, pattern=r"^tcp://[A-Za-z0-9.:\[\]-]{1,255}:[0-9]{1,5}$")
+
+
 class CommonRequest(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1, lt=2**31)
@@ -77,6 +85,7 @@ class CommonRequest(_Body):
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     return_routed_experts: bool = False
+    kv_transfer: KvTransfer | None = None
 
     # OpenAI and vLLM answer 400 to these two; an ApiError passes through pydantic with its param
     @model_validator(mode="after")

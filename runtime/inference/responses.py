@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from primebuild.errors import UserError
 
-from .engine import ChoiceResult, Engine, SeqUpdate
+from .engine import ChoiceResult, Engine, Prefilled, SeqUpdate
 from .protocol import ApiError
 from .sampling import SamplingParams
 from .tokenizer import ServedTokenizer
@@ -37,18 +37,21 @@ LOGPROB_FLOOR = -9999.0  # vLLM's floor: a token masked by top-k/top-p has -inf,
 class Generation:
     """The engine requests of one API call; updates cross from the engine thread into the event loop."""
 
-    def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams):
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams,
+                 prefilled: list[Prefilled | None] | None = None):
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.n = params.n
         self.remaining = len(prompts) * params.n
         self.requests = []
+        shipped = prefilled or [None] * len(prompts)
         try:
             for index, prompt in enumerate(prompts):
                 # max_tokens beyond the context left is cut to it (vLLM's rule; validation.py refused the rest)
                 room = engine.max_model_len - len(prompt)
                 fitted = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-                self.requests.append(engine.submit(prompt, fitted, functools.partial(self._sink, index)))
+                self.requests.append(engine.submit(prompt, fitted, functools.partial(self._sink, index),
+                                                   prefilled=shipped[index]))
         except UserError as err:
             self.abort()
             raise ApiError(400, str(err)) from None
@@ -199,9 +202,10 @@ def sse(data: dict | str) -> str:
 
 async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str, api: Api,
                  prompts: list[list[int]], params: SamplingParams, *, stream: bool, include_usage: bool,
-                 logprobs: bool, top: int):
-    """Run one API call on the engine and answer it, whole or as server-sent events."""
-    generation = Generation(engine, prompts, params)
+                 logprobs: bool, top: int, prefilled: list[Prefilled | None] | None = None):
+    """Run one API call on the engine and answer it, whole or as server-sent events (P/D decode:
+    continuing from `prefilled` KV caches, one per prompt, None where the prompt is prefilled here)."""
+    generation = Generation(engine, prompts, params, prefilled)
     choices = [Choice(p * params.n + i, prompts[p], tokenizer, params)
                for p in range(len(prompts)) for i in range(params.n)]
     meta = {"id": f"{ID_PREFIX[api]}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served_model_name,

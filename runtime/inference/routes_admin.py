@@ -14,6 +14,7 @@ from fastapi.responses import PlainTextResponse
 from primebuild.errors import UserError
 
 from . import metrics as prometheus
+from .disaggregation import Disaggregation
 from .engine import Engine
 from .protocol import ApiError, UpdateWeightsRequest, parse_body
 from .weight_receiver import BroadcastStage
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def admin_router(engine: Engine, served_model_name: str, admin_token: str | None,
-                 weight_stage: BroadcastStage | None) -> APIRouter:
+                 weight_stage: BroadcastStage | None, pd: Disaggregation | None = None) -> APIRouter:
     router = APIRouter()
 
     def authorize(request: Request) -> None:
@@ -36,6 +37,8 @@ def admin_router(engine: Engine, served_model_name: str, admin_token: str | None
     async def health():
         state = {"status": "ok", "model": served_model_name, "policy_version": engine.version,
                  "paused": engine.paused}
+        if pd is not None and pd.role is not None:
+            state["role"] = pd.role
         if weight_stage is not None:
             state["received_version"] = weight_stage.received_version
             state["broadcast_error"] = weight_stage.error
@@ -43,7 +46,7 @@ def admin_router(engine: Engine, served_model_name: str, admin_token: str | None
 
     @router.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus.render(engine, served_model_name),
+        return PlainTextResponse(prometheus.render(engine, served_model_name, pd),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @router.post("/pause")

@@ -12,6 +12,7 @@ import time
 from fastapi import APIRouter, Request
 
 from .body_parser import BodyParser
+from .disaggregation import Disaggregation
 from .engine import Engine
 from .protocol import ApiError, ChatRequest, CompletionRequest
 from .responses import answer
@@ -20,8 +21,9 @@ from .validation import RequestChecks
 
 
 def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str,
-                  body_parser: BodyParser) -> APIRouter:
+                  body_parser: BodyParser, pd: Disaggregation | None = None) -> APIRouter:
     router = APIRouter()
+    pd = pd or Disaggregation(None)  # P/D: a prefill server exports, a decode server continues
     check = RequestChecks(engine, tokenizer, served_model_name)
     created = int(time.time())
 
@@ -40,9 +42,12 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
         top = body.logprobs or 0
         params = body.sampling(body.max_tokens or 16, top)
         check.limits(prompts, params)
+        exported, prefilled = await pd.handle(engine, body.kv_transfer, prompts, params)
+        if exported is not None:
+            return exported
         return await answer(engine, tokenizer, served_model_name, "completion", prompts, params,
                             stream=bool(body.stream), include_usage=_include_usage(body),
-                            logprobs=body.logprobs is not None, top=top)
+                            logprobs=body.logprobs is not None, top=top, prefilled=prefilled)
 
     def chat_prompt(body: ChatRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -66,9 +71,12 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
         top = (body.top_logprobs or 0) if body.logprobs else 0
         params = body.sampling(max_tokens, top)
         check.limits([prompt], params, prompt_param="messages")
+        exported, prefilled = await pd.handle(engine, body.kv_transfer, [prompt], params)
+        if exported is not None:
+            return exported
         return await answer(engine, tokenizer, served_model_name, "chat", [prompt], params,
                             stream=bool(body.stream), include_usage=_include_usage(body),
-                            logprobs=bool(body.logprobs), top=top)
+                            logprobs=bool(body.logprobs), top=top, prefilled=prefilled)
 
     return router
 

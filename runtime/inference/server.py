@@ -28,6 +28,7 @@ from primebuild.contracts.inference import InferenceServerConfig
 from primebuild.errors import UserError
 
 from .body_parser import BodyParser, PromptBounds
+from .disaggregation import Disaggregation
 from .engine import Engine
 from .protocol import ApiError
 from .routes_admin import admin_router
@@ -48,6 +49,7 @@ def create_app(
     admin_token: str | None = None,
     shutdown_engine_on_exit: bool = False,
     weight_stage: BroadcastStage | None = None,
+    pd: Disaggregation | None = None,
 ) -> FastAPI:
     """The FastAPI app over an already-running engine. `admin_token=None` refuses every admin call."""
     tokenizer = tokenizer or ServedTokenizer(engine.model_path)
@@ -84,8 +86,8 @@ def create_app(
         log.exception("unhandled error")
         return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}").body(), status_code=500)
 
-    app.include_router(openai_router(engine, tokenizer, served_model_name, body_parser))
-    app.include_router(admin_router(engine, served_model_name, admin_token, weight_stage))
+    app.include_router(openai_router(engine, tokenizer, served_model_name, body_parser, pd))
+    app.include_router(admin_router(engine, served_model_name, admin_token, weight_stage, pd))
     return app
 
 
@@ -114,8 +116,12 @@ def serve(config: InferenceServerConfig) -> None:
     engine = Engine(config.model_path, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                     dtype=dtype, fp8=fp8, seed=config.seed, policy_version=config.policy_version,
                     eos_token_ids=tokenizer.eos_token_ids, detokenize=tokenizer.decode)
+    pd = None
+    if config.disaggregation is not None:  # P/D: this server is a prefill or a decode server
+        role = config.disaggregation.role
+        pd = Disaggregation(role, f"tcp://{config.host}:{config.disaggregation.kv_port}" if role == "decode" else None)
     app = create_app(engine, tokenizer, served_model_name=config.served_model_name, admin_token=admin_token,
-                     shutdown_engine_on_exit=True, weight_stage=weight_stage)
+                     shutdown_engine_on_exit=True, weight_stage=weight_stage, pd=pd)
     uvicorn.run(app, host=config.host, port=config.port, log_level="info")
 
 

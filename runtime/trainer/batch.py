@@ -199,6 +199,21 @@ def routing_bytes(samples: list[Sample]) -> dict[str, float]:
     return {"routing_bytes_per_token": sum(r.numel() * r.element_size() for r in carried) / tokens}
 
 
+def pad_columns(mb: MicroBatch, width: int, pad_id: int) -> MicroBatch:
+    """`mb` right-padded to `width` columns (no attention, no loss there): context parallelism splits
+    a sequence into equal chunks."""
+    extra = width - mb.input_ids.shape[1]
+    if extra <= 0:
+        return mb
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.cat([t, torch.full((t.shape[0], extra, *t.shape[2:]), value, dtype=t.dtype)], dim=1)
+
+    routes = None if mb.routed_experts is None else pad(mb.routed_experts, -1)  # -1: the router's own choice
+    return MicroBatch(pad(mb.input_ids, pad_id), pad(mb.attention_mask, 0), pad(mb.loss_mask, False),
+                      pad(mb.inference_logprobs, 0.0), pad(mb.advantages, 0.0), mb.sample_indices, routes)
+
+
 def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
     """A two-token row with no loss: it still runs forward and backward, so its rank joins every FSDP
     collective, while contributing exactly zero gradient."""

@@ -42,14 +42,15 @@ import torch.distributed as dist
 
 from primebuild.contracts.base import load_contract
 from primebuild.contracts.run_dir import RunDir
-from primebuild.contracts.trainer import TrainerConfig, loss_params
+from primebuild.contracts.trainer import ParallelDims, TrainerConfig, loss_params
 from primebuild.errors import UserError
 from primebuild.runtime.weight_sync import filesystem as fs
 
 from ..trackers import open_sinks
 from . import finite
-from .batch import load_batch, loss_normalizer, pack
+from .batch import load_batch, loss_normalizer, pack, pad_columns
 from .checkpoint import load_checkpoint, save_checkpoint
+from .context_parallel import make_shard, padded_length
 from .losses import kl_per_token, resolve_loss
 from .metrics import MetricsWriter
 from .model import (
@@ -62,6 +63,7 @@ from .model import (
     load_model,
     precision_dtype,
 )
+from .parallel_dims import Meshes, build_meshes, check_dims
 
 __all__ = ["TrainerConfig", "run_trainer", "main"]
 
@@ -105,10 +107,21 @@ def lr_at(config: TrainerConfig, step: int) -> float:
     return config.lr * min(1.0, step / config.warmup_steps)
 
 
-def _grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor, its value is the global norm
-        norm = norm.full_tensor()
+def _grad_norm(model: torch.nn.Module, max_norm: float, env: DistEnv) -> torch.Tensor:
+    """Clip to `max_norm` (as clip_grad_norm_ does) and return the norm before clipping.
+
+    With several ranks every element of every gradient lives on exactly one rank (FSDP shards, EP
+    owns whole experts, nothing is replicated), so the global norm is one all-reduce of local sums of
+    squares; clip_grad_norm_ cannot stack DTensors of different meshes (EP's experts vs the rest)."""
+    if not env.distributed:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grads = [finite.local(p.grad) for p in model.parameters() if p.grad is not None]
+    squares = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
+    dist.all_reduce(squares)
+    norm = squares.sqrt().float()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
     return norm
 
 
@@ -119,20 +132,46 @@ def fresh_mask(mb, samples, mask: torch.Tensor, step: int, device) -> torch.Tens
     return mask & rows[:, None] if len(mb.sample_indices) else torch.zeros_like(mask)
 
 
+def place(mb, config: TrainerConfig, env: DistEnv, meshes: Meshes):
+    """`mb` on the device, and what this rank computes of it: (mb, CP shard or None, loss mask, routes).
+
+    With context parallelism the micro-batch is padded to equal chunks and this rank scores only the
+    tokens of its own positions (the other CP ranks score the rest); its recorded routes are those of
+    the positions it computes, in the order the model sees them."""
+    shard = None
+    if meshes.dims.cp > 1:
+        mb = pad_columns(mb, padded_length(mb.input_ids.shape[1], meshes.dims.cp), config.pad_token_id)
+        shard = make_shard(mb.input_ids.shape[1], meshes.dims.cp, dist.get_rank(meshes.cp_group), meshes.cp_group,
+                           env.device)
+    mb.input_ids = mb.input_ids.to(env.device)
+    mb.attention_mask = mb.attention_mask.to(env.device)
+    mask = mb.loss_mask.to(env.device)
+    routes = mb.routed_experts.to(env.device) if mb.routed_experts is not None else None
+    if shard is not None:
+        mask = mask & torch.zeros_like(mask).index_fill_(1, shard.targets, True)
+        if routes is not None:
+            routes = routes[:, shard.positions]
+    return mb, shard, mask, routes
+
+
 @torch.no_grad()
-def score_without_replay(model, mb, samples, config: TrainerConfig, env: DistEnv, step: int) -> torch.Tensor:
+def score_without_replay(model, mb, shard, mask, samples, config: TrainerConfig, env: DistEnv,
+                         step: int) -> torch.Tensor:
     """(KL sum over trained tokens, over fresh ones) of micro-batch `mb` scored with the trainer's own
     routing: the mismatch router replay removes."""
-    mask = mb.loss_mask.to(env.device)
     with autocast_context(env, compute_dtype(config, env.device)):
-        lp, _ = model(mb.input_ids.to(env.device), mb.attention_mask.to(env.device), config.temperature)
+        lp, _ = model(mb.input_ids, mb.attention_mask, config.temperature, shard)
     kl = kl_per_token(lp - mb.inference_logprobs.to(env.device))
     fresh = fresh_mask(mb, samples, mask, step, env.device)
     return torch.stack([torch.where(mask, kl, 0.0).sum(), torch.where(fresh, kl, 0.0).sum()]).double().cpu()
 
 
-def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: DistEnv, step: int) -> dict:
-    """One optimizer step on ``batch``; returns the step's metrics (identical on every rank)."""
+def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: DistEnv, step: int,
+               meshes: Meshes | None = None) -> dict:
+    """One optimizer step on ``batch``; returns the step's metrics (identical on every rank).
+
+    Micro-batches are dealt over the dp ranks; the CP ranks of a dp rank share its micro-batches and
+    split each one's sequence (context_parallel.py), each scoring the tokens of its own positions."""
     meta_temp = batch.metadata.get("temperature")
     if meta_temp is not None and abs(float(meta_temp) - config.temperature) > 1e-9:
         raise UserError(
@@ -146,7 +185,10 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
         config.loss_normalizer,
         config.max_completion_tokens or batch.metadata.get("max_completion_tokens"),
     )
-    mine = pack(samples, config.micro_batch_tokens, env.world_size, config.pad_token_id)[env.rank]
+    meshes = meshes or build_meshes(ParallelDims(dp_shard=env.world_size), env.world_size, env.rank,
+                                    env.device.type)
+    mine = [place(mb, config, env, meshes) for mb in
+            pack(samples, config.micro_batch_tokens, meshes.dims.dp_shard, config.pad_token_id)[meshes.dp_rank]]
     replay = model.replay
     replayed = replay is not None and any(s.routed_experts is not None for s in samples)
     # The same on every rank (FSDP collectives must match): score the batch once more without replay.
@@ -160,20 +202,17 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
     started = time.perf_counter()
     # Before any backward: under FSDP2 a forward between micro-batches' backwards corrupted the gradients
     # (measured: 2 ranks gave grad_norm 0.49 where 1 rank gave 0.77; with the forwards first, equal).
-    free = [score_without_replay(model, mb, samples, config, env, step) if check else torch.zeros(2, dtype=torch.float64)
-            for mb in mine]
+    free = [score_without_replay(model, mb, shard, mask, samples, config, env, step) if check
+            else torch.zeros(2, dtype=torch.float64) for mb, shard, mask, _ in mine]
     check_seconds = time.perf_counter() - started
-    for mb, free_kl in zip(mine, free, strict=True):
-        mb.input_ids = mb.input_ids.to(env.device)
-        mb.attention_mask = mb.attention_mask.to(env.device)
-        mask = mb.loss_mask.to(env.device)
-        routes = mb.routed_experts.to(env.device) if replayed and mb.routed_experts is not None else None
+    for (mb, shard, mask, routes), free_kl in zip(mine, free, strict=True):
+        own = slice(None) if shard is None else shard.positions  # the columns this rank computes
         inference_lp = mb.inference_logprobs.to(env.device)
         fresh = fresh_mask(mb, samples, mask, step, env.device)
         # Routes stay set through backward: activation checkpointing recomputes the routers there.
-        with replay.replaying(routes) if replay is not None else contextlib.nullcontext():
+        with replay.replaying(routes if replayed else None) if replay is not None else contextlib.nullcontext():
             with autocast_context(env, compute_dtype(config, env.device)):
-                lp, entropy = model(mb.input_ids, mb.attention_mask, config.temperature)
+                lp, entropy = model(mb.input_ids, mb.attention_mask, config.temperature, shard)
             loss_sum, m = loss_fn(lp, inference_lp, mb.advantages.to(env.device), mask)
             if bad_loss is None and not torch.isfinite(loss_sum).item():
                 bad_loss = f"of samples {mb.sample_indices[0]}..{mb.sample_indices[-1]}" if mb.sample_indices else ""
@@ -189,8 +228,8 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
                 m["masked"].double().cpu(),
                 m["ratio"].double().cpu(),
                 torch.where(mask, entropy, 0.0).sum().double().cpu(),
-                torch.tensor(0.0 if mb.is_empty else float(mb.attention_mask.sum()), dtype=torch.float64),
-                torch.tensor(0.0 if mb.is_empty else float(mb.padded_tokens), dtype=torch.float64),
+                torch.tensor(0.0 if mb.is_empty else float(mb.attention_mask[:, own].sum()), dtype=torch.float64),
+                torch.tensor(0.0 if mb.is_empty else float(mb.attention_mask[:, own].numel()), dtype=torch.float64),
                 fresh.sum().double().cpu(),
                 torch.where(fresh, kl_per_token(lp - inference_lp), 0.0).sum().double().cpu(),
             ]
@@ -202,7 +241,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
 
     finite.check(step, bad_loss, "the loss", env.device)
     finite.check(step, finite.first_non_finite(finite.grads(model)), "the gradient of", env.device)
-    grad_norm = _grad_norm(model, config.max_grad_norm)
+    grad_norm = _grad_norm(model, config.max_grad_norm, env)
     lr = lr_at(config, step)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -291,11 +330,7 @@ def compute_dtype(config: TrainerConfig, device: torch.device | None = None) -> 
 
 def check_launch(config: TrainerConfig, env: DistEnv) -> None:
     """What the plan's capability check refuses, refused again here: a hand-written config is no way round."""
-    dims = config.parallel
-    if (dims.dp_replicate, dims.cp, dims.tp, dims.ep) != (1, 1, 1, 1):
-        raise UserError(f"parallel {dims.model_dump()}: this trainer applies dp_shard only (FSDP2)")
-    if dims.dp_shard != env.world_size:
-        raise UserError(f"parallel.dp_shard is {dims.dp_shard} but the launch has {env.world_size} rank(s)")
+    check_dims(config.parallel, env.world_size)
     if config.optimizer_cpu_offload:
         raise UserError("optimizer_cpu_offload: not applied by this trainer")
     compute_dtype(config)
@@ -326,8 +361,10 @@ def run_trainer(config: TrainerConfig) -> None:
     if env.is_main:
         run.root.mkdir(parents=True, exist_ok=True)
     loss_fn = resolve_loss(config.loss.name, loss_params(config.loss))
+    meshes = build_meshes(config.parallel, env.world_size, env.rank, env.device.type)
     model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,
-                       config.logprob_chunk_tokens, config.router_replay, fp8=config.precision == "fp8")
+                       config.logprob_chunk_tokens, config.router_replay, fp8=config.precision == "fp8",
+                       meshes=meshes)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
@@ -347,7 +384,7 @@ def run_trainer(config: TrainerConfig) -> None:
                 log.info("STOP file found before step %d; stopping", step)
                 break
             t1 = time.monotonic()
-            stats = train_step(model, optimizer, load_batch(path), config, loss_fn, env, step)
+            stats = train_step(model, optimizer, load_batch(path), config, loss_fn, env, step, meshes)
             t2 = time.monotonic()
             publisher.publish(model, step)
             stats.update(wait_s=t1 - t0, step_s=t2 - t1, publish_s=time.monotonic() - t2)

@@ -9,6 +9,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from primebuild.contracts.trainer import ParallelDims
+
+from . import context_parallel
+from .context_parallel import ContextShard
+from .expert_parallel import apply_expert_parallel
+from .parallel_dims import Meshes, build_meshes
 from .router_replay import RouterReplay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,28 +89,41 @@ class Policy(nn.Module):
     def config(self):
         return self.hf.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                shard: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob of every token given its prefix, and the policy's entropy there (no gradient).
 
         Both are [B, T] and aligned with `input_ids`: column t describes token t, predicted at t-1;
         column 0 has no prediction and is 0. Logits are divided by the sampling temperature so that the
-        trainer scores the same distribution the inference server sampled from."""
+        trainer scores the same distribution the inference server sampled from.
+
+        With a context-parallel `shard` this rank computes only its positions and fills only the columns
+        of `shard.targets` (the others stay 0: another CP rank scores them)."""
         from primebuild.kernels.logprobs import chunked_token_logprobs
 
-        hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        b, t, h = hidden.shape
-        lp, entropy = chunked_token_logprobs(hidden[:, :-1].reshape(-1, h), self.hf.get_output_embeddings().weight,
-                                             input_ids[:, 1:].reshape(-1), temperature, self.chunk_tokens)
-        pad = torch.zeros(b, 1, dtype=lp.dtype, device=lp.device)
-        return torch.cat([pad, lp.view(b, t - 1)], dim=1), torch.cat([pad, entropy.view(b, t - 1)], dim=1)
+        b, t = input_ids.shape
+        context_parallel.use_shard(shard)
+        if shard is None:
+            hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            sources, targets = hidden[:, :-1], torch.arange(1, t, device=input_ids.device)
+        else:
+            positions = shard.positions
+            hidden = self.hf.model(input_ids=input_ids[:, positions],
+                                   position_ids=positions.expand(b, -1)).last_hidden_state
+            sources, targets = hidden[:, positions + 1 < t], shard.targets
+        h = hidden.shape[-1]
+        lp, entropy = chunked_token_logprobs(sources.reshape(-1, h), self.hf.get_output_embeddings().weight,
+                                             input_ids[:, targets].reshape(-1), temperature, self.chunk_tokens)
+        full_lp = lp.new_zeros(b, t).index_copy(1, targets, lp.view(b, -1))
+        full_entropy = entropy.new_zeros(b, t).index_copy(1, targets, entropy.view(b, -1))
+        return full_lp, full_entropy
 
 
 def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
-               logprob_chunk_tokens: int, router_replay: bool = False, fp8: bool = False) -> Policy:
-    """Load the HF causal LM with fp32 master weights, and shard it with FSDP2 when there are several
-    ranks: one FSDP unit per decoder block (its all-gather overlaps the previous block's compute) plus
-    the root for embeddings, final norm and head. Parameters are computed in ``compute_dtype``;
+               logprob_chunk_tokens: int, router_replay: bool = False, fp8: bool = False,
+               meshes: Meshes | None = None) -> Policy:
+    """Load the HF causal LM with fp32 master weights, switch its matmuls to FP8 if asked, and apply the
+    parallel dimensions of `meshes` (`parallelize`). Parameters are computed in ``compute_dtype``;
     gradients are reduced in fp32."""
     from transformers import AutoModelForCausalLM
 
@@ -123,14 +142,34 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model = Policy(hf, logprob_chunk_tokens, router_replay).to(env.device)
     if env.distributed:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
-        for layer in decoder_layers(hf):
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+        parallelize(model, meshes or build_meshes(ParallelDims(dp_shard=env.world_size), env.world_size, env.rank,
+                                                  env.device.type), compute_dtype, fp8=fp8)
     model.train()
     return model
+
+
+def parallelize(model: Policy, meshes: Meshes, compute_dtype: str, fp8: bool = False) -> None:
+    """Apply every parallel dimension, in a fixed order (torchtitan's parallelize, for our dims):
+
+    1. EP: every MoE layer's experts become ExpertParallelExperts over meshes.ep_mesh (expert_parallel.py);
+    2. CP: attention runs through the context-parallel attention function (context_parallel.py);
+       the split itself happens per micro-batch (Policy.forward);
+    3. FSDP: each decoder block and the root over meshes.fsdp (dp_shard * cp ranks); with EP, each
+       block's experts first, over meshes.efsdp, sharded on dim 1 (dim 0 is already EP's); their
+       gradient ends up divided by the whole FSDP degree like every other one (expert_parallel.py)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    hf = model.hf
+    expert_modules = apply_expert_parallel(hf, meshes.ep_mesh, fp8=fp8) if meshes.ep_mesh is not None else []
+    if meshes.cp_mesh is not None:
+        hf.config._attn_implementation = context_parallel.register()
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
+    for experts in expert_modules:
+        fully_shard(experts, mesh=meshes.efsdp, mp_policy=mp, shard_placement_fn=lambda _: Shard(1))
+    for layer in decoder_layers(hf):
+        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp)
+    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp)
 
 
 def autocast_context(env: DistEnv, compute_dtype: str):

@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 684ff3a66c586dea0e42bd2419337886dceb9024945252bc7f64fa8e280405f5, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 1e516345aba6530223ba67c138707c103021d7cf4b88fcd8502d159bf55e0d77, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here).

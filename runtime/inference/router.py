@@ -1,0 +1,252 @@
+"""The P/D router: the one inference endpoint of a disaggregated run (FastAPI + httpx).
+
+    python -m primebuild.runtime.inference.router --config router.json   # a RouterConfig
+
+For each /v1/completions or /v1/chat/completions request it picks the least-busy prefill server and
+the least-busy decode server, then
+  1. posts the body to the prefill server with `kv_transfer: {id, to: <decode's KV inbox>}`: the
+     prompts are prefilled there and their KV caches pushed to the decode server (disaggregation.py);
+  2. posts the same body to the decode server with `kv_transfer: {id}`, which continues from the
+     shipped KV and answers with the full OpenAI contract; that answer (streamed or whole) is passed
+     through unchanged.
+Admin calls (`/pause`, `/resume`, `/update_weights`, with the run's token) go to every prefill and
+decode server at once, so the orchestrator's pause -> update -> resume reaches both pools. `/health`
+reports the lowest policy version any server holds (and the lowest received one): a fleet that is
+partly updated looks stale to the orchestrator, which then updates it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from primebuild.contracts.base import load_contract
+from primebuild.contracts.router import RouterConfig
+from primebuild.errors import UserError
+
+from .protocol import MAX_BODY_BYTES, ApiError
+
+log = logging.getLogger(__name__)
+PREFIX = "primebuild_router"
+
+
+class Pool:
+    """Servers of one kind and the requests each has in flight (least-busy first, then in turn)."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+        self.busy = [0] * len(urls)
+        self._turn = itertools.count()
+
+    def pick(self) -> int:
+        n, start = len(self.urls), next(self._turn) % len(self.urls)
+        return min(range(n), key=lambda i: (self.busy[i], (i - start) % n))
+
+
+class Counters:
+    def __init__(self):
+        self.requests = self.failed = self.prompts = self.kv_bytes = self.kv_tokens = 0
+        self.prefill_seconds = self.decode_seconds = 0.0
+
+
+def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
+    prefill = Pool([u.rstrip("/") for u in config.prefill])
+    decode = Pool([d.url.rstrip("/") for d in config.decode])
+    inbox = {d.url.rstrip("/"): d.kv_address for d in config.decode}
+    every = prefill.urls + decode.urls
+    counters = Counters()
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=limits)
+    app = FastAPI(title="primebuild P/D router", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    def authorize(request: Request) -> str:
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if (not admin_token or scheme.lower() != "bearer"
+                or not hmac.compare_digest(given.strip().encode(), admin_token.encode())):
+            raise ApiError(401, "admin calls need 'Authorization: Bearer <admin token>'", code="unauthorized",
+                           kind="authentication_error")
+        return header
+
+    async def disaggregated(request: Request, path: str):
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError as err:
+            raise ApiError(400, f"request body is not valid JSON: {str(err)[:200]}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        if "kv_transfer" in body:
+            raise ApiError(400, "kv_transfer is set by the router, not by clients", param="kv_transfer")
+        transfer = uuid.uuid4().hex
+        p, d = prefill.pick(), decode.pick()
+        prefill_url, decode_url = prefill.urls[p], decode.urls[d]
+        counters.requests += 1
+        prefill.busy[p] += 1
+        started = time.monotonic()
+        try:
+            answer = await http.post(prefill_url + path, json={**body, "stream": False,
+                                                               "kv_transfer": {"id": transfer, "to": inbox[decode_url]}})
+        except httpx.TransportError as err:
+            counters.failed += 1
+            raise ApiError(503, f"prefill server {prefill_url} unreachable: {err}") from None
+        finally:
+            prefill.busy[p] -= 1
+        counters.prefill_seconds += time.monotonic() - started
+        if answer.status_code != 200:  # the prefill server's own answer (a 400 for a bad request ...)
+            counters.failed += 1
+            return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+        sent = answer.json().get("kv_transfer", {})
+        counters.prompts += int(sent.get("prompts", 0))
+        counters.kv_bytes += int(sent.get("kv_bytes", 0))
+        counters.kv_tokens += int(sent.get("tokens", 0))
+
+        decode_body = {**body, "kv_transfer": {"id": transfer}}
+        decode.busy[d] += 1
+        started = time.monotonic()
+        try:
+            upstream = await http.send(http.build_request("POST", decode_url + path, json=decode_body), stream=True)
+        except httpx.TransportError as err:
+            decode.busy[d] -= 1
+            counters.failed += 1
+            raise ApiError(503, f"decode server {decode_url} unreachable: {err}") from None
+
+        async def done() -> None:
+            await upstream.aclose()
+            decode.busy[d] -= 1
+            counters.decode_seconds += time.monotonic() - started
+
+        media = upstream.headers.get("content-type", "application/json")
+        if not body.get("stream"):
+            try:
+                content = await upstream.aread()
+            finally:
+                await done()
+            return Response(content, status_code=upstream.status_code, media_type=media)
+        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, media_type=media,
+                                 background=BackgroundTask(done))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await disaggregated(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await disaggregated(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models():
+        answer = await http.get(decode.urls[0] + "/v1/models")
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
+    async def fan_out(method: str, path: str, headers: dict, body: bytes | None = None) -> list[httpx.Response]:
+        return await asyncio.gather(*(http.request(method, url + path, headers=headers, content=body)
+                                      for url in every))
+
+    @app.get("/health")
+    async def health():
+        try:
+            answers = await fan_out("GET", "/health", {})
+        except httpx.TransportError as err:
+            return JSONResponse({"status": "unavailable", "error": str(err)}, status_code=503)
+        if any(a.status_code != 200 for a in answers):
+            return JSONResponse({"status": "unavailable", "servers": [a.status_code for a in answers]},
+                                status_code=503)
+        states = [a.json() for a in answers]
+        versions = [s["policy_version"] for s in states]
+        return {"status": "ok", "model": config.served_model_name, "policy_version": min(versions),
+                "policy_versions": dict(zip(every, versions, strict=True)),
+                "received_version": min(s.get("received_version", s["policy_version"]) for s in states),
+                "paused": any(s.get("paused") for s in states)}
+
+    async def admin(request: Request, path: str):
+        header = authorize(request)
+        body = await request.body()
+        try:
+            answers = await fan_out("POST", path, {"authorization": header, "content-type": "application/json"},
+                                    body or b"{}")
+        except httpx.TransportError as err:
+            raise ApiError(503, f"{path}: a server is unreachable: {err}") from None
+        failed = [(url, a) for url, a in zip(every, answers, strict=True) if a.status_code != 200]
+        if failed:
+            url, worst = failed[0]
+            message = f"{path} failed on {len(failed)} of {len(every)} servers; {url}: {worst.text[:300]}"
+            raise ApiError(worst.status_code, message)
+        versions = {a.json().get("policy_version") for a in answers}
+        return {"status": "ok", "servers": len(every), "policy_version": min(v for v in versions if v is not None)}
+
+    @app.post("/pause")
+    async def pause(request: Request):
+        return await admin(request, "/pause")
+
+    @app.post("/resume")
+    async def resume(request: Request):
+        return await admin(request, "/resume")
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request):
+        return await admin(request, "/update_weights")
+
+    @app.get("/metrics")
+    async def metrics():
+        lines = []
+        for name, kind, text, value in (
+                ("requests_total", "counter", "Requests routed through prefill then decode.", counters.requests),
+                ("requests_failed_total", "counter", "Requests a prefill or decode server failed.", counters.failed),
+                ("prompts_total", "counter", "Prompts prefilled and shipped.", counters.prompts),
+                ("kv_transfer_bytes_total", "counter", "Bytes of K and V shipped from prefill to decode.",
+                 counters.kv_bytes),
+                ("kv_transfer_tokens_total", "counter", "Prompt tokens whose K and V were shipped.", counters.kv_tokens),
+                ("prefill_seconds_total", "counter", "Seconds in prefill requests (prefill + KV send).",
+                 counters.prefill_seconds),
+                ("decode_seconds_total", "counter", "Seconds in decode requests.", counters.decode_seconds)):
+            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} {kind}", f"{PREFIX}_{name} {value}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def serve(config: RouterConfig) -> None:
+    import uvicorn
+
+    admin_token = os.environ.get(config.admin_token_env) or None
+    if admin_token is None:
+        log.warning("environment variable %s is not set: admin calls will be refused", config.admin_token_env)
+    uvicorn.run(create_router(config, admin_token), host=config.host, port=config.port, log_level="info")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m primebuild.runtime.inference.router",
+                                     description="Route OpenAI requests through prefill then decode servers.")
+    parser.add_argument("--config", required=True, help="a RouterConfig as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(load_contract(RouterConfig, args.config))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Expert and context parallelism (runtime/trainer/expert_parallel.py, context_parallel.py) on 2 CPU
+processes over gloo follow the single-process trajectory, step by step, for 20 steps.
+
+EP=2: a tiny Qwen3-MoE (4 experts, top-2), dp_shard 2 x ep 2: each rank owns 2 experts, tokens travel by
+all-to-all. CP=2: the dense tiny Qwen3, dp_shard 1 x cp 2: both ranks share every micro-batch and split
+its sequence (load-balanced chunks), keys and values all-gathered, activation checkpointing on (the
+recomputation in backward gathers again).
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
+
+from primebuild.runtime.trainer.main import run_trainer
+from primebuild.runtime.trainer.metrics import read_metrics
+from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
+
+torch.set_num_threads(2)
+STEPS = 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(config, tmp_path, name: str) -> None:
+    path = tmp_path / f"{name}.json"
+    path.write_text(config.model_dump_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "primebuild.runtime.trainer.main", "--config", str(path)]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+CASES = {
+    "ep2": dict(moe=True, parallel={"dp_shard": 2, "ep": 2}, activation_checkpointing=False),
+    "cp2": dict(moe=False, parallel={"dp_shard": 1, "cp": 2}, activation_checkpointing=True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", list(CASES))
+def test_parallel_trainer_follows_the_single_process_trajectory(case, tmp_path):
+    spec = CASES[case]
+    model = make_tiny_model(tmp_path / "model", moe=spec["moe"])
+    common = dict(model_path=str(model), max_steps=STEPS, lr=3e-3, micro_batch_tokens=48, loss="dppo-kl",
+                  activation_checkpointing=spec["activation_checkpointing"], checkpoint_every=STEPS)
+    runs = {name: tmp_path / name for name in ("one", "two")}
+    write_rollouts(runs["one"], model, range(1, STEPS + 1), num_prompts=2, group_size=4)
+    shutil.copytree(runs["one"] / "rollouts", runs["two"] / "rollouts")
+
+    run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
+    torchrun(trainer_config(run_dir=str(runs["two"]), parallel=spec["parallel"], **common), tmp_path, case)
+
+    one = read_metrics(runs["one"] / "metrics.jsonl")
+    two = read_metrics(runs["two"] / "metrics.jsonl")
+    assert sorted(two) == list(range(1, STEPS + 1))
+    # Step 1 is the same computation split differently: equal to fp32 rounding. Later steps add up
+    # rounding differences through AdamW (measured: up to 2e-4 relative by step 20, drifting, no jump).
+    for step in range(1, STEPS + 1):
+        rel = 1e-5 if step == 1 else 2e-3
+        for name in ("loss", "grad_norm", "behaviour_kl", "entropy", "tokens", "masked_fraction"):
+            assert two[step][name] == pytest.approx(one[step][name], rel=rel, abs=1e-6), (case, step, name)
+    assert abs(one[STEPS]["behaviour_kl"] - one[1]["behaviour_kl"]) > 1e-3  # the policy moved away
+    # Published weights (whole experts gathered from both EP ranks) equal the single process's, up to the
+    # same drift (measured: one element in 8192 off by 5e-5 after 20 steps, in one of several runs).
+    w1 = load_file(step_folder(runs["one"] / "weights", STEPS) / "model.safetensors")
+    w2 = load_file(step_folder(runs["two"] / "weights", STEPS) / "model.safetensors")
+    assert w1.keys() == w2.keys()
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], rtol=1e-3, atol=2e-4)
+    assert stable_steps(runs["two"] / "checkpoints") == [STEPS]
