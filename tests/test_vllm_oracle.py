@@ -477,9 +477,9 @@ def test_tiny_temperatures_sample_at_vllms_floor(pair, temperature):
 
 def test_a_huge_request_does_not_stall_other_clients(pair):
     """Tens of MB of body, or a prompt near the context with n large, next to small greedy requests sent
-    one after another: several of them are answered in the second half of the big one's time in flight,
-    when its body is surely in the server (before the fix a 30 MB text prompt held the event loop for
-    260 s, and nothing else was answered until it was). Latencies are printed, never asserted."""
+    one after another: they are answered while the big one is in flight, in a fraction of its time
+    (before the fix a 30 MB text prompt held the event loop for 260 s, and nothing else was answered
+    until it was). Latencies are compared with the big request's own time, never with a fixed bound."""
     small = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}
     big = {  # name: (body, status, seconds to wait before the small requests start)
         "30 MB text prompt": (json.dumps({"model": "tiny", "prompt": "abcd" * 7_500_000}), 400, 0.2),
@@ -511,9 +511,13 @@ def test_a_huge_request_does_not_stall_other_clients(pair):
 
     for name, (body, status, delay) in big.items():
         got, big_done, answered = asyncio.run(race(CHAT if "chat" in name else CMPL, body, delay))
-        latencies = sorted(latency for _, latency in answered)
+        latencies = sorted(latency for _, latency in answered) or [float("nan")]
         print(f"\n{name}: answered {got} after {big_done:.2f} s; meanwhile {len(answered)} small requests, "
               f"latency median {latencies[len(latencies) // 2]:.3f} s, max {latencies[-1]:.3f} s")
         assert got == status, name
-        late = [done for done, _ in answered if big_done / 2 < done < big_done]
-        assert len(late) >= 3, f"{name}: others waited for it: {answered}"
+        if big_done < 1.0:  # answered within a second (a quiet machine refuses some at once): no stall to see
+            continue
+        # Answered while it was in flight, each in a fraction of its time: queued behind it (the event loop
+        # held), the first small request would wait about as long as the big one itself.
+        meanwhile = sorted(latency for done, latency in answered if done < big_done)
+        assert meanwhile and meanwhile[len(meanwhile) // 2] < big_done / 2, f"{name}: others waited for it: {answered}"
