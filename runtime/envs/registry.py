@@ -15,9 +15,11 @@ from primebuild.contracts.environments import VERIFIERS_PREFIX
 from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Environment
 from primebuild.runtime.envs.reverse_text import ReverseTextEnv
+from primebuild.runtime.envs.wordle import WordleEnv
 
 BUILTIN: dict[str, Callable[..., Environment]] = {
     ReverseTextEnv.id: ReverseTextEnv,
+    WordleEnv.id: WordleEnv,
 }
 
 
