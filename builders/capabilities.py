@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from primebuild.builders.environments import environment_problems
 from primebuild.errors import Problem
 from primebuild.manifest.schema import Manifest
 
@@ -50,9 +51,10 @@ class Refusal:
 
 
 def refusals(m: Manifest) -> list[Refusal]:
-    """Everything `m` asks for that the backends its plan would run cannot apply."""
+    """Everything `m` asks for that the backends its plan would run cannot apply (environments that
+    cannot load here included: builders/environments.py)."""
     checks = _sft_only if m.sft is not None else _rl
-    return list(checks(m))
+    return list(checks(m)) + [Refusal(*problem) for problem in environment_problems(m)]
 
 
 def applies(m: Manifest, field: str, value: object) -> bool:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 911ebd20b75c876094473786fab96f561e6cd18f3cef9f1a31479b47b0c4a195, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 327e1bc4d7139a01dfd9d8a60e777ec2c191e345101307ca59c4d93a6495b02f, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here).
