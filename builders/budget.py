@@ -198,8 +198,9 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
                           seq_len=o.seq_len)
         profile = _profile_times(m, costs, replicas=decode_replicas, max_concurrent=memory_seqs)
         summary += _profile_summary(profile)
-    if split and (split.inference_nodes, split.trainer_nodes) != (_inference_nodes(placement), len(placement.trainer)):
-        now = profile.async_step_seconds if profile else times.step_seconds
+    now = profile.async_step_seconds if profile else times.step_seconds
+    if split and (split.inference_nodes, split.trainer_nodes) != (_inference_nodes(placement), len(placement.trainer)) \
+            and split.step_seconds < now * 0.99:  # a split that only ties the current one is no suggestion
         case = "expected" if profile else "worst case"
         summary.append(f"suggestion ({case}): {split.inference_nodes} inference : {split.trainer_nodes} trainer nodes "
                        f"would take ~{split.step_seconds:,.0f} s per step (now ~{now:,.0f} s)")

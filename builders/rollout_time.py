@@ -17,10 +17,11 @@ capped at seq_len.
   slowest of its R / group_size independent tasks, at quantile n/(n+1) for n of them (the expected
   maximum's usual approximation); then the trainer trains and weights are synced:
       sync step = (waves - 1) · E[r] + r(tail) + train + weight sync.
-- Asynchronous (the continuous pool, runtime/orchestrator/pool.py): up to C = min((1 + m) · R,
-  replicas · max concurrent sequences) rollouts in flight, m = max(1, max_off_policy_steps); by
-  Little's law R rollouts complete every R · E[r] / C seconds, and the trainer overlaps:
-      async step = max(R · E[r] / C, train).
+- Asynchronous (the continuous pool, runtime/orchestrator/pool.py): up to C = (1 + m) · R rollouts in
+  flight, m = max(1, max_off_policy_steps) (a rollout waiting on a tool holds no server slot; the
+  servers' max concurrent sequences cap the decode batch B); by Little's law R rollouts complete every
+  R · E[r] / C seconds, but no faster than full batches decode their tokens, and the trainer overlaps:
+      async step = max(R · E[r] / C, R · E[completion] · decode_step(B) / (B · replicas), train).
   Rollouts longer than the staleness window, (1 + m) async steps, cannot join any batch: the pool
   drops them at the window and starts others (pool.py), so of the work spent only the kept share
   counts: R · E[min(r, window)] / (C · (1 - stale share)), solved as a fixed point with the window.
@@ -115,7 +116,9 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
     per_replica = math.ceil(R / replicas)
     sync_batch = max(1, min(per_replica, max_concurrent_per_replica))
     waves = math.ceil(per_replica / sync_batch)
-    concurrency = max(1, min((1 + m) * R, replicas * max_concurrent_per_replica))
+    # Rollouts in flight: a turn holds a server slot only while it decodes (a rollout waiting on a tool
+    # holds none), so max_num_seqs caps the decode batch, not the rollouts in flight.
+    concurrency = (1 + m) * R
     async_batch = max(1, min(math.ceil(concurrency / replicas), max_concurrent_per_replica))
 
     def rollout(q: float, batch: int) -> float:
@@ -150,6 +153,10 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
             async_rollout = updated
             break
         async_rollout = updated
+    # ... and the servers cannot decode faster than full batches do
+    completion = sum(_shape(p, q, seq_len)[1] for q in grid) / GRID
+    decode_bound = R * completion * costs.decode_step_s(async_batch, seq_len / 2) / (async_batch * replicas)
+    async_rollout = max(async_rollout, decode_bound)
     async_step = max(async_rollout, train)
     return ProfileTimes(
         expected_tokens=tokens, expected_rollout_seconds=expected_async, tail_rollout_seconds=tail,

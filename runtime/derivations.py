@@ -90,12 +90,13 @@ def _random_init(loaded: LoadedManifest, store: Store) -> Resolved:
 
     def build(out: Path) -> None:
         from primebuild.runtime.models.char_tokenizer import build_char_tokenizer
-        from primebuild.runtime.models.tiny import init_tiny_model, save_hf_folder, tiny_config
+        from primebuild.runtime.models.tiny import MAX_POSITIONS, init_tiny_model, save_hf_folder, tiny_config
 
         _no_progress_bars()
         config = tiny_config(hidden_size=arch["hidden_size"], num_layers=arch["num_hidden_layers"],
                              num_heads=arch["num_attention_heads"], num_kv_heads=arch["num_key_value_heads"],
-                             intermediate_size=arch["intermediate_size"])
+                             intermediate_size=arch["intermediate_size"],
+                             max_positions=arch.get("max_position_embeddings", MAX_POSITIONS))
         staging = out / "staging"
         save_hf_folder(init_tiny_model(config, loaded.manifest.seed), build_char_tokenizer(), staging)
         _move_contents(staging, out)

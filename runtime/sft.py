@@ -112,9 +112,12 @@ def run_sft(config: SFTConfig, out_dir: str) -> dict:
         else []
     )
 
+    # an environment whose turns are longer than the default (swe-tiny's commands) says how long
+    max_new_tokens = getattr(env, "max_tokens_per_turn", config.eval_max_new_tokens)
+
     def greedy_reward(tasks):
         # Greedy decoding draws no random numbers, so evaluating mid-run leaves training unchanged.
-        return evaluate_tasks(model, tokenizer, env, tasks, max_new_tokens=config.eval_max_new_tokens)
+        return evaluate_tasks(model, tokenizer, env, tasks, max_new_tokens=max_new_tokens)
 
     losses, curve, validation_reward, step = [], [], None, 0
     for step in range(1, config.steps + 1):

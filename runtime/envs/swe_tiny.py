@@ -89,8 +89,9 @@ def is_eval_task(name: str) -> bool:
 
 
 class SweTinyEpisode:
-    def __init__(self, files: dict[str, str], limits: Limits, max_turns: int):
+    def __init__(self, files: dict[str, str], limits: Limits, max_turns: int, reply_chars: int = REPLY_CHARS):
         self.sandbox = Sandbox(limits, prefix="primebuild-swe-tiny-")
+        self.reply_chars = reply_chars
         for name, text in files.items():
             self.sandbox.path(name).write_text(text)
         self.max_turns = max_turns
@@ -108,7 +109,7 @@ class SweTinyEpisode:
         reply = await self._tool(words)
         if self.turns >= self.max_turns:
             return None
-        return reply[-REPLY_CHARS:] + "\n" + SEPARATOR
+        return reply[-self.reply_chars:] + "\n" + SEPARATOR
 
     async def _tool(self, words: list[str]) -> str:
         if words == ["ls"]:
@@ -153,13 +154,15 @@ class SweTinyEnv:
 
     id = ENV_ID
     version = ENV_VERSION
+    max_tokens_per_turn = 32  # the longest command and its <eos> (greedy evaluation in SFT reads it)
 
     def __init__(self, max_turns: int = 4, cpu_seconds: int = 5, wall_seconds: float = 20.0,
-                 memory_mb: int = 512, hostile: bool = False):
+                 memory_mb: int = 512, hostile: bool = False, reply_chars: int = REPLY_CHARS):
         for name, value in (("max_turns", max_turns), ("cpu_seconds", cpu_seconds), ("memory_mb", memory_mb)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"environment {ENV_ID}: {name} must be a positive integer, got {value!r}")
         self.max_turns = max_turns
+        self.reply_chars = reply_chars
         self.limits = Limits(cpu_seconds=cpu_seconds, wall_seconds=float(wall_seconds),
                              memory_bytes=memory_mb << 20)
         names = sorted(BUGS)
@@ -186,9 +189,10 @@ class SweTinyEnv:
         raise NotImplementedError("swe-tiny is multi-turn: its reward comes from running the tests of an episode")
 
     def start(self, task: Task) -> SweTinyEpisode:
-        return SweTinyEpisode(repository(task.info["name"]), self.limits, self.max_turns)
+        return SweTinyEpisode(repository(task.info["name"]), self.limits, self.max_turns, self.reply_chars)
 
     def demonstration(self, task: Task, rng: random.Random) -> list[tuple[bool, str]]:
         """Look, fix, test, finish."""
-        return [(MODEL, "cat calc"), (ENVIRONMENT, repository(task.info["name"])["calc.py"][-REPLY_CHARS:] + "\n>"),
-                (MODEL, task.answer), (ENVIRONMENT, "edited calc.py\n>"), (MODEL, "done")]
+        shown = repository(task.info["name"])["calc.py"][-self.reply_chars:]
+        return [(MODEL, "cat calc"), (ENVIRONMENT, shown + "\n" + SEPARATOR), (MODEL, task.answer),
+                (ENVIRONMENT, "edited calc.py\n" + SEPARATOR), (MODEL, "done")]

@@ -26,6 +26,7 @@ def tiny_config(
     num_heads: int = 4,
     num_kv_heads: int = 4,
     intermediate_size: int = 512,
+    max_positions: int = MAX_POSITIONS,
 ):
     """The Qwen3 config of the tiny model (transformers imported lazily: it is heavy)."""
     from transformers import Qwen3Config
@@ -43,7 +44,7 @@ def tiny_config(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,  # Qwen3's default head_dim (128) would be wrong here
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,  # the vocabulary is tiny; tying just saves the duplicate
         bos_token_id=VOCAB.index(BOS),
         eos_token_id=VOCAB.index(EOS),

@@ -32,7 +32,7 @@ from primebuild.contracts.run_dir import RunDir, write_json_atomic
 from primebuild.errors import UserError
 from primebuild.runtime.orchestrator.client import InferenceClient
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
-from primebuild.runtime.orchestrator.pool import Group, RolloutPool
+from primebuild.runtime.orchestrator.pool import Group, IdleClock, RolloutPool
 from primebuild.runtime.orchestrator.rollout import RolloutRunner
 from primebuild.runtime.orchestrator.vllm_client import VllmClient
 from primebuild.runtime.orchestrator.weights import weight_source
@@ -43,34 +43,6 @@ from primebuild.runtime.trainer.metrics import MetricsWriter
 log = logging.getLogger("primebuild.orchestrator")
 
 POLL_SECONDS = 0.02  # how often new weights and a STOP file are looked for while rollouts run
-
-
-class BusyMeter:
-    """Wall time during which no request was in flight on any server: the inference side's idle time
-    (an episode waiting on its environment, a tool, is idle time for the servers too)."""
-
-    def __init__(self):
-        self.in_flight = 0
-        self.idle = 0.0
-        self._since = time.monotonic()
-
-    def _tick(self) -> None:
-        now = time.monotonic()
-        if self.in_flight == 0:
-            self.idle += now - self._since
-        self._since = now
-
-    def enter(self) -> None:
-        self._tick()
-        self.in_flight += 1
-
-    def leave(self) -> None:
-        self._tick()
-        self.in_flight -= 1
-
-    def idle_seconds(self) -> float:
-        self._tick()
-        return self.idle
 
 
 class Orchestrator:
@@ -91,7 +63,7 @@ class Orchestrator:
                                     max_tokens_per_turn=cfg.max_completion_tokens, seq_len=cfg.seq_len,
                                     top_p=cfg.top_p)
         self.groups_per_step = cfg.rollouts_per_step // cfg.group_size
-        self.meter = BusyMeter()
+        self.requests = IdleClock()  # time with no request in flight on any server
         self._requests = 0
 
     # --- policy versions -------------------------------------------------------------------------
@@ -135,12 +107,12 @@ class Orchestrator:
         client = self.clients[self._requests % len(self.clients)]
         self._requests += 1
         while True:
-            self.meter.enter()
+            self.requests.enter()
             try:
                 response = await client.complete(prompt_ids, n=n, temperature=temperature, top_p=self.cfg.top_p,
                                                   max_tokens=max_tokens, seed=seed)
             finally:
-                self.meter.leave()
+                self.requests.leave()
             if min(c.policy_version for c in response.choices) >= self.server_version:
                 return response
             log.info("a server answered with an older policy than v%d: re-syncing it", self.server_version)
@@ -204,7 +176,7 @@ class Orchestrator:
 
         pool = RolloutPool(self.groups_per_step, cfg.max_off_policy_steps, next_step=start)
         seq = self.next_group_after(start)
-        last_batch_at, idle_at_last = time.monotonic(), self.meter.idle_seconds()
+        last_batch_at, idle_at_last = time.monotonic(), (self.requests.seconds(), pool.idle.seconds())
         try:
             while pool.next_step <= cfg.max_steps:
                 if self.stop_requested():
@@ -221,9 +193,9 @@ class Orchestrator:
                     continue
                 batch = self.make_batch(step, groups, next_group=seq)
                 save_batch(self.run_dir.rollout(step), batch)
-                now, idle = time.monotonic(), self.meter.idle_seconds()
+                now, idle = time.monotonic(), (self.requests.seconds(), pool.idle.seconds())
                 self.metrics.write(step, self.step_metrics(step, groups, batch, pool, now - last_batch_at,
-                                                           idle - idle_at_last))
+                                                           [a - b for a, b in zip(idle, idle_at_last, strict=True)]))
                 last_batch_at, idle_at_last = now, idle
                 pool.dropped = 0
                 if cfg.eval_every and step % cfg.eval_every == 0:
@@ -249,7 +221,7 @@ class Orchestrator:
         return summary
 
     def step_metrics(self, step: int, groups: list[Group], batch: TrainBatch, pool: RolloutPool,
-                     interval: float, idle: float) -> dict:
+                     interval: float, idle: list[float]) -> dict:
         rollouts = [r for g in groups for r in g.rollouts]
         rewards = [s.reward for s in batch.samples]
         mean = sum(rewards) / len(rewards)
@@ -262,7 +234,8 @@ class Orchestrator:
             "off_policy_lag": step - 1 - min(s.policy_version for s in batch.samples),
             "policy_version": self.server_version,
             "generation_seconds": interval,  # since the previous batch: the pool samples continuously
-            "inference_idle_seconds": idle,  # of that, time with no request in flight on any server
+            "inference_idle_seconds": idle[0],  # of that, time with no request in flight on any server
+            "rollout_idle_seconds": idle[1],  # and time with no rollout running (nothing for inference to do)
             "tokens_per_s": model_tokens / max(interval, 1e-9),
             "completion_tokens": model_tokens,
             "environment_tokens": sum(r.transcript.environment_tokens for r in rollouts),

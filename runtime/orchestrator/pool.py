@@ -19,6 +19,7 @@ Policy (docs/async.md):
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ class RolloutPool:
         self.running: dict[asyncio.Task, Group] = {}
         self.finished: list[Group] = []  # in the order they finished
         self.dropped = 0  # groups dropped as too stale, since the last batch
+        self.idle = IdleClock()  # time with no group running: the inference side has nothing to do
 
     def accepts(self, step: int, version: int) -> bool:
         """Does batch `step` accept a token sampled by policy `version`?"""
@@ -63,6 +65,7 @@ class RolloutPool:
         return max(0, capacity - len(self.running) - len(self.finished))
 
     def start(self, group: Group, work: Coroutine[Any, Any, list[Rollout]]) -> None:
+        self.idle.enter()
         self.running[asyncio.ensure_future(work)] = group
 
     async def wait(self, timeout: float) -> None:
@@ -73,6 +76,7 @@ class RolloutPool:
             await asyncio.sleep(timeout)
         for task in [t for t in self.running if t.done()]:
             group = self.running.pop(task)
+            self.idle.leave()
             try:
                 group.rollouts = task.result()  # an environment or engine error ends the run here
             except StaleRollout:
@@ -99,4 +103,33 @@ class RolloutPool:
         for task in self.running:
             task.cancel()
         await asyncio.gather(*self.running, return_exceptions=True)
+        for _ in self.running:
+            self.idle.leave()
         self.running.clear()
+
+
+class IdleClock:
+    """Wall time during which nothing was in flight (things enter and leave)."""
+
+    def __init__(self):
+        self.in_flight = 0
+        self._idle = 0.0
+        self._since = time.monotonic()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self.in_flight == 0:
+            self._idle += now - self._since
+        self._since = now
+
+    def enter(self) -> None:
+        self._tick()
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self._tick()
+        self.in_flight -= 1
+
+    def seconds(self) -> float:
+        self._tick()
+        return self._idle
