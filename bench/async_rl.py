@@ -53,6 +53,8 @@ def run(manifest: Path, off: int, steps: int, runs: Path, port: int) -> dict:
         "rollout_idle_fraction": sum(values("orchestrator", "rollout_idle_seconds")[1:]) / sum(intervals),
         "request_idle_fraction": sum(values("orchestrator", "inference_idle_seconds")[1:]) / sum(intervals),
         "train_seconds_per_step": statistics.median(values("trainer", "step_s")),
+        "publish_seconds_per_step": statistics.median(values("trainer", "publish_s")),
+        "interval_seconds_median": statistics.median(intervals),
         "rollout_seconds_mean": statistics.mean(values("orchestrator", "rollout_seconds_mean")),
         "rollout_seconds_max_median": statistics.median(values("orchestrator", "rollout_seconds_max")),
         "turns_mean": statistics.mean(values("orchestrator", "turns_mean")),
@@ -71,14 +73,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--manifest", type=Path, default=REPO / "manifests" / "long-tail.yaml")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--off", type=int, default=2)
+    parser.add_argument("--off", type=int, help="max_off_policy_steps of the async run (default: the manifest's)")
     parser.add_argument("--port", type=int, default=8710)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--keep", type=Path, help="keep the two run folders under this folder")
     args = parser.parse_args()
+    if args.off is None:
+        plan = json.loads(primebuild("plan", str(args.manifest), "-o", "json").stdout)
+        config = next(p["config"] for p in plan["processes"] if p["role"] == "orchestrator")
+        args.off = max(1, config["max_off_policy_steps"])
     load = os.getloadavg()[0]
     with TemporaryDirectory() as tmp:
-        sync = run(args.manifest, 0, args.steps, Path(tmp), args.port)
-        asyn = run(args.manifest, args.off, args.steps, Path(tmp), args.port + 1)
+        runs = args.keep or Path(tmp)
+        sync = run(args.manifest, 0, args.steps, runs, args.port)
+        asyn = run(args.manifest, args.off, args.steps, runs, args.port + 1)
     plan = predicted(args.manifest, args.off)
     print(f"{args.manifest.name}: {args.steps} steps per mode; load average {load:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")

@@ -241,7 +241,8 @@ def _profile_summary(p: ProfileTimes) -> list[str]:
         f"async (max_off_policy_steps {p.max_off_policy_steps}, up to {p.concurrency} rollouts in flight): "
         f"~{p.async_step_seconds:,.1f} s per step (trainer idles {p.async_trainer_idle:.0%}, inference "
         f"{p.async_inference_idle:.0%}); predicted async/sync speed-up {p.async_sync_ratio:.2f}x"
-        + (f"; ~{p.stale_fraction:.0%} of rollouts outlast the staleness window" if p.stale_fraction else ""),
+        + (f"; ~{p.stale_fraction:.0%} of groups outlast the staleness window and are dropped"
+           if p.stale_fraction >= 0.005 else ""),
     ]
 
 

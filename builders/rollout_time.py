@@ -7,25 +7,27 @@ environment tokens, turns and tool latency; each is taken as log-normal through 
 all move together (a rollout at quantile q is long in every respect: long episodes are long because
 they take more turns). On a grid of quantiles q:
 
-    r(q) = completion(q) · decode_step(B) + turns(q) · (mean tool latency + turn overhead)
+    r(q) = completion(q) · decode_step(B) + turns(q) · turn overhead + (turns(q) - 1) · mean tool latency
            + (prompt(q) / group_size + environment(q)) · prefill per token
 
 is the time of one rollout while the replica decodes B sequences; prompt + completion + environment is
 capped at seq_len.
 
 - Synchronous (max_off_policy_steps 0): a step starts its R rollouts together and ends with the
-  slowest of its R / group_size independent tasks, at quantile n/(n+1) for n of them (the expected
-  maximum's usual approximation); then the trainer trains and weights are synced:
+  slowest, at quantile R/(R+1) of the duration distribution (the expected maximum's usual approximation;
+  durations: `Durations`, tool latencies drawn per call); then the trainer trains and weights are synced:
       sync step = (waves - 1) · E[r] + r(tail) + train + weight sync.
 - Asynchronous (the continuous pool, runtime/orchestrator/pool.py): up to C = (1 + m) · R rollouts in
   flight, m = max(1, max_off_policy_steps) (a rollout waiting on a tool holds no server slot; the
   servers' max concurrent sequences cap the decode batch B); by Little's law R rollouts complete every
   R · E[r] / C seconds, but no faster than full batches decode their tokens, and the trainer overlaps:
-      async step = max(R · E[r] / C, R · E[completion] · decode_step(B) / (B · replicas), train).
-  Rollouts longer than the staleness window, (1 + m) async steps, cannot join any batch: the pool
-  drops them at the window and starts others (pool.py), so of the work spent only the kept share
-  counts: R · E[min(r, window)] / (C · (1 - stale share)), solved as a fixed point with the window.
-  A large stale share says max_off_policy_steps is too small for the tail.
+      async step = max(R · E[r] / C, R · E[completion] · decode_step(B) / (B · replicas),
+                       R · E[turns] · request / replicas, train)
+  (request: server time per request that serializes on a replica; the embedded engine's only).
+  A group with a rollout longer than the staleness window, (1 + m) async steps, cannot join any batch:
+  the pool drops it (pool.py) and starts another, so of the work spent only the kept share counts:
+  R · E[min(r, window)] / (C · (1 - stale share)), stale share = 1 - F(window)^group_size, solved as a
+  fixed point with the window. A large stale share says max_off_policy_steps is too small for the tail.
 
 Idle fractions: of a synchronous step the trainer idles while rollouts run (and weights sync), the
 inference side while the trainer trains; of an async step the side that is not the longer one.
@@ -73,6 +75,7 @@ class Costs:
     decode_step_s: Callable[[int, float], float]  # (batch, context tokens) -> seconds per decode step
     prefill_s_per_token: float
     turn_overhead_s: float  # per model turn: a request's round trip beyond its tokens
+    request_s: float  # of that, server time that serializes on a replica (the embedded engine's one thread)
     train_s: Callable[[int, int], float]  # (sequences, tokens per sequence) -> seconds
     weight_sync_s: float
 
@@ -92,8 +95,51 @@ class ProfileTimes:
     sync_inference_idle: float
     async_trainer_idle: float
     async_inference_idle: float
-    stale_fraction: float  # rollouts longer than the staleness window (dropped by the async pool)
+    stale_fraction: float  # groups with a rollout longer than the staleness window (the async pool drops them)
     concurrency: int  # C
+
+
+class Durations:
+    """How long one rollout takes: over the quantile grid (its lengths move together), a fixed part plus the
+    sum of its tool calls' latencies, independent draws summed as one log-normal of the same mean and
+    variance (Fenton-Wilkinson). A step's slowest rollout is mostly a latency outlier, not just the
+    longest episode: this is what makes the synchronous tail long."""
+
+    def __init__(self, fixed: list[float], calls: list[float], latency: tuple[float, float]):
+        self.parts = list(zip(fixed, calls, strict=True))
+        p50, p99 = latency
+        sigma = math.log(p99 / p50) / Z99 if p99 > p50 > 0 else 0.0
+        self.latency_mean = mean(p50, p99)
+        self.latency_var = (math.exp(sigma * sigma) - 1) * self.latency_mean ** 2
+        self.mean = sum(f + k * self.latency_mean for f, k in self.parts) / len(self.parts)
+
+    def cdf(self, x: float) -> float:
+        total = 0.0
+        for fixed, calls in self.parts:
+            m, v = calls * self.latency_mean, calls * self.latency_var
+            if v <= 0 or m <= 0:
+                total += 1.0 if x >= fixed + m else 0.0
+                continue
+            if x <= fixed:
+                continue
+            s2 = math.log(1 + v / (m * m))
+            total += NormalDist().cdf((math.log(x - fixed) - (math.log(m) - s2 / 2)) / math.sqrt(s2))
+        return total / len(self.parts)
+
+    def quantile(self, p: float) -> float:
+        lo, hi = 0.0, max(f + k * self.latency_mean for f, k in self.parts) + 1.0
+        while self.cdf(hi) < p:
+            hi *= 2
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self.cdf(mid) < p else (lo, mid)
+        return hi
+
+    def expected_min(self, w: float, points: int = 200) -> float:
+        """E[min(duration, w)] = integral of 1 - F over [0, w]."""
+        xs = [w * i / points for i in range(points + 1)]
+        ys = [1 - self.cdf(x) for x in xs]
+        return sum((ys[i] + ys[i + 1]) / 2 * (xs[i + 1] - xs[i]) for i in range(points))
 
 
 def _shape(p: Profile, q: float, seq_len: int) -> tuple[float, float, float, float]:
@@ -112,7 +158,6 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
                   seq_len: int, replicas: int, max_concurrent_per_replica: int) -> ProfileTimes:
     R = rollouts_per_step
     m = max(1, max_off_policy_steps)
-    latency = mean(*p.tool_latency_s)
     per_replica = math.ceil(R / replicas)
     sync_batch = max(1, min(per_replica, max_concurrent_per_replica))
     waves = math.ceil(per_replica / sync_batch)
@@ -121,42 +166,59 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
     concurrency = (1 + m) * R
     async_batch = max(1, min(math.ceil(concurrency / replicas), max_concurrent_per_replica))
 
-    def rollout(q: float, batch: int) -> float:
-        prompt, completion, environment, turns = _shape(p, q, seq_len)
-        context = prompt + (completion + environment) / 2
-        return (completion * costs.decode_step_s(batch, context) + turns * (latency + costs.turn_overhead_s)
-                + (prompt / group_size + environment) * costs.prefill_s_per_token)
-
     grid = [(k + 0.5) / GRID for k in range(GRID)]
-    expected_sync = sum(rollout(q, sync_batch) for q in grid) / GRID
-    expected_async = sum(rollout(q, async_batch) for q in grid) / GRID
-    tokens = sum(sum(_shape(p, q, seq_len)[:3]) for q in grid) / GRID
-    tasks = max(1, R // group_size)
-    tail_q = tasks / (tasks + 1)
-    tail = rollout(tail_q, sync_batch)
+    shapes = [_shape(p, q, seq_len) for q in grid]
+
+    def durations(batch: int) -> Durations:
+        fixed, calls = [], []
+        for prompt, completion, environment, turns in shapes:
+            context = prompt + (completion + environment) / 2
+            fixed.append(completion * costs.decode_step_s(batch, context) + turns * costs.turn_overhead_s
+                         + (prompt / group_size + environment) * costs.prefill_s_per_token)
+            calls.append(turns - 1)  # every model turn but the last gets the environment's reply (a tool)
+        return Durations(fixed, calls, p.tool_latency_s)
+
+    sync_durations, async_durations = durations(sync_batch), durations(async_batch)
+    tokens = sum(sum(shape[:3]) for shape in shapes) / GRID
+    tail_q = R / (R + 1)  # the expected slowest of R rollouts
+    tail = sync_durations.quantile(tail_q)
 
     train = costs.train_s(R, max(1, round(tokens)))
-    sync_rollout = (waves - 1) * expected_sync + tail
+    sync_rollout = (waves - 1) * sync_durations.mean + tail
     sync_step = sync_rollout + train + costs.weight_sync_s
 
-    durations = [rollout(q, async_batch) for q in grid]
-    async_rollout, stale = R * expected_async / concurrency, 0.0
-    for _ in range(100):  # fixed point: a longer step widens the window, so fewer rollouts go stale
-        window = (1 + m) * max(async_rollout, train)
-        stale = sum(1 for d in durations if d > window) / GRID
-        if stale >= 1.0:
-            async_rollout = math.inf
-            break
-        spent = sum(min(d, window) for d in durations) / GRID  # a stale rollout is dropped at the window
-        updated = R * spent / (concurrency * (1 - stale))
-        if math.isclose(updated, async_rollout, rel_tol=1e-6):
-            async_rollout = updated
-            break
-        async_rollout = updated
-    # ... and the servers cannot decode faster than full batches do
-    completion = sum(_shape(p, q, seq_len)[1] for q in grid) / GRID
+    # The servers cannot decode faster than full batches do, nor take requests faster than one at a time
+    # where their handling serializes: floors under the async step, with the trainer's.
+    completion = sum(shape[1] for shape in shapes) / GRID
+    turns = sum(shape[3] for shape in shapes) / GRID
     decode_bound = R * completion * costs.decode_step_s(async_batch, seq_len / 2) / (async_batch * replicas)
-    async_rollout = max(async_rollout, decode_bound)
+    request_bound = R * turns * costs.request_s / replicas
+    floor = max(decode_bound, request_bound)
+
+    expected_async = async_durations.mean
+
+    def needed(step: float) -> tuple[float, float]:
+        """(rollout time per step, stale share) if a step took `step`: a group is dropped when any of its
+        rollouts outlasts the window (its advantage needs them all), and the work spent on it is lost."""
+        window = (1 + m) * step
+        stale = 1 - async_durations.cdf(window) ** group_size
+        if stale >= 1.0 - 1e-12:
+            return math.inf, 1.0
+        spent = async_durations.expected_min(window)  # a stale rollout is dropped at the window
+        return max(R * spent / (concurrency * (1 - stale)), floor), stale
+
+    # The step T solves T = max(train, needed(T)): needed falls as T grows (a wider window drops less), so
+    # T - max(train, needed(T)) rises through zero once: bisect.
+    lo = max(train, floor, R * expected_async / concurrency)
+    hi = lo
+    while hi - max(train, needed(hi)[0]) < 0 and hi < 1e12:
+        hi *= 2
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid - max(train, needed(mid)[0]) < 0 else (lo, mid)
+    async_rollout, stale = needed(hi)
+    if async_rollout == math.inf:
+        async_rollout = hi
     async_step = max(async_rollout, train)
     return ProfileTimes(
         expected_tokens=tokens, expected_rollout_seconds=expected_async, tail_rollout_seconds=tail,

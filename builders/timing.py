@@ -283,6 +283,7 @@ def gpu_costs(facts: ModelFacts, gpu: GpuSpec | str, *, gpus_per_replica: float,
         prefill_s_per_token=prefill_seconds_per_token(facts, context=seq_len // 2, gpus=prefill_gpus, gpu=spec,
                                                       precision=precision),
         turn_overhead_s=GPU_TURN_OVERHEAD_S,
+        request_s=0.0,  # vLLM's API server handles requests concurrently with the engine's steps
         train_s=lambda sequences, tokens: train_step_seconds(
             facts, sequences=sequences, seq_len=tokens, trainer_gpus=trainer_gpus, gpu=spec,
             trainer_precision=trainer_precision),
@@ -295,10 +296,10 @@ def gpu_costs(facts: ModelFacts, gpu: GpuSpec | str, *, gpus_per_replica: float,
 # (training) per token; fixed costs are per call.
 CPU_FLOPS_PER_THREAD = 2.0e10  # effective FLOP/s of one thread on these small matmuls
 CPU_DECODE_STEP_OVERHEAD_S = 6e-4  # one engine step (scheduling, sampling, small-op calls)
-CPU_TURN_OVERHEAD_S = 6e-3  # one model turn: the HTTP round trip, validation, its prefill set-up
+CPU_TURN_OVERHEAD_S = 0.015  # one model turn: the HTTP round trip on both sides, validation, prefill set-up
 CPU_TRAIN_FLOPS_PER_THREAD = 2.0e10
-CPU_TRAIN_STEP_OVERHEAD_S = 0.05  # optimizer step, loading the batch, per-micro-batch calls
-CPU_WEIGHT_SYNC_S = 0.06  # publish a step folder, notice it, pause, load, resume (synchronous RL only)
+CPU_TRAIN_STEP_OVERHEAD_S = 0.12  # optimizer step, loading the batch, per-micro-batch calls
+CPU_WEIGHT_SYNC_S = 0.15  # publish a step folder, notice it, pause, load, resume (synchronous RL only)
 
 
 def cpu_costs(facts: ModelFacts, cpus_per_node: int) -> Costs:
@@ -309,6 +310,7 @@ def cpu_costs(facts: ModelFacts, cpus_per_node: int) -> Costs:
             threads * CPU_FLOPS_PER_THREAD),
         prefill_s_per_token=2 * n / (threads * CPU_FLOPS_PER_THREAD),
         turn_overhead_s=CPU_TURN_OVERHEAD_S,
+        request_s=CPU_TURN_OVERHEAD_S,  # the embedded engine and its server share the process's cores
         train_s=lambda sequences, tokens: CPU_TRAIN_STEP_OVERHEAD_S + 6 * n * sequences * tokens / (
             threads * CPU_TRAIN_FLOPS_PER_THREAD),
         weight_sync_s=CPU_WEIGHT_SYNC_S)

@@ -8,7 +8,8 @@ a simulated tool latency, and the model answers it reversed.
     <bos> ab>  ba<eos>  c>  c<eos>  dbe>  ebd<eos> ...
 
 - turns per episode: log-normal through (`turns_p50`, `turns_p99`), drawn per task, at most `max_turns`;
-- tool latency: each reply waits a log-normal delay through (`latency_p50_s`, `latency_p99_s`);
+- tool latency: each reply waits a log-normal delay through (`latency_p50_s`, `latency_p99_s`), drawn
+  per reply and per episode (two episodes of one task do not wait alike);
 - reward: the mean LCS ratio of the model's answers (reverse-text's reward), over the episode's turns.
 
 The same quantiles, declared in the manifest's `orchestrator.rollout_profile`, are what the plan's time
@@ -80,6 +81,7 @@ class LongTailEnv:
         self.max_turns = max_turns
         self.lengths = (min_length, max_length)
         self._eval = [self._draw(random.Random(f"eval-{i}"), i) for i in range(num_eval)]
+        self._episodes = 0
 
     def _draw(self, rng: random.Random, index: int) -> Task:
         turns = max(1, min(self.max_turns, round(lognormal(rng, *self.turns))))
@@ -101,7 +103,9 @@ class LongTailEnv:
         return lcs_ratio(completion.strip(), task.answer)
 
     def start(self, task: Task) -> LongTailEpisode:
-        return LongTailEpisode(list(task.info["strings"]), self.latency, task.info["seed"])
+        # each episode draws its own latencies (episodes of one task do not wait alike); reproducible per run
+        self._episodes += 1
+        return LongTailEpisode(list(task.info["strings"]), self.latency, task.info["seed"] * 1_000_003 + self._episodes)
 
     def demonstration(self, task: Task, rng: random.Random) -> list[tuple[bool, str]]:
         segments: list[tuple[bool, str]] = []
