@@ -9,8 +9,9 @@ Policy (docs/async.md):
   v + 1 + max_off_policy_steps, so at most that many batches' worth of groups (from the next unwritten
   batch on) are in flight or finished-but-unbatched. With max_off_policy_steps 0 that is exactly one
   batch, sampled entirely by the weights it trains: synchronous RL.
-- Emission: batch k takes the first groups_per_step groups to finish that batch k accepts, in the order
-  they finished; the rest wait for the next batch.
+- Emission: batch k takes groups_per_step finished groups that batch k accepts, those sampled earliest
+  first (then in the order they finished): a group that waits is the next to go stale. The rest wait
+  for the next batch.
 - Drop: a group that no batch can accept any more (its oldest token too old) is dropped, whether it has
   finished or is still running (a running one stops at its next turn), and counted; a new group of a
   new task takes its place. Nothing is resampled for the same task.
@@ -95,6 +96,8 @@ class RolloutPool:
         self.finished = kept
         if len(kept) < self.groups_per_step:
             return None
+        # oldest first (stable: then in the order they finished): a group that waits goes stale first
+        kept.sort(key=lambda g: g.oldest_version)
         batch, self.finished = kept[: self.groups_per_step], kept[self.groups_per_step:]
         self.next_step += 1
         return batch
