@@ -296,9 +296,9 @@ def gpu_costs(facts: ModelFacts, gpu: GpuSpec | str, *, gpus_per_replica: float,
 # (training) per token; fixed costs are per call.
 CPU_FLOPS_PER_THREAD = 2.0e10  # effective FLOP/s of one thread on these small matmuls
 CPU_DECODE_STEP_OVERHEAD_S = 6e-4  # one engine step (scheduling, sampling, small-op calls)
-CPU_TURN_OVERHEAD_S = 0.015  # one model turn: the HTTP round trip on both sides, validation, prefill set-up
+CPU_TURN_OVERHEAD_S = 0.007  # one model turn: the HTTP round trip on both sides, validation, prefill set-up
 CPU_TRAIN_FLOPS_PER_THREAD = 2.0e10
-CPU_TRAIN_STEP_OVERHEAD_S = 0.12  # optimizer step, loading the batch, per-micro-batch calls
+CPU_TRAIN_STEP_OVERHEAD_S = 0.05  # optimizer step, loading the batch, per-micro-batch calls
 CPU_WEIGHT_SYNC_S = 0.15  # publish a step folder, notice it, pause, load, resume (synchronous RL only)
 
 
