@@ -174,7 +174,7 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
                                       prefill_gpus=prefill_gpus or inference_gpus, trainer_gpus=trainer_gpus,
                                       trainer_precision=_DTYPE[m.trainer.precision], weight_sync_s=sync.seconds,
                                       seq_len=o.seq_len)
-                    return _profile_times(m, costs, replicas=replicas,
+                    return _profile_times(m, costs, replicas=replicas, sync=False,
                                           max_concurrent=max(1, memory[decode_name]["max_concurrent_seqs"])
                                           ).async_step_seconds
             split = suggest_split(f, total_nodes=hw.nodes, gpus_per_inference_replica=per_replica, gpu=spec,
@@ -214,11 +214,11 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
     }
 
 
-def _profile_times(m: Manifest, costs: Costs, *, replicas: int, max_concurrent: int) -> ProfileTimes:
+def _profile_times(m: Manifest, costs: Costs, *, replicas: int, max_concurrent: int, sync: bool = True) -> ProfileTimes:
     o = m.orchestrator
     return profile_times(profile_of(m), costs, rollouts_per_step=o.rollouts_per_step, group_size=o.group_size,
                          max_off_policy_steps=o.max_off_policy_steps, seq_len=o.seq_len, replicas=replicas,
-                         max_concurrent_per_replica=max_concurrent)
+                         max_concurrent_per_replica=max_concurrent, sync=sync)
 
 
 def profile_of(m: Manifest) -> Profile:

@@ -136,25 +136,28 @@ class Durations:
         lo, hi = 0.0, max(f + m for f, m, _, _ in self.parts) + 1.0
         while self.cdf(hi) < p:
             hi *= 2
-        for _ in range(50):
+        for _ in range(40):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if self.cdf(mid) < p else (lo, mid)
         return hi
 
-    def expected_min(self, w: float) -> float:
-        """E[min(duration, w)]: per component f + E[min(S, w - f)], with E[min(S, c)] of a log-normal S
-        = mean · Φ((ln c - μ - σ²)/σ) + c · (1 - Φ((ln c - μ)/σ))."""
-        total = 0.0
+    def window(self, w: float) -> tuple[float, float]:
+        """(P[duration <= w], E[min(duration, w)]) in one pass: per component f + E[min(S, w - f)], with
+        E[min(S, c)] of a log-normal S = mean · Φ((ln c - μ - σ²)/σ) + c · (1 - Φ((ln c - μ)/σ))."""
+        below = spent = 0.0
         for f, m, mu, sd in self.parts:
             c = w - f
             if c <= 0:
-                total += w
+                spent += w
             elif sd == 0.0:
-                total += f + min(m, c)
+                below += 1.0 if m <= c else 0.0
+                spent += f + min(m, c)
             else:
                 z = (math.log(c) - mu) / sd
-                total += f + m * _phi(z - sd) + c * (1 - _phi(z))
-        return total / len(self.parts)
+                p = _phi(z)
+                below += p
+                spent += f + m * _phi(z - sd) + c * (1 - p)
+        return below / len(self.parts), spent / len(self.parts)
 
 
 def _phi(z: float) -> float:
@@ -174,7 +177,8 @@ def _shape(p: Profile, q: float, seq_len: int) -> tuple[float, float, float, flo
 
 
 def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_size: int, max_off_policy_steps: int,
-                  seq_len: int, replicas: int, max_concurrent_per_replica: int) -> ProfileTimes:
+                  seq_len: int, replicas: int, max_concurrent_per_replica: int, sync: bool = True) -> ProfileTimes:
+    """`sync=False` skips the synchronous step (its fields are then 0): comparing splits needs only the async one."""
     R = rollouts_per_step
     m = max(1, max_off_policy_steps)
     per_replica = math.ceil(R / replicas)
@@ -197,14 +201,16 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
             calls.append(turns - 1)  # every model turn but the last gets the environment's reply (a tool)
         return Durations(fixed, calls, p.tool_latency_s)
 
-    sync_durations, async_durations = durations(sync_batch), durations(async_batch)
+    async_durations = durations(async_batch)
     tokens = sum(sum(shape[:3]) for shape in shapes) / GRID
-    tail_q = R / (R + 1)  # the expected slowest of R rollouts
-    tail = sync_durations.quantile(tail_q)
-
     train = costs.train_s(R, max(1, round(tokens)))
-    sync_rollout = (waves - 1) * sync_durations.mean + tail
-    sync_step = sync_rollout + train + costs.weight_sync_s
+    tail_q = R / (R + 1)  # the expected slowest of R rollouts
+    tail = sync_rollout = sync_step = 0.0
+    if sync:
+        sync_durations = durations(sync_batch)
+        tail = sync_durations.quantile(tail_q)
+        sync_rollout = (waves - 1) * sync_durations.mean + tail
+        sync_step = sync_rollout + train + costs.weight_sync_s
 
     # The servers cannot decode faster than full batches do, nor take requests faster than one at a time
     # where their handling serializes: floors under the async step, with the trainer's.
@@ -219,11 +225,10 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
     def needed(step: float) -> tuple[float, float]:
         """(rollout time per step, stale share) if a step took `step`: a group is dropped when any of its
         rollouts outlasts the window (its advantage needs them all), and the work spent on it is lost."""
-        window = (1 + m) * step
-        stale = 1 - async_durations.cdf(window) ** group_size
+        below, spent = async_durations.window((1 + m) * step)  # a stale rollout is dropped at the window
+        stale = 1 - below ** group_size
         if stale >= 1.0 - 1e-12:
             return math.inf, 1.0
-        spent = async_durations.expected_min(window)  # a stale rollout is dropped at the window
         return max(R * spent / (concurrency * (1 - stale)), floor), stale
 
     # The step T solves T = max(train, needed(T)): needed falls as T grows (a wider window drops less), so
@@ -232,7 +237,7 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
     hi = lo
     while hi - max(train, needed(hi)[0]) < 0 and hi < 1e12:
         hi *= 2
-    for _ in range(50):
+    for _ in range(36):  # to ~1e-11 of the bracket
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if mid - max(train, needed(mid)[0]) < 0 else (lo, mid)
     async_rollout, stale = needed(hi)
@@ -243,7 +248,7 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
         expected_tokens=tokens, expected_rollout_seconds=expected_async, tail_rollout_seconds=tail,
         tail_quantile=tail_q, train_seconds=train, sync_step_seconds=sync_step, async_step_seconds=async_step,
         async_sync_ratio=sync_step / async_step, max_off_policy_steps=m,
-        sync_trainer_idle=(sync_rollout + costs.weight_sync_s) / sync_step,
-        sync_inference_idle=(train + costs.weight_sync_s) / sync_step,
+        sync_trainer_idle=(sync_rollout + costs.weight_sync_s) / sync_step if sync else 0.0,
+        sync_inference_idle=(train + costs.weight_sync_s) / sync_step if sync else 0.0,
         async_trainer_idle=1 - train / async_step, async_inference_idle=1 - async_rollout / async_step,
         stale_fraction=stale, concurrency=concurrency)

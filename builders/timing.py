@@ -236,12 +236,14 @@ def prefill_seconds_per_token(facts: ModelFacts, *, context: int, gpus: int, gpu
 def decode_step_seconds(facts: ModelFacts, *, batch: int, context: float, gpus_per_replica: float,
                         gpu: GpuSpec | str, precision: str = "bf16", kv_cache_dtype: str = "auto",
                         prefill_mfu: float = PREFILL_MFU,
-                        decode_bandwidth_efficiency: float = DECODE_BANDWIDTH_EFFICIENCY) -> float:
+                        decode_bandwidth_efficiency: float = DECODE_BANDWIDTH_EFFICIENCY,
+                        weights: tuple[int, int] | None = None, n_mm: int | None = None) -> float:
     """One decode step of `batch` sequences at `context` tokens on one replica: the longer of reading the
-    touched weights plus every sequence's KV cache, and the step's flops."""
+    touched weights plus every sequence's KV cache, and the step's flops. `weights` (weight_bytes) and
+    `n_mm` (matmul params per token) may be passed in by a caller that asks many times."""
     spec = _gpu(gpu)
-    n_mm = facts.matmul_params_per_token()
-    non_expert_bytes, expert_bytes = weight_bytes(facts, precision)
+    n_mm = facts.matmul_params_per_token() if n_mm is None else n_mm
+    non_expert_bytes, expert_bytes = weight_bytes(facts, precision) if weights is None else weights
     embedding_bytes = facts.vocab_size * facts.hidden_size * 2  # only looked up, not read whole
     per_expert = expert_bytes / (facts.num_moe_layers * facts.num_experts) if facts.is_moe else 0
     weights_read = (non_expert_bytes - embedding_bytes
@@ -276,10 +278,11 @@ def gpu_costs(facts: ModelFacts, gpu: GpuSpec | str, *, gpus_per_replica: float,
               weight_sync_s: float, seq_len: int) -> Costs:
     """The rollout-profile model's costs on GPUs: the roofline formulas above."""
     spec = _gpu(gpu)
+    weights, n_mm = weight_bytes(facts, precision), facts.matmul_params_per_token()  # once: param counts are slow
     return Costs(
         decode_step_s=lambda batch, context: decode_step_seconds(
             facts, batch=batch, context=context, gpus_per_replica=gpus_per_replica, gpu=spec, precision=precision,
-            kv_cache_dtype=kv_cache_dtype),
+            kv_cache_dtype=kv_cache_dtype, weights=weights, n_mm=n_mm),
         prefill_s_per_token=prefill_seconds_per_token(facts, context=seq_len // 2, gpus=prefill_gpus, gpu=spec,
                                                       precision=precision),
         turn_overhead_s=GPU_TURN_OVERHEAD_S,
