@@ -13,7 +13,14 @@ from primebuild.builders.hardware import GIB, gpu_spec
 from primebuild.builders.memory import inference_memory_per_gpu, trainer_memory_per_gpu
 from primebuild.builders.model_facts import ModelFacts
 from primebuild.builders.placement import Placement
-from primebuild.builders.timing import step_time_estimate, suggest_split, weight_sync_estimate
+from primebuild.builders.rollout_time import Costs, Profile, ProfileTimes, profile_times
+from primebuild.builders.timing import (
+    cpu_costs,
+    gpu_costs,
+    step_time_estimate,
+    suggest_split,
+    weight_sync_estimate,
+)
 from primebuild.errors import Problem, UserError
 from primebuild.manifest.schema import Manifest
 
@@ -127,7 +134,13 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
     decode_replicas = groups[decode_name].replicas
     prefill_gpus = (groups["prefill"].replicas * groups["prefill"].gpus_per_replica) if "prefill" in groups else 0
     if hw.gpu == "cpu":
-        return {"summary": ["CPU run: time estimates are measured by `primebuild run`, not predicted"]}
+        if o.rollout_profile is None:
+            return {"summary": ["CPU run: time estimates are measured by `primebuild run`, not predicted"]}
+        profile = _profile_times(m, cpu_costs(f, m.hardware.cpus_per_node), replicas=decode_replicas,
+                                 max_concurrent=m.inference.max_num_seqs)
+        return {"profile": dataclasses.asdict(profile),
+                "summary": ["CPU run (embedded engine; per-token and per-request costs calibrated on the 2-core CI "
+                            "machine, builders/timing.py)", *_profile_summary(profile)]}
 
     sync = weight_sync_estimate(
         f, dtype=_DTYPE[m.trainer.precision],
@@ -159,8 +172,19 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
                     return False
                 return _trainer_memory(m, f, capacity, shard).fits
 
+            expected = None
+            if o.rollout_profile is not None:
+                def expected(inference_gpus: int, replicas: int, trainer_gpus: int) -> float:
+                    costs = gpu_costs(f, spec, gpus_per_replica=(inference_gpus - prefill_gpus) / replicas,
+                                      precision=step_kwargs["precision"], kv_cache_dtype=m.inference.kv_cache_dtype,
+                                      prefill_gpus=prefill_gpus or inference_gpus, trainer_gpus=trainer_gpus,
+                                      trainer_precision=_DTYPE[m.trainer.precision], weight_sync_s=sync.seconds,
+                                      seq_len=o.seq_len)
+                    return _profile_times(m, costs, replicas=replicas, sync=False,
+                                          max_concurrent=max(1, memory[decode_name]["max_concurrent_seqs"])
+                                          ).async_step_seconds
             split = suggest_split(f, total_nodes=hw.nodes, gpus_per_inference_replica=per_replica, gpu=spec,
-                                  trainer_fits=trainer_fits, **step_kwargs)
+                                  trainer_fits=trainer_fits, expected_step=expected, **step_kwargs)
         except UserError:
             split = None
     summary = [
@@ -170,17 +194,62 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
         f"{times.idle_side} idles ~{times.idle_fraction:.0%} of each step" if times.idle_side != "none"
         else "inference and trainer are balanced",
     ]
-    if split and (split.inference_nodes, split.trainer_nodes) != (_inference_nodes(placement), len(placement.trainer)):
-        summary.append(f"suggestion: {split.inference_nodes} inference : {split.trainer_nodes} trainer nodes "
-                       f"would take ~{split.times.step_seconds:,.0f} s per step "
-                       f"(now ~{times.step_seconds:,.0f} s)")
+    profile = None
+    if o.rollout_profile is not None:
+        memory_seqs = max(1, memory[decode_name]["max_concurrent_seqs"])
+        costs = gpu_costs(f, spec, gpus_per_replica=(inference_gpus - prefill_gpus) / decode_replicas,
+                          precision=step_kwargs["precision"], kv_cache_dtype=m.inference.kv_cache_dtype,
+                          prefill_gpus=prefill_gpus or inference_gpus, trainer_gpus=trainer_gpus,
+                          trainer_precision=_DTYPE[m.trainer.precision], weight_sync_s=sync.seconds,
+                          seq_len=o.seq_len)
+        profile = _profile_times(m, costs, replicas=decode_replicas, max_concurrent=memory_seqs)
+        summary += _profile_summary(profile)
+    now = profile.async_step_seconds if profile else times.step_seconds
+    if split and (split.inference_nodes, split.trainer_nodes) != (_inference_nodes(placement), len(placement.trainer)) \
+            and split.step_seconds < now * 0.99:  # a split that only ties the current one is no suggestion
+        case = "expected" if profile else "worst case"
+        summary.append(f"suggestion ({case}): {split.inference_nodes} inference : {split.trainer_nodes} trainer nodes "
+                       f"would take ~{split.step_seconds:,.0f} s per step (now ~{now:,.0f} s)")
     return {
         "weight_sync": dataclasses.asdict(sync),
         "step": dataclasses.asdict(times),
+        "profile": dataclasses.asdict(profile) if profile else None,
         "suggested_split": ({"inference_nodes": split.inference_nodes, "trainer_nodes": split.trainer_nodes,
-                             "step_seconds": split.times.step_seconds} if split else None),
+                             "step_seconds": split.step_seconds} if split else None),
         "summary": summary,
     }
+
+
+def _profile_times(m: Manifest, costs: Costs, *, replicas: int, max_concurrent: int, sync: bool = True) -> ProfileTimes:
+    o = m.orchestrator
+    return profile_times(profile_of(m), costs, rollouts_per_step=o.rollouts_per_step, group_size=o.group_size,
+                         max_off_policy_steps=o.max_off_policy_steps, seq_len=o.seq_len, replicas=replicas,
+                         max_concurrent_per_replica=max_concurrent, sync=sync)
+
+
+def profile_of(m: Manifest) -> Profile:
+    o = m.orchestrator
+    p = o.rollout_profile
+    assert p is not None
+    prompt = (p.prompt_tokens.p50, p.prompt_tokens.p99) if p.prompt_tokens else \
+        (float(o.seq_len - o.max_completion_tokens),) * 2
+    return Profile(prompt_tokens=prompt, completion_tokens=(p.completion_tokens.p50, p.completion_tokens.p99),
+                   environment_tokens=(p.environment_tokens.p50, p.environment_tokens.p99),
+                   turns=(p.turns.p50, p.turns.p99), tool_latency_s=(p.tool_latency_s.p50, p.tool_latency_s.p99))
+
+
+def _profile_summary(p: ProfileTimes) -> list[str]:
+    return [
+        f"expected (rollout_profile): ~{p.expected_tokens:,.0f} tokens per rollout, ~{p.expected_rollout_seconds:,.1f} s "
+        f"each, the slowest of a step ~{p.tail_rollout_seconds:,.1f} s; train ~{p.train_seconds:,.1f} s per step",
+        f"synchronous: ~{p.sync_step_seconds:,.1f} s per step (trainer idles {p.sync_trainer_idle:.0%}, inference "
+        f"{p.sync_inference_idle:.0%})",
+        f"async (max_off_policy_steps {p.max_off_policy_steps}, up to {p.concurrency} rollouts in flight): "
+        f"~{p.async_step_seconds:,.1f} s per step (trainer idles {p.async_trainer_idle:.0%}, inference "
+        f"{p.async_inference_idle:.0%}); predicted async/sync speed-up {p.async_sync_ratio:.2f}x"
+        + (f"; ~{p.stale_fraction:.0%} of groups outlast the staleness window and are dropped"
+           if p.stale_fraction >= 0.005 else ""),
+    ]
 
 
 def _inference_nodes(placement: Placement) -> int:

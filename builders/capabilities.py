@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from primebuild.builders.environments import environment_problems
 from primebuild.builders.model_facts import ModelFacts
 from primebuild.errors import Problem
 from primebuild.manifest.schema import Manifest
@@ -53,11 +54,13 @@ class Refusal:
 
 
 def refusals(m: Manifest, facts: ModelFacts | None = None) -> list[Refusal]:
-    """Everything `m` asks for that the backends its plan would run cannot apply; with the model's
-    `facts`, also what its architecture rules out (router replay of a model the trainer cannot replay)."""
+    """Everything `m` asks for that the backends its plan would run cannot apply (environments that
+    cannot load here included: builders/environments.py); with the model's `facts`, also what its
+    architecture rules out (router replay of a model the trainer cannot replay)."""
+    environments = [Refusal(*problem) for problem in environment_problems(m)]
     if m.sft is not None:
-        return list(_sft_only(m))
-    return list(_rl(m)) + (list(_model(m, facts)) if facts is not None else [])
+        return list(_sft_only(m)) + environments
+    return list(_rl(m)) + (list(_model(m, facts)) if facts is not None else []) + environments
 
 
 def applies(m: Manifest, field: str, value: object, facts: ModelFacts | None = None) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from primebuild import __version__
 from primebuild.builders import derivations, python_env
+from primebuild.builders.environments import taskset_module, verifiers_problem
 from primebuild.builders.model_ref import facts_file
 from primebuild.contracts.environments import BUILTIN_VERSIONS, VERIFIERS_PREFIX
 from primebuild.contracts.plan import ImageRef, Plan
@@ -364,12 +366,14 @@ def resolve_environment(request: dict) -> dict:
                             f"version {provided!r}", hint=f"set the environment's version to {provided!r}")
         return {"request": request, "pinned": True, "kind": "builtin", "version": provided,
                 "primebuild_version": __version__}
-    package = env_id.removeprefix(VERIFIERS_PREFIX)
+    taskset = env_id.removeprefix(VERIFIERS_PREFIX)
+    package = _taskset_distribution(taskset)
     try:
-        dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
-        return {"request": request, "pinned": False, "kind": "package", "package": package,
-                "reason": f"Python package {package!r} is not installed here: install it, then re-lock"}
+        dist = importlib.metadata.distribution(package or "")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return {"request": request, "pinned": False, "kind": "package", "package": taskset,
+                "reason": f"verifiers taskset {taskset!r} is not installed here (no package provides the module "
+                          f"{taskset_module(taskset)!r}): install it, then re-lock"}
     entry = {"request": request, "kind": "package", "package": dist.metadata["Name"], "version": dist.version}
     if version not in ("latest", dist.version):
         return {**entry, "pinned": False,
@@ -378,6 +382,16 @@ def resolve_environment(request: dict) -> dict:
     if record is None:
         return {**entry, "pinned": False, "reason": "the installed package has no RECORD file to hash"}
     return {**entry, "pinned": True, "record_sha256": hashlib.sha256(record.encode()).hexdigest()}
+
+
+def _taskset_distribution(taskset_id: str) -> str | None:
+    """The distribution whose files hold the module verifiers imports for `taskset_id` (the taskset's own
+    package, or verifiers itself for the tasksets it ships); by module, not by a name that may collide."""
+    module = taskset_module(taskset_id)
+    if verifiers_problem(taskset_id) is None and importlib.util.find_spec(module) is None:
+        return "verifiers"  # shipped in verifiers.v1.tasksets
+    providers = importlib.metadata.packages_distributions().get(module) or []
+    return providers[0] if providers else None
 
 
 # base image -----------------------------------------------------------------------------------------------

@@ -205,7 +205,16 @@ def _locate(loaded: LoadedManifest, problem: Problem) -> Problem:
     """Attach file/line to a compiler problem from the manifest's source map."""
     if problem.file or not problem.field:
         return problem
-    path = tuple(problem.field.split("."))
-    file, line, col = loaded.source.locate(path)
+    file, line, col = loaded.source.locate(field_path(problem.field))
     return Problem(problem.message, file=file or str(loaded.path), line=line, column=col, field=problem.field,
                    hint=problem.hint)
+
+
+def field_path(field: str) -> tuple[str | int, ...]:
+    """`environments[0].id` -> ("environments", 0, "id"), the source map's keys."""
+    out: list[str | int] = []
+    for part in field.split("."):
+        name, *indices = part.replace("]", "").split("[")
+        out.append(name)
+        out += [int(i) for i in indices]
+    return tuple(out)

@@ -267,7 +267,7 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec],
     servers = [p for p in processes if p.role == "router"] or [
         p for p in processes if "http" in p.ports and p.role in ("inference", "decode")]
     config = OrchestratorConfig(
-        run_dir="{run_dir}", served_model_name=m.name,
+        run_dir="{run_dir}", model_path="{model_path}", served_model_name=m.name, seq_len=o.seq_len,
         endpoints=[f"http://{{host:{p.node}}}:{p.ports['http']}/v1" for p in servers],
         environments=[EnvironmentConfig(id=e.id, version=None if e.version == "latest" else e.version,
                                         args=dict(e.args), weight=e.weight) for e in m.environments],

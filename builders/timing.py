@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from primebuild.builders.hardware import GpuSpec, gpu_spec
 from primebuild.builders.memory import kv_dtype_bytes, weight_bytes
 from primebuild.builders.model_facts import ModelFacts
+from primebuild.builders.rollout_time import Costs
 from primebuild.errors import UserError
 
 # Assumed efficiencies (fractions of the dense peak). MFU 0.35 is what well-tuned FSDP/EP trainers
@@ -192,30 +193,19 @@ def step_time_estimate(
         raise UserError("no full-length sequence fits in an inference replica's KV cache",
                         hint="use more GPUs per replica, fp8 weights or KV cache, or a shorter seq_len")
     waves = math.ceil(seqs / batch)
-    non_expert_bytes, expert_bytes = weight_bytes(facts, precision)
-    embedding_bytes = facts.vocab_size * facts.hidden_size * 2  # only looked up, not read whole
-    per_expert = expert_bytes / (facts.num_moe_layers * facts.num_experts) if facts.is_moe else 0
-    weights_read = (non_expert_bytes - embedding_bytes
-                    + facts.num_moe_layers * distinct_experts(facts, batch) * per_expert)
-    context = prompt_tokens + completion_tokens / 2  # average over the decode
-    kv_read = batch * kv_read_bytes(facts, math.ceil(context), kv_dtype_bytes(kv_cache_dtype))
-    memory_time = (weights_read + kv_read) / (gpus_per_replica * spec.hbm_bytes_per_s
-                                              * decode_bandwidth_efficiency)
-    decode_flops = batch * (2 * n_mm + 2 * facts.num_layers * facts.num_attention_heads
-                            * (facts.head_dim + (facts.v_head_dim or facts.head_dim))
-                            * (min(context, facts.index_topk) if facts.index_topk else context))
-    compute_time = decode_flops / (gpus_per_replica * spec.flops(precision) * prefill_mfu)
-    decode_step = max(memory_time, compute_time)
+    decode_step = decode_step_seconds(
+        facts, batch=batch, context=prompt_tokens + completion_tokens / 2, gpus_per_replica=gpus_per_replica,
+        gpu=spec, precision=precision, kv_cache_dtype=kv_cache_dtype, prefill_mfu=prefill_mfu,
+        decode_bandwidth_efficiency=decode_bandwidth_efficiency)
     decode_seconds = waves * completion_tokens * decode_step
 
     rollout_seconds = (max(prefill_seconds, decode_seconds) if prefill_gpus
                        else prefill_seconds + decode_seconds)
 
-    # Training: 6·N per token plus backward-inclusive attention (3× forward).
     seq_len = prompt_tokens + completion_tokens
     tokens = rollouts_per_step * seq_len
-    train_flops = 6 * n_mm * tokens + 3 * rollouts_per_step * attention_forward_flops(facts, seq_len)
-    train_seconds = train_flops / (trainer_gpus * spec.flops(trainer_precision) * trainer_mfu)
+    train_seconds = train_step_seconds(facts, sequences=rollouts_per_step, seq_len=seq_len, trainer_gpus=trainer_gpus,
+                                       gpu=spec, trainer_precision=trainer_precision, trainer_mfu=trainer_mfu)
 
     step = max(rollout_seconds, train_seconds)
     if math.isclose(rollout_seconds, train_seconds, rel_tol=1e-9):
@@ -232,12 +222,110 @@ def step_time_estimate(
     )
 
 
+def prefill_seconds_per_token(facts: ModelFacts, *, context: int, gpus: int, gpu: GpuSpec | str,
+                              precision: str = "bf16", prefill_mfu: float = PREFILL_MFU) -> float:
+    """Seconds to prefill one more token on `gpus` GPUs at `context` tokens (2·N plus its attention row)."""
+    spec = _gpu(gpu)
+    d_v = facts.v_head_dim or facts.head_dim
+    attended = min(context, facts.index_topk) if facts.index_topk else context
+    flops = 2 * facts.matmul_params_per_token() + 2 * facts.num_layers * facts.num_attention_heads * (
+        facts.head_dim + d_v) * attended
+    return flops / (gpus * spec.flops(precision) * prefill_mfu)
+
+
+def decode_step_seconds(facts: ModelFacts, *, batch: int, context: float, gpus_per_replica: float,
+                        gpu: GpuSpec | str, precision: str = "bf16", kv_cache_dtype: str = "auto",
+                        prefill_mfu: float = PREFILL_MFU,
+                        decode_bandwidth_efficiency: float = DECODE_BANDWIDTH_EFFICIENCY,
+                        weights: tuple[int, int] | None = None, n_mm: int | None = None) -> float:
+    """One decode step of `batch` sequences at `context` tokens on one replica: the longer of reading the
+    touched weights plus every sequence's KV cache, and the step's flops. `weights` (weight_bytes) and
+    `n_mm` (matmul params per token) may be passed in by a caller that asks many times."""
+    spec = _gpu(gpu)
+    n_mm = facts.matmul_params_per_token() if n_mm is None else n_mm
+    non_expert_bytes, expert_bytes = weight_bytes(facts, precision) if weights is None else weights
+    embedding_bytes = facts.vocab_size * facts.hidden_size * 2  # only looked up, not read whole
+    per_expert = expert_bytes / (facts.num_moe_layers * facts.num_experts) if facts.is_moe else 0
+    weights_read = (non_expert_bytes - embedding_bytes
+                    + facts.num_moe_layers * distinct_experts(facts, batch) * per_expert)
+    kv_read = batch * kv_read_bytes(facts, math.ceil(context), kv_dtype_bytes(kv_cache_dtype))
+    memory_time = (weights_read + kv_read) / (gpus_per_replica * spec.hbm_bytes_per_s
+                                              * decode_bandwidth_efficiency)
+    decode_flops = batch * (2 * n_mm + 2 * facts.num_layers * facts.num_attention_heads
+                            * (facts.head_dim + (facts.v_head_dim or facts.head_dim))
+                            * (min(context, facts.index_topk) if facts.index_topk else context))
+    compute_time = decode_flops / (gpus_per_replica * spec.flops(precision) * prefill_mfu)
+    return max(memory_time, compute_time)
+
+
+def train_step_seconds(facts: ModelFacts, *, sequences: int, seq_len: int, trainer_gpus: int, gpu: GpuSpec | str,
+                       trainer_precision: str = "bf16", trainer_mfu: float = TRAINER_MFU) -> float:
+    """Training on `sequences` sequences of `seq_len` tokens: 6·N per token plus backward-inclusive
+    attention (3× the forward)."""
+    spec = _gpu(gpu)
+    train_flops = (6 * facts.matmul_params_per_token() * sequences * seq_len
+                   + 3 * sequences * attention_forward_flops(facts, seq_len))
+    return train_flops / (trainer_gpus * spec.flops(trainer_precision) * trainer_mfu)
+
+
+# GPU: what a model turn costs beyond its tokens (scheduling, the HTTP round trip, detokenising): tens
+# of milliseconds in vLLM's OpenAI server; only agentic profiles with many turns notice it.
+GPU_TURN_OVERHEAD_S = 0.02
+
+
+def gpu_costs(facts: ModelFacts, gpu: GpuSpec | str, *, gpus_per_replica: float, precision: str,
+              kv_cache_dtype: str, prefill_gpus: int, trainer_gpus: int, trainer_precision: str,
+              weight_sync_s: float, seq_len: int) -> Costs:
+    """The rollout-profile model's costs on GPUs: the roofline formulas above."""
+    spec = _gpu(gpu)
+    weights, n_mm = weight_bytes(facts, precision), facts.matmul_params_per_token()  # once: param counts are slow
+    return Costs(
+        decode_step_s=lambda batch, context: decode_step_seconds(
+            facts, batch=batch, context=context, gpus_per_replica=gpus_per_replica, gpu=spec, precision=precision,
+            kv_cache_dtype=kv_cache_dtype, weights=weights, n_mm=n_mm),
+        prefill_s_per_token=prefill_seconds_per_token(facts, context=seq_len // 2, gpus=prefill_gpus, gpu=spec,
+                                                      precision=precision),
+        turn_overhead_s=GPU_TURN_OVERHEAD_S,
+        request_s=0.0,  # vLLM's API server handles requests concurrently with the engine's steps
+        train_s=lambda sequences, tokens: train_step_seconds(
+            facts, sequences=sequences, seq_len=tokens, trainer_gpus=trainer_gpus, gpu=spec,
+            trainer_precision=trainer_precision),
+        weight_sync_s=weight_sync_s)
+
+
+# CPU (the embedded engine and the fsdp2 trainer on a few cores, fp32, tiny models): calibrated on the
+# 2-core CI machine with the reverse-text model (0.5M params, bench/async_rl.py --calibrate; the figures
+# and their spread in bench/RESULTS.md). Costs are per thread and scale with 2·N (inference) or 6·N
+# (training) per token; fixed costs are per call.
+CPU_FLOPS_PER_THREAD = 2.0e10  # effective FLOP/s of one thread on these small matmuls
+CPU_DECODE_STEP_OVERHEAD_S = 6e-4  # one engine step (scheduling, sampling, small-op calls)
+CPU_TURN_OVERHEAD_S = 0.007  # one model turn: the HTTP round trip on both sides, validation, prefill set-up
+CPU_TRAIN_FLOPS_PER_THREAD = 2.0e10
+CPU_TRAIN_STEP_OVERHEAD_S = 0.05  # optimizer step, loading the batch, per-micro-batch calls
+CPU_WEIGHT_SYNC_S = 0.15  # publish a step folder, notice it, pause, load, resume (synchronous RL only)
+
+
+def cpu_costs(facts: ModelFacts, cpus_per_node: int) -> Costs:
+    threads = max(1, cpus_per_node // 2)  # the plan's processes share a CPU node's cores (builders/processes.py)
+    n = facts.matmul_params_per_token()
+    return Costs(
+        decode_step_s=lambda batch, context: CPU_DECODE_STEP_OVERHEAD_S + batch * 2 * n / (
+            threads * CPU_FLOPS_PER_THREAD),
+        prefill_s_per_token=2 * n / (threads * CPU_FLOPS_PER_THREAD),
+        turn_overhead_s=CPU_TURN_OVERHEAD_S,
+        request_s=CPU_TURN_OVERHEAD_S,  # the embedded engine and its server share the process's cores
+        train_s=lambda sequences, tokens: CPU_TRAIN_STEP_OVERHEAD_S + 6 * n * sequences * tokens / (
+            threads * CPU_TRAIN_FLOPS_PER_THREAD),
+        weight_sync_s=CPU_WEIGHT_SYNC_S)
+
+
 @dataclass(frozen=True)
 class Split:
     inference_nodes: int
     trainer_nodes: int
     inference_replicas: int
-    times: StepTimes
+    times: StepTimes  # the worst case (full-length rollouts)
+    step_seconds: float  # what the split was chosen by: the expected step when a profile says, else the worst
 
 
 def suggest_split(
@@ -249,6 +337,7 @@ def suggest_split(
     min_inference_nodes: int = 1,
     min_trainer_nodes: int = 1,
     trainer_fits: Callable[[int], bool] | None = None,
+    expected_step: Callable[[int, int, int], float] | None = None,
     **step_kwargs,
 ) -> Split:
     """The whole-node inference:trainer split with the shortest step (ties: fewer inference nodes).
@@ -257,6 +346,8 @@ def suggest_split(
     gpus_per_inference_replica GPUs as fit. step_kwargs go to step_time_estimate (everything but the
     GPU counts and replicas, which this function chooses). trainer_fits(trainer_gpus), when given, rules
     out splits whose trainer does not fit in memory (e.g. a closure over trainer_memory_per_gpu).
+    expected_step(inference_gpus, replicas, trainer_gpus), when given (a rollout profile), is the step time
+    the splits are compared by instead of the worst case.
     """
     spec = _gpu(gpu)
     best: Split | None = None
@@ -272,8 +363,10 @@ def suggest_split(
             facts, inference_gpus=replicas * gpus_per_inference_replica + prefill, inference_replicas=replicas,
             trainer_gpus=trainer_gpus, gpu=spec, **step_kwargs,
         )
-        candidate = Split(inference_nodes, total_nodes - inference_nodes, replicas, times)
-        if best is None or times.step_seconds < best.times.step_seconds * (1 - 1e-9):
+        seconds = times.step_seconds if expected_step is None else expected_step(
+            replicas * gpus_per_inference_replica + prefill, replicas, trainer_gpus)
+        candidate = Split(inference_nodes, total_nodes - inference_nodes, replicas, times, seconds)
+        if best is None or seconds < best.step_seconds * (1 - 1e-9):
             best = candidate
     if best is None:
         raise UserError(f"no inference:trainer split of {total_nodes} nodes fits "
@@ -284,6 +377,7 @@ def suggest_split(
 
 
 __all__ = [
-    "StepTimes", "Split", "WeightSync", "attention_forward_flops", "distinct_experts", "kv_read_bytes",
-    "step_time_estimate", "suggest_split", "weight_sync_estimate",
+    "StepTimes", "Split", "WeightSync", "attention_forward_flops", "cpu_costs", "gpu_costs", "decode_step_seconds", "distinct_experts",
+    "kv_read_bytes", "prefill_seconds_per_token", "step_time_estimate", "suggest_split", "train_step_seconds",
+    "weight_sync_estimate",
 ]

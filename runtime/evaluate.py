@@ -1,5 +1,8 @@
 """Greedy evaluation: mean reward of a model over an environment's fixed held-out tasks.
 
+Multi-turn environments are played turn by turn (`play_greedy`), with the same token bookkeeping as
+the orchestrator's rollouts (runtime/envs/transcript.py).
+
 A lean batched loop on the HF model instead of `generate` (which spends most of its time in
 per-call Python set-up on a model this small): prompts are left-padded into one batch, a first
 forward fills the KV cache, then each step feeds only the argmax token of every row. Left padding
@@ -17,11 +20,23 @@ from primebuild.runtime.envs.base import Environment, Task
 
 def greedy_complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 16) -> list[str]:
     """Greedy completions of `prompts` (text after the prompt, up to and without `<eos>`)."""
+    eos = tokenizer.eos_token_id
+    rows = greedy_ids(model, [list(tokenizer(p)["input_ids"]) for p in prompts], max_new_tokens,
+                      eos_id=eos, pad_id=tokenizer.pad_token_id)
+    return [tokenizer.decode(row[: row.index(eos)] if eos in row else row, skip_special_tokens=True)
+            for row in rows]
+
+
+def greedy_ids(model, prompts: list[list[int]], max_new_tokens: int, *, eos_id: int, pad_id: int) -> list[list[int]]:
+    """Greedy continuations of token-id prompts: each row's new ids, up to and including `<eos>`."""
     import torch
 
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-    ids, mask = batch["input_ids"], batch["attention_mask"]
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # left-padded
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache_arg = _cache_argument_name(model)
     finished = torch.zeros(len(prompts), dtype=torch.bool)
@@ -40,20 +55,66 @@ def greedy_complete(model, tokenizer, prompts: list[str], max_new_tokens: int = 
             cache = out.cache if cache_arg == "cache" else out.past_key_values
             next_token = out.logits[:, -1].argmax(-1)
             # A finished row keeps emitting padding, which the attention mask hides.
-            next_token = torch.where(finished, torch.full_like(next_token, pad), next_token)
+            next_token = torch.where(finished, torch.full_like(next_token, pad_id), next_token)
             generated.append(next_token)
             mask = torch.cat([mask, (~finished).long()[:, None]], dim=1)
-            finished |= next_token == eos
+            finished |= next_token == eos_id
             if bool(finished.all()):
                 break
             # Only the new token goes in next time; the cache holds the rest.
             ids, positions = next_token[:, None], positions[:, -1:] + 1
-    completions = []
-    for row in torch.stack(generated, dim=1).tolist() if generated else [[] for _ in prompts]:
-        if eos in row:
-            row = row[: row.index(eos)]
-        completions.append(tokenizer.decode(row, skip_special_tokens=True))
-    return completions
+    rows = torch.stack(generated, dim=1).tolist() if generated else [[] for _ in prompts]
+    return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in rows]
+
+
+def play_greedy(model, tokenizer, env: Environment, tasks: list[Task], max_new_tokens: int = 16,
+                seq_len: int | None = None) -> list[float]:
+    """Rewards of greedy episodes (one turn for a single-turn environment): every active episode's
+    next turn is decoded in one batch, token in / token out as the orchestrator does (transcript.py)."""
+    from primebuild.runtime.envs.base import max_turns, start_episode
+    from primebuild.runtime.envs.transcript import Transcript, encode_prompt, encode_reply
+
+    async def play() -> list[float]:
+        eos = tokenizer.eos_token_id
+        transcripts = [Transcript(encode_prompt(tokenizer, env.format_prompt(t))) for t in tasks]
+        episodes = [start_episode(env, t) for t in tasks]
+        active = list(range(len(tasks)))
+        try:
+            for _ in range(max_turns(env)):
+                if not active:
+                    break
+                turns = greedy_ids(model, [transcripts[i].ids for i in active], max_new_tokens, eos_id=eos,
+                                   pad_id=tokenizer.pad_token_id)
+                still = []
+                for i, turn in zip(active, turns, strict=True):
+                    transcripts[i].add_model_turn(turn)
+                    text = tokenizer.decode([t for t in turn if t != eos], skip_special_tokens=True)
+                    reply = await episodes[i].step(text)
+                    if reply is None:
+                        continue
+                    reply_ids = encode_reply(tokenizer, reply)
+                    transcripts[i].add_environment(reply_ids)
+                    if seq_len is None or len(transcripts[i]) + max_new_tokens <= seq_len:
+                        still.append(i)
+                active = still
+            return [float(await e.reward()) for e in episodes]
+        finally:
+            for e in episodes:
+                await e.close()
+
+    return _run(play())
+
+
+def _run(coro):
+    import asyncio
+
+    from primebuild.runtime.envs.verifiers_adapter import _run_coroutine
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    return _run_coroutine(coro)
 
 
 def _cache_argument_name(model) -> str:
@@ -73,7 +134,7 @@ def evaluate_model(
 def evaluate_tasks(
     model, tokenizer, env: Environment, tasks: list[Task], max_new_tokens: int = 16, batch_size: int = 200
 ) -> float:
-    """Mean reward of greedy completions over `tasks`, scored by `env`."""
+    """Mean reward of greedy episodes over `tasks`, scored by `env`."""
     if not tasks:
         raise ValueError("no tasks to evaluate")
     was_training = model.training
@@ -81,11 +142,7 @@ def evaluate_tasks(
     try:
         rewards = []
         for start in range(0, len(tasks), batch_size):
-            chunk = tasks[start : start + batch_size]
-            completions = greedy_complete(
-                model, tokenizer, [env.format_prompt(t) for t in chunk], max_new_tokens
-            )
-            rewards += [env.score(t, c) for t, c in zip(chunk, completions, strict=True)]
+            rewards += play_greedy(model, tokenizer, env, tasks[start : start + batch_size], max_new_tokens)
     finally:
         model.train(was_training)
     return sum(rewards) / len(rewards)

@@ -8,7 +8,9 @@ By default training stops as soon as a validation reward on fixed training-side 
 trains exactly `steps` steps.
 
 One training sequence is `<bos> prompt completion <eos>`; the loss is the mean cross-entropy over the
-completion tokens and the `<eos>` only (the prompt is given, not learned). Optimiser and schedule are
+completion tokens and the `<eos>` only (the prompt is given, not learned). A multi-turn environment's
+demonstration is a whole episode: model turns (each ending in `<eos>`) are learned, the environment's
+replies between them are given. Optimiser and schedule are
 the calibrated ones: AdamW lr 1e-3, linear warmup over 50 steps then constant, batch 64, gradient
 norm clipped at 1.0. Same config and seed -> same weights, bit for bit (CPU, fixed thread count).
 
@@ -31,18 +33,28 @@ from primebuild.errors import UserError
 VALIDATION_SEED = 1_000_003  # validation tasks come from their own RNG: training data stay the same
 
 
-def encode_batch(tokenizer, prompts: list[str], completions: list[str]):
-    """(input_ids, loss_mask), right-padded: loss_mask[i, t] says token t+1 of row i is a target."""
+def encode_batch(tokenizer, prompts: list[str], demonstrations: list[list[tuple[bool, str]]]):
+    """(input_ids, loss_mask), right-padded: loss_mask[i, t] says token t+1 of row i is a target.
+
+    A demonstration is the segments of an episode (runtime/envs/base.py `demonstration`): each model
+    turn is encoded and followed by `<eos>` (the engines stop a turn there) and is a target; each
+    environment segment is encoded as the orchestrator appends it (runtime/envs/transcript.py) and is
+    not. A single-turn environment's demonstration is its answer alone.
+    """
     import torch
 
+    from primebuild.runtime.envs.transcript import encode_prompt, encode_reply
+
     rows, masks = [], []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        prompt_ids = tokenizer(prompt)["input_ids"]  # <bos> + prompt
-        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [
-            tokenizer.eos_token_id
-        ]
-        rows.append(prompt_ids + completion_ids)
-        masks.append([0] * len(prompt_ids) + [1] * len(completion_ids))
+    for prompt, segments in zip(prompts, demonstrations, strict=True):
+        row = encode_prompt(tokenizer, prompt)  # <bos> + prompt
+        mask = [0] * len(row)
+        for by_model, text in segments:
+            ids = encode_reply(tokenizer, text) + ([tokenizer.eos_token_id] if by_model else [])
+            row += ids
+            mask += [int(by_model)] * len(ids)
+        rows.append(row)
+        masks.append(mask)
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     target = torch.zeros((len(rows), width), dtype=torch.bool)
@@ -70,6 +82,7 @@ def run_sft(config: SFTConfig, out_dir: str) -> dict:
     """Train, evaluate, write the HF folder to `out_dir` (which must not exist); return the metrics."""
     import torch
 
+    from primebuild.runtime.envs.base import demonstration
     from primebuild.runtime.envs.registry import load_environment
     from primebuild.runtime.evaluate import evaluate_tasks, load_hf_folder
     from primebuild.runtime.models.char_tokenizer import build_char_tokenizer
@@ -99,15 +112,18 @@ def run_sft(config: SFTConfig, out_dir: str) -> dict:
         else []
     )
 
+    # an environment whose turns are longer than the default (swe-tiny's commands) says how long
+    max_new_tokens = getattr(env, "max_tokens_per_turn", config.eval_max_new_tokens)
+
     def greedy_reward(tasks):
         # Greedy decoding draws no random numbers, so evaluating mid-run leaves training unchanged.
-        return evaluate_tasks(model, tokenizer, env, tasks, max_new_tokens=config.eval_max_new_tokens)
+        return evaluate_tasks(model, tokenizer, env, tasks, max_new_tokens=max_new_tokens)
 
     losses, curve, validation_reward, step = [], [], None, 0
     for step in range(1, config.steps + 1):
         tasks = env.sample_tasks(rng, config.batch_size)
         ids, loss_mask = encode_batch(
-            tokenizer, [env.format_prompt(t) for t in tasks], [t.answer for t in tasks]
+            tokenizer, [env.format_prompt(t) for t in tasks], [demonstration(env, t, rng) for t in tasks]
         )
         loss = completion_loss(model, ids, loss_mask)
         optimizer.zero_grad(set_to_none=True)

@@ -297,18 +297,23 @@ FIELDS: dict[str, list] = {
     "seed": [Reaches(config_of(T, "seed"), ("seed=7",), 7), Reaches(config_of(O, "seed"), ("seed=7",), 7),
              Reaches(config_of(I, "seed"), ("seed=7",), 7), Builds(build_config("seed"), ("seed=7",), 7)],
     "secrets": [Reaches(lambda plan: process(plan, T)["secrets"], ("secrets=[HF_TOKEN]",), ["HF_TOKEN"])],
-    "environments[].id": [Reaches(config_of(O, "environments.0.id"), ("environments=[{id: other}]",), "other"),
-                          Builds(build_config("env_id"), ("environments=[{id: other}]",), "other")],
+    "environments[].id": [Reaches(config_of(O, "environments.0.id"), ("environments=[{id: wordle}]",), "wordle"),
+                          Builds(build_config("env_id"), ("environments=[{id: wordle}]",), "wordle"),
+                          Refused(("environments=[{id: other}]",), field_path="environments[0].id"),
+                          Refused(("environments=[{id: 'verifiers:not-installed'}]",),
+                                  field_path="environments[0].id")],
     "environments[].version": [
-        Reaches(config_of(O, "environments.0.version"), ("environments=[{id: reverse-text, version: '1'}]",), "1")],
+        Reaches(config_of(O, "environments.0.version"), ("environments=[{id: reverse-text, version: '1'}]",), "1"),
+        Refused(("environments=[{id: reverse-text, version: '9'}]",), field_path="environments[0].version")],
     "environments[].args": [
         Reaches(config_of(O, "environments.0.args"), ("environments=[{id: reverse-text, args: {max_length: 9}}]",),
                 {"max_length": 9}),
         Builds(build_config("env_args"), ("environments=[{id: reverse-text, args: {max_length: 9}}]",),
                {"max_length": 9})],
     "environments[].weight": [
-        Reaches(config_of(O, "environments.1.weight"), ("environments=[{id: reverse-text}, {id: b, weight: 3}]",), 3.0),
-        Refused(("environments=[{id: reverse-text}, {id: b, weight: 3}]",), base=SFT, field_path="environments")],
+        Reaches(config_of(O, "environments.1.weight"), ("environments=[{id: reverse-text}, {id: wordle, weight: 3}]",),
+                3.0),
+        Refused(("environments=[{id: reverse-text}, {id: wordle, weight: 3}]",), base=SFT, field_path="environments")],
     "hardware.cpus_per_node": [Shapes(("hardware.cpus_per_node=8",), "processes", base=RL)],
     "hardware.gpu": [Shapes(("hardware.gpu=h200",), "memory"), Refused(("hardware.gpu=h100", "hardware.gpus_per_node=8"),
                                                                          base=SFT)],
@@ -380,7 +385,8 @@ FIELDS: dict[str, list] = {
     "orchestrator.group_size": [Reaches(config_of(O, "group_size"), ("orchestrator.group_size=4",), 4)],
     "orchestrator.max_off_policy_steps": [Reaches(config_of(O, "max_off_policy_steps"),
                                                   ("orchestrator.max_off_policy_steps=0",), 0)],
-    "orchestrator.seq_len": [Reaches(config_of(I, "max_model_len"), ("orchestrator.seq_len=80",), 80)],
+    "orchestrator.seq_len": [Reaches(config_of(I, "max_model_len"), ("orchestrator.seq_len=80",), 80),
+                             Reaches(config_of(O, "seq_len"), ("orchestrator.seq_len=80",), 80)],
     "orchestrator.max_completion_tokens": [
         Reaches(config_of(O, "max_completion_tokens"), ("orchestrator.max_completion_tokens=12",), 12),
         Reaches(config_of(T, "max_completion_tokens"), ("orchestrator.max_completion_tokens=12",), 12)],
@@ -452,6 +458,20 @@ FIELDS: dict[str, list] = {
                                Refused(("retention.keep_weights=5",), base=SFT, field_path="retention")],
     "retention.keep_checkpoints": [Reaches(config_of(T, "keep_checkpoints"), ("retention.keep_checkpoints=2",), 2)],
 }
+# The rollout profile feeds the time model only (builders/rollout_time.py): on the GLM-5 design (which
+# declares one) each quantile changes the estimates; on a CPU manifest a profile turns the estimates on.
+def _profile_cpu(name: str, p50: float, p99: float) -> str:
+    fields = {"completion_tokens": "{p50: 4, p99: 16}", name: f"{{p50: {p50}, p99: {p99}}}"}
+    return ", ".join(f"{k}: {v}" for k, v in fields.items())
+
+
+_PROFILE = {"prompt_tokens": (3000, 30000), "completion_tokens": (9000, 50000), "environment_tokens": (10000, 90000),
+            "turns": (10, 90), "tool_latency_s": (0.5, 40)}
+for _name, (_p50, _p99) in _PROFILE.items():
+    for _q, _value in (("p50", _p50), ("p99", _p99)):
+        FIELDS[f"orchestrator.rollout_profile.{_name}.{_q}"] = [
+            Shapes((f"orchestrator.rollout_profile.{_name}.{_q}={_value}",), "estimates", base=GLM5),
+            Shapes((f"orchestrator.rollout_profile={{{_profile_cpu(_name, _p50, _p99)}}}",), "estimates", base=RL)]
 # Every field of a disaggregation: the embedded engine applies replicas (its router's pools) and refuses
 # tp/dp/ep/nodes_per_replica; on the glm5 design it shapes the vLLM command lines and the placement (each
 # change keeps the 28 nodes consistent).

@@ -117,7 +117,7 @@ def gpu_manifest(draw) -> dict:
         "orchestrator": {"seq_len": seq_len, "max_completion_tokens": seq_len // 2, "group_size": group_size,
                          "rollouts_per_step": group_size * draw(st.integers(1, 64)),
                          "max_off_policy_steps": draw(st.integers(0, 3))},
-        "environments": [{"id": "env-a"}, *([{"id": "env-b", "weight": 0.5}] if draw(st.booleans()) else [])],
+        "environments": [{"id": "reverse-text"}, *([{"id": "wordle", "weight": 0.5}] if draw(st.booleans()) else [])],
         "weight_sync": {"mode": draw(st.sampled_from(["filesystem", "broadcast"]))},
         "target": draw(st.sampled_from([{"kind": "local"}, {"kind": "slurm", "partition": "gpu"},
                                         {"kind": "ssh", "hosts": ["a", "b"]}, {"kind": "kubernetes"}])),

@@ -178,7 +178,6 @@ def test_routes_travel_from_http_through_the_orchestrator_unchanged(tmp_path):
     """Server -> HTTP (base64 .npy) -> orchestrator -> rollout file -> trainer batch: the MoE layers'
     routes arrive as sent, and a dense layer's (zero) rows are left behind."""
     import asyncio
-    import random
 
     import httpx
     from inference_helpers import save_model, serve_folder
@@ -186,33 +185,37 @@ def test_routes_travel_from_http_through_the_orchestrator_unchanged(tmp_path):
     from primebuild.contracts.orchestrator import OrchestratorConfig
     from primebuild.kernels.routing import decode_routes
     from primebuild.runtime.orchestrator.main import Orchestrator
+    from primebuild.runtime.orchestrator.pool import Group
     from primebuild.runtime.trainer.batch import load_batch, save_batch
 
     folder = save_model(tmp_path / "moe", "moe", seed=0)  # layer 0 sparse, layer 1 dense
     with serve_folder(folder) as served:
         config = OrchestratorConfig(
-            run_dir=str(tmp_path / "run"), served_model_name="tiny", endpoints=[served.v1],
+            run_dir=str(tmp_path / "run"), model_path=str(folder), served_model_name="tiny", endpoints=[served.v1],
             environments=[{"id": "reverse-text"}], rollouts_per_step=6, group_size=3, max_off_policy_steps=0,
-            max_completion_tokens=6, max_steps=1, temperature=1.0, eval_prompts=1, router_replay=True,
+            max_completion_tokens=6, seq_len=64, max_steps=1, temperature=1.0, eval_prompts=1, router_replay=True,
             moe_layers=[0])
         orchestrator = Orchestrator(config)
+        env, task = orchestrator.mix.draw(0, orchestrator.groups_per_step, config.seed)
+        seed = 12_345
 
-        async def batch_and_close():
+        async def group_and_close():
             try:
-                return await orchestrator.make_batch(1)
+                return await orchestrator.runner.group(orchestrator.sample, env, task, n=3, temperature=1.0,
+                                                       seed=seed)
             finally:
                 for client in orchestrator.clients:
                     await client.close()
 
-        batch = asyncio.run(batch_and_close())
+        group = Group(seq=0, env=env, task=task, started_version=0, rollouts=asyncio.run(group_and_close()))
+        batch = orchestrator.make_batch(1, [group], next_group=1)
         save_batch(tmp_path / "step.pt", batch)
         loaded = load_batch(tmp_path / "step.pt")
         first = loaded.samples[0]
-        # the first group of step 1 again, as make_batch drew and seeded it
-        env, task = orchestrator.mix.sample(random.Random(config.seed * 1_000_003 + 1), 2)[0]
+        # the group's first request again, as the rollout runner sent it (token in)
         reply = httpx.post(served.v1 + "/completions", json={
-            "model": "tiny", "prompt": env.format_prompt(task), "n": 3, "temperature": 1.0, "max_tokens": 6,
-            "logprobs": 0, "seed": config.seed * 1_000_003 + 1 * 10_007, "return_routed_experts": True}).json()
+            "model": "tiny", "prompt": first.prompt_ids, "n": 3, "temperature": 1.0, "max_tokens": 6,
+            "logprobs": 0, "seed": seed, "return_routed_experts": True}).json()
     sent = decode_routes(reply["choices"][0]["routed_experts"])
     assert reply["choices"][0]["token_ids"] == first.completion_ids  # the same seeded sample
     assert sent.shape[1] == 2 and not sent[:, 1].any()  # every decoder layer on the wire, the dense one zero

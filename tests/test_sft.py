@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from primebuild.contracts.sft import RL_START_REWARD, SFTConfig  # noqa: E402
 from primebuild.errors import UserError  # noqa: E402
+from primebuild.runtime.envs.base import MODEL  # noqa: E402
 from primebuild.runtime.envs.reverse_text import ReverseTextEnv  # noqa: E402
 from primebuild.runtime.evaluate import evaluate_greedy  # noqa: E402
 from primebuild.runtime.models.char_tokenizer import build_char_tokenizer  # noqa: E402
@@ -23,7 +24,7 @@ torch.set_num_threads(1)
 
 def test_only_completion_tokens_and_eos_are_targets():
     tokenizer = build_char_tokenizer()
-    ids, mask = encode_batch(tokenizer, ["abc>", "hello>"], ["cba", "olleh"])
+    ids, mask = encode_batch(tokenizer, ["abc>", "hello>"], [[(MODEL, "cba")], [(MODEL, "olleh")]])
     a, b, c, sep, eos, pad, bos = 4, 5, 6, 30, 2, 0, 1
     assert ids[0].tolist() == [bos, a, b, c, sep, c, b, a, eos, pad, pad, pad, pad]
     # mask[t] marks "token t+1 is a target": c, b, a, <eos> (positions 5..8)
@@ -35,7 +36,7 @@ def test_only_completion_tokens_and_eos_are_targets():
 def test_completion_loss_is_the_mean_over_target_tokens_only():
     tokenizer = build_char_tokenizer()
     model = init_tiny_model(tiny_config(), seed=0)
-    ids, mask = encode_batch(tokenizer, ["abc>", "hello>"], ["cba", "olleh"])
+    ids, mask = encode_batch(tokenizer, ["abc>", "hello>"], [[(MODEL, "cba")], [(MODEL, "olleh")]])
     logits = model(input_ids=ids).logits[:, :-1]
     per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
     expected = per_token[mask].mean()

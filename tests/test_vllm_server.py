@@ -119,6 +119,45 @@ def test_greedy_equals_transformers(server, models):
     assert greedy(server, PROMPTS) == reference(models.hf_a, PROMPTS)
 
 
+def test_a_multi_turn_rollout_is_token_in_token_out_and_scored_exactly(server, models):
+    """The orchestrator's turn loop (VllmClient, RolloutRunner) on vLLM: four model turns with environment
+    replies between them; every model token's sampling log-prob is what transformers gives for that exact
+    sequence (nothing re-tokenised across turns), and the environment's tokens are masked out."""
+    import random
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from primebuild.runtime.envs.long_tail import LongTailEnv
+    from primebuild.runtime.orchestrator.rollout import RolloutRunner
+    from primebuild.runtime.orchestrator.vllm_client import VllmClient
+
+    env = LongTailEnv(turns_p50=4, turns_p99=4, latency_p50_s=0.001, latency_p99_s=0.001, max_turns=4,
+                      min_length=2, max_length=3)
+    task = env.sample_tasks(random.Random(0), 1)[0]
+    runner = RolloutRunner(AutoTokenizer.from_pretrained(models.a), max_tokens_per_turn=6, seq_len=120)
+
+    async def play():
+        client = VllmClient(server.url + "/v1", server.model_name, admin_token=TOKEN)
+
+        async def sample(prompt_ids, **kw):
+            return await client.complete(prompt_ids, top_p=1.0, **kw)
+        try:
+            return await runner.group(sample, env, task, n=2, temperature=1.0, seed=5)
+        finally:
+            await client.close()
+
+    for rollout in run(play()):
+        t = rollout.transcript
+        assert t.turns == 4 and t.environment_tokens > 0
+        ids = torch.tensor([t.ids])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(models.hf_a(ids).logits[0, :-1].float(), -1)
+        expected = logprobs[torch.arange(len(t.prompt_ids) - 1, len(t.ids) - 1), ids[0, len(t.prompt_ids):]]
+        model_tokens = torch.tensor(t.loss_mask, dtype=torch.bool)
+        assert torch.allclose(torch.tensor(t.logprobs)[model_tokens], expected[model_tokens], atol=2e-4)
+
+
 def test_admin_endpoints_need_the_token(server):
     for path in ("/pause", "/resume", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache",
                  "/init_weight_transfer_engine"):

@@ -21,12 +21,22 @@ class SampledChoice(BaseModel):
     policy_version: int = Field(ge=0)  # the weights that produced the last token
     # base64 .npy [position, decoder_layer, k] when asked for (kernels/routing.py decodes it)
     routed_experts: str | None = None
+    # The weights the choice started on when it continued on newer ones (an update mid-generation);
+    # None when one version produced every token.
+    resumed_from_version: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> SampledChoice:
         if len(self.token_logprobs) != len(self.token_ids):
             raise ValueError(f"{len(self.token_logprobs)} log-probs for {len(self.token_ids)} tokens")
         return self
+
+    @property
+    def oldest_policy_version(self) -> int:
+        """The oldest weights that sampled a token of this choice: what bounds its staleness."""
+        if self.resumed_from_version is None:
+            return self.policy_version
+        return min(self.resumed_from_version, self.policy_version)
 
 
 class CompletionResult(BaseModel):

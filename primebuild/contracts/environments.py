@@ -7,5 +7,5 @@ installed verifiers taskset package instead.
 
 from __future__ import annotations
 
-BUILTIN_VERSIONS: dict[str, str] = {"reverse-text": "1"}
+BUILTIN_VERSIONS: dict[str, str] = {"reverse-text": "1", "wordle": "1", "swe-tiny": "1", "long-tail": "1"}
 VERIFIERS_PREFIX = "verifiers:"

@@ -21,6 +21,7 @@ class EnvironmentConfig(Contract):
 class OrchestratorConfig(Contract):
     kind: Literal["orchestrator"] = "orchestrator"
     run_dir: str
+    model_path: str  # its tokenizer encodes prompts and environment replies (token in, token out)
     served_model_name: str
     endpoints: list[str] = Field(min_length=1)  # OpenAI base URLs (…/v1) of the servers to sample from
     environments: list[EnvironmentConfig] = Field(min_length=1)
@@ -29,7 +30,8 @@ class OrchestratorConfig(Contract):
     rollouts_per_step: int = Field(ge=1)
     group_size: int = Field(ge=1)
     max_off_policy_steps: int = Field(ge=0)  # 0 = synchronous RL
-    max_completion_tokens: int = Field(ge=1)
+    max_completion_tokens: int = Field(ge=1)  # per model turn
+    seq_len: int = Field(ge=2)  # a whole rollout (prompt, model turns, environment replies) at most
     max_steps: int = Field(ge=1)
     temperature: float = Field(ge=MIN_SAMPLING_TEMPERATURE)  # sampling; evaluation is always greedy
     top_p: float = Field(1.0, gt=0, le=1)

@@ -223,12 +223,45 @@ Loss = Annotated[DppoKl | Aipo | Grpo | Cispo, Field(discriminator="name")]
 LOSS_NAMES = ("dppo-kl", "aipo", "grpo", "cispo")
 
 
+class Quantiles(Strict):
+    """A positive quantity by its median and 99th percentile (the time model draws it log-normal through
+    both; equal values: a constant)."""
+
+    p50: float = Field(ge=0)
+    p99: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Quantiles:
+        if self.p99 < self.p50:
+            raise ValueError(f"p99 ({self.p99:g}) is below p50 ({self.p50:g})")
+        if self.p50 == 0 and self.p99 > 0:
+            raise ValueError("p50 is 0: give a positive median for a quantity that varies")
+        return self
+
+
+class RolloutProfile(Strict):
+    """What one rollout of this workload is expected to look like (measured, or estimated), for the plan's
+    time model: expected and worst-case step time, idle fractions, the async/sync ratio it predicts, and
+    the inference:trainer split it suggests (docs/planning.md §4b). The runtime does not read it: episode
+    lengths are the environments' and the model's doing. Unset: every rollout counts as full-length."""
+
+    prompt_tokens: Quantiles | None = Field(
+        None, description="Tokens of the prompt; unset: seq_len - max_completion_tokens.")
+    completion_tokens: Quantiles = Field(description="Tokens the model samples in one rollout, all turns together.")
+    environment_tokens: Quantiles = Field(
+        Quantiles(p50=0, p99=0), description="Tokens the environment's replies (tool outputs) add to one rollout.")
+    turns: Quantiles = Field(Quantiles(p50=1, p99=1), description="Model turns per rollout.")
+    tool_latency_s: Quantiles = Field(
+        Quantiles(p50=0, p99=0), description="Seconds the environment takes to answer one model turn.")
+
+
 class Orchestrator(Strict):
     rollouts_per_step: PositiveInt = Field(256, le=1 << 20, description="Samples per trainer step.")
     group_size: PositiveInt = Field(8, le=1024, description="Samples per prompt (group-relative advantage).")
     max_off_policy_steps: int = Field(1, ge=0, le=64, description="0 = synchronous RL.")
-    seq_len: PositiveInt = Field(4096, le=1 << 21)
-    max_completion_tokens: PositiveInt = Field(1024, le=1 << 21)
+    seq_len: PositiveInt = Field(
+        4096, le=1 << 21, description="Tokens of a whole rollout at most: prompt, model turns, environment replies.")
+    max_completion_tokens: PositiveInt = Field(1024, le=1 << 21, description="Tokens per model turn at most.")
     max_steps: PositiveInt = Field(100, le=10_000_000)
     temperature: float = Field(
         1.0, le=10,
@@ -241,6 +274,8 @@ class Orchestrator(Strict):
     normalize_advantage_std: bool = False
     eval_every: int = Field(0, ge=0, description="0 = evaluate only before and after.")
     eval_prompts: PositiveInt = 200
+    rollout_profile: RolloutProfile | None = Field(
+        None, description="Expected rollout lengths, turns and tool latency, for the plan's time model.")
 
     @field_validator("temperature")
     @classmethod
@@ -278,7 +313,10 @@ class SFT(Strict):
 
 
 class Environment(Strict):
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=128)
+    id: str = Field(
+        pattern=r"^(verifiers:[A-Za-z0-9][A-Za-z0-9_./@-]*|[A-Za-z0-9][A-Za-z0-9_.-]*)$", max_length=128,
+        description="A built-in environment (reverse-text, wordle, swe-tiny, long-tail) or verifiers:<taskset-id>, "
+        "an installed verifiers>=0.4 taskset.")
     version: str = Field("latest", pattern=r"^[A-Za-z0-9_.+-]+$", max_length=64)
     args: dict[str, Any] = Field(default_factory=dict)
     weight: float = Field(1.0, gt=0)

@@ -4,6 +4,14 @@ An environment hands out tasks, says how a task is shown to the model, and score
 Trainer, orchestrator and evaluation only ever talk to this protocol, so a built-in environment
 (reverse-text) and a wrapped `verifiers` taskset are interchangeable.
 
+Multi-turn environments (`MultiTurnEnvironment`) also `start` an `Episode` per rollout: the
+orchestrator sends each model turn's text to `Episode.step`, which answers with the environment's
+reply (a game's feedback, a tool's output) or None when the episode is over; `Episode.reward` scores
+the whole episode. The reply text is appended to the rollout's token sequence as environment tokens
+(encoded without special tokens, so the environment writes its own framing: a separator, a chat
+template's turn markers), masked out of the loss. A single-turn environment is an episode of one
+turn (`start_episode` wraps it), so the orchestrator has one rollout loop for both.
+
 Two sources of tasks, kept apart on purpose:
 - `sample_tasks(rng, n)`: training tasks, as many as asked, driven by the caller's seeded RNG.
 - `eval_tasks()`: a fixed held-out list, the same on every call and every machine, and disjoint from
@@ -17,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
+
+MODEL, ENVIRONMENT = True, False  # who wrote a demonstration segment (SFT trains on the model's only)
 
 
 @dataclass(frozen=True)
@@ -51,3 +61,68 @@ class Environment(Protocol):
     def score(self, task: Task, completion: str) -> float:
         """Reward in [0, 1] for the model's completion text (special tokens already removed)."""
         ...
+
+
+class Episode(Protocol):
+    """One rollout's environment side. Methods are async: a tool may run a process or wait on I/O."""
+
+    async def step(self, completion: str) -> str | None:
+        """The environment's reply to one model turn, or None when the episode is over."""
+        ...
+
+    async def reward(self) -> float:
+        """Reward in [0, 1] of the episode so far (called once, after the last turn)."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the episode holds (a sandbox folder, a process); called exactly once."""
+        ...
+
+
+@runtime_checkable
+class MultiTurnEnvironment(Environment, Protocol):
+    max_turns: int  # model turns per episode at most (the orchestrator also stops at seq_len tokens)
+
+    def start(self, task: Task) -> Episode:
+        ...
+
+    def demonstration(self, task: Task, rng: random.Random) -> list[tuple[bool, str]]:
+        """A good episode for SFT: (MODEL, text) and (ENVIRONMENT, text) segments in order, starting
+        with a model turn; each model turn is followed by the end-of-sequence token when encoded."""
+        ...
+
+
+class SingleTurnEpisode:
+    """A single-turn environment as an episode: the first model turn ends it and is scored."""
+
+    def __init__(self, env: Environment, task: Task):
+        self.env, self.task = env, task
+        self.completion: str | None = None
+
+    async def step(self, completion: str) -> str | None:
+        self.completion = completion
+        return None
+
+    async def reward(self) -> float:
+        ascore = getattr(self.env, "ascore", None)
+        if ascore is not None:  # a scorer that awaits (verifiers) runs on the orchestrator's own loop
+            return float(await ascore(self.task, self.completion or ""))
+        return float(self.env.score(self.task, self.completion or ""))
+
+    async def close(self) -> None:
+        pass
+
+
+def start_episode(env: Environment, task: Task) -> Episode:
+    return env.start(task) if isinstance(env, MultiTurnEnvironment) else SingleTurnEpisode(env, task)
+
+
+def max_turns(env: Environment) -> int:
+    return env.max_turns if isinstance(env, MultiTurnEnvironment) else 1
+
+
+def demonstration(env: Environment, task: Task, rng: random.Random) -> list[tuple[bool, str]]:
+    """What SFT imitates: a multi-turn environment's demonstration, else the task's answer."""
+    if isinstance(env, MultiTurnEnvironment):
+        return env.demonstration(task, rng)
+    return [(MODEL, task.answer)]

@@ -14,10 +14,16 @@ from typing import Any
 from primebuild.contracts.environments import VERIFIERS_PREFIX
 from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Environment
+from primebuild.runtime.envs.long_tail import LongTailEnv
 from primebuild.runtime.envs.reverse_text import ReverseTextEnv
+from primebuild.runtime.envs.swe_tiny import SweTinyEnv
+from primebuild.runtime.envs.wordle import WordleEnv
 
 BUILTIN: dict[str, Callable[..., Environment]] = {
     ReverseTextEnv.id: ReverseTextEnv,
+    WordleEnv.id: WordleEnv,
+    SweTinyEnv.id: SweTinyEnv,
+    LongTailEnv.id: LongTailEnv,
 }
 
 

@@ -11,6 +11,15 @@ What verifiers 0.4 provides, and how it maps here:
   prompt as a user message and the completion as a sampled assistant message. Rewards that need a
   sandbox runtime are skipped by verifiers itself when none is given.
 
+Multi-turn and tool use in verifiers 0.4 is another half of its API, not wrapped here: an `vf.Env`
+subclass's `run(task, agents)` plays the user and drives `agents.<role>.interaction(task).turn(text)`,
+each turn one segment of a harness program (bash, mini-swe-agent, codex, ...) that runs in a runtime
+(subprocess, docker, podman, modal, ...) with tools as MCP `Toolset`s, its model calls intercepted and
+sent through a verifiers `Client` (an OpenAI API, or for training a renderer that calls vLLM's generate
+endpoint with token ids). Driving that from primebuild's token-in/token-out rollout loop would take a
+`Client` backed by the orchestrator's servers; primebuild's own multi-turn environments (runtime/envs:
+wordle, swe-tiny) use `Episode` instead (runtime/envs/base.py).
+
 verifiers is imported lazily (it pulls in a large dependency tree: anthropic, mcp, math-verify...): a
 run that never names a verifiers environment never imports it.
 """

@@ -26,6 +26,7 @@ def tiny_config(
     num_heads: int = 4,
     num_kv_heads: int = 4,
     intermediate_size: int = 512,
+    max_positions: int = MAX_POSITIONS,
 ):
     """The Qwen3 config of the tiny model (transformers imported lazily: it is heavy)."""
     from transformers import Qwen3Config
@@ -43,7 +44,7 @@ def tiny_config(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,  # Qwen3's default head_dim (128) would be wrong here
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,  # the vocabulary is tiny; tying just saves the duplicate
         bos_token_id=VOCAB.index(BOS),
         eos_token_id=VOCAB.index(EOS),
@@ -62,7 +63,8 @@ def tiny_config_from_facts(arch: dict):
     Qwen3 of `tiny_config`, or, for `model_type: qwen3_moe`, the same attention with a Qwen3-MoE block."""
     dense = tiny_config(hidden_size=arch["hidden_size"], num_layers=arch["num_hidden_layers"],
                         num_heads=arch["num_attention_heads"], num_kv_heads=arch["num_key_value_heads"],
-                        intermediate_size=arch["intermediate_size"])
+                        intermediate_size=arch["intermediate_size"],
+                        max_positions=arch.get("max_position_embeddings", MAX_POSITIONS))
     if arch.get("model_type", "qwen3") == "qwen3":
         return dense
     if arch["model_type"] != "qwen3_moe":

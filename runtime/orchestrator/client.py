@@ -61,9 +61,11 @@ class InferenceClient:
                 raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
             return response.json()
 
-    async def complete(self, prompt: str, *, n: int, temperature: float, top_p: float, max_tokens: int,
-                       seed: int | None = None, routed_experts: bool = False) -> CompletionResult:
-        """Sample `n` completions; with `routed_experts`, each choice carries its routes (router replay)."""
+    async def complete(self, prompt: str | list[int], *, n: int, temperature: float, top_p: float,
+                       max_tokens: int, seed: int | None = None, routed_experts: bool = False) -> CompletionResult:
+        """`prompt` as text or, token in / token out, as the exact ids to continue (a multi-turn rollout's
+        transcript so far): the answer's `prompt_token_ids` then equal them and nothing is re-tokenised.
+        With `routed_experts`, each choice carries its routes (router replay)."""
         body = {"model": self.model, "prompt": prompt, "n": n, "temperature": temperature, "top_p": top_p,
                 "max_tokens": max_tokens, "logprobs": 0}
         if seed is not None:

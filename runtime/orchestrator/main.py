@@ -1,16 +1,20 @@
-"""The orchestrator: turns inference samples into trainer batches and keeps both sides busy.
+"""The orchestrator: runs rollouts through the inference servers and cuts trainer batches from them.
 
-Steps are 1-based, like the trainer's. Step k, in order:
-  1. wait until the trainer has published a policy no older than k - 1 - max_off_policy_steps
-     (0 = synchronous RL; 1 lets step k's rollouts overlap the training of step k-1);
-  2. if the servers run an older policy: pause -> update_weights -> resume on every server;
-  3. draw rollouts_per_step / group_size tasks (seeded by step, so a resumed run draws the same ones),
-     ask for group_size samples of each, score them, compute group-relative advantages;
-  4. write rollouts/step_k.pt atomically; the trainer picks it up.
-Versions: the base model is policy version 0; weights/step_k (trained on batch k) is version k.
+Steps are 1-based, like the trainer's: batch k is what the trainer's k-th optimizer step trains on, and
+weights/step_k (trained on batch k) is policy version k; the base model is version 0.
 
-Resume: the next step is the first batch not yet on disk, so a restarted orchestrator neither loses nor
-repeats a step; a restarted inference server comes back on version 0 and gets the latest weights pushed.
+Rollouts come from a continuous pool (pool.py: the staleness, admission and drop policy, docs/async.md):
+groups of `group_size` episodes of one task run concurrently, each model turn a request to the server
+that holds the newest policy; as soon as `rollouts_per_step / group_size` groups that batch k accepts
+have finished, batch k is written (rollouts/step_k.pt, atomically) and the trainer picks it up. Whenever
+the trainer publishes new weights the servers are brought to them (pause -> update -> resume; in-flight
+requests resume on the new weights). With max_off_policy_steps 0 this is synchronous RL: one batch's
+groups, all sampled by the weights that batch trains.
+
+Resume: the next batch is the first not on disk, so a restarted orchestrator neither loses nor repeats
+a step; groups that were running when it stopped are simply not in any batch, and the group stream
+continues after the last one written (recorded in each batch's metadata). A restarted inference server
+comes back on version 0 and gets the latest weights pushed.
 """
 
 from __future__ import annotations
@@ -18,31 +22,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import random
 import sys
 import time
 
-import torch
+import numpy as np
 
 from primebuild.contracts.base import load_contract
+from primebuild.contracts.completion import CompletionResult, SampledChoice
 from primebuild.contracts.orchestrator import OrchestratorConfig
 from primebuild.contracts.run_dir import RunDir, write_json_atomic
 from primebuild.errors import UserError
 from primebuild.kernels.routing import sample_routes
 from primebuild.runtime.orchestrator.client import InferenceClient
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
+from primebuild.runtime.orchestrator.pool import Group, IdleClock, RolloutPool
+from primebuild.runtime.orchestrator.rollout import RolloutRunner
 from primebuild.runtime.orchestrator.vllm_client import VllmClient
 from primebuild.runtime.orchestrator.weights import weight_source
 from primebuild.runtime.trackers import open_sinks
 from primebuild.runtime.trainer.advantages import advantages_by_group
-from primebuild.runtime.trainer.batch import Sample, TrainBatch, routing_bytes, save_batch
+from primebuild.runtime.trainer.batch import TrainBatch, load_batch, routing_bytes, save_batch
 from primebuild.runtime.trainer.metrics import MetricsWriter
 
 log = logging.getLogger("primebuild.orchestrator")
 
+POLL_SECONDS = 0.02  # how often new weights and a STOP file are looked for while rollouts run
+
 
 class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig):
+        from transformers import AutoTokenizer
+
         self.cfg = cfg
         self.run_dir = RunDir(cfg.run_dir)
         client = VllmClient if cfg.engine == "vllm" else InferenceClient
@@ -54,6 +64,12 @@ class Orchestrator:
         self.server_version = 0
         self.sync_lock = asyncio.Lock()
         self.weights = weight_source(cfg.weight_sync, self.run_dir, cfg.keep_weights)
+        self.runner = RolloutRunner(AutoTokenizer.from_pretrained(cfg.model_path),
+                                    max_tokens_per_turn=cfg.max_completion_tokens, seq_len=cfg.seq_len,
+                                    top_p=cfg.top_p, routes_of=self.routes_of if cfg.router_replay else None)
+        self.groups_per_step = cfg.rollouts_per_step // cfg.group_size
+        self.requests = IdleClock()  # time with no request in flight on any server
+        self._requests = 0
 
     # --- policy versions -------------------------------------------------------------------------
 
@@ -64,7 +80,7 @@ class Orchestrator:
                 return version
             if self.stop_requested():
                 raise asyncio.CancelledError
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(POLL_SECONDS)
 
     async def sync_servers(self) -> None:
         """Bring every server to the newest published policy (also after a server restarted)."""
@@ -80,65 +96,65 @@ class Orchestrator:
         self.server_version = version
         self.weights.retire(version)
 
+    async def sync_if_newer(self) -> None:
+        if await self.weights.latest(self.clients) > self.server_version:
+            await self.sync_servers()
+
     def stop_requested(self) -> bool:
         return self.run_dir.stop_requested()
 
     # --- sampling --------------------------------------------------------------------------------
 
-    async def sample_group(self, index: int, env, task, step: int) -> list[tuple[Sample, str]]:
-        cfg = self.cfg
-        client = self.clients[index % len(self.clients)]
+    async def sample(self, prompt_ids: list[int], *, n: int, temperature: float, max_tokens: int,
+                     seed: int | None = None) -> CompletionResult:
+        """One request, to the servers in turn; a server that restarted on the base weights answers with an
+        older policy than the one it was given: it is re-synced and asked again."""
+        client = self.clients[self._requests % len(self.clients)]
+        self._requests += 1
         while True:
-            response = await client.complete(
-                env.format_prompt(task), n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
-                max_tokens=cfg.max_completion_tokens, seed=cfg.seed * 1_000_003 + step * 10_007 + index,
-                routed_experts=cfg.router_replay)
+            self.requests.enter()
+            try:
+                response = await client.complete(prompt_ids, n=n, temperature=temperature, top_p=self.cfg.top_p,
+                                                  max_tokens=max_tokens, seed=seed,
+                                                  routed_experts=self.cfg.router_replay)
+            finally:
+                self.requests.leave()
             if min(c.policy_version for c in response.choices) >= self.server_version:
-                break
-            # The server restarted on the base weights: give it the current policy, sample again.
+                return response
             log.info("a server answered with an older policy than v%d: re-syncing it", self.server_version)
             await self.sync_servers()
-        out = []
-        for choice in response.choices:
-            reward = float(env.score(task, choice.text))
-            out.append((Sample(
-                prompt_ids=list(choice.prompt_token_ids), completion_ids=list(choice.token_ids),
-                inference_logprobs=list(choice.token_logprobs), advantage=0.0, reward=reward,
-                policy_version=choice.policy_version, env_id=env.id, routed_experts=self.routes_of(choice)),
-                choice.text))
-        return out
 
-    def routes_of(self, choice) -> torch.Tensor | None:
-        """Router replay: the choice's routes as one [fed positions, moe_layers, top_k] uint8/uint16 tensor."""
-        if not self.cfg.router_replay:
-            return None
-        routes = sample_routes(choice.routed_experts, self.cfg.moe_layers, len(choice.prompt_token_ids),
-                               len(choice.token_ids))
-        return torch.from_numpy(routes)
+    def routes_of(self, choice: SampledChoice) -> np.ndarray:
+        """Router replay: a choice's routes as [fed positions, moe_layers, top_k] uint8/uint16 (the
+        request's prompt, i.e. the whole transcript so far, and its completion)."""
+        return sample_routes(choice.routed_experts, self.cfg.moe_layers, len(choice.prompt_token_ids),
+                             len(choice.token_ids))
 
-    async def make_batch(self, step: int) -> TrainBatch:
+    def start_group(self, pool: RolloutPool, seq: int) -> None:
         cfg = self.cfg
-        rng = random.Random(cfg.seed * 1_000_003 + step)
-        tasks = self.mix.sample(rng, cfg.rollouts_per_step // cfg.group_size)
-        groups = await asyncio.gather(*(self.sample_group(i, env, t, step) for i, (env, t) in enumerate(tasks)))
-        samples = [s for group in groups for s, _ in group]
-        group_ids = [i for i, group in enumerate(groups) for _ in group]
-        advantages = advantages_by_group([s.reward for s in samples], group_ids, cfg.normalize_advantage_std)
+        env, task = self.mix.draw(seq, self.groups_per_step, cfg.seed)
+        work = self.runner.group(self.sample, env, task, n=cfg.group_size, temperature=cfg.temperature,
+                                 seed=cfg.seed * 1_000_003 + seq * 10_007, is_useful=pool.is_useful)
+        pool.start(Group(seq=seq, env=env, task=task, started_version=self.server_version), work)
+
+    def make_batch(self, step: int, groups: list[Group], next_group: int) -> TrainBatch:
+        samples = [r.sample(g.env.id) for g in groups for r in g.rollouts]
+        group_ids = [g.seq for g in groups for _ in g.rollouts]
+        advantages = advantages_by_group([s.reward for s in samples], group_ids, self.cfg.normalize_advantage_std)
         for s, a in zip(samples, advantages, strict=True):
             s.advantage = a
-        return TrainBatch(step=step, samples=samples, metadata={"max_completion_tokens": cfg.max_completion_tokens,
-                                                                  "temperature": cfg.temperature})
+        return TrainBatch(step=step, samples=samples, metadata={
+            "max_completion_tokens": self.cfg.max_completion_tokens, "temperature": self.cfg.temperature,
+            "groups": [g.seq for g in groups], "next_group": next_group})
 
     async def evaluate(self) -> float:
         tasks = self.mix.eval_tasks(self.cfg.eval_prompts)
 
-        async def one(i: int, env, task) -> float:
-            r = await self.clients[i % len(self.clients)].complete(
-                env.format_prompt(task), n=1, temperature=0.0, top_p=1.0,
-                max_tokens=self.cfg.max_completion_tokens)
-            return float(env.score(task, r.choices[0].text))
+        async def one(env, task) -> float:
+            (rollout,) = await self.runner.group(self.sample, env, task, n=1, temperature=0.0)
+            return rollout.reward
 
-        scores = await asyncio.gather(*(one(i, env, t) for i, (env, t) in enumerate(tasks)))
+        scores = await asyncio.gather(*(one(env, t) for env, t in tasks))
         return sum(scores) / len(scores)
 
     # --- the loop --------------------------------------------------------------------------------
@@ -148,6 +164,13 @@ class Orchestrator:
         while self.run_dir.rollout(step).exists():
             step += 1
         return step
+
+    def next_group_after(self, step: int) -> int:
+        """Where the group stream continues when batch `step` is the next one to write."""
+        if step == 1:
+            return 0
+        metadata = load_batch(self.run_dir.rollout(step - 1)).metadata
+        return int(metadata.get("next_group", (step - 1) * self.groups_per_step))
 
     async def run(self) -> dict:
         cfg = self.cfg
@@ -163,31 +186,35 @@ class Orchestrator:
             write_json_atomic(summary_path, summary)
         log.info("eval reward before RL: %.4f; starting at step %d", summary["eval_reward_before"], start)
 
-        for step in range(start, cfg.max_steps + 1):
-            if self.stop_requested():
-                log.info("stop requested: leaving after step %d", step - 1)
-                break
-            t0 = time.monotonic()
-            await self.wait_for_version(step - 1 - cfg.max_off_policy_steps)
-            waited = time.monotonic() - t0
-            await self.sync_servers()
-            t1 = time.monotonic()
-            batch = await self.make_batch(step)
-            generation = time.monotonic() - t1
-            save_batch(self.run_dir.rollout(step), batch)
-            rewards = [s.reward for s in batch.samples]
-            tokens = sum(len(s.completion_ids) for s in batch.samples)
-            mean = sum(rewards) / len(rewards)
-            self.metrics.write(step, {
-                "reward_mean": mean,
-                "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
-                "off_policy_lag": step - 1 - min(s.policy_version for s in batch.samples),
-                "policy_version": self.server_version, "generation_seconds": generation,
-                "wait_seconds": waited, "tokens_per_s": tokens / max(generation, 1e-9),
-                "completion_tokens": tokens, **routing_bytes(batch.samples)})
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                self.metrics.write(step, {"eval_reward": await self.evaluate(),
-                                          "eval_policy_version": self.server_version})
+        pool = RolloutPool(self.groups_per_step, cfg.max_off_policy_steps, next_step=start)
+        seq = self.next_group_after(start)
+        last_batch_at, idle_at_last = time.monotonic(), (self.requests.seconds(), pool.idle.seconds())
+        try:
+            while pool.next_step <= cfg.max_steps:
+                if self.stop_requested():
+                    log.info("stop requested: leaving after step %d", pool.next_step - 1)
+                    break
+                await self.sync_if_newer()
+                for _ in range(pool.open_slots(self.server_version)):
+                    self.start_group(pool, seq)
+                    seq += 1
+                step = pool.next_step
+                groups = pool.take_batch()
+                if groups is None:
+                    await pool.wait(POLL_SECONDS)
+                    continue
+                batch = self.make_batch(step, groups, next_group=seq)
+                save_batch(self.run_dir.rollout(step), batch)
+                now, idle = time.monotonic(), (self.requests.seconds(), pool.idle.seconds())
+                self.metrics.write(step, self.step_metrics(step, groups, batch, pool, now - last_batch_at,
+                                                           [a - b for a, b in zip(idle, idle_at_last, strict=True)]))
+                last_batch_at, idle_at_last = now, idle
+                pool.dropped = 0
+                if cfg.eval_every and step % cfg.eval_every == 0:
+                    self.metrics.write(step, {"eval_reward": await self.evaluate(),
+                                              "eval_policy_version": self.server_version})
+        finally:
+            await pool.cancel()  # groups in no batch: a resumed run starts after the last group written
 
         final = await self.wait_for_version(cfg.max_steps)
         await self.sync_servers()
@@ -204,6 +231,31 @@ class Orchestrator:
         for c in self.clients:
             await c.close()
         return summary
+
+    def step_metrics(self, step: int, groups: list[Group], batch: TrainBatch, pool: RolloutPool,
+                     interval: float, idle: list[float]) -> dict:
+        rollouts = [r for g in groups for r in g.rollouts]
+        rewards = [s.reward for s in batch.samples]
+        mean = sum(rewards) / len(rewards)
+        model_tokens = sum(r.transcript.model_tokens for r in rollouts)
+        turns = [r.transcript.turns for r in rollouts]
+        seconds = [r.seconds for r in rollouts]
+        return {
+            "reward_mean": mean,
+            "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+            "off_policy_lag": step - 1 - min(s.policy_version for s in batch.samples),
+            "policy_version": self.server_version,
+            "generation_seconds": interval,  # since the previous batch: the pool samples continuously
+            "inference_idle_seconds": idle[0],  # of that, time with no request in flight on any server
+            "rollout_idle_seconds": idle[1],  # and time with no rollout running (nothing for inference to do)
+            "tokens_per_s": model_tokens / max(interval, 1e-9),
+            "completion_tokens": model_tokens,
+            "environment_tokens": sum(r.transcript.environment_tokens for r in rollouts),
+            "turns_mean": sum(turns) / len(turns), "turns_max": max(turns),
+            "rollout_seconds_mean": sum(seconds) / len(seconds), "rollout_seconds_max": max(seconds),
+            "stale_groups_dropped": pool.dropped, "groups_running": len(pool.running),
+            **routing_bytes(batch.samples),
+        }
 
 
 def main(argv: list[str] | None = None) -> int:

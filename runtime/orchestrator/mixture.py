@@ -36,6 +36,14 @@ class EnvironmentMix:
             out += [(env, task) for task in env.sample_tasks(rng, count)]
         return out
 
+    def draw(self, seq: int, per_step: int, seed: int) -> tuple[Environment, Task]:
+        """The environment and task of rollout group number `seq`: every `per_step` consecutive groups
+        split over the environments exactly by weight; the task comes from an RNG seeded by `seq`, so a
+        group is the same whenever (and in whichever batch) it runs."""
+        slots = [i for i, count in enumerate(split(per_step, self.weights)) for _ in range(count)]
+        env = self.envs[slots[seq % per_step]]
+        return env, env.sample_tasks(random.Random(seed * 1_000_003 + seq), 1)[0]
+
     def eval_tasks(self, n: int) -> list[tuple[Environment, Task]]:
         out = []
         for env, count in zip(self.envs, split(n, self.weights), strict=True):

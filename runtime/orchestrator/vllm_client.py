@@ -2,9 +2,10 @@
 on vLLM's own API (runtime/inference/vllm/: the completions adapter and the RL admin client).
 
 What differs underneath, and is absorbed here so the orchestrator cannot tell (docs/vllm.md):
-- a completion choice carries no policy version: the version is read from the server when the answer
-  has arrived (`GET /weight_info`); updates re-prefill in-flight requests on the new weights, so that
-  version produced the last token. A restarted server answers with version 0 and is re-synced.
+- a completion choice carries no policy version: the version is read from the server before the request
+  and when the answer has arrived (`GET /weight_info`); updates re-prefill in-flight requests on the new
+  weights, so the later version produced the last token and the earlier one (when they differ) the first
+  (`resumed_from_version`). A restarted server answers with version 0 and is re-synced.
 - `/health` has no body: the policy version comes from the admin API, retried while a server restarts.
 - a weight update is a sequence of vLLM calls (pause, reload, drop stale KV, set version, resume), and a
   load that fails inside vLLM takes the server down: the step folder is verified (its STABLE listing,
@@ -35,20 +36,22 @@ class VllmClient(InferenceClient):
         await self.admin.close()
         await super().close()
 
-    async def complete(self, prompt: str, *, n: int, temperature: float, top_p: float, max_tokens: int,
-                       seed: int | None = None, routed_experts: bool = False) -> CompletionResult:
+    async def complete(self, prompt: str | list[int], *, n: int, temperature: float, top_p: float,
+                       max_tokens: int, seed: int | None = None, routed_experts: bool = False) -> CompletionResult:
         """As the embedded client's; vLLM returns routes when started with --enable-return-routed-experts
         (the plan adds it with router_replay), not per request."""
         body = {"model": self.model, "prompt": prompt, "n": n, "temperature": temperature, "top_p": top_p,
                 "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
+        before = await self.version()  # an update during the request re-prefills it on the new weights
         answer = await self._post("/completions", body)
         version = await self.version()
+        resumed = before if before != version else None
         try:
             choices = adapt_response(answer, policy_version=version)
             return CompletionResult.model_validate(
-                {"choices": [{"index": i, **c} for i, c in enumerate(choices)]})
+                {"choices": [{"index": i, **c, "resumed_from_version": resumed} for i, c in enumerate(choices)]})
         except (ValueError, ValidationError) as err:
             raise RuntimeError(f"{self.base_url}/completions answered outside the rollout contract: {err}") from None
 

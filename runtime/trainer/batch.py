@@ -40,17 +40,29 @@ BATCH_FORMAT_VERSION = 1
 
 @dataclass
 class Sample:
-    """One completion of one prompt, as the inference server produced it."""
+    """One rollout: a prompt and everything after it, as one token sequence.
+
+    A single-turn rollout's completion is what the model sampled. A multi-turn rollout's completion is
+    every model turn and every environment reply in order, exactly the tokens the model saw (token in,
+    token out: nothing is re-tokenised); `completion_mask` is 1 on the model's tokens and 0 on the
+    environment's, whose `inference_logprobs` are 0.0 placeholders that no loss reads.
+
+    A typed record that grows fields (defaults keep older batch files loadable).
+    """
 
     prompt_ids: list[int]
     completion_ids: list[int]
     inference_logprobs: list[float]  # log-prob of each completion token under the sampling policy
     advantage: float
     reward: float
-    policy_version: int  # weights step the completion was sampled with (0 = base model)
+    # The oldest weights step that sampled any of its tokens (0 = base model): the sample's staleness,
+    # which max_off_policy_steps bounds. A rollout may span weight updates; then later turns are newer.
+    policy_version: int
     env_id: str = ""
-    # 1 = train on this completion token, 0 = do not (e.g. tool output inside a multi-turn completion).
+    # 1 = train on this completion token, 0 = do not (environment and tool tokens of a multi-turn rollout).
     completion_mask: list[int] | None = None
+    # The oldest weights step that sampled a token of each model turn, in order (one entry per turn).
+    policy_versions: list[int] = field(default_factory=list)
     # router replay: [num_tokens - 1, moe_layers, top_k] expert ids (uint8 / uint16), see the module doc
     routed_experts: torch.Tensor | None = None
 
@@ -72,6 +84,13 @@ class Sample:
                                    or routes.is_floating_point()):
             raise UserError(f"{where}: routed_experts {routes.dtype} {tuple(routes.shape)}: want integer "
                             f"[{self.num_tokens - 1} fed positions, moe_layers, top_k]")
+        if self.policy_versions and min(self.policy_versions) != self.policy_version:
+            raise UserError(f"{where}: policy_version {self.policy_version} is not the oldest of the turns' "
+                            f"versions {self.policy_versions}")
+
+    @property
+    def num_turns(self) -> int:
+        return max(1, len(self.policy_versions))
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 1e516345aba6530223ba67c138707c103021d7cf4b88fcd8502d159bf55e0d77, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan e0cfc887fd98be143668885134de6de42af011e68f4d5ae714678842d5ba192c, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here).
