@@ -10,7 +10,12 @@ import dataclasses
 
 from primebuild.builders.capabilities import applies
 from primebuild.builders.hardware import GIB, gpu_spec
-from primebuild.builders.memory import inference_memory_per_gpu, trainer_memory_per_gpu
+from primebuild.builders.memory import (
+    CPU_EAGER_ACTIVATION_FACTOR,
+    HF_EAGER_ACTIVATION_FACTOR,
+    inference_memory_per_gpu,
+    trainer_memory_per_gpu,
+)
 from primebuild.builders.model_facts import ModelFacts
 from primebuild.builders.placement import Placement
 from primebuild.builders.rollout_time import Costs, Profile, ProfileTimes, profile_times
@@ -122,7 +127,8 @@ def _trainer_memory(m: Manifest, f: ModelFacts, capacity: int, dp_shard: int):
         activation_checkpointing=t.activation_checkpointing, micro_batch_tokens=t.micro_batch_tokens,
         seq_len=m.orchestrator.seq_len, gpu_memory_bytes=capacity,
         activation_dtype="fp32" if param == "fp32" else "bf16", logits_chunk_tokens=t.logprob_chunk_tokens,
-        overhead_bytes=CPU_PROCESS_OVERHEAD if m.hardware.gpu == "cpu" else None)
+        overhead_bytes=CPU_PROCESS_OVERHEAD if m.hardware.gpu == "cpu" else None,
+        activation_factor=CPU_EAGER_ACTIVATION_FACTOR if m.hardware.gpu == "cpu" else HF_EAGER_ACTIVATION_FACTOR)
 
 
 def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: dict, capacity: int) -> dict:

@@ -47,6 +47,10 @@ LOGITS_BYTES_PER_ELEMENT = 12
 # upcasts to fp32, RoPE and SiLU keep extra copies, MoE dispatch keeps gathered token copies. Fused or
 # compiled layers (torchtitan with torch.compile) come close to 1.0: pass activation_factor=1.0 there.
 HF_EAGER_ACTIVATION_FACTOR = 1.85
+# The same ratio for fp32 eager layers on a CPU (no fused kernels, no bf16 upcasts), fitted on one rank
+# of the tiny models by bench/trainer_memory.py: 1.40 dense Qwen3, 1.50 Qwen3-MoE. The plan uses it for
+# `hardware.gpu: cpu`.
+CPU_EAGER_ACTIVATION_FACTOR = 1.45
 # FP8 checkpoints (DeepSeek-V3 / GLM-5 style) keep one fp32 scale per 128×128 weight block.
 FP8_BLOCK = 128 * 128
 FP8_SCALE_BYTES = 4
@@ -200,6 +204,8 @@ def trainer_memory_per_gpu(
                         with full activation checkpointing (each layer's input kept, one layer live);
                         tokens_per_gpu / tp · f · Σ_layers layer_activation without it (TP with sequence
                         parallelism splits every activation); f = activation_factor (measured eager 1.85)
+                        ep > 1 adds, per MoE layer, the received copy of each routed token (k · h · act_bytes)
+                        that the local experts keep for backward beside the sender's
     logits            = min(tokens_per_gpu, logits_chunk_tokens) · ceil(vocab / tp) · 12  (measured peak)
     overhead          = CUDA context (1 GiB) + NCCL (2 GiB) + 5% of everything else
     """
@@ -248,11 +254,14 @@ def trainer_memory_per_gpu(
     tokens = _ceil_div(micro_batch_tokens, cp)
     dense_act = layer_activation_bytes(facts, moe_layer=False, act_bytes=a_bytes)
     moe_act = layer_activation_bytes(facts, moe_layer=True, act_bytes=a_bytes) if facts.num_moe_layers else 0
+    # measured (bench/trainer_memory.py): EP=2 keeps 1.0 extra routed-token copy per MoE layer on average
+    ep_dispatch = facts.experts_per_token * facts.hidden_size * a_bytes if ep > 1 and facts.num_moe_layers else 0
     if activation_checkpointing:
-        per_token = facts.num_layers * facts.hidden_size * a_bytes + activation_factor * max(
-            dense_act if facts.num_dense_layers else 0, moe_act)
+        per_token = facts.num_layers * facts.hidden_size * a_bytes + max(
+            activation_factor * dense_act if facts.num_dense_layers else 0, activation_factor * moe_act + ep_dispatch)
     else:
-        per_token = activation_factor * (facts.num_dense_layers * dense_act + facts.num_moe_layers * moe_act)
+        per_token = (activation_factor * (facts.num_dense_layers * dense_act + facts.num_moe_layers * moe_act)
+                     + facts.num_moe_layers * ep_dispatch)
     activations = math.ceil(tokens * per_token / tp)
 
     logit_tokens = min(tokens, logits_chunk_tokens) if logits_chunk_tokens else tokens

@@ -110,7 +110,7 @@ def test_a_killed_component_ends_the_job_within_30_s_and_resume_loses_no_step(ws
     manifests, env = ws
     runs = tmp_path / "runs"
     proc = start("run", manifests / "reverse-text-slurm.yaml", "--runs-dir", runs, "--quiet", *SMALL,
-                 "--set", "orchestrator.max_steps=6", "--set", f"inference.port={_port()}", env=env)
+                 "--set", "orchestrator.max_steps=12", "--set", f"inference.port={_port()}", env=env)
     try:
         run_dir = wait_trained(runs, 2, proc)
         os.kill(pid_of(run_dir, "primebuild.runtime.orchestrator.main"), signal.SIGKILL)
@@ -129,11 +129,13 @@ def test_a_killed_component_ends_the_job_within_30_s_and_resume_loses_no_step(ws
     assert _job_state(job) == "FAILED"
     assert wait_gone(run_dir, 15) == []
     done = trained_steps(run_dir)
-    assert done == list(range(1, len(done) + 1)) and len(done) < 6
+    # the orchestrator runs at most max_off_policy_steps + 1 batches ahead, and the trainer may train
+    # those before the job ends: 12 steps leave room on a fast machine for --resume to have work to do
+    assert done == list(range(1, len(done) + 1)) and len(done) < 12
 
     resumed = cli("run", "--resume", run_dir, "--quiet", env=env, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr + logs_tail(run_dir)
-    assert trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # each step exactly once, across two jobs
+    assert trained_steps(run_dir) == list(range(1, 13))  # each step exactly once, across two jobs
     assert json.loads((run_dir / "launch.json").read_text())["launches"] == 2
 
 

@@ -119,6 +119,14 @@ def test_trainer_expert_parallel_shrinks_the_gathered_layer():
     assert layer_activation_bytes(MOE, moe_layer=True, act_bytes=2) == 2 * (16 + 32 + 16 + 28) + 16
 
 
+def test_expert_parallel_keeps_the_received_tokens_of_each_moe_layer():
+    # per token per MoE layer: k·h·a = 2·8·2 bytes for the routed copies the local experts received
+    one, two = trainer(MOE, dp_shard=4, ep=1), trainer(MOE, dp_shard=4, ep=2)
+    assert two.activations - one.activations == 4 * 32  # checkpointed: one live layer, 4 tokens
+    one, two = (trainer(MOE, dp_shard=4, ep=ep, activation_checkpointing=False) for ep in (1, 2))
+    assert two.activations - one.activations == 4 * 3 * 32  # every MoE layer kept
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(ep=3, dp_shard=6), "divide the number of experts"),
     (dict(ep=4, dp_shard=2), "dp_shard·cp·tp"),

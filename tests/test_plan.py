@@ -7,7 +7,7 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import MANIFESTS, REPO, plan_json
+from conftest import MANIFESTS, REPO, plan_json, run_cli
 
 from primebuild.contracts.plan import PLAN_VERSION
 from primebuild.hashing import canonical_json
@@ -157,6 +157,23 @@ def test_cpu_plans(plans):
     # CPU processes never oversubscribe the node's threads
     assert all(int(p["env"].get("OMP_NUM_THREADS", "1")) <= plan["hardware"]["cpus_per_node"]
                for p in plan["processes"])
+
+
+def test_cpu_plans_model_fp32_eager_activations():
+    """A CPU trainer's activations use the factor fitted on CPU fp32 eager layers (bench/trainer_memory.py),
+    not the GPU one: the same manifest on H200s plans 1.85/1.45 as much per activation byte."""
+    from primebuild.builders.memory import CPU_EAGER_ACTIVATION_FACTOR, HF_EAGER_ACTIVATION_FACTOR
+
+    def activations(*overrides: str) -> int:
+        done = run_cli("plan", MANIFESTS / "reverse-text.yaml", "--design", "-o", "json", *overrides)
+        assert done.code == 0, done.text
+        return json.loads(done.out)["memory"]["trainer"]["breakdown"]["activations"]
+
+    cpu = activations()
+    gpu = activations("--set", "hardware.gpu=h200", "--set", "hardware.gpus_per_node=8", "--set", "hardware.nodes=2")
+    # reverse-text trains without activation checkpointing: every activation byte is scaled
+    assert gpu / cpu == pytest.approx(
+        HF_EAGER_ACTIVATION_FACTOR / CPU_EAGER_ACTIVATION_FACTOR, rel=1e-6)
 
 
 def test_reverse_text_starts_from_the_sft_output(plans):

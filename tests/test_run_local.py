@@ -357,7 +357,7 @@ def test_a_killed_orchestrator_ends_the_run_within_30_s_naming_it_and_resume_los
     30 s, the run exits non-zero, failure.json names it with its exit status and last log lines, and the
     trainer has checkpointed the step it finished, so --resume trains each step exactly once."""
     runs = tmp_path / "runs"
-    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=6")
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=12")
     try:
         run_dir = _wait_for_trained(runs, 2, proc)
         os.kill(_pid_of(run_dir, "primebuild.runtime.orchestrator.main"), signal.SIGKILL)
@@ -375,12 +375,12 @@ def test_a_killed_orchestrator_ends_the_run_within_30_s_naming_it_and_resume_los
     assert failure["log_tail"] and failure["log"].endswith("orchestrator.log")
     assert processes_of(run_dir) == []
     done = _trained_steps(run_dir)
-    assert done == list(range(1, len(done) + 1)) and len(done) < 6
+    assert done == list(range(1, len(done) + 1)) and len(done) < 12  # batches written ahead may still train
 
     resumed = subprocess.run([sys.executable, "-m", "primebuild.cli", "run", "--resume", str(run_dir), "--quiet"],
                              capture_output=True, text=True, env=_env(workspace), timeout=240)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr + _logs(runs)
-    assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    assert _trained_steps(run_dir) == list(range(1, 13))
     assert not (run_dir / "failure.json").exists()  # the resumed session ended well
 
 
