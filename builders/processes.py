@@ -264,11 +264,14 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec],
                           moe_layers: tuple[int, ...]) -> ProcessSpec:
     o = m.orchestrator
     # P/D: requests go to the router, which sends each through a prefill and a decode server.
-    servers = [p for p in processes if p.role == "router"] or [
-        p for p in processes if "http" in p.ports and p.role in ("inference", "decode")]
+    samplers = [p for p in processes if "http" in p.ports and p.role in ("inference", "decode")]
+    servers = [p for p in processes if p.role == "router"] or samplers
     config = OrchestratorConfig(
         run_dir="{run_dir}", model_path="{model_path}", served_model_name=m.name, seq_len=o.seq_len,
         endpoints=[f"http://{{host:{p.node}}}:{p.ports['http']}/v1" for p in servers],
+        # vLLM's max_num_seqs holds per DP rank of a replica; the embedded engine has one
+        max_requests_per_endpoint=m.inference.max_num_seqs * max(g.dp for g in m.inference.groups.values())
+        * -(-len(samplers) // len(servers)),
         environments=[EnvironmentConfig(id=e.id, version=None if e.version == "latest" else e.version,
                                         args=dict(e.args), weight=e.weight) for e in m.environments],
         seed=m.seed, rollouts_per_step=o.rollouts_per_step, group_size=o.group_size,

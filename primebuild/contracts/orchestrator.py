@@ -24,6 +24,9 @@ class OrchestratorConfig(Contract):
     model_path: str  # its tokenizer encodes prompts and environment replies (token in, token out)
     served_model_name: str
     endpoints: list[str] = Field(min_length=1)  # OpenAI base URLs (…/v1) of the servers to sample from
+    # Sampling requests in flight per endpoint at most: what its servers run at once (max_num_seqs each);
+    # more would only wait in the server's queue, and cost the client (bench/RESULTS.md, P10).
+    max_requests_per_endpoint: int = Field(256, ge=1)
     environments: list[EnvironmentConfig] = Field(min_length=1)
     seed: int = 0
 

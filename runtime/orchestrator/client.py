@@ -18,6 +18,7 @@ from primebuild.contracts.completion import CompletionResult, ServerHealth
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 
 log = logging.getLogger("primebuild.orchestrator")
+LANE_CONNECTIONS = 16  # connections per httpx pool of sampling requests (see InferenceClient.__init__)
 
 
 class InferenceUnavailable(RuntimeError):
@@ -25,29 +26,46 @@ class InferenceUnavailable(RuntimeError):
 
 
 class InferenceClient:
-    def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, retry_seconds: float = 120.0):
+    def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, retry_seconds: float = 120.0,
+                 max_requests: int = 256):
         self.base_url = base_url.rstrip("/")  # ends in /v1
         self.root = self.base_url.removesuffix("/v1")
         self.model = model
         self.retry_seconds = retry_seconds
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=limits, headers=headers)
+        timeout = httpx.Timeout(600.0, connect=5.0)
+        # Health, pause, update and resume have their own connections: they never wait behind sampling.
+        self.http = httpx.AsyncClient(timeout=timeout, headers=headers,
+                                      limits=httpx.Limits(max_connections=4, max_keepalive_connections=4))
+        # Sampling requests go through lanes of LANE_CONNECTIONS connections each, at most max_requests at
+        # once (more would only wait in the server's queue). One pool for all of them is what httpx would
+        # do, but httpcore scans every connection of a pool (a socket call each) whenever a request starts
+        # or ends: with 128-512 rollouts in flight that took 60-75% of the orchestrator's CPU and made it
+        # the bottleneck (long-tail bench, m = 32: bench/RESULTS.md).
+        lanes = [httpx.AsyncClient(timeout=timeout, headers=headers, limits=httpx.Limits(
+            max_connections=LANE_CONNECTIONS, max_keepalive_connections=LANE_CONNECTIONS))
+            for _ in range(-(-max_requests // LANE_CONNECTIONS))]
+        self.lanes = lanes
+        self.free_lanes: asyncio.Queue[httpx.AsyncClient] = asyncio.Queue()
+        for i in range(max_requests):  # one entry per request slot, spread over the lanes
+            self.free_lanes.put_nowait(lanes[i % len(lanes)])
 
     @classmethod
     def from_env(cls, base_url: str, model: str, **kw) -> InferenceClient:
         return cls(base_url, model, admin_token=os.environ.get(ADMIN_TOKEN_ENV), **kw)
 
     async def close(self) -> None:
-        await self.http.aclose()
+        for http in (self.http, *self.lanes):
+            await http.aclose()
 
-    async def _post(self, path: str, body: dict, *, root: bool = False) -> dict:
+    async def _post(self, path: str, body: dict, *, root: bool = False, http: httpx.AsyncClient | None = None) -> dict:
         url = (self.root if root else self.base_url) + path
+        http = http or self.http
         deadline = asyncio.get_running_loop().time() + self.retry_seconds
         delay = 0.2
         while True:
             try:
-                response = await self.http.post(url, json=body)
+                response = await http.post(url, json=body)
             except (httpx.TransportError, httpx.RemoteProtocolError) as err:
                 if asyncio.get_running_loop().time() > deadline:
                     raise InferenceUnavailable(f"{url}: {err}") from err
@@ -61,6 +79,13 @@ class InferenceClient:
                 raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
             return response.json()
 
+    async def _sample(self, body: dict) -> dict:
+        lane = await self.free_lanes.get()
+        try:
+            return await self._post("/completions", body, http=lane)
+        finally:
+            self.free_lanes.put_nowait(lane)
+
     async def complete(self, prompt: str | list[int], *, n: int, temperature: float, top_p: float,
                        max_tokens: int, seed: int | None = None, routed_experts: bool = False) -> CompletionResult:
         """`prompt` as text or, token in / token out, as the exact ids to continue (a multi-turn rollout's
@@ -72,7 +97,7 @@ class InferenceClient:
             body["seed"] = seed
         if routed_experts:
             body["return_routed_experts"] = True
-        answer = await self._post("/completions", body)
+        answer = await self._sample(body)
         try:
             return CompletionResult.model_validate(answer)
         except ValidationError as err:

@@ -56,7 +56,8 @@ class Orchestrator:
         self.cfg = cfg
         self.run_dir = RunDir(cfg.run_dir)
         client = VllmClient if cfg.engine == "vllm" else InferenceClient
-        self.clients = [client.from_env(u, cfg.served_model_name, retry_seconds=cfg.retry_seconds)
+        self.clients = [client.from_env(u, cfg.served_model_name, retry_seconds=cfg.retry_seconds,
+                                        max_requests=cfg.max_requests_per_endpoint)
                         for u in cfg.endpoints]
         self.mix = EnvironmentMix(cfg.environments)
         self.metrics = MetricsWriter(self.run_dir.metrics, role="orchestrator",

@@ -28,8 +28,10 @@ from primebuild.runtime.weight_sync.filesystem import verify
 
 
 class VllmClient(InferenceClient):
-    def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, retry_seconds: float = 120.0):
-        super().__init__(base_url, model, admin_token=admin_token, retry_seconds=retry_seconds)
+    def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, retry_seconds: float = 120.0,
+                 max_requests: int = 256):
+        super().__init__(base_url, model, admin_token=admin_token, retry_seconds=retry_seconds,
+                         max_requests=max_requests)
         self.admin = VllmAdmin(self.root, admin_token=admin_token)
 
     async def close(self) -> None:
@@ -45,7 +47,7 @@ class VllmClient(InferenceClient):
         if seed is not None:
             body["seed"] = seed
         before = await self.version()  # an update during the request re-prefills it on the new weights
-        answer = await self._post("/completions", body)
+        answer = await self._sample(body)
         version = await self.version()
         resumed = before if before != version else None
         try:
