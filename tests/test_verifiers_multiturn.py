@@ -230,3 +230,125 @@ def test_the_plan_checks_the_adapters_own_args_without_importing_verifiers():
     problems = dict(adapter_arg_problems({"max_turns": 0, "reply_format": "x", "num_eval": True, "env": []}))
     assert set(problems) == {"max_turns", "reply_format", "num_eval", "env"}
     assert "{message}" in problems["reply_format"]
+
+
+VARIANTS = textwrap.dedent(
+    """
+    import verifiers.v1 as vf
+    from pb_guess_letter import GuessLetterEnv, GuessLetterTask, GuessLetterTaskset
+
+
+    class QuitTask(GuessLetterTask):
+        @vf.stop
+        async def gave_up(self, trace: vf.Trace) -> bool:
+            return trace.last_reply == "quit"
+
+
+    class QuitTaskset(GuessLetterTaskset):
+        def load(self):
+            for task in super().load():
+                yield QuitTask(task.data, self.config.task)
+
+
+    class RequestStopTask(GuessLetterTask):
+        @vf.stop
+        async def too_long(self, request: vf.Request) -> bool:
+            return len(request.messages) > 3
+
+
+    class RequestStopTaskset(GuessLetterTaskset):
+        def load(self):
+            for task in super().load():
+                yield RequestStopTask(task.data, self.config.task)
+
+
+    class Calculator(vf.Toolset):
+        @vf.tool
+        async def add(self, a: int, b: int) -> int:
+            return a + b
+
+
+    class ToolTask(GuessLetterTask):
+        @classmethod
+        def toolsets(cls, config):
+            return [Calculator(vf.ToolsetConfig())]
+
+
+    class ToolTaskset(GuessLetterTaskset):
+        def load(self):
+            for task in super().load():
+                yield ToolTask(task.data, self.config.task)
+
+
+    class BrokenEnv(GuessLetterEnv):
+        async def run(self, task, agents):
+            async with agents.player.interaction(task) as game:
+                await game.turn()
+                raise ValueError("the referee fell over")
+    """
+)
+
+
+def _variant(tmp_path, monkeypatch, module: str, taskset: str, env: str | None = "GuessLetterEnv") -> str:
+    """A one-module package exporting `taskset` and `env` (None: no Env, single-turn) from VARIANTS; returns
+    its environment id."""
+    (tmp_path / "pb_variants.py").write_text(VARIANTS)
+    names = [taskset] if env is None else [taskset, env]
+    (tmp_path / f"{module}.py").write_text(f"from pb_variants import {', '.join(names)}\n\n__all__ = {names!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"verifiers:{module}"
+
+
+def _play(env, task, replies):
+    """Drive one episode through the Episode protocol, as the rollout loop does: (env replies, reward, trace)."""
+    async def play():
+        episode = env.start(task)
+        answers = []
+        try:
+            for reply in replies:
+                answers.append(await episode.step(reply))
+                if answers[-1] is None:
+                    break
+            return answers, await episode.reward(), episode.seat.trace
+        finally:
+            await episode.close()
+
+    return asyncio.run(play())
+
+
+def test_an_episode_follows_the_envs_own_rules_turn_by_turn(installed, tmp_path, monkeypatch):
+    env = load_environment(ENV_ID, None, {"num_eval": 3, "max_guesses": GUESSES, **FRAMING})
+    task = env.eval_tasks()[0]
+    wrong = "z" if task.answer != "z" else "y"
+    # found at the third reply: the Env said `no` twice, then run() returned
+    answers, reward, trace = _play(env, task, [wrong, wrong, f"{wrong}{task.answer}"])
+    assert answers == ["no>", "no>", None] and reward == pytest.approx(0.5)
+    assert [m.role for m in trace.messages] == ["user", "assistant", "user", "assistant", "user", "assistant"]
+    assert trace.rewards["found"].score == pytest.approx(0.5) and trace.metrics["replies"] == 3.0
+    # never found: the game's own limit ends it
+    answers, reward, trace = _play(env, task, [wrong] * 6)
+    assert answers == ["no>"] * (GUESSES - 1) + [None] and reward == 0.0
+    # the rollout loop stops first (a budget): the Env's pending turn comes back terminated
+    answers, reward, trace = _play(env, task, [wrong])
+    assert answers == ["no>"] and reward == 0.0 and trace.stop_condition == "max_total_tokens"
+    assert trace.num_turns == 1
+
+    quits = load_environment(_variant(tmp_path, monkeypatch, "pb_quit", "QuitTaskset"), None,
+                             {"num_eval": 3, **FRAMING})
+    answers, reward, trace = _play(quits, quits.eval_tasks()[0], ["quit", wrong])
+    assert answers == [None] and trace.stop_condition == "gave_up" and reward == 0.0
+
+    broken = load_environment(_variant(tmp_path, monkeypatch, "pb_broken", "GuessLetterTaskset", "BrokenEnv"), None,
+                              {"num_eval": 3})
+    with pytest.raises(RuntimeError, match="verifiers:pb_broken: ValueError: the referee fell over"):
+        _play(broken, broken.eval_tasks()[0], [wrong])
+
+
+def test_hooks_the_adapter_does_not_apply_are_refused(installed, tmp_path, monkeypatch):
+    with pytest.raises(UserError, match=r"hooks requests or responses \(too_long\)"):
+        load_environment(_variant(tmp_path, monkeypatch, "pb_request_stop", "RequestStopTaskset"), None, {"num_eval": 3})
+    with pytest.raises(UserError, match=r"its tasks use tools \(Calculator\)"):
+        load_environment(_variant(tmp_path, monkeypatch, "pb_tools", "ToolTaskset"), None, {"num_eval": 3})
+    with pytest.raises(UserError, match="apply to multi-turn environments only"):
+        load_environment(_variant(tmp_path, monkeypatch, "pb_plain", "GuessLetterTaskset", None), None,
+                         {"max_turns": 3})

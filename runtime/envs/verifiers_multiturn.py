@@ -56,8 +56,16 @@ class VerifiersMultiTurnEnvironment(VerifiersEnvironment):
                             f"({', '.join(seats)}); primebuild plays exactly one, with the policy",
                             hint="use an Env with one AgentConfig field (the policy's seat)")
         ((self.seat, seat_config),) = seats.items()
-        _refuse_tools(vf_env, env_id)
+        token_limits = [f for f in ("max_input_tokens", "max_output_tokens", "max_total_tokens")
+                        if getattr(seat_config, f, None) is not None]
+        if token_limits:
+            raise UserError(f"environment {env_id}: the {self.seat} seat sets {', '.join(token_limits)}, which "
+                            "this adapter does not count", hint="bound episodes with orchestrator.seq_len instead")
         super().__init__(vf_env.taskset, env_id=env_id, version=version, num_eval=num_eval)
+        # one task per Task class: hooks and toolsets are the class's (and the config's), not the data's
+        for vf_task in {type(t.info[VERIFIERS_TASK]): t.info[VERIFIERS_TASK] for t in self._eval + self._train}.values():
+            _refuse_tools(vf_env.taskset, vf_task, env_id)
+            _refuse_message_hooks(vf_task, env_id)
         unprompted = [t for t in self._eval + self._train if t.info[VERIFIERS_TASK].data.prompt is None]
         if unprompted:
             raise UserError(f"environment {env_id}: {len(unprompted)} tasks have no prompt (the user opens the "
@@ -119,7 +127,7 @@ class VerifiersEpisode:
                 await vf_env.finalize(self.vf_task, episode)
         except Exception as e:  # handed to the rollout loop, raised from step() or reward()
             await self.to_model.put(RuntimeError(f"environment {self.env.id}: {type(e).__name__}: {e}"))
-            raise
+            return
         await self.to_model.put(_END)
 
     def _make_seat(self, name: str, spec: Any) -> PolicySeat:
@@ -131,8 +139,7 @@ class VerifiersEpisode:
             raise RuntimeError("reward() before any step()")
         if not self.runner.done():  # the rollout loop stopped first: the pending turn comes back terminated
             await self.to_env.put(_TERMINATE)
-        with contextlib.suppress(Exception):
-            await self.runner
+        await self.runner  # it hands its failure to the queue instead of raising
         while not self.to_model.empty():
             item = self.to_model.get_nowait()
             if isinstance(item, BaseException):
@@ -201,6 +208,10 @@ class PolicyInteraction:
         if seat.turns > 0 and message is None:
             raise ValueError("this exchange takes its next user message")
         if message is not None:
+            if (stopped := await _trace_stop(self.task, self.trace)) is not None:
+                seat.over = True  # a @vf.stop ends the exchange before the next model turn; the message goes unsent
+                self.trace.stop(stopped)
+                return vf.Segment(messages=[], terminated=True)
             text = message if isinstance(message, str) else "\n".join(
                 content_text(m["content"] if isinstance(m, dict) else m.content) for m in message)
             _append(self.trace, vf.UserMessage(content=text))
@@ -250,10 +261,47 @@ def _agent_seats(config: Any) -> dict[str, Any]:
     return agent_config_fields(config)
 
 
-def _refuse_tools(vf_env: Any, env_id: str) -> None:
-    taskset = vf_env.taskset
-    tools = [*type(taskset).task_type().toolsets(taskset.config.task), *taskset.toolsets(taskset.config)]
+def _refuse_tools(taskset: Any, vf_task: Any, env_id: str) -> None:
+    tools = [*type(vf_task).toolsets(vf_task.config), *taskset.toolsets(taskset.config)]
     if tools:
         raise UserError(f"environment {env_id}: its tasks use tools ({', '.join(type(t).__name__ for t in tools)}); "
                         "verifiers runs MCP toolsets inside its harness programs, which primebuild's rollout loop "
                         "does not drive", hint="a multi-turn Env without toolsets loads; tool use does not yet")
+
+
+def _stops_by_boundary(vf_task: Any) -> tuple[list, list]:
+    """The task's `@vf.stop`s (decorated or plugged through its config): (on the trace, on a request or response)."""
+    from verifiers.v1.session import hook_boundary
+    from verifiers.v1.trace import Trace
+
+    on_trace, on_messages = [], []
+    for fn in vf_task.hooks("stop"):
+        (on_trace if hook_boundary(fn, allow_trace=True) is Trace else on_messages).append(fn)
+    return on_trace, on_messages
+
+
+async def _trace_stop(vf_task: Any, trace: Any) -> str | None:
+    """The name of the first trace `@vf.stop` that fires, checked before each model turn as verifiers does."""
+    from verifiers.v1.session import call_hook
+    from verifiers.v1.trace import Trace
+
+    for fn in _stops_by_boundary(vf_task)[0]:
+        fired = await call_hook(fn, {Trace: trace})
+        if not isinstance(fired, bool):
+            raise TypeError(f"@stop {fn.__name__} must return bool, got {type(fired).__name__}")
+        if fired:
+            return fn.__name__
+    return None
+
+
+def _refuse_message_hooks(vf_task: Any, env_id: str) -> None:
+    """Stops and interceptors on a request or response act on verifiers' message dialects, which this
+    adapter does not use (a model turn is text): refused, rather than silently not applied."""
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    hooks = [fn.__name__ for fn in _stops_by_boundary(vf_task)[1]]
+    hooks += [fn.__name__ for fn in discover_decorated(vf_task, "intercept")]
+    if hooks:
+        raise UserError(f"environment {env_id}: its task hooks requests or responses ({', '.join(sorted(hooks))}); "
+                        "primebuild applies only @vf.stop on the trace",
+                        hint="write the stop on the trace (a `trace: vf.Trace` parameter)")
