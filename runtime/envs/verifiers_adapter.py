@@ -11,14 +11,13 @@ What verifiers 0.4 provides, and how it maps here:
   prompt as a user message and the completion as a sampled assistant message. Rewards that need a
   sandbox runtime are skipped by verifiers itself when none is given.
 
-Multi-turn and tool use in verifiers 0.4 is another half of its API, not wrapped here: an `vf.Env`
-subclass's `run(task, agents)` plays the user and drives `agents.<role>.interaction(task).turn(text)`,
-each turn one segment of a harness program (bash, mini-swe-agent, codex, ...) that runs in a runtime
-(subprocess, docker, podman, modal, ...) with tools as MCP `Toolset`s, its model calls intercepted and
-sent through a verifiers `Client` (an OpenAI API, or for training a renderer that calls vLLM's generate
-endpoint with token ids). Driving that from primebuild's token-in/token-out rollout loop would take a
-`Client` backed by the orchestrator's servers; primebuild's own multi-turn environments (runtime/envs:
-wordle, swe-tiny) use `Episode` instead (runtime/envs/base.py).
+Multi-turn: a taskset package that also exports a `vf.Env` subclass (verifiers' loader,
+`vf.environment_class`) is a multi-turn environment. Its `run(task, agents)` plays the user through
+`agents.<seat>.interaction(task).turn(message)`; primebuild's policy plays the one seat, every model turn
+sampled by the orchestrator's own rollout loop (verifiers_multiturn.py says exactly what is and is not
+driven). A package without an Env is single-turn and wrapped here. verifiers' harness programs,
+runtimes, interception server and `Client` are not used in either case: a model turn is plain text, so
+tool use (MCP `Toolset`s, run by those harness programs) is refused when the environment loads.
 
 verifiers is imported lazily (it pulls in a large dependency tree: anthropic, mcp, math-verify...): a
 run that never names a verifiers environment never imports it.

@@ -13,15 +13,26 @@ harness program behind an HTTP interception server; here the seat is primebuild'
   `reply_format`, masked out of the loss) and waits for the next model turn, which the orchestrator
   samples token in / token out (log-probs and policy version recorded per turn, runtime/envs/transcript.py).
 - When the rollout loop stops first (the turn budget, seq_len), the pending `turn` returns a
-  `terminated` segment, as a verifiers limit would, and `run` finishes on its own.
+  `terminated` segment, as a verifiers limit would, and `run` finishes on its own. A task's `@vf.stop`
+  on the trace is checked before each model turn after the first, as verifiers does; when one fires the
+  turn comes back `terminated` and the episode ends.
 - Leaving the interaction scores its trace with the task's own `@vf.reward`/`@vf.metric` methods
-  (`Task.score`); then the Env's `finalize` sees the episode. The episode's reward is `trace.reward`.
+  (`Task.score`, no runtime: rewards that need one are skipped by verifiers); then the Env's `finalize`
+  sees the episode. The episode's reward is `trace.reward`. An exception in `run` or `finalize` ends
+  the rollout with a located error.
 
-Not driven (refused when the environment loads, with the reason): tool use (a task or taskset with MCP
-`toolsets`: verifiers runs those tools inside its harness programs), environments with more than one
-agent seat (e.g. user-sim, whose user is a second model), tasks without a prompt (the user opens),
-and a seat's `run()` used as more than one turn. Each model turn is plain text: verifiers' message
-dialects and tool-call parsing are not involved.
+Refused when the environment loads, with the reason, rather than silently not applied: tool use (a task
+or taskset with MCP `toolsets`: verifiers runs those tools inside its harness programs), `@vf.stop`s and
+`@vf.intercept`s on requests or responses (verifiers' message dialects, not used here: a model turn is
+plain text), more than one agent seat (e.g. user-sim, whose user is a second model), token limits on
+the seat (the orchestrator's seq_len bounds an episode), and tasks without a prompt (the user opens).
+At run time a second interaction in one episode is an error (one rollout is one token sequence). The
+seat's harness, runtime, model and sampling settings are not used: the orchestrator samples.
+
+Manifest args (besides the taskset's config fields): `num_eval`, `max_turns` (default 8, or the seat's
+own smaller `max_turns`), `prompt_format` ("{prompt}" by default; the task's system prompt and prompt),
+`reply_format` ("\n{message}\n": how an Env message is framed as environment tokens; write the model's
+chat framing here), `env` (the Env's own config fields).
 """
 
 from __future__ import annotations
@@ -118,6 +129,8 @@ class VerifiersEpisode:
             agents = vf.Agents(vf_env.config, make=self._make_seat)
             async with asyncio.timeout(vf_env.config.timeout.episode):
                 await vf_env.setup(agents)
+                if not getattr(agents, self.env.seat).trainable:
+                    raise RuntimeError(f"setup() marks the {self.env.seat} seat untrainable, but the policy plays it")
                 await vf_env.run(self.vf_task, agents)
             if self.seat is None or self.seat.trace is None:
                 raise RuntimeError(f"{type(vf_env).__name__}.run() never let the policy play")
@@ -158,7 +171,7 @@ class PolicySeat:
 
     def __init__(self, name: str, config: Any, episode: VerifiersEpisode):
         self.name, self.config, self.episode = name, config, episode
-        self.trainable = True  # an Env's setup() may set it; primebuild trains the seat either way
+        self.trainable = True  # an Env's setup() may clear it: an error, since the policy plays (and trains) it
         self.trace = None
         self.turns = 0
         self.over = False
