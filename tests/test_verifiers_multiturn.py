@@ -280,6 +280,11 @@ VARIANTS = textwrap.dedent(
                 yield ToolTask(task.data, self.config.task)
 
 
+    class SpectatorEnv(GuessLetterEnv):
+        async def setup(self, agents):
+            agents.player.trainable = False
+
+
     class BrokenEnv(GuessLetterEnv):
         async def run(self, task, agents):
             async with agents.player.interaction(task) as game:
@@ -342,6 +347,27 @@ def test_an_episode_follows_the_envs_own_rules_turn_by_turn(installed, tmp_path,
                               {"num_eval": 3})
     with pytest.raises(RuntimeError, match="verifiers:pb_broken: ValueError: the referee fell over"):
         _play(broken, broken.eval_tasks()[0], [wrong])
+    spectator = load_environment(_variant(tmp_path, monkeypatch, "pb_spectator", "GuessLetterTaskset", "SpectatorEnv"),
+                                 None, {"num_eval": 3})
+    with pytest.raises(RuntimeError, match="marks the player seat untrainable"):
+        _play(spectator, spectator.eval_tasks()[0], [wrong])
+
+
+def test_closing_an_abandoned_episode_cancels_the_envs_run(installed):
+    """A stale group is abandoned between turns (no reward): close() must end the Env's pending run()."""
+    env = load_environment(ENV_ID, None, {"num_eval": 3, **FRAMING})
+
+    async def abandon():
+        task = env.eval_tasks()[0]
+        episode = env.start(task)
+        assert await episode.step("z" if task.answer != "z" else "y") == "no>"
+        runner = episode.runner
+        assert not runner.done()  # run() waits in turn() for the next model turn
+        await episode.close()
+        return runner
+
+    runner = asyncio.run(abandon())
+    assert runner.cancelled()
 
 
 def test_hooks_the_adapter_does_not_apply_are_refused(installed, tmp_path, monkeypatch):
