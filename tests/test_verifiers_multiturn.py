@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -38,9 +39,10 @@ FRAMING = {"prompt_format": "{prompt}>", "reply_format": "{message}>"}
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """pb-guess-letter installed with pip (no dependencies: verifiers is already here) and importable."""
-    target = tmp_path_factory.mktemp("site")
+    source, target = tmp_path_factory.mktemp("source") / "package", tmp_path_factory.mktemp("site")
+    shutil.copytree(PACKAGE, source)  # setuptools writes build/ and *.egg-info next to the sources
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--target", str(target), str(PACKAGE)], check=True, capture_output=True)
+                    "--target", str(target), str(source)], check=True, capture_output=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(target))
         importlib.invalidate_caches()
