@@ -53,6 +53,23 @@ def verifiers_problem(taskset_id: str) -> tuple[str, str] | None:
             f"{', '.join(sorted(BUILTIN_VERSIONS))}")
 
 
+# The adapter's own args (runtime/envs/verifiers_adapter.py); the rest are the taskset's config fields,
+# which only verifiers itself can check (when the orchestrator loads the taskset).
+ADAPTER_ARGS = {
+    "num_eval": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+    "max_turns": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+    "prompt_format": ("a string holding {prompt}", lambda v: isinstance(v, str) and "{prompt}" in v),
+    "reply_format": ("a string holding {message}", lambda v: isinstance(v, str) and "{message}" in v),
+    "env": ("a mapping (the verifiers Env's config fields)", lambda v: isinstance(v, dict)),
+}
+
+
+def adapter_arg_problems(args: dict) -> Iterator[tuple[str, str]]:
+    for name, (wanted, ok) in ADAPTER_ARGS.items():
+        if name in args and not ok(args[name]):
+            yield name, f"{name} must be {wanted}, got {args[name]!r}"
+
+
 def environment_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
     """(field, message, hint) for every environment of `m` that cannot load here."""
     for i, env in enumerate(m.environments):
@@ -65,6 +82,9 @@ def environment_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
             problem = verifiers_problem(env.id.removeprefix(VERIFIERS_PREFIX))
             if problem:
                 yield (f"environments[{i}].id", *problem)
+            for name, message in adapter_arg_problems(env.args or {}):
+                yield (f"environments[{i}].args.{name}", f"environment {env.id}: {message}",
+                       "README.md, section Multi-turn environments and agents, lists the adapter's args")
         else:
             yield (f"environments[{i}].id", f"unknown environment id {env.id!r}",
                    f"use one of: {', '.join(known_ids())}")

@@ -309,7 +309,10 @@ FIELDS: dict[str, list] = {
         Reaches(config_of(O, "environments.0.args"), ("environments=[{id: reverse-text, args: {max_length: 9}}]",),
                 {"max_length": 9}),
         Builds(build_config("env_args"), ("environments=[{id: reverse-text, args: {max_length: 9}}]",),
-               {"max_length": 9})],
+               {"max_length": 9}),
+        # the verifiers adapter's own args are checked at plan time (a taskset that ships with verifiers)
+        Refused(("environments=[{id: 'verifiers:textarena', args: {max_turns: 0}}]",),
+                field_path="environments[0].args.max_turns")],
     "environments[].weight": [
         Reaches(config_of(O, "environments.1.weight"), ("environments=[{id: reverse-text}, {id: wordle, weight: 3}]",),
                 3.0),

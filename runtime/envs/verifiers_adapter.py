@@ -11,14 +11,13 @@ What verifiers 0.4 provides, and how it maps here:
   prompt as a user message and the completion as a sampled assistant message. Rewards that need a
   sandbox runtime are skipped by verifiers itself when none is given.
 
-Multi-turn and tool use in verifiers 0.4 is another half of its API, not wrapped here: an `vf.Env`
-subclass's `run(task, agents)` plays the user and drives `agents.<role>.interaction(task).turn(text)`,
-each turn one segment of a harness program (bash, mini-swe-agent, codex, ...) that runs in a runtime
-(subprocess, docker, podman, modal, ...) with tools as MCP `Toolset`s, its model calls intercepted and
-sent through a verifiers `Client` (an OpenAI API, or for training a renderer that calls vLLM's generate
-endpoint with token ids). Driving that from primebuild's token-in/token-out rollout loop would take a
-`Client` backed by the orchestrator's servers; primebuild's own multi-turn environments (runtime/envs:
-wordle, swe-tiny) use `Episode` instead (runtime/envs/base.py).
+Multi-turn: a taskset package that also exports a `vf.Env` subclass (verifiers' loader,
+`vf.environment_class`) is a multi-turn environment. Its `run(task, agents)` plays the user through
+`agents.<seat>.interaction(task).turn(message)`; primebuild's policy plays the one seat, every model turn
+sampled by the orchestrator's own rollout loop (verifiers_multiturn.py says exactly what is and is not
+driven). A package without an Env is single-turn and wrapped here. verifiers' harness programs,
+runtimes, interception server and `Client` are not used in either case: a model turn is plain text, so
+tool use (MCP `Toolset`s, run by those harness programs) is refused when the environment loads.
 
 verifiers is imported lazily (it pulls in a large dependency tree: anthropic, mcp, math-verify...): a
 run that never names a verifiers environment never imports it.
@@ -36,6 +35,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from primebuild.contracts.environments import VERIFIERS_PREFIX
 from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Task
 
@@ -195,31 +195,55 @@ def vf_version() -> str:
         return "unknown"
 
 
+MULTI_TURN_ARGS = ("max_turns", "prompt_format", "reply_format", "env")  # the multi-turn adapter's own args
+
+
 def load_verifiers_environment(taskset_id: str, args: Mapping[str, Any]) -> VerifiersEnvironment:
-    """Load installed taskset package `taskset_id` with verifiers' loader; `args` are its config
-    fields, except `num_eval` (the adapter's held-out size)."""
+    """Load installed taskset package `taskset_id` with verifiers' loader. A package that exports a
+    `vf.Env` subclass is multi-turn (verifiers_multiturn.py); else it is wrapped single-turn. `args` are
+    the taskset's config fields, except `num_eval` (the held-out size) and, multi-turn only,
+    MULTI_TURN_ARGS (`env`: the Env's own config fields)."""
     vf = _import_verifiers()
     from pydantic import ValidationError
 
     args = dict(args)
     num_eval = args.pop("num_eval", 200)
+    adapter_args = {name: args.pop(name) for name in MULTI_TURN_ARGS if name in args}
+    env_id = f"{VERIFIERS_PREFIX}{taskset_id}"
     try:
         config_type = vf.taskset_config_type(taskset_id)
+        env_class = vf.environment_class(taskset_id)
     except (ModuleNotFoundError, TypeError, AttributeError, ValueError) as e:
         raise UserError(
             f"verifiers taskset {taskset_id!r} could not be loaded: {e}",
             hint="install the taskset's package into the run's environment",
         ) from e
+    if env_class is vf.SingleAgentEnv:
+        if adapter_args:
+            raise UserError(f"environment {env_id}: {sorted(adapter_args)} apply to multi-turn environments only, "
+                            f"and package {taskset_id!r} exports no verifiers Env (it is single-turn)")
+        try:
+            config = config_type.model_validate({**args, "id": taskset_id})
+        except ValidationError as e:
+            raise UserError(f"verifiers taskset {taskset_id!r}: invalid args: {e}") from e
+        return VerifiersEnvironment(vf.load_taskset(config), env_id=env_id, version=_package_version(taskset_id),
+                                    num_eval=num_eval)
+
+    from primebuild.runtime.envs.verifiers_multiturn import VerifiersMultiTurnEnvironment
+
+    env_fields = adapter_args.pop("env", None) or {}
+    if not isinstance(env_fields, Mapping):
+        raise UserError(f"environment {env_id}: args.env must be a mapping of the Env's config fields")
     try:
-        config = config_type.model_validate({**args, "id": taskset_id})
+        config = vf.resolve_env_config({**env_fields, "taskset": {**args, "id": taskset_id}})
     except ValidationError as e:
-        raise UserError(f"verifiers taskset {taskset_id!r}: invalid args: {e}") from e
-    return VerifiersEnvironment(
-        vf.load_taskset(config),
-        env_id=f"verifiers:{taskset_id}",
-        version=_package_version(taskset_id),
-        num_eval=num_eval,
-    )
+        raise UserError(f"verifiers environment {taskset_id!r}: invalid args: {e}") from e
+    try:
+        vf_env = vf.load_environment(config)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"verifiers environment {taskset_id!r} could not be built: {e}") from e
+    return VerifiersMultiTurnEnvironment(vf_env, env_id=env_id, version=_package_version(taskset_id),
+                                         num_eval=num_eval, **adapter_args)
 
 
 def _package_version(taskset_id: str) -> str:
