@@ -19,14 +19,16 @@ capped at seq_len.
       sync step = (waves - 1) · E[r] + r(tail) + train + weight sync.
 - Asynchronous (the continuous pool, runtime/orchestrator/pool.py): up to C = (1 + m) · R rollouts in
   flight, m = max(1, max_off_policy_steps) (a rollout waiting on a tool holds no server slot; the
-  servers' max concurrent sequences cap the decode batch B); by Little's law R rollouts complete every
-  R · E[r] / C seconds, but no faster than full batches decode their tokens, and the trainer overlaps:
-      async step = max(R · E[r] / C, R · E[completion] · decode_step(B) / (B · replicas),
+  servers' max concurrent sequences cap the decode batch B); one batch fewer while the servers still
+  serve the weights before the last batch written (train + weight sync of each step), so on average
+  C' = (1 + m - lag) · R, lag = min(1, (train + weight sync) / step); by Little's law R rollouts complete
+  every R · E[r] / C' seconds, but no faster than full batches decode their tokens, and the trainer overlaps:
+      async step = max(R · E[r] / C', R · E[completion] · decode_step(B) / (B · replicas),
                        R · E[turns] · request / replicas, train)
   (request: server time per request that serializes on a replica; the embedded engine's only).
   A group with a rollout longer than the staleness window, (1 + m) async steps, cannot join any batch:
   the pool drops it (pool.py) and starts another, so of the work spent only the kept share counts:
-  R · E[min(r, window)] / (C · (1 - stale share)), stale share = 1 - F(window)^group_size, solved as a
+  R · E[min(r, window)] / (C' · (1 - stale share)), stale share = 1 - F(window)^group_size, solved as a
   fixed point with the window. A large stale share says max_off_policy_steps is too small for the tail.
 
 Idle fractions: of a synchronous step the trainer idles while rollouts run (and weights sync), the
@@ -224,12 +226,16 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
 
     def needed(step: float) -> tuple[float, float]:
         """(rollout time per step, stale share) if a step took `step`: a group is dropped when any of its
-        rollouts outlasts the window (its advantage needs them all), and the work spent on it is lost."""
+        rollouts outlasts the window (its advantage needs them all), and the work spent on it is lost.
+        The pool admits groups for the batches the served version may still join (pool.py): from when a
+        batch is written until the servers serve the weights trained on it (train + weight sync), that
+        is one batch fewer, so on average (1 + m - lag) · R rollouts are in flight."""
         below, spent = async_durations.window((1 + m) * step)  # a stale rollout is dropped at the window
         stale = 1 - below ** group_size
         if stale >= 1.0 - 1e-12:
             return math.inf, 1.0
-        return max(R * spent / (concurrency * (1 - stale)), floor), stale
+        lag = min(1.0, (train + costs.weight_sync_s) / step)
+        return max(R * spent / ((1 + m - lag) * R * (1 - stale)), floor), stale
 
     # The step T solves T = max(train, needed(T)): needed falls as T grows (a wider window drops less), so
     # T - max(train, needed(T)) rises through zero once: bisect.

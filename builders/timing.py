@@ -300,6 +300,9 @@ def gpu_costs(facts: ModelFacts, gpu: GpuSpec | str, *, gpus_per_replica: float,
 CPU_FLOPS_PER_THREAD = 2.0e10  # effective FLOP/s of one thread on these small matmuls
 CPU_DECODE_STEP_OVERHEAD_S = 6e-4  # one engine step (scheduling, sampling, small-op calls)
 CPU_TURN_OVERHEAD_S = 0.007  # one model turn: the HTTP round trip on both sides, validation, prefill set-up
+# Of that, what serializes on the server with many requests in flight: long-tail bench at m = 32, where
+# the server always had a request (about 42 turns per 0.14 s step, bench/RESULTS.md).
+CPU_REQUEST_S = 0.0033
 CPU_TRAIN_FLOPS_PER_THREAD = 2.0e10
 CPU_TRAIN_STEP_OVERHEAD_S = 0.05  # optimizer step, loading the batch, per-micro-batch calls
 CPU_WEIGHT_SYNC_S = 0.15  # publish a step folder, notice it, pause, load, resume (synchronous RL only)
@@ -313,7 +316,7 @@ def cpu_costs(facts: ModelFacts, cpus_per_node: int) -> Costs:
             threads * CPU_FLOPS_PER_THREAD),
         prefill_s_per_token=2 * n / (threads * CPU_FLOPS_PER_THREAD),
         turn_overhead_s=CPU_TURN_OVERHEAD_S,
-        request_s=CPU_TURN_OVERHEAD_S,  # the embedded engine and its server share the process's cores
+        request_s=CPU_REQUEST_S,  # the embedded engine and its server share the process's cores
         train_s=lambda sequences, tokens: CPU_TRAIN_STEP_OVERHEAD_S + 6 * n * sequences * tokens / (
             threads * CPU_TRAIN_FLOPS_PER_THREAD),
         weight_sync_s=CPU_WEIGHT_SYNC_S)

@@ -357,7 +357,10 @@ FIELDS: dict[str, list] = {
                            Reaches(lambda plan: len(config_of(O, "endpoints")(plan)), ("inference.replicas=2",), 2)],
     "inference.host": [Reaches(config_of(I, "host"), ("inference.host=0.0.0.0",), "0.0.0.0")],
     "inference.port": [Reaches(config_of(I, "port"), ("inference.port=9100",), 9100)],
-    "inference.max_num_seqs": [Reaches(config_of(I, "max_num_seqs"), ("inference.max_num_seqs=17",), 17)],
+    "inference.max_num_seqs": [Reaches(config_of(I, "max_num_seqs"), ("inference.max_num_seqs=17",), 17),
+                               # the orchestrator keeps no more sampling requests in flight per server
+                               Reaches(config_of(O, "max_requests_per_endpoint"), ("inference.max_num_seqs=17",),
+                                       17)],
     "inference.precision": [Reaches(config_of(I, "precision"), ("inference.precision=bf16",), "bf16"),
                             Reaches(config_of(I, "precision"), ("inference.precision=fp8",), "fp8"),
                             Refused(("inference.precision=fp8", "inference.engine=vllm"))],

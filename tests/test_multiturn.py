@@ -141,3 +141,16 @@ def test_sft_learns_model_turns_only():
     assert ids[0].tolist() == [bos, sep, a, b, eos, z, x, sep, b, a, eos]
     targets = [tok for tok, m in zip(ids[0, 1:].tolist(), mask[0].tolist(), strict=True) if m]
     assert targets == [a, b, eos, b, a, eos]
+
+
+def test_sampling_requests_wait_in_lanes_of_few_connections():
+    """At most max_requests sampling requests in flight, spread over httpx pools of LANE_CONNECTIONS:
+    one pool of hundreds of connections cost most of the orchestrator's CPU (bench/RESULTS.md, P10)."""
+    from primebuild.runtime.orchestrator.client import LANE_CONNECTIONS, InferenceClient
+
+    client = InferenceClient("http://127.0.0.1:9/v1", "m", max_requests=40)
+    assert len(client.lanes) == 3 and client.free_lanes.qsize() == 40
+    for lane in client.lanes:
+        assert client.free_lanes._queue.count(lane) <= LANE_CONNECTIONS
+        assert lane._transport._pool._max_connections == LANE_CONNECTIONS
+    asyncio.run(client.close())
