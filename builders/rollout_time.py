@@ -21,15 +21,19 @@ capped at seq_len.
   flight, m = max(1, max_off_policy_steps) (a rollout waiting on a tool holds no server slot; the
   servers' max concurrent sequences cap the decode batch B); one batch fewer while the servers still
   serve the weights before the last batch written (train + weight sync of each step), so on average
-  C' = (1 + m - lag) · R, lag = min(1, (train + weight sync) / step); by Little's law R rollouts complete
-  every R · E[r] / C' seconds, but no faster than full batches decode their tokens, and the trainer overlaps:
-      async step = max(R · E[r] / C', R · E[completion] · decode_step(B) / (B · replicas),
+  C' = (1 + m - lag) · R, lag = min(1, (train + weight sync) / step). A group holds its slots until it
+  is batched: its slowest rollout G (the group's rollouts share the task's lengths and draw their tool
+  latencies apart: `Durations.slowest_of`), then half a step until the next batch is cut. By Little's
+  law, with the window W = (1 + m) · step after which a group can join no batch and is dropped (the work
+  spent on it lost), and no faster than full batches decode their tokens, nor than the servers take
+  requests where their handling serializes, while the trainer overlaps:
+      async step = max(R · (E[min(G, W)] + P[G ≤ W] · step / 2) / (C' · P[G ≤ W]),
+                       R · E[completion] · decode_step(B) / (B · replicas),
                        R · E[turns] · request / replicas, train)
-  (request: server time per request that serializes on a replica; the embedded engine's only).
-  A group with a rollout longer than the staleness window, (1 + m) async steps, cannot join any batch:
-  the pool drops it (pool.py) and starts another, so of the work spent only the kept share counts:
-  R · E[min(r, window)] / (C' · (1 - stale share)), stale share = 1 - F(window)^group_size, solved as a
-  fixed point with the window. A large stale share says max_off_policy_steps is too small for the tail.
+  (request: server time per request that serializes on a replica; the embedded engine's only), solved
+  as a fixed point in the step. The stale share 1 - P[G ≤ W] is the groups dropped; a large one says
+  max_off_policy_steps is too small for the tail. Measured against the CPU long-tail bench within 5-15%
+  where the pool's window binds (bench/RESULTS.md).
 
 Idle fractions: of a synchronous step the trainer idles while rollouts run (and weights sync), the
 inference side while the trainer trains; of an async step the side that is not the longer one.
@@ -124,6 +128,23 @@ class Durations:
                 s2 = math.log(1 + v / (m * m))
                 self.parts.append((f, m, math.log(m) - s2 / 2, math.sqrt(s2)))
         self.mean = sum(f + m for f, m, _, _ in self.parts) / len(self.parts)
+
+    def slowest_of(self, n: int) -> Durations:
+        """The slowest of `n` rollouts of one task: they share its lengths (the grid point) and draw their
+        tool latencies independently. Per grid point, the maximum of n draws of a log-normal sum is taken as
+        the log-normal through its median and 99th percentile (the sum's quantiles 0.5^(1/n), 0.99^(1/n))."""
+        z50, z99 = NormalDist().inv_cdf(0.5 ** (1 / n)), NormalDist().inv_cdf(0.99 ** (1 / n))
+        slowest = object.__new__(Durations)
+        slowest.latency_mean = self.latency_mean
+        slowest.parts = []
+        for f, m, mu, sd in self.parts:
+            if sd == 0.0:
+                slowest.parts.append((f, m, mu, sd))
+                continue
+            mu_n, sd_n = mu + sd * z50, sd * (z99 - z50) / Z99
+            slowest.parts.append((f, math.exp(mu_n + sd_n * sd_n / 2), mu_n, sd_n))
+        slowest.mean = sum(f + m for f, m, _, _ in slowest.parts) / len(slowest.parts)
+        return slowest
 
     def cdf(self, x: float) -> float:
         total = 0.0
@@ -223,19 +244,21 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
     floor = max(decode_bound, request_bound)
 
     expected_async = async_durations.mean
+    group_durations = async_durations.slowest_of(group_size)  # a group is batched whole, or dropped whole
 
     def needed(step: float) -> tuple[float, float]:
-        """(rollout time per step, stale share) if a step took `step`: a group is dropped when any of its
-        rollouts outlasts the window (its advantage needs them all), and the work spent on it is lost.
-        The pool admits groups for the batches the served version may still join (pool.py): from when a
-        batch is written until the servers serve the weights trained on it (train + weight sync), that
-        is one batch fewer, so on average (1 + m - lag) · R rollouts are in flight."""
-        below, spent = async_durations.window((1 + m) * step)  # a stale rollout is dropped at the window
-        stale = 1 - below ** group_size
-        if stale >= 1.0 - 1e-12:
+        """(rollout time per step, stale share) if a step took `step`. The pool (pool.py) holds a slot per
+        rollout of a group from its start until the group is batched: its slowest rollout, then half a
+        step on average until the next batch is cut. A group whose slowest rollout outlasts the window is
+        dropped there, and the work spent on it is lost. The pool admits groups for the batches the served
+        version may still join: from when a batch is written until the servers serve the weights trained
+        on it (train + weight sync) that is one batch fewer, so (1 + m - lag) · R slots on average."""
+        kept, spent = group_durations.window((1 + m) * step)
+        if kept <= 1e-12:
             return math.inf, 1.0
+        hold = spent + kept * step / 2
         lag = min(1.0, (train + costs.weight_sync_s) / step)
-        return max(R * spent / ((1 + m - lag) * R * (1 - stale)), floor), stale
+        return max(R * hold / ((1 + m - lag) * R * kept), floor), 1 - kept
 
     # The step T solves T = max(train, needed(T)): needed falls as T grows (a wider window drops less), so
     # T - max(train, needed(T)) rises through zero once: bisect.
