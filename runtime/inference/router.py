@@ -17,7 +17,6 @@ partly updated looks stale to the orchestrator, which then updates it again.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import itertools
@@ -33,10 +32,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from primebuild.contracts.base import load_contract
 from primebuild.contracts.router import RouterConfig
-from primebuild.errors import UserError
 
+from .entrypoint import serve_main
 from .protocol import MAX_BODY_BYTES, ApiError
 
 log = logging.getLogger(__name__)
@@ -235,17 +233,8 @@ def serve(config: RouterConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m primebuild.runtime.inference.router",
-                                     description="Route OpenAI requests through prefill then decode servers.")
-    parser.add_argument("--config", required=True, help="a RouterConfig as JSON")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        serve(load_contract(RouterConfig, args.config))
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return serve_main(argv, prog="python -m primebuild.runtime.inference.router", config_class=RouterConfig, serve=serve,
+                      description="Route OpenAI requests through prefill then decode servers.")
 
 
 if __name__ == "__main__":

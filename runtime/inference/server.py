@@ -12,7 +12,6 @@ Entry points: `serve(config)` (blocking; what the worker runs), `create_app(engi
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -23,13 +22,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from primebuild.contracts.base import load_contract
 from primebuild.contracts.inference import InferenceServerConfig
 from primebuild.errors import UserError
 
 from .body_parser import BodyParser, PromptBounds
 from .disaggregation import Disaggregation
 from .engine import Engine
+from .entrypoint import serve_main
 from .protocol import ApiError
 from .routes_admin import admin_router
 from .routes_openai import openai_router
@@ -126,17 +125,8 @@ def serve(config: InferenceServerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m primebuild.runtime.inference.server",
-                                     description="Serve an HF Qwen3 / Qwen3-MoE folder over an OpenAI-compatible API.")
-    parser.add_argument("--config", required=True, help="an InferenceServerConfig as JSON")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        serve(load_contract(InferenceServerConfig, args.config))
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return serve_main(argv, prog="python -m primebuild.runtime.inference.server", config_class=InferenceServerConfig, serve=serve,
+                      description="Serve an HF Qwen3 / Qwen3-MoE folder over an OpenAI-compatible API.")
 
 
 if __name__ == "__main__":
