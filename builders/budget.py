@@ -176,7 +176,10 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
                 shard = gpus // other
                 if shard < 1 or (shard * m.trainer.cp) % m.trainer.ep:
                     return False
-                return _trainer_memory(m, f, capacity, shard).fits
+                tmem = _trainer_memory(m, f, capacity, shard)
+                # offloaded shards must fit the host memory of each node as well
+                host_need = tmem.host_bytes * min(gpus, hw.gpus_per_node)
+                return tmem.fits and host_need <= hw.host_memory_gb * GIB
 
             expected = None
             if o.rollout_profile is not None:
@@ -289,9 +292,9 @@ def _inference_fixes(m: Manifest, gpus_per_replica: int, gpus_per_node: int, can
 def _trainer_fixes(m: Manifest, tmem, can) -> str:
     t = m.trainer
     fixes = []
-    if not t.optimizer.cpu_offload and tmem.optimizer_state + tmem.master_weights > 0 \
-            and can("trainer.optimizer.cpu_offload", True):
-        fixes.append(f"optimizer.cpu_offload: true (frees {_g(tmem.optimizer_state + tmem.master_weights)} GiB)")
+    sharded = tmem.params + tmem.grads + tmem.optimizer_state + tmem.master_weights
+    if not t.optimizer.cpu_offload and sharded > 0 and can("trainer.optimizer.cpu_offload", True):
+        fixes.append(f"optimizer.cpu_offload: true (frees {_g(sharded)} GiB)")
     if not t.activation_checkpointing:
         fixes.append("activation_checkpointing: true")
     if tmem.activations > tmem.params and can("trainer.cp", t.cp * 2):

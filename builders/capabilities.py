@@ -220,9 +220,9 @@ def _trainer(m: Manifest) -> Iterator[Refusal]:
             yield Refusal(f"trainer.{dim}", f"{dim}={getattr(t, dim)}: the fsdp2 trainer applies dp_shard, cp and ep; "
                           f"{what} is applied by no trainer backend yet", f"set {dim}: 1 and shard with dp_shard "
                           "(and cp for long sequences)")
-    if t.optimizer.cpu_offload:
-        yield Refusal("trainer.optimizer.cpu_offload", "the fsdp2 trainer keeps optimizer state and master weights "
-                      "on its device; CPU offload is not applied yet", "set cpu_offload: false")
+    if t.optimizer.cpu_offload and t.world_size < 2:
+        yield Refusal("trainer.optimizer.cpu_offload", "the fsdp2 trainer offloads FSDP's shards (CPUOffloadPolicy), "
+                      "and one rank has none", "use at least 2 trainer ranks, or set cpu_offload: false")
     if m.orchestrator.top_p != 1:
         yield Refusal("orchestrator.top_p", f"top_p={m.orchestrator.top_p:g}: the trainer scores the full "
                       "distribution at the sampling temperature, so log-probs of a nucleus-truncated sampler "

@@ -196,7 +196,8 @@ def trainer_memory_per_gpu(
     grads             = ceil(total_params / shards) · bytes(grad_dtype)
     master_weights    = ceil(total_params / shards) · bytes(master_dtype), 0 when master == param dtype
     optimizer_state   = states(optimizer) · ceil(total_params / shards) · bytes(master_dtype or fp32)
-                        (optimizer state and master weights go to host_bytes with optimizer_cpu_offload)
+                        (with optimizer_cpu_offload all four go to host_bytes: FSDP2's CPUOffloadPolicy keeps
+                        the shards on the host; the device holds the gathered layers, activations, logits)
     fsdp_buffers      = largest gathered layer L (params/tp, experts/ep) · (2 · bytes(param) + bytes(grad))
                         when shards > 1: the current and prefetched layer, and one layer's unsharded grads
     tokens_per_gpu    = ceil(micro_batch_tokens / cp)
@@ -244,8 +245,9 @@ def trainer_memory_per_gpu(
     master = math.ceil(params_per_gpu * m_bytes) if has_master else 0
     optimizer_state = math.ceil(OPTIMIZER_STATES[optimizer] * params_per_gpu * state_bytes)
     host_bytes = 0
-    if optimizer_cpu_offload:
-        host_bytes, master, optimizer_state = master + optimizer_state, 0, 0
+    if optimizer_cpu_offload:  # FSDP2's CPUOffloadPolicy: every shard lives on the host, the optimizer steps there
+        host_bytes = params + grads + master + optimizer_state
+        params = grads = master = optimizer_state = 0
 
     fsdp_buffers = 0
     if shards > 1:

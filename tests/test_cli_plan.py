@@ -59,20 +59,21 @@ def test_other_shipped_manifests_plan(name, capsys):
     assert plan["fits"] and plan["runnable"] and plan["plan_hash"] == plan_hash(plan)
 
 
-@pytest.mark.parametrize("name", ["glm5", "qwen3-30b-a3b"])
-def test_a_plan_that_claims_unbuilt_backends_is_a_located_error(name, capsys):
+@pytest.mark.parametrize("name, refused_field", [("glm5", "weight_sync.mode"), ("qwen3-30b-a3b", "environments[0].id")])
+def test_a_plan_that_claims_unbuilt_backends_is_a_located_error(name, refused_field, capsys):
     result = call_cli(capsys, "plan", str(MANIFESTS / f"{name}.yaml"), "-o", "json")
     assert result.code == 2 and result.out == ""
     lines = [line for line in result.err.splitlines() if not line.startswith("    hint:")]
     refused = [line for line in lines if f"{name}.yaml:" in line]
     assert refused and all(":" in line.split(".yaml:", 1)[1] for line in refused)  # file:line:col
-    assert any("trainer.optimizer.cpu_offload: " in line for line in refused)
+    assert any(f"{refused_field}: " in line for line in refused)
     assert "plan --design" in lines[-1]
     design = call_cli(capsys, "plan", str(MANIFESTS / f"{name}.yaml"), "--design", "-o", "json")
     plan = json.loads(design.out)
     assert design.code == 0 and plan["runnable"] is False
     fields = {u["field"] for u in plan["unsupported"]}
-    assert "trainer.optimizer.cpu_offload" in fields and "trainer.ep" not in fields  # EP is built (P9)
+    assert refused_field in fields and "trainer.ep" not in fields  # EP is built (P9)
+    assert "trainer.optimizer.cpu_offload" not in fields  # FSDP2's CPU offload is built
     assert "inference.engine" not in fields and "target.kind" not in fields  # its target (slurm, ssh) is built
 
 
@@ -80,7 +81,7 @@ def test_text_plan_and_validate_output(capsys):
     result = call_cli(capsys, "plan", str(MANIFESTS / "qwen3-30b-a3b.yaml"), "--design")
     assert result.code == 0, result.err
     for expected in ("qwen3-30b-a3b-math", "node map", "inference-0", "trainer", "orchestrator", "fits",
-                     "design study, not runnable", "trainer.optimizer.cpu_offload: "):
+                     "design study, not runnable", "environments[0].id: "):
         assert expected in result.out
     result = call_cli(capsys, "validate", str(MANIFESTS / "glm5.yaml"), "-o", "json")
     assert result.code == 0

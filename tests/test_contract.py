@@ -443,7 +443,10 @@ FIELDS: dict[str, list] = {
                                                0.1)],
     "trainer.optimizer.max_grad_norm": [Reaches(config_of(T, "max_grad_norm"), ("trainer.optimizer.max_grad_norm=0.5",),
                                                 0.5)],
-    "trainer.optimizer.cpu_offload": [Refused(("trainer.optimizer.cpu_offload=true",))],
+    "trainer.optimizer.cpu_offload": [
+        Reaches(config_of(T, "optimizer_cpu_offload"),
+                ("trainer.optimizer.cpu_offload=true", "trainer.ranks=2", "trainer.dp_shard=2"), True),
+        Refused(("trainer.optimizer.cpu_offload=true",))],  # one rank has no FSDP shards to offload
     "trainer.micro_batch_tokens": [Reaches(config_of(T, "micro_batch_tokens"), ("trainer.micro_batch_tokens=256",),
                                            256)],
     "trainer.logprob_chunk_tokens": [Reaches(config_of(T, "logprob_chunk_tokens"),

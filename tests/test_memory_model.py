@@ -80,10 +80,12 @@ def test_activation_factor_scales_layer_activations_not_checkpointed_inputs():
     assert trainer(activation_checkpointing=False, activation_factor=2.0).activations == 4 * 2 * 2 * 208
 
 
-def test_trainer_cpu_offload_moves_master_and_optimizer_to_host():
+def test_trainer_cpu_offload_moves_every_shard_to_host():
+    # FSDP2's CPUOffloadPolicy: params, grads, master weights and optimizer state of the shard on the host
     m = trainer(optimizer_cpu_offload=True)
-    assert (m.master_weights, m.optimizer_state, m.host_bytes) == (0, 0, 2704 + 5408)
-    allocated = 1352 + 2704 + 4736 + 960 + 480
+    assert (m.params, m.grads, m.master_weights, m.optimizer_state) == (0, 0, 0, 0)
+    assert m.host_bytes == 1352 + 2704 + 2704 + 5408
+    allocated = 4736 + 960 + 480  # the gathered layers, activations and logits stay on the device
     assert m.total == allocated + math.ceil(0.05 * allocated)
 
 

@@ -25,7 +25,11 @@ def free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_ranks_match_one_rank(tmp_path):
+@pytest.mark.parametrize("offload", [False, True], ids=["fsdp2", "fsdp2-cpu-offload"])
+def test_two_ranks_match_one_rank(offload, tmp_path):
+    """Two FSDP ranks train what one rank does; with `optimizer_cpu_offload` (FSDP2's CPUOffloadPolicy:
+    shards, gradients and AdamW's state on the host, the optimizer stepping there) too. On CPU ranks host
+    and device are one memory, so this checks the offloaded code path, not the memory it saves."""
     model = make_tiny_model(tmp_path / "model")
     # Several micro-batches per step, dealt unevenly over ranks (some ranks get padding micro-batches).
     common = dict(model_path=str(model), max_steps=3, lr=1e-3, micro_batch_tokens=48, loss="dppo-kl")
@@ -37,7 +41,8 @@ def test_two_ranks_match_one_rank(tmp_path):
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
 
     cfg = tmp_path / "two.json"
-    two = trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2}, **common)
+    two = trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2},
+                         optimizer_cpu_offload=offload, **common)
     cfg.write_text(two.model_dump_json())
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
@@ -53,6 +58,7 @@ def test_two_ranks_match_one_rank(tmp_path):
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("CPUOffloadPolicy" in proc.stderr) is offload
 
     one = read_metrics(runs["one"] / "metrics.jsonl")
     two = read_metrics(runs["two"] / "metrics.jsonl")

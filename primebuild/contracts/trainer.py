@@ -112,7 +112,7 @@ class TrainerConfig(Contract):
     replay_check_every: int = Field(1, ge=0)
     activation_checkpointing: bool = False
     parallel: ParallelDims = ParallelDims()
-    optimizer_cpu_offload: bool = False
+    optimizer_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: shards, grads, optimizer state on the host
     pad_token_id: int = 0  # any id works: padded positions are masked out of attention and loss
 
     # Rollout intake

@@ -165,7 +165,8 @@ class Optimizer(Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0)
-    cpu_offload: bool = Field(False, description="Keep optimizer state and fp32 master weights in host RAM.")
+    cpu_offload: bool = Field(False, description="Keep the sharded parameters, gradients and optimizer state in host "
+                              "RAM (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU). Needs >= 2 trainer ranks.")
 
 
 class Trainer(Strict):

@@ -331,8 +331,8 @@ def compute_dtype(config: TrainerConfig, device: torch.device | None = None) -> 
 def check_launch(config: TrainerConfig, env: DistEnv) -> None:
     """What the plan's capability check refuses, refused again here: a hand-written config is no way round."""
     check_dims(config.parallel, env.world_size)
-    if config.optimizer_cpu_offload:
-        raise UserError("optimizer_cpu_offload: not applied by this trainer")
+    if config.optimizer_cpu_offload and env.world_size < 2:
+        raise UserError("optimizer_cpu_offload needs FSDP: at least 2 trainer ranks")
     compute_dtype(config)
 
 
@@ -364,7 +364,7 @@ def run_trainer(config: TrainerConfig) -> None:
     meshes = build_meshes(config.parallel, env.world_size, env.rank, env.device.type)
     model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,
                        config.logprob_chunk_tokens, config.router_replay, fp8=config.precision == "fp8",
-                       meshes=meshes)
+                       meshes=meshes, cpu_offload=config.optimizer_cpu_offload)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )

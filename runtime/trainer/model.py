@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from .router_replay import RouterReplay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+log = logging.getLogger("primebuild.trainer")
 
 
 def precision_dtype(precision: str, device: torch.device) -> str:
@@ -121,10 +124,13 @@ class Policy(nn.Module):
 
 def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
                logprob_chunk_tokens: int, router_replay: bool = False, fp8: bool = False,
-               meshes: Meshes | None = None) -> Policy:
+               meshes: Meshes | None = None, cpu_offload: bool = False) -> Policy:
     """Load the HF causal LM with fp32 master weights, switch its matmuls to FP8 if asked, and apply the
     parallel dimensions of `meshes` (`parallelize`). Parameters are computed in ``compute_dtype``;
-    gradients are reduced in fp32."""
+    gradients are reduced in fp32. `cpu_offload` keeps the sharded parameters, gradients and with them
+    the optimizer state in host memory (FSDP2's CPUOffloadPolicy): only the gathered layers, the
+    activations and the logits occupy the device, and the optimizer steps on the CPU (FSDP only: one
+    rank has no shards; the trainer's check_launch refuses it there)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
@@ -143,12 +149,12 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
     model = Policy(hf, logprob_chunk_tokens, router_replay).to(env.device)
     if env.distributed:
         parallelize(model, meshes or build_meshes(ParallelDims(dp_shard=env.world_size), env.world_size, env.rank,
-                                                  env.device.type), compute_dtype, fp8=fp8)
+                                                  env.device.type), compute_dtype, fp8=fp8, cpu_offload=cpu_offload)
     model.train()
     return model
 
 
-def parallelize(model: Policy, meshes: Meshes, compute_dtype: str, fp8: bool = False) -> None:
+def parallelize(model: Policy, meshes: Meshes, compute_dtype: str, fp8: bool = False, cpu_offload: bool = False) -> None:
     """Apply every parallel dimension, in a fixed order (torchtitan's parallelize, for our dims):
 
     1. EP: every MoE layer's experts become ExpertParallelExperts over meshes.ep_mesh (expert_parallel.py);
@@ -156,8 +162,9 @@ def parallelize(model: Policy, meshes: Meshes, compute_dtype: str, fp8: bool = F
        the split itself happens per micro-batch (Policy.forward);
     3. FSDP: each decoder block and the root over meshes.fsdp (dp_shard * cp ranks); with EP, each
        block's experts first, over meshes.efsdp, sharded on dim 1 (dim 0 is already EP's); their
-       gradient ends up divided by the whole FSDP degree like every other one (expert_parallel.py)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+       gradient ends up divided by the whole FSDP degree like every other one (expert_parallel.py);
+       with `cpu_offload` every unit keeps its shards in host memory (CPUOffloadPolicy)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
     hf = model.hf
@@ -165,11 +172,16 @@ def parallelize(model: Policy, meshes: Meshes, compute_dtype: str, fp8: bool = F
     if meshes.cp_mesh is not None:
         hf.config._attn_implementation = context_parallel.register()
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
+    # pinned host memory makes the copies to and from a GPU asynchronous; a CPU run has nothing to pin
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    if cpu_offload:
+        log.info("FSDP2 CPUOffloadPolicy: parameter shards, gradients and optimizer state in host memory")
     for experts in expert_modules:
-        fully_shard(experts, mesh=meshes.efsdp, mp_policy=mp, shard_placement_fn=lambda _: Shard(1))
+        fully_shard(experts, mesh=meshes.efsdp, mp_policy=mp, offload_policy=offload,
+                    shard_placement_fn=lambda _: Shard(1))
     for layer in decoder_layers(hf):
-        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp)
+        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, offload_policy=offload)
 
 
 def autocast_context(env: DistEnv, compute_dtype: str):
