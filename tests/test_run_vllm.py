@@ -69,3 +69,31 @@ def test_a_run_on_vllm_survives_a_killed_server_and_updates_its_weights_every_st
     assert "restart 1" in log
     reloads = log.count("POST /collective_rpc")
     assert reloads >= steps - 1, f"{reloads} weight reloads for {steps} published steps"
+
+
+def test_weights_reach_vllm_by_broadcast_every_step(workspace: Path, tmp_path: Path):
+    """weight_sync broadcast into vLLM: the orchestrator asks the server to join the trainer's group
+    (/init_weight_transfer_engine), the trainer sends every step over gloo, vLLM stages it in its worker
+    and loads it through its weight-transfer lifecycle; no weight folder is written."""
+    runs = tmp_path / "runs"
+    steps = 4
+    done = subprocess.run(
+        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text-vllm.yaml"),
+         "--runs-dir", str(runs), "--quiet", "--set", f"orchestrator.max_steps={steps}",
+         "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=32",
+         "--set", "orchestrator.eval_prompts=40", "--set", "orchestrator.max_off_policy_steps=0",
+         "--set", "weight_sync.mode=broadcast", "--set", f"weight_sync.port={_free_port()}",
+         "--set", f"inference.port={_free_port()}"],
+        capture_output=True, text=True, env=_env(workspace), timeout=800)
+    (run_dir,) = list(runs.iterdir())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + _logs(runs)
+    assert _trained_steps(run_dir) == list(range(1, steps + 1))
+    assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())
+    # every step sampled with exactly the weights being trained: they arrived by broadcast
+    rows = _metrics(run_dir)
+    mismatch = [r["value"] for r in rows if r["role"] == "trainer" and r["name"] == "mismatch_kl"]
+    assert len(mismatch) == steps and max(mismatch) < 1e-9, mismatch
+    assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == steps
+    log = (run_dir / "logs" / "inference-0.log").read_text()
+    assert log.count("POST /init_weight_transfer_engine") == 1
+    assert log.count("POST /update_weights") >= steps - 1, log[-3000:]

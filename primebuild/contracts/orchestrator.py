@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from primebuild.contracts.base import Contract
-from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
+from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE, BroadcastJoin
 from primebuild.contracts.trackers import TrackersConfig
 
 
@@ -27,6 +27,9 @@ class OrchestratorConfig(Contract):
     # Sampling requests in flight per endpoint at most: what its servers run at once (max_num_seqs each);
     # more would only wait in the server's queue, and cost the client (bench/RESULTS.md, P10).
     max_requests_per_endpoint: int = Field(256, ge=1)
+    # vLLM with weight_sync broadcast: each endpoint's server is asked to join the trainer's weight group
+    # (vLLM's /init_weight_transfer_engine) as this rank; embedded servers join from their own config.
+    weight_broadcast: list[BroadcastJoin] = Field(default_factory=list)
     environments: list[EnvironmentConfig] = Field(min_length=1)
     seed: int = 0
 
@@ -52,6 +55,12 @@ class OrchestratorConfig(Contract):
     # decoder layers (the model's MoE layers) in the rollout batch.
     router_replay: bool = False
     moe_layers: list[int] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_join_per_endpoint(self) -> OrchestratorConfig:
+        if self.weight_broadcast and len(self.weight_broadcast) != len(self.endpoints):
+            raise ValueError(f"weight_broadcast: {len(self.weight_broadcast)} joins for {len(self.endpoints)} endpoints")
+        return self
 
     @model_validator(mode="after")
     def _replay_needs_layers(self) -> OrchestratorConfig:

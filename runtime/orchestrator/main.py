@@ -177,6 +177,9 @@ class Orchestrator:
         cfg = self.cfg
         started = time.monotonic()
         start = self.first_missing_step()
+        if cfg.weight_broadcast:  # vLLM servers join the trainer's weight group when asked
+            await asyncio.gather(*(c.join_weight_broadcast(j) for c, j in zip(self.clients, cfg.weight_broadcast,
+                                                                              strict=True)))
         await self.sync_servers()
         summary_path = self.run_dir.orchestrator_state
         summary = self.run_dir.read_json(summary_path)

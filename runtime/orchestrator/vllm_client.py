@@ -21,6 +21,7 @@ import httpx
 from pydantic import ValidationError
 
 from primebuild.contracts.completion import CompletionResult
+from primebuild.contracts.inference import BroadcastJoin
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
 from primebuild.runtime.inference.vllm.completions import adapt_response
 from primebuild.runtime.orchestrator.client import InferenceClient, InferenceUnavailable
@@ -75,6 +76,13 @@ class VllmClient(InferenceClient):
 
     async def received_version(self) -> int:
         return await self.admin.received_version()
+
+    async def join_weight_broadcast(self, join: BroadcastJoin) -> None:
+        """Ask the server to join the trainer's weight group as `join.rank` (it joins in the background;
+        the trainer's sender waits for every member). A server that already joined is left as it is."""
+        await self.version()  # up and answering
+        if not all(s["joined"] for s in await self.admin.broadcast_status()):
+            await self.admin.init_broadcast(join.init_method, join.rank, join.world_size)
 
     async def update_weights(self, body: dict) -> None:
         if body.get("source", "folder") == "folder":
