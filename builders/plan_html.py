@@ -20,9 +20,10 @@ ROLE_COLOURS = {  # roles of builders/processes.py; colour-blind-safe (Okabe-Ito
 # memory breakdown keys of builders/memory.py, grouped into what a reader asks about
 MEMORY_PARTS = [
     ("weights", "weights", ("weights", "params", "master_weights"), "#0072B2"),
-    ("grads_optimizer", "grads + optimizer", ("grads", "optimizer_state", "fsdp_buffers"), "#56B4E9"),
+    ("grads_optimizer", "grads + optimizer", ("grads", "optimizer_state"), "#56B4E9"),
+    ("fsdp_buffers", "gathered layers (FSDP)", ("fsdp_buffers",), "#F0E442"),
     ("kv_cache", "KV cache", ("kv_cache",), "#CC79A7"),
-    ("activations", "activations", ("activations", "logits"), "#E69F00"),
+    ("activations", "activations + logits", ("activations", "logits"), "#E69F00"),
     ("overhead", "overhead", ("overhead",), "#999999"),
 ]
 FREE_COLOUR = "#F3F4F6"
