@@ -32,6 +32,7 @@ class InferenceClient:
         self.root = self.base_url.removesuffix("/v1")
         self.model = model
         self.retry_seconds = retry_seconds
+        self.transport_errors = 0  # requests that found the server gone (it died, or is restarting)
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         timeout = httpx.Timeout(600.0, connect=5.0)
         # Health, pause, update and resume have their own connections: they never wait behind sampling.
@@ -67,6 +68,7 @@ class InferenceClient:
             try:
                 response = await http.post(url, json=body)
             except (httpx.TransportError, httpx.RemoteProtocolError) as err:
+                self.transport_errors += 1
                 if asyncio.get_running_loop().time() > deadline:
                     raise InferenceUnavailable(f"{url}: {err}") from err
                 await asyncio.sleep(delay)

@@ -47,10 +47,16 @@ class VllmClient(InferenceClient):
                 "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
+        errors = self.transport_errors
         before = await self.version()  # an update during the request re-prefills it on the new weights
         answer = await self._sample(body)
         version = await self.version()
         resumed = before if before != version else None
+        if self.transport_errors != errors:
+            # The server died around this request: the answer may come from its restart, on the weights it
+            # started with, and a re-sync may have happened since. Label it as the base policy, so the
+            # orchestrator re-syncs the server and asks again unless nothing was trained yet.
+            version, resumed = 0, None
         try:
             choices = adapt_response(answer, policy_version=version)
             return CompletionResult.model_validate(
