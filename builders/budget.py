@@ -99,10 +99,10 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
             f"trainer: {_g(tmem.total)} GiB per GPU needed, {_g(capacity)} GiB available (short by "
             f"{_g(-tmem.free)} GiB): " + ", ".join(f"{k} {_g(v)}" for k, v in breakdown.items() if v),
             field="trainer.dp_shard", hint=_trainer_fixes(m, tmem, can)))
-    if hw.gpu != "cpu" and tmem.host_bytes * min(t.world_size, hw.gpus_per_node) > host_bytes:
-        need = tmem.host_bytes * min(t.world_size, hw.gpus_per_node)
+    need = _host_bytes_per_node(tmem, t.world_size, hw)
+    if hw.gpu != "cpu" and need > host_bytes:
         problems.append(Problem(
-            f"trainer: CPU-offloaded optimizer needs {_g(need)} GiB of host memory per node, "
+            f"trainer: CPU-offloaded shards need {_g(need)} GiB of host memory per node, "
             f"hardware.host_memory_gb is {hw.host_memory_gb:g}", field="trainer.optimizer.cpu_offload",
             hint="shard over more GPUs (dp_shard) or keep the optimizer on the GPU"))
 
@@ -129,6 +129,11 @@ def _trainer_memory(m: Manifest, f: ModelFacts, capacity: int, dp_shard: int):
         activation_dtype="fp32" if param == "fp32" else "bf16", logits_chunk_tokens=t.logprob_chunk_tokens,
         overhead_bytes=CPU_PROCESS_OVERHEAD if m.hardware.gpu == "cpu" else None,
         activation_factor=CPU_EAGER_ACTIVATION_FACTOR if m.hardware.gpu == "cpu" else HF_EAGER_ACTIVATION_FACTOR)
+
+
+def _host_bytes_per_node(tmem, trainer_gpus: int, hw) -> int:
+    """What a node's trainer ranks offload to its host memory (optimizer.cpu_offload)."""
+    return tmem.host_bytes * min(trainer_gpus, hw.gpus_per_node)
 
 
 def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: dict, capacity: int) -> dict:
@@ -177,9 +182,7 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
                 if shard < 1 or (shard * m.trainer.cp) % m.trainer.ep:
                     return False
                 tmem = _trainer_memory(m, f, capacity, shard)
-                # offloaded shards must fit the host memory of each node as well
-                host_need = tmem.host_bytes * min(gpus, hw.gpus_per_node)
-                return tmem.fits and host_need <= hw.host_memory_gb * GIB
+                return tmem.fits and _host_bytes_per_node(tmem, gpus, hw) <= hw.host_memory_gb * GIB
 
             expected = None
             if o.rollout_profile is not None:

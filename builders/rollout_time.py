@@ -42,6 +42,7 @@ Train time uses the expected tokens per step; everything else is as in timing.py
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,34 +117,35 @@ class Durations:
     def __init__(self, fixed: list[float], calls: list[float], latency: tuple[float, float]):
         p50, p99 = latency
         sigma = math.log(p99 / p50) / Z99 if p99 > p50 > 0 else 0.0
-        self.latency_mean = mean(p50, p99)
-        latency_var = (math.exp(sigma * sigma) - 1) * self.latency_mean ** 2
+        latency_mean = mean(p50, p99)
+        latency_var = (math.exp(sigma * sigma) - 1) * latency_mean ** 2
         # per component: (fixed, sum's mean, log-mean, log-sd); log-sd 0 = a constant sum
         self.parts: list[tuple[float, float, float, float]] = []
         for f, k in zip(fixed, calls, strict=True):
-            m, v = k * self.latency_mean, k * latency_var
+            m, v = k * latency_mean, k * latency_var
             if m <= 0 or v <= 0:
                 self.parts.append((f, m, 0.0, 0.0))
             else:
                 s2 = math.log(1 + v / (m * m))
                 self.parts.append((f, m, math.log(m) - s2 / 2, math.sqrt(s2)))
-        self.mean = sum(f + m for f, m, _, _ in self.parts) / len(self.parts)
+
+    @property
+    def mean(self) -> float:
+        return sum(f + m for f, m, _, _ in self.parts) / len(self.parts)
 
     def slowest_of(self, n: int) -> Durations:
         """The slowest of `n` rollouts of one task: they share its lengths (the grid point) and draw their
         tool latencies independently. Per grid point, the maximum of n draws of a log-normal sum is taken as
         the log-normal through its median and 99th percentile (the sum's quantiles 0.5^(1/n), 0.99^(1/n))."""
         z50, z99 = NormalDist().inv_cdf(0.5 ** (1 / n)), NormalDist().inv_cdf(0.99 ** (1 / n))
-        slowest = object.__new__(Durations)
-        slowest.latency_mean = self.latency_mean
+        slowest = copy.copy(self)
         slowest.parts = []
         for f, m, mu, sd in self.parts:
-            if sd == 0.0:
+            if sd == 0.0:  # a constant: the slowest of n is the same constant
                 slowest.parts.append((f, m, mu, sd))
                 continue
             mu_n, sd_n = mu + sd * z50, sd * (z99 - z50) / Z99
             slowest.parts.append((f, math.exp(mu_n + sd_n * sd_n / 2), mu_n, sd_n))
-        slowest.mean = sum(f + m for f, m, _, _ in slowest.parts) / len(slowest.parts)
         return slowest
 
     def cdf(self, x: float) -> float:
@@ -258,7 +260,8 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
             return math.inf, 1.0
         hold = spent + kept * step / 2
         lag = min(1.0, (train + costs.weight_sync_s) / step)
-        return max(R * hold / ((1 + m - lag) * R * kept), floor), 1 - kept
+        # R rollouts kept per step out of (1 + m - lag) · R slots: R cancels
+        return max(hold / ((1 + m - lag) * kept), floor), 1 - kept
 
     # The step T solves T = max(train, needed(T)): needed falls as T grows (a wider window drops less), so
     # T - max(train, needed(T)) rises through zero once: bisect.

@@ -29,10 +29,8 @@ from primebuild.runtime.weight_sync.filesystem import verify
 
 
 class VllmClient(InferenceClient):
-    def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, retry_seconds: float = 120.0,
-                 max_requests: int = 256):
-        super().__init__(base_url, model, admin_token=admin_token, retry_seconds=retry_seconds,
-                         max_requests=max_requests)
+    def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, **kw):
+        super().__init__(base_url, model, admin_token=admin_token, **kw)
         self.admin = VllmAdmin(self.root, admin_token=admin_token)
 
     async def close(self) -> None:
