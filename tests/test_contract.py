@@ -689,6 +689,28 @@ def test_greedy_rollouts_are_a_located_error_at_every_door(tmp_path, capsys):
         assert "Traceback" not in done.stderr
 
 
+def test_hand_written_configs_with_this_stops_fields_are_refused_by_the_process(tmp_path):
+    """The orchestrator's request bound and vLLM weight-group joins, and the trainer's CPU offload on one
+    rank, are checked by the processes too (a clean error naming the file, exit 2, no traceback)."""
+    plan = compile_json(scratch_folder_for(tmp_path), RL, ())
+    orchestrator = process(plan, "orchestrator")["config"]
+    join = {"init_method": "tcp://127.0.0.1:29500", "rank": 1, "world_size": 2}
+    cases = [
+        ("primebuild.runtime.orchestrator.main", dict(orchestrator, max_requests_per_endpoint=0),
+         "max_requests_per_endpoint: Input should be greater than or equal to 1"),
+        ("primebuild.runtime.orchestrator.main", dict(orchestrator, weight_broadcast=[join, join]),
+         "weight_broadcast: 2 joins for 1 endpoints"),
+        ("primebuild.runtime.trainer.main", dict(process(plan, "trainer")["config"], optimizer_cpu_offload=True),
+         "optimizer_cpu_offload needs FSDP: at least 2 trainer ranks"),
+    ]
+    for index, (module, config, message) in enumerate(cases):
+        path = tmp_path / f"config-{index}.json"
+        path.write_text(json.dumps(config))
+        done = subprocess.run([sys.executable, "-m", module, "--config", str(path)], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def scratch_folder_for(tmp_path: Path) -> Path:
     shutil.copytree(MANIFESTS, tmp_path / "manifests")
     return tmp_path / "manifests"
