@@ -156,7 +156,9 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
         if not f.num_experts:
             problems.append(Problem("router_replay needs a MoE model", field="inference.router_replay",
                                     hint="set router_replay: false"))
-        if inf.disaggregation and inf.disaggregation.kv_connector in CONNECTORS_WITHOUT_ROUTER_REPLAY:
+        # the embedded engine ships routes with the KV (kv_transfer.py); only vLLM's connectors drop them
+        vllm_pd = inf.engine == "vllm" and inf.disaggregation
+        if vllm_pd and inf.disaggregation.kv_connector in CONNECTORS_WITHOUT_ROUTER_REPLAY:
             problems.append(Problem(
                 f"vLLM cannot return routed experts with {inf.disaggregation.kv_connector}",
                 field="inference.disaggregation.kv_connector",

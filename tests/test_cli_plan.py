@@ -161,3 +161,17 @@ def test_debug_flag_shows_the_traceback_of_a_user_error(tmp_path, capsys):
 def test_unknown_flag_and_missing_argument_exit_2(capsys):
     assert call_cli(capsys, "plan").code == 2
     assert call_cli(capsys, "plan", str(REPO / "manifests" / "glm5.yaml"), "-o", "yaml").code == 2
+
+
+def test_router_replay_under_embedded_prefill_decode_plans_and_reaches_the_processes(capsys):
+    """The embedded P/D servers ship routes with the KV: the plan runs it (vLLM's NIXL-style connectors,
+    which cannot return routes, are refused for engine: vllm only) and wires replay into the processes."""
+    result = call_cli(capsys, "plan", str(MANIFESTS / "reverse-text-moe-pd.yaml"), "-o", "json")
+    assert result.code == 0, result.err
+    plan = json.loads(result.out)
+    assert plan["runnable"] and not plan["unsupported"]
+    configs = {p["name"]: p["config"] for p in plan["processes"]}
+    assert configs["prefill-0"]["disaggregation"]["role"] == "prefill"
+    assert configs["decode-0"]["disaggregation"]["role"] == "decode"
+    assert "router" in configs and configs["trainer"]["router_replay"]
+    assert configs["orchestrator"]["router_replay"] and configs["orchestrator"]["moe_layers"] == [0, 1]

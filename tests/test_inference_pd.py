@@ -151,10 +151,16 @@ def test_weight_updates_reach_both_pools_and_stale_kv_is_never_continued(fleet, 
 def test_routed_experts_travel_with_the_kv_cache():
     """An MoE prompt prefilled on one server and decoded on another answers with the same routes (prompt
     positions recorded by prefill, shipped with its KV; completion positions recorded by decode) as one
-    unified server."""
+    unified server: greedy, and seeded with n=3 (the shipped routes copied to every sample's slot)."""
     import tempfile
     from pathlib import Path
 
+    from primebuild.kernels.routing import decode_routes
+
+    greedy = [{"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0, "return_routed_experts": True}
+              for p in prompts(12)]
+    seeded = [{"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 1.0, "n": 3, "seed": 5 + i,
+               "return_routed_experts": True} for i, p in enumerate(prompts(16)[12:])]
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_model(Path(tmp), "moe", seed=3)
         inbox = f"tcp://127.0.0.1:{free_port()}"
@@ -165,14 +171,24 @@ def test_routed_experts_travel_with_the_kv_cache():
                 config = RouterConfig(served_model_name="tiny", port=1, prefill=[prefill_url],
                                       decode=[DecodeServer(url=decode_url, kv_address=inbox)])
                 with running_server(create_router(config, ADMIN_TOKEN)) as router_url:
-                    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0,
-                               "return_routed_experts": True} for p in prompts(6)]
-                    unified = asyncio.run(_complete_all(unified_url, bodies))
-                    split = asyncio.run(_complete_all(router_url, bodies))
+                    unified = asyncio.run(_complete_all(unified_url, greedy + seeded))
+                    split = asyncio.run(_complete_all(router_url, greedy + seeded))
+                    # the decode server never ran a prompt through its model: the prompt rows came by ZMQ
+                    assert metric(decode_url, "primebuild_inference_prefill_steps_total") == 0
+                    assert metric(decode_url, "primebuild_inference_kv_transfer_installed_total") == 16
+                    # 1 MoE layer x top-2 x 1 byte per prompt token, beside the KV
+                    received = "primebuild_inference_kv_transfer_received"
+                    tokens = metric(decode_url, f"{received}_tokens_total")
+                    assert metric(decode_url, f"{received}_routes_bytes_total") == 2 * tokens
         finally:
             for engine, _ in servers:
                 engine.shutdown()
     for u, s in zip(unified, split, strict=True):
-        (cu,), (cs,) = u["choices"], s["choices"]
-        assert cs["token_ids"] == cu["token_ids"]
-        assert cu["routed_experts"] and cs["routed_experts"] == cu["routed_experts"]
+        assert len(s["choices"]) == len(u["choices"])
+        for cu, cs in zip(u["choices"], s["choices"], strict=True):
+            assert cs["token_ids"] == cu["token_ids"]
+            assert cu["routed_experts"] and cs["routed_experts"] == cu["routed_experts"]
+            routes = decode_routes(cs["routed_experts"])  # [position, decoder layer, k]
+            fed = len(cs["prompt_token_ids"]) + len(cs["token_ids"]) - 1
+            assert routes.shape == (fed, 2, 2) and not routes[:, 1].any()  # layer 1 is dense: zeros
+            assert len({tuple(r) for r in routes[:, 0].tolist()}) > 1  # the sparse layer really routed

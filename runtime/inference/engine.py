@@ -72,7 +72,7 @@ class Prefilled:
     v: torch.Tensor
     logits: torch.Tensor  # [vocab] fp32, at the prompt's last position
     version: int  # policy version of the weights that computed k, v and logits
-    routed: list | None = None  # [position][moe_layer][k] when asked for
+    routed: torch.Tensor | None = None  # [T, moe_layer, top_k] the prompt's experts, when asked for
 
 
 @dataclass
@@ -488,7 +488,7 @@ class Engine:
                 self.cache.k[layer][first, :, :length] = shipped.k[layer].to(self.device, self.dtype)
                 self.cache.v[layer][first, :, :length] = shipped.v[layer].to(self.device, self.dtype)
             if shipped.routed is not None and self.cache.routes is not None:
-                self.cache.routes[first, :length] = torch.tensor(shipped.routed, dtype=self.cache.routes.dtype)
+                self.cache.routes[first, :length] = shipped.routed.to(self.device, self.cache.routes.dtype)
             for seq in group:
                 if seq.slot != first:
                     self.cache.copy_slot(first, seq.slot, length)
@@ -561,11 +561,11 @@ class Engine:
         request = seq.request
         k = torch.stack([layer[seq.slot, :, :length] for layer in self.cache.k])
         v = torch.stack([layer[seq.slot, :, :length] for layer in self.cache.v])
-        per_position = None  # [position][moe_layer][k]: the slot's routes, as the decode server stores them
+        routes = None  # [T, moe_layer, top_k]: the slot's rows, as the decode server stores them
         if request.params.return_routed_experts and self.cache.routes is not None:
-            per_position = self.cache.routes[seq.slot, :length].tolist()
+            routes = self.cache.routes[seq.slot, :length].clone()
         self.metrics.kv_exported += 1
-        shipped = Prefilled(list(request.prompt_ids), k, v, logits.float().clone(), self.version, per_position)
+        shipped = Prefilled(list(request.prompt_ids), k, v, logits.float().clone(), self.version, routes)
         try:
             request.sink(shipped)
         except Exception:

@@ -6,12 +6,15 @@ message sends each tensor's memory as one frame without serialising it, PUSH soc
 decode server is busy, and one PULL socket takes transfers from every prefill server. It crosses
 nodes as plain TCP; on GPUs the frames would be replaced by a NIXL/NCCL transfer, the protocol kept.
 
-One transfer = one prompt: frames [header (JSON), K, V, logits], K and V [layers, kv_heads, T, head_dim]
-in the engine's dtype, logits [vocab] fp32 of the prompt's last position (the decode server samples
-the first token from them, with the request's own sampling parameters and generators, so the split
-engine samples exactly what the unified one does). The header carries the transfer id and prompt
-index, the prompt's token ids (checked against the decode server's own tokenisation), the policy
-version whose weights computed the KV, and the send time.
+One transfer = one prompt: frames [header (JSON), K, V, logits(, routes)], K and V [layers, kv_heads,
+T, head_dim] in the engine's dtype, logits [vocab] fp32 of the prompt's last position (the decode
+server samples the first token from them, with the request's own sampling parameters and generators,
+so the split engine samples exactly what the unified one does). Routes, when the request asked for
+routed experts (router replay): [T, moe_layers, top_k] of the experts each prompt position went to,
+uint8 (int32 above 256 experts), so the decode server answers the prompt's routes as the prefill
+server computed them. The header carries the transfer id and prompt index, the prompt's token ids
+(checked against the decode server's own tokenisation), the policy version whose weights computed the
+KV, the routes' shape, and the send time.
 
 Counters (read by /metrics): bytes of K+V, tokens, transfers and seconds, separately from the logits'
 bytes, so KV bytes / token can be compared with the model's 2 x layers x kv_heads x head_dim x dtype.
@@ -34,8 +37,11 @@ from .engine import Prefilled
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_WIRE = {torch.float32: torch.float32, torch.bfloat16: torch.int16, torch.float16: torch.int16}  # numpy has no bf16
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "uint8": torch.uint8, "int32": torch.int32}
+# numpy has no bf16: 16-bit floats cross as int16
+_WIRE = {torch.float32: torch.float32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+         torch.uint8: torch.uint8, torch.int32: torch.int32}
 INBOX_TTL_S = 300.0  # a transfer nobody claims (its router request died) is dropped after this
 
 
@@ -45,6 +51,7 @@ class TransferCounters:
     kv_bytes: int = 0
     tokens: int = 0
     logits_bytes: int = 0
+    routes_bytes: int = 0  # routed experts of the prompts (router replay)
     seconds: float = 0.0  # sender: extract-to-sent; receiver: sent-to-received (same clock on one host)
 
 
@@ -90,10 +97,15 @@ class KvSender:
         while True:
             address, transfer_id, index, item, started, done = self._queue.get()
             try:
+                routes = item.routed
+                routes_layout = None if routes is None else {
+                    "dtype": str(routes.dtype).removeprefix("torch."), "shape": list(routes.shape)}
                 header = {"id": transfer_id, "index": index, "prompt_ids": item.prompt_ids, "version": item.version,
                           "dtype": str(item.k.dtype).removeprefix("torch."), "shape": list(item.k.shape),
-                          "vocab": int(item.logits.numel()), "routed": item.routed, "sent_at": time.time()}
+                          "vocab": int(item.logits.numel()), "routes": routes_layout, "sent_at": time.time()}
                 frames = [json.dumps(header).encode(), _frame(item.k), _frame(item.v), _frame(item.logits.float())]
+                if routes is not None:
+                    frames.append(_frame(routes))
                 self._socket(address).send_multipart(frames, copy=False)
                 kv_bytes = item.k.numel() * item.k.element_size() * 2
                 c = self.counters
@@ -101,6 +113,7 @@ class KvSender:
                 c.kv_bytes += kv_bytes
                 c.tokens += item.k.shape[2]
                 c.logits_bytes += item.logits.numel() * 4
+                c.routes_bytes += 0 if routes is None else routes.numel() * routes.element_size()
                 c.seconds += time.monotonic() - started
                 done.set_result(kv_bytes)
             except Exception as err:  # a bad address must not kill the sender thread
@@ -125,13 +138,15 @@ class KvInbox:
     def _loop(self) -> None:
         while True:
             try:
-                head, k, v, logits = self.socket.recv_multipart(copy=False)
+                head, k, v, logits, *routes = self.socket.recv_multipart(copy=False)
                 header = json.loads(head.bytes)
-                shape = header["shape"]
+                shape, routes_layout = header["shape"], header.get("routes")
                 item = Prefilled(prompt_ids=header["prompt_ids"], k=_tensor(k, header["dtype"], shape),
                                  v=_tensor(v, header["dtype"], shape),
                                  logits=_tensor(logits, "float32", [header["vocab"]]),
-                                 version=int(header["version"]), routed=header.get("routed"))
+                                 version=int(header["version"]),
+                                 routed=_tensor(routes[0], routes_layout["dtype"], routes_layout["shape"])
+                                 if routes_layout else None)
             except Exception:
                 log.exception("dropping a malformed KV transfer")
                 continue
@@ -141,6 +156,7 @@ class KvInbox:
             c.kv_bytes += len(k.buffer) + len(v.buffer)
             c.tokens += shape[2]
             c.logits_bytes += len(logits.buffer)
+            c.routes_bytes += len(routes[0].buffer) if routes else 0
             c.seconds += max(0.0, now - header["sent_at"])
             with self._cv:
                 self._items[(header["id"], int(header["index"]))] = (time.monotonic(), item)

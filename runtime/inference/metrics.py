@@ -45,6 +45,8 @@ def render(engine: Engine, model_name: str, pd: Disaggregation | None = None) ->
         metric(f"kv_transfer_{side}_tokens_total", "counter", f"Prompt tokens whose K and V were {side}.", c.tokens)
         metric(f"kv_transfer_{side}_logits_bytes_total", "counter",
                f"Bytes of last-position logits {side} beside the KV.", c.logits_bytes)
+        metric(f"kv_transfer_{side}_routes_bytes_total", "counter",
+               f"Bytes of the prompts' routed experts {side} beside the KV (router replay).", c.routes_bytes)
         metric(f"kv_transfer_{side}_seconds_total", "counter",
                "Seconds from KV ready to sent (prefill) or from sent to received (decode).", c.seconds)
         if pd.decode:
