@@ -89,8 +89,8 @@ class Allocation:
 
 
 def allocations(plan: Plan) -> list[Allocation]:
-    """The plan's components, with each CPU-only group on GPU nodes folded into the GPU group that holds
-    its first plan node; het groups renumbered in order."""
+    """The plan's components, with each CPU-only group folded into the first GPU group that holds all its
+    plan nodes; het groups renumbered in order."""
     comps = components(plan)
     gpu = [c for c in comps if c.gpus_per_node]
     guests: dict[int, list[ProcessSpec]] = {}
@@ -111,7 +111,7 @@ def _threads(p: ProcessSpec) -> int:
         return 1
 
 
-def _share(plan: Plan, a: Allocation, p: ProcessSpec) -> float:
+def _share(a: Allocation, p: ProcessSpec) -> float:
     """The fraction of its node that process `p` gets (GPU hardware)."""
     here = a.on_node(p.node)
     guests = [q for q in here if q in a.guests]
@@ -126,11 +126,11 @@ def _sbatch(plan: Plan, a: Allocation) -> str:
     tasks = max(len(a.on_node(n)) for n in c.nodes)
     opts = [f"--nodes={len(c.nodes)}", f"--ntasks-per-node={tasks}"]
     if c.gpus_per_node:
-        opts += [f"--gres=gpu:{c.gpus_per_node}", "--exclusive", f"--mem={_gigabytes(hw['host_memory_gb'])}"]
+        opts += [f"--gres=gpu:{c.gpus_per_node}", "--exclusive", f"--mem={_megabytes(hw['host_memory_gb'])}"]
     elif hw.get("gpu") == "cpu":
         opts.append(f"--cpus-per-task={max(_threads(p) for p in c.processes)}")
     else:  # a CPU-only group on a node of its own (no GPU group there): the whole node
-        opts += [f"--cpus-per-task={hw['cpus_per_node']}", "--exclusive", f"--mem={_gigabytes(hw['host_memory_gb'])}"]
+        opts += [f"--cpus-per-task={hw['cpus_per_node']}", "--exclusive", f"--mem={_megabytes(hw['host_memory_gb'])}"]
     opts.append(f"--time={target.get('time', '24:00:00')}")
     for key in ("partition", "account", "qos"):
         if target.get(key):
@@ -138,8 +138,9 @@ def _sbatch(plan: Plan, a: Allocation) -> str:
     return " ".join(shlex.quote(o) for o in opts)
 
 
-def _gigabytes(value: float) -> str:
-    return f"{max(1, int(value * 1024))}M"
+def _megabytes(gigabytes: float) -> str:
+    """Slurm's --mem value for `gigabytes` GiB (in MiB: a fraction of a node need not be whole GiB)."""
+    return f"{max(1, int(gigabytes * 1024))}M"
 
 
 def _srun(plan: Plan, a: Allocation, p: ProcessSpec) -> str:
@@ -150,9 +151,9 @@ def _srun(plan: Plan, a: Allocation, p: ProcessSpec) -> str:
     if hw.get("gpu") == "cpu":
         opts.append(f"--cpus-per-task={_threads(p)}")
     else:
-        share = _share(plan, a, p)
+        share = _share(a, p)
         opts += [f"--cpus-per-task={max(1, int(hw['cpus_per_node'] * share))}",
-                 f"--mem={_gigabytes(hw['host_memory_gb'] * share)}"]
+                 f"--mem={_megabytes(hw['host_memory_gb'] * share)}"]
         if not p.gpus:
             opts.append("--gres=none")  # a guest on a GPU node: the GPUs are its neighbours'
     if p.gpus:
