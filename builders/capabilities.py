@@ -33,8 +33,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from primebuild.builders.environments import environment_problems
+from primebuild.builders.environments import environment_problems, sandbox_problems
 from primebuild.builders.model_facts import ModelFacts
+from primebuild.contracts.inference import EMBEDDED_MODEL_TYPES
 from primebuild.errors import Problem
 from primebuild.manifest.schema import Manifest
 
@@ -57,10 +58,12 @@ def refusals(m: Manifest, facts: ModelFacts | None = None) -> list[Refusal]:
     """Everything `m` asks for that the backends its plan would run cannot apply (environments that
     cannot load here included: builders/environments.py); with the model's `facts`, also what its
     architecture rules out (router replay of a model the trainer cannot replay)."""
-    environments = [Refusal(*problem) for problem in environment_problems(m)]
+    environments = [Refusal(*problem) for problem in [*environment_problems(m), *sandbox_problems(m)]]
     if m.sft is not None:
         return list(_sft_only(m)) + environments
-    return list(_rl(m)) + (list(_model(m, facts)) if facts is not None else []) + environments
+    architecture = [*_model(m, facts), *_embedded_architecture(m, facts), *_sparse_attention_under_cp(m, facts)] \
+        if facts is not None else []
+    return list(_rl(m)) + architecture + environments
 
 
 def applies(m: Manifest, field: str, value: object, facts: ModelFacts | None = None) -> bool:
@@ -249,6 +252,29 @@ def _model(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
                           "set router_replay: false, or teach runtime/trainer/router_replay.py this router")
 
 
+def _embedded_architecture(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
+    """The embedded engine's forward pass is written for Qwen3 and Qwen3-MoE (runtime/inference/model.py)."""
+    if m.inference.engine == "embedded" and f.model_type not in EMBEDDED_MODEL_TYPES:
+        yield Refusal("inference.engine", f"{f.architecture} (model_type {f.model_type or '?'!r}) on the embedded "
+                      f"engine: its forward pass implements {', '.join(EMBEDDED_MODEL_TYPES)} only, and would refuse "
+                      "this model when the server loads it", "use engine: vllm, or a Qwen3 / Qwen3-MoE model")
+
+
+# model_type -> its sparse attention that the fsdp2 trainer's context parallelism would drop: CP replaces the
+# attention mask by a causal one over the gathered keys (runtime/trainer/context_parallel.py), and each rank's
+# indexer would score only its own keys, so the top-k selection is lost and attention silently turns dense.
+SPARSE_ATTENTION = {"glm_moe_dsa": "DeepSeek sparse attention (an indexer picks top-k keys per query)"}
+
+
+def _sparse_attention_under_cp(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
+    if m.trainer.cp > 1 and f.model_type in SPARSE_ATTENTION:
+        yield Refusal("trainer.cp", f"cp={m.trainer.cp} with {f.architecture}: its {SPARSE_ATTENTION[f.model_type]} is "
+                      "not split over context-parallel ranks; the trainer's CP attention drops the index mask and "
+                      "would train dense attention that inference does not run",
+                      "set cp: 1 (and dp_shard to keep the world size; the plan then says whether a sequence fits "
+                      "one GPU), or see the plan with --design")
+
+
 def _no_effect(m: Manifest) -> Iterator[Refusal]:
     """Fields written in the manifest that nothing in this configuration reads."""
     cpu = m.hardware.gpu == "cpu"
@@ -267,8 +293,9 @@ def _no_effect(m: Manifest) -> Iterator[Refusal]:
         ("hardware.gpu_memory_gb", cpu, measured),
         ("hardware.inter_node_bandwidth_gb_s", cpu or m.weight_sync.mode != "broadcast",
          measured if cpu else "it times the broadcast weight sync only (training's communication is not modelled)"),
-        ("hardware.storage_bandwidth_gb_s", cpu or m.weight_sync.mode != "filesystem",
-         measured if cpu else "it times the filesystem weight sync only"),
+        ("hardware.storage_bandwidth_gb_s", cpu or (m.weight_sync.mode != "filesystem" and m.target.kind != "slurm"),
+         measured if cpu else "it times the filesystem weight sync and, on Slurm, the checkpoint before the time "
+         "limit only"),
         ("trainer.nodes", cpu, "CPU-only hardware runs every process on its one node"),
     ]
     for field, unused, why in candidates:

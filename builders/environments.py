@@ -9,16 +9,28 @@ own folder, so it imports neither verifiers (a large tree) nor torch: `plan` sta
 see (a taskset's own optional dependencies) still fails when the orchestrator loads it.
 
 An unknown id, or a taskset that is not installed, is a located problem of the plan; `plan --design`
-still shows the plan, listing it among what this machine cannot run.
+still shows the plan, listing it among what this machine cannot run. So is a taskset that declares tools
+(MCP toolsets, which primebuild's rollout loop does not drive): a child process reads its classes'
+`toolsets` (runtime/envs/verifiers_tools.py) when its package imports without torch.
+
+Sandboxed environments (swe-tiny) need bubblewrap where the orchestrator runs: checked on this machine for
+the local target, in the image's packages for a cluster target whose image this manifest builds, and
+otherwise only named (a warning of the plan; the first rollout fails on a host without it).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from primebuild.contracts.environments import BUILTIN_VERSIONS, VERIFIERS_PREFIX
+from primebuild.contracts.environments import BUILTIN_VERSIONS, SANDBOXED, VERIFIERS_PREFIX
 from primebuild.manifest.schema import Manifest
 
 VERIFIERS_REQUIREMENT = "verifiers==0.4.0"
@@ -82,9 +94,79 @@ def environment_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
             problem = verifiers_problem(env.id.removeprefix(VERIFIERS_PREFIX))
             if problem:
                 yield (f"environments[{i}].id", *problem)
+            else:
+                yield from _tool_problems(i, env.id, env.args or {})
             for name, message in adapter_arg_problems(env.args or {}):
                 yield (f"environments[{i}].args.{name}", f"environment {env.id}: {message}",
                        "README.md, section Multi-turn environments and agents, lists the adapter's args")
         else:
             yield (f"environments[{i}].id", f"unknown environment id {env.id!r}",
                    f"use one of: {', '.join(known_ids())}")
+
+
+# --- tools a verifiers taskset declares -----------------------------------------------------------------
+
+TOOLS_PROBE_SECONDS = 120  # importing verifiers and a taskset package takes a few seconds
+
+
+def declared_tools(taskset_id: str, args: dict) -> dict:
+    """runtime/envs/verifiers_tools.py in a child process with this process's import path:
+    {"tools": [...]} or {"unknown": reason}."""
+    return _declared_tools(taskset_id, json.dumps(args, sort_keys=True, default=str), tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=64)  # refusals() runs once per suggested fix; the answer is the same each time
+def _declared_tools(taskset_id: str, args_json: str, path: tuple[str, ...]) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "primebuild.runtime.envs.verifiers_tools", taskset_id,
+                               args_json], capture_output=True, text=True,
+                              timeout=TOOLS_PROBE_SECONDS, env=env)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
+        return {"unknown": "the check did not finish"}
+
+
+def _tool_problems(i: int, env_id: str, args: dict) -> Iterator[tuple[str, str, str]]:
+    tools = declared_tools(env_id.removeprefix(VERIFIERS_PREFIX), args).get("tools")
+    if tools:
+        yield (f"environments[{i}].id", f"environment {env_id}: its tasks use tools ({', '.join(tools)}); verifiers "
+               "runs MCP toolsets inside its harness programs, which primebuild's rollout loop does not drive",
+               "use a taskset without toolsets (tool use is not built yet)")
+
+
+# --- the sandbox of swe-tiny ---------------------------------------------------------------------------
+
+def _image_has_bubblewrap(m: Manifest) -> bool | None:
+    """Does the image this manifest builds contain bwrap? None: a registry base, which the plan cannot see into."""
+    if not m.image.base.startswith("deb:"):
+        return None
+    return "bubblewrap" in m.image.packages
+
+
+def sandbox_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
+    """(field, message, hint) for a sandboxed environment whose orchestrator host is known to lack bwrap."""
+    for i, env in enumerate(m.environments):
+        if env.id not in SANDBOXED:
+            continue
+        field = f"environments[{i}].id"
+        if m.target.kind == "local" and shutil.which("bwrap") is None:
+            yield (field, f"environment {env.id} runs every program of a rollout in a bubblewrap sandbox on the "
+                   "orchestrator's host, which for target local is this machine, and `bwrap` is not on PATH here",
+                   "install bubblewrap (apt-get install bubblewrap)")
+        elif m.target.kind in ("slurm", "kubernetes") and _image_has_bubblewrap(m) is False:
+            yield (field, f"environment {env.id} runs every program of a rollout in a bubblewrap sandbox on the "
+                   f"orchestrator's host; on target {m.target.kind} that is a node running the image this manifest "
+                   f"builds ({m.image.base}), and image.packages has no bubblewrap",
+                   "add bubblewrap to image.packages")
+
+
+def sandbox_warnings(m: Manifest) -> list[str]:
+    """What the plan cannot check: bwrap on hosts or in images it cannot see into."""
+    sandboxed = sorted({env.id for env in m.environments if env.id in SANDBOXED})
+    if not sandboxed or m.target.kind == "local" or _image_has_bubblewrap(m):
+        return []
+    where = ("the inventory hosts" if m.target.kind == "ssh" else
+             f"the image {m.image.base} (or the nodes' own installation when no image is used)")
+    return [f"{', '.join(sandboxed)} needs bubblewrap (`bwrap`, and unprivileged user namespaces) on the "
+            f"orchestrator's host: {where}, which this plan cannot look into; without it the first rollout fails"]

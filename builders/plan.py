@@ -15,6 +15,7 @@ from __future__ import annotations
 from primebuild import __version__
 from primebuild.builders import budget, derivations
 from primebuild.builders.capabilities import Refusal, refusals
+from primebuild.builders.environments import sandbox_warnings
 from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
 from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
@@ -185,7 +186,7 @@ def _warnings(m: Manifest, f: ModelFacts, placement: Placement) -> list[str]:
         out.append("MoE model without router_replay: train/inference expert choices may differ (higher mismatch KL)")
     if m.orchestrator.max_off_policy_steps == 0:
         out.append("max_off_policy_steps: 0 runs synchronous RL: inference idles while the trainer steps")
-    return out
+    return out + sandbox_warnings(m)
 
 
 def _node_map(m: Manifest, processes: list[ProcessSpec]) -> list[NodeMap]:

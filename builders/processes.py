@@ -68,7 +68,7 @@ def _spec(*, name: str, role: str, node: int, gpus, argv, env, ports=None, healt
 def _base_env(m: Manifest, gpus) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1", "PRIMEBUILD_RUN_DIR": "{run_dir}"}
     env["CUDA_VISIBLE_DEVICES"] = "" if m.hardware.gpu == "cpu" else ",".join(str(g) for g in gpus)
-    return env
+    return {**env, **m.hardware.network_env}  # the site's NCCL/gloo interfaces, as the manifest names them
 
 
 def bind_host(m: Manifest, node: int) -> str:

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -59,15 +60,89 @@ def test_glm5_is_one_het_job_with_a_component_per_group():
     text = (GOLDEN / "glm5.sbatch").read_text()
     headers = [line for line in text.splitlines() if line.startswith("#SBATCH")]
     components = [h for h in headers if h.startswith("#SBATCH --nodes=")]
-    assert len(components) == 4 and headers.count("#SBATCH hetjob") == 3  # prefill, decode, trainer, orchestrator
+    assert len(components) == 3 and headers.count("#SBATCH hetjob") == 2  # prefill, decode, trainer
     assert components[0].startswith("#SBATCH --nodes=4 ") and "--gres=gpu:8" in components[0]
     assert components[1].startswith("#SBATCH --nodes=12 ") and components[2].startswith("#SBATCH --nodes=12 ")
-    assert "--gres" not in components[3]
+    # the orchestrator shares plan node 0 with prefill-0, inside component 0's allocation
+    assert "--ntasks-per-node=2" in components[0]
     assert text.count("exec srun --het-group=") == 4 + 12 + 12 + 1
+    orchestrator = _step(text, "orchestrator")
+    assert "--het-group=0 " in orchestrator and '"${NODES_0[0]}"' in orchestrator and "--gres=none" in orchestrator
     assert "--het-group=2 " in text and "--kill-on-bad-exit=1" in text
-    assert "DESIGN STUDY, NOT RUNNABLE" in text and "weight_sync.mode" in text  # rendered, but marked
     assert "HF_TOKEN" in text and "WANDB_API_KEY" in text  # named …
-    assert "SLURM_JOB_NODELIST_HET_GROUP_3" in text
+    assert "SLURM_JOB_NODELIST_HET_GROUP_2" in text and "SLURM_JOB_NODELIST_HET_GROUP_3" not in text
+
+
+def _step(text: str, name: str) -> str:
+    """The srun line of process `name` in a rendered script."""
+    lines = text.splitlines()
+    at = lines.index(f"    {name})")
+    return next(line for line in lines[at:] if "exec srun" in line)
+
+
+def _plan(manifest: str, *sets: str) -> dict:
+    result = run_cli("plan", MANIFESTS / manifest, "--design", "-o", "json", *sets, timeout=60)
+    assert result.code == 0, result.err
+    return json.loads(result.out)
+
+
+@pytest.mark.parametrize("manifest", ["glm5.yaml", "qwen3-30b-a3b.yaml"])
+def test_the_job_takes_the_manifests_nodes_and_names_cpus_and_memory(manifest):
+    """No node beyond the manifest's; GPU components take whole nodes with the manifest's host memory, and every
+    step of a GPU run names its CPUs and memory (a node's processes split it, a guest gets half)."""
+    plan = _plan(manifest)
+    hw = plan["hardware"]
+    text = rendered(manifest, "slurm")
+    components = [h for h in text.splitlines() if h.startswith("#SBATCH --nodes=")]
+    assert sum(int(re.match(r"#SBATCH --nodes=(\d+) ", h).group(1)) for h in components) == hw["nodes"]
+    assert all(f"--mem={int(hw['host_memory_gb'] * 1024)}M" in h and "--exclusive" in h for h in components)
+    orchestrator = _step(text, "orchestrator")
+    assert f"--cpus-per-task={hw['cpus_per_node'] // 2} " in orchestrator
+    assert f"--mem={int(hw['host_memory_gb'] * 1024 / 2)}M" in orchestrator
+    for p in plan["processes"]:
+        assert "--cpus-per-task=" in _step(text, p["name"]) and "--mem=" in _step(text, p["name"])
+
+
+def test_the_stop_warning_leaves_room_for_the_step_in_flight_and_a_checkpoint():
+    plan = _plan("glm5.yaml")
+    trainer = plan["memory"]["trainer"]
+    ranks = [p for p in plan["processes"] if p["role"] == "trainer"]
+    gpus, nodes = sum(len(p["gpus"]) for p in ranks), len({p["node"] for p in ranks})
+    write = trainer["host_offload_bytes_per_gpu"] * gpus / (nodes * plan["hardware"]["storage_bandwidth_gb_s"] * 1e9)
+    needed = plan["estimates"]["step"]["train_seconds"] + plan["estimates"]["weight_sync"]["seconds"] + 2 * write
+    grace = int(re.search(r"^#SBATCH --signal=B:TERM@(\d+)$", (GOLDEN / "glm5.sbatch").read_text(), re.M).group(1))
+    assert grace >= needed + 60 and grace < needed + 60 + 30 and grace > 120
+    slower = rendered("glm5.yaml", "slurm", "--set", "hardware.storage_bandwidth_gb_s=2")
+    assert int(re.search(r"--signal=B:TERM@(\d+)", slower).group(1)) > grace  # slower storage, longer warning
+    cpu = (GOLDEN / "reverse-text-slurm.sbatch").read_text()
+    assert "#SBATCH --signal=B:TERM@120\n" in cpu and "--mem" not in cpu  # CPU runs: measured, not modelled
+
+
+def test_network_settings_come_from_the_manifest_only():
+    plain = rendered("glm5.yaml", "slurm")
+    assert "NCCL_" not in plain.split("#SBATCH", 1)[1]  # nothing guessed (the header says none is set)
+    site = rendered("glm5.yaml", "slurm", "--set", "hardware.network_env={NCCL_SOCKET_IFNAME: ib0, NCCL_IB_HCA: mlx5}")
+    exports = [line for line in site.splitlines() if line.strip().startswith("export ")]
+    assert len(exports) == 29 and all("NCCL_IB_HCA=mlx5 NCCL_SOCKET_IFNAME=ib0" in line for line in exports)
+    assert "Network settings (hardware.network_env): NCCL_IB_HCA, NCCL_SOCKET_IFNAME" in site
+
+
+def test_a_script_rendered_without_paths_names_none_of_this_machine(tmp_path):
+    """Default paths resolve on the cluster ($SLURM_SUBMIT_DIR, the batch host's python3 or PRIMEBUILD_PYTHON);
+    submitted by hand against an unprepared run folder, the script stops at once and names the command."""
+    result = run_cli("render", MANIFESTS / "reverse-text-slurm.yaml", timeout=60)
+    assert result.code == 0, result.err
+    script = result.out
+    assert str(REPO) not in script and sys.executable not in script and "/shared/" not in script
+    assert 'RUN_DIR="$SLURM_SUBMIT_DIR"/runs/reverse-text-slurm\n' in script
+    assert 'PY=python3\nPY="${PRIMEBUILD_PYTHON:-$PY}"\n' in script
+    (tmp_path / "job.sbatch").write_text(script)
+    done = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NODELIST_HET_GROUP_0": "",
+                               "SLURM_JOB_NODELIST_HET_GROUP_1": "", "SLURM_JOB_NODELIST_HET_GROUP_2": ""})
+    assert done.returncode == 2, done.stderr
+    assert f"{tmp_path}/runs/reverse-text-slurm/plan.json is missing" in done.stderr
+    assert "submit it with: primebuild run MANIFEST --detach" in done.stderr
 
 
 def test_run_refuses_what_render_marks_not_runnable(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,16 @@ from conftest import CPU_MANIFEST, MANIFESTS, call_cli, write
 from primebuild.builders.lock import lock_hash, read_lock, record_lock
 from primebuild.builders.lock_check import load_lock_for
 from primebuild.builders.plan import compile_plan
+from primebuild.code_version import CHECKOUT, code_changes, code_version
 from primebuild.contracts.plan import plan_hash, render_json
 from primebuild.hashing import canonical_json
 from primebuild.manifest.load import load_manifest
 
 
-def record_run(run_dir: Path, manifest: Path, sets: tuple[str, ...] = (), locked: bool = False) -> dict:
-    """A run folder laid out as `primebuild run` writes it (plan, composed manifest, copies, run.json)."""
+def record_run(run_dir: Path, manifest: Path, sets: tuple[str, ...] = (), locked: bool = False,
+               code: str | None = None) -> dict:
+    """A run folder laid out as `primebuild run` writes it (plan, composed manifest, copies, run.json), made
+    by `code` (default: today's code version)."""
     loaded = load_manifest(manifest, sets)
     lock = load_lock_for(loaded, None, require_fresh=True) if locked else None
     plan = compile_plan(loaded, lock)
@@ -29,7 +33,7 @@ def record_run(run_dir: Path, manifest: Path, sets: tuple[str, ...] = (), locked
     (run_dir / "manifests").mkdir()
     for path in loaded.files:
         (run_dir / "manifests" / path.name).write_bytes(path.read_bytes())
-    (run_dir / "run.json").write_text(json.dumps({"plan_hash": plan["plan_hash"], "code_version": "abc123",
+    (run_dir / "run.json").write_text(json.dumps({"plan_hash": plan["plan_hash"], "code_version": code or code_version(),
                                                   "manifest_hash": loaded.manifest_hash}))
     if locked:
         record_lock(run_dir / "lock.json", loaded)
@@ -41,13 +45,15 @@ def test_replay_check_verifies_the_recorded_plan(tmp_path: Path, capsys):
     plan = record_run(run_dir, MANIFESTS / "reverse-text.yaml", ("orchestrator.max_steps=2",))
     result = call_cli(capsys, "replay", "--check", "-o", "json", run_dir)  # manifest folder found by content
     assert result.code == 0, result.text
+    code = code_version()
     assert json.loads(result.out) == {"run_dir": str(run_dir.resolve()), "plan_hash": plan["plan_hash"],
-                                      "verified": True, "started": False}
+                                      "verified": True, "started": False,
+                                      "code_version": {"recorded": code, "now": code, "changes": []}}
 
 
 def test_replay_refuses_when_todays_plan_differs(tmp_path: Path, capsys):
     run_dir = tmp_path / "rt-1"
-    record_run(run_dir, MANIFESTS / "reverse-text.yaml")
+    record_run(run_dir, MANIFESTS / "reverse-text.yaml", code="abc123")
     recorded = json.loads((run_dir / "plan.json").read_text())
     # what a code change looks like from the run folder: the plan compiled then is not today's plan
     for process in recorded["processes"]:
@@ -59,7 +65,47 @@ def test_replay_refuses_when_todays_plan_differs(tmp_path: Path, capsys):
     assert result.code == 2
     assert "today's plan differs from the recorded one" in result.err
     assert "processes[trainer].config.lr: 0.5 -> 0.0002" in result.err
-    assert "code abc123" in result.err and "Traceback" not in result.err
+    assert "code abc123" in result.err and "code: code version abc123 -> " in result.err
+    assert "Traceback" not in result.err
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"needs primebuild's git checkout with history: git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def test_replay_refuses_other_code_and_says_what_changed(tmp_path: Path, capsys):
+    """The same plan made by another commit: refused, naming the commits and files between; allowed on request."""
+    parent = _git("rev-parse", "HEAD~1")
+    changed = _git("diff", "--name-only", parent, "HEAD").split()
+    run_dir = tmp_path / "rt-old"
+    plan = record_run(run_dir, MANIFESTS / "reverse-text.yaml", code=parent)
+    refused = call_cli(capsys, "replay", "--check", run_dir)
+    assert refused.code == 2 and "the plan matches, but today's code is not the code that made the run" in refused.err
+    assert f"commit {parent[:12]} -> {_git('rev-parse', 'HEAD')[:12]}: 1 commit(s) since the run" in refused.err
+    assert f"{len(changed)} file(s) changed" in refused.err and changed[0] in refused.err
+    assert f"check out {parent[:12]}" in refused.err and "Traceback" not in refused.err
+    allowed = call_cli(capsys, "replay", "--check", "--allow-code-change", "-o", "json", run_dir)
+    assert allowed.code == 0, allowed.text
+    answer = json.loads(allowed.out)
+    assert answer["plan_hash"] == plan["plan_hash"] and answer["code_version"]["recorded"] == parent
+    assert answer["code_version"]["now"] == code_version() and answer["code_version"]["changes"]
+
+
+def test_code_changes_tell_commits_and_uncommitted_edits_apart():
+    sha, other = "a" * 40, "0" * 40
+    assert code_changes(sha, sha) == []
+    assert code_changes(f"{sha}-dirty.111111111111", f"{sha}-dirty.222222222222") == [
+        "uncommitted changes differ from the run's"]
+    assert code_changes(f"{sha}-dirty", f"{sha}-dirty.222222222222") == [
+        "the run had uncommitted changes whose content was not recorded"]
+    assert code_changes(f"{sha}-dirty.111111111111", sha) == [
+        "the run had uncommitted changes, which this checkout does not have"]
+    assert code_changes("0.1.0", "0.2.0") == ["code version 0.1.0 -> 0.2.0"]
+    unknown = code_changes(other, sha)
+    assert unknown[0].startswith(f"commit {other[:12]} (the run's) is not in this checkout")
 
 
 def test_replay_with_lock_checks_the_recorded_lock(tmp_path: Path, capsys, locked: Path):

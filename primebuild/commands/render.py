@@ -24,10 +24,12 @@ from primebuild.errors import UserError
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write the artifacts into this folder instead of stdout.")
 @click.option("--run-dir", default=None,
-              help="The run folder the artifacts name (default: RUNS/<name>, absolute). On a cluster it must be "
-                   "on a filesystem every node sees.")
+              help="The run folder the artifacts name (default: RUNS/<name>, absolute; slurm: runs/<name> under the "
+                   "folder sbatch runs in, and a relative --run-dir is relative to it). On a cluster it must be on a "
+                   "filesystem every node sees.")
 @click.option("--python", "python", default=None,
-              help="The interpreter with primebuild on the nodes (default: this one; ssh: target.workdir's).")
+              help="The interpreter with primebuild on the nodes (default: this one; ssh: target.workdir's; slurm: "
+                   "python3 on the batch host's PATH, or PRIMEBUILD_PYTHON at submission).")
 @click.option("--model-path", default=None,
               help="kubernetes: the model folder as the pods see it (default: RUN_DIR/model).")
 @click.option("--image", default=None,
@@ -64,10 +66,13 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
         from primebuild.builders.lock import plan_with_image
 
         plan = plan_with_image(plan, image_digest)
+    if kind == "slurm":  # nothing of this machine baked in: paths resolve on the cluster
+        run_dir = run_dir or f"runs/{plan.name}"
+        python = python or "python3"
     run_dir = run_dir or str((Path("runs") / plan.name).resolve())
-    if not run_dir.startswith("/"):
+    if not run_dir.startswith("/") and kind != "slurm":
         raise UserError(f"--run-dir {run_dir}: give an absolute path (the same on every node)")
-    if python is None:  # kubernetes: the image's interpreter; slurm: this one, at the same path on the nodes
+    if python is None:  # kubernetes: the image's interpreter; ssh: this one, at the same path on the nodes
         python = "python3" if kind == "kubernetes" else sys.executable
     files = render(plan, kind, RenderContext(run_dir=run_dir, python=python, image=image, mounts=list(mounts),
                                              model_path=model_path or f"{run_dir}/model"))

@@ -33,22 +33,29 @@ from primebuild.errors import UserError
               help="Folder the recorded manifest's relative paths refer to (default: found by content).")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the new run folder is created (default: beside RUN_DIR).")
-@click.option("--check", "check_only", is_flag=True, help="Only verify the plan hash; start nothing.")
+@click.option("--check", "check_only", is_flag=True, help="Only verify the plan hash and code; start nothing.")
+@click.option("--allow-code-change", is_flag=True,
+              help="Replay although today's code is not the recorded code version (the plan must still match).")
 @click.option("--quiet", is_flag=True, help="Only progress lines, not every process's log lines.")
 @output_option
-def command(run_dir: Path, manifest_dir: Path | None, runs_dir: Path | None, check_only: bool, quiet: bool,
-            output: str) -> None:
+def command(run_dir: Path, manifest_dir: Path | None, runs_dir: Path | None, check_only: bool,
+            allow_code_change: bool, quiet: bool, output: str) -> None:
     """Verify RUN_DIR's recorded plan against today's code and rerun it."""
     run_dir = run_dir.resolve()
     base_dir = manifest_dir.resolve() if manifest_dir else find_manifest_dir(run_dir)
     with tempfile.TemporaryDirectory(prefix="primebuild-replay-") as tmp:
         manifest_path = stage_manifest(run_dir, base_dir, Path(tmp))
         plan = verify(run_dir, manifest_path)
+        recorded_code, code, changes = compare_code(run_dir, allow_code_change)
         if output == "json":
             click.echo(json.dumps({"run_dir": str(run_dir), "plan_hash": plan.plan_hash, "verified": True,
+                                   "code_version": {"recorded": recorded_code, "now": code, "changes": changes},
                                    "started": not check_only}, indent=2, sort_keys=True))
         else:
             click.echo(f"plan {plan.plan_hash[:16]} matches the recorded run {run_dir.name}")
+            if changes:
+                click.echo(f"code differs from the recorded run's ({recorded_code} -> {code}); replaying anyway "
+                           "(--allow-code-change):\n" + "\n".join(f"    {line}" for line in changes))
         if check_only:
             return
         from primebuild.commands.run import command as run_command
@@ -85,13 +92,35 @@ def verify(run_dir: Path, manifest_path: Path) -> Plan:
     if plan.plan_hash != recorded.plan_hash:
         changes = diff_values({k: v for k, v in recorded_json.items() if k != "plan_hash"},
                               {k: v for k, v in plan.to_json().items() if k != "plan_hash"})
+        from primebuild.code_version import code_changes, code_version
+
         code = run.read_json(run.run_record).get("code_version", "unknown")
+        lines = render_changes(changes).splitlines() + [f"code: {line}" for line in code_changes(code, code_version())]
         raise UserError(
             f"{run_dir}: today's plan differs from the recorded one (recorded {recorded.plan_hash[:16]}, "
             f"now {plan.plan_hash[:16]}; the run was made by code {code}):\n"
-            + "\n".join(f"    {line}" for line in render_changes(changes).splitlines()),
+            + "\n".join(f"    {line}" for line in lines),
             hint="check out the recorded code version, or start a new run with `primebuild run`")
     return plan
+
+
+def compare_code(run_dir: Path, allow_change: bool) -> tuple[str, str, list[str]]:
+    """(recorded code version, today's, what changed); a change is refused unless `allow_change`."""
+    from primebuild.code_version import code_changes, code_version
+
+    run = RunDir(run_dir)
+    recorded = run.read_json(run.run_record).get("code_version")
+    now = code_version()
+    if not isinstance(recorded, str) or not recorded:
+        recorded, changes = "unknown", ["run.json records no code version: the code that ran cannot be compared"]
+    else:
+        changes = code_changes(recorded, now)
+    if changes and not allow_change:
+        raise UserError(f"{run_dir}: the plan matches, but today's code is not the code that made the run "
+                        f"(recorded {recorded}, now {now}):\n" + "\n".join(f"    {line}" for line in changes),
+                        hint=f"check out {recorded.partition('-dirty')[0][:12]} to replay it exactly, or pass "
+                             "--allow-code-change to replay the same plan with today's code")
+    return recorded, now, changes
 
 
 def find_manifest_dir(run_dir: Path) -> Path:

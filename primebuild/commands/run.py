@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from primebuild.code_version import code_version
 from primebuild.commands.options import print_notes, set_option
 from primebuild.contracts.plan import Plan, read_plan, render_json
 from primebuild.contracts.run_dir import RunDir, write_json_atomic
@@ -94,7 +95,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
 
         environments["vllm"] = str(ensure(click.echo))
     run.run_record.write_text(json.dumps(
-        {"plan_hash": plan.plan_hash, "manifest_hash": loaded.manifest_hash, "code_version": _code_version(),
+        {"plan_hash": plan.plan_hash, "manifest_hash": loaded.manifest_hash, "code_version": code_version(),
          "manifest_path": str(loaded.path.resolve()), "model_path": str(model.path),
          "model_cache_hit": model.cache_hit, "model_info": model.info, "model_seconds": round(model.seconds, 2),
          "target": plan.target["kind"], "environments": environments}, indent=2, sort_keys=True))
@@ -168,20 +169,3 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
-
-
-def _code_version() -> str:
-    import subprocess
-
-    try:
-        here = Path(__file__).resolve().parents[2]
-        rev = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
-        if rev.returncode == 0:
-            return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    from primebuild import __version__
-
-    return __version__

@@ -15,6 +15,9 @@ ADMIN_TOKEN_ENV = "PRIMEBUILD_ADMIN_TOKEN"  # the run's admin token travels in t
 # Both engines sample a positive temperature below this at this value (vLLM 0.32's floor, `_MAX_TEMP`
 # in vllm/sampling_params.py: logits / 1e-40 overflow float32); manifests may not ask for less.
 MIN_SAMPLING_TEMPERATURE = 0.01
+# The architectures the embedded engine's forward pass implements (runtime/inference/model.py); the plan
+# refuses any other model on engine: embedded (builders/capabilities.py).
+EMBEDDED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 class BroadcastJoin(Contract):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
 
@@ -83,7 +83,22 @@ class Hardware(Strict):
     inter_node_bandwidth_gb_s: float = Field(
         50, gt=0, description="Network per GPU between nodes, GB/s (the time of a broadcast weight sync).")
     storage_bandwidth_gb_s: float = Field(
-        10, gt=0, description="Shared filesystem read/write per node, GB/s (the time of a filesystem weight sync).")
+        10, gt=0, description="Shared filesystem read/write per node, GB/s (the time of a filesystem weight sync; "
+        "on Slurm, of the checkpoint the stop warning before the time limit leaves room for).")
+    network_env: dict[Annotated[str, Field(pattern=r"^(NCCL|GLOO|UCX|FI|TORCH_NCCL)_[A-Z0-9_]+$")],
+                      Annotated[str, Field(pattern=r"^[^{}\n]*$", max_length=256)]] = Field(
+        default_factory=dict, description="Environment of every process for this site's network, e.g. "
+        "NCCL_SOCKET_IFNAME, NCCL_IB_HCA, GLOO_SOCKET_IFNAME. primebuild sets none by itself (NCCL and gloo "
+        "pick their own interfaces): a site's interface names are written here, never guessed.")
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_network_env(self, handler):
+        # Written only when set: manifests that do not name a network keep the hash (and locks) they had
+        # before the field existed.
+        data = handler(self)
+        if not self.network_env:
+            data.pop("network_env", None)
+        return data
 
     @model_validator(mode="after")
     def _cpu_has_no_gpus(self) -> Hardware:

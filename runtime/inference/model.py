@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from primebuild.contracts.inference import EMBEDDED_MODEL_TYPES
 from primebuild.errors import Problem, UserError
 from primebuild.kernels.fp8 import BlockFp8Weight, fake_quantize_activation
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = EMBEDDED_MODEL_TYPES
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Inside a Slurm job (called by job.sbatch): write the rendezvous, then supervise the plan's processes.
 
-    python -m primebuild.runtime.targets.slurm_job rendezvous --run-dir DIR -- ADDR0 ADDR1 …
+    python -m primebuild.runtime.targets.slurm_job rendezvous --run-dir DIR --plan-hash H --allocated … -- ADDR0 ADDR1 …
     python -m primebuild.runtime.targets.slurm_job supervise --run-dir DIR --script DIR/job.sbatch
 
 `supervise` is runtime/supervisor.py with a launcher whose processes are `bash job.sbatch launch NAME`
@@ -64,6 +64,7 @@ def main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="verb", required=True)
     r = sub.add_parser("rendezvous")
     r.add_argument("--run-dir", required=True, type=Path)
+    r.add_argument("--plan-hash", default=None, help="the plan the script was rendered from")
     r.add_argument("--allocated", nargs="+", required=True, help="the address of every node of the job")
     r.add_argument("addresses", nargs="+", help="plan node N's address, in order")
     s = sub.add_parser("supervise")
@@ -72,6 +73,12 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir)
     if args.verb == "rendezvous":
+        found = read_plan(run.plan).plan_hash
+        if args.plan_hash and found != args.plan_hash:
+            print(f"job.sbatch: {run.plan} holds plan {found[:16]}, but this script was rendered from plan "
+                  f"{args.plan_hash[:16]}: render and submit them together (primebuild run MANIFEST --detach)",
+                  file=sys.stderr, flush=True)
+            return 2
         one_host = len(set(args.allocated)) <= 1
         write_rendezvous(run, [LOOPBACK] * len(args.addresses) if one_host
                          else list(args.addresses))

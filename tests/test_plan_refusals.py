@@ -1,0 +1,137 @@
+"""What the runtime cannot do is refused when the plan is made, located, not when a process loads:
+a model the embedded engine does not implement, swe-tiny without bubblewrap where its sandbox runs,
+GLM-5's sparse attention under context parallelism, verifiers tool use."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import CPU_MANIFEST, MANIFESTS, call_cli, write
+
+from primebuild.builders.capabilities import refusals
+from primebuild.builders.environments import sandbox_warnings
+from primebuild.builders.model_facts import facts_from_hf_config
+from primebuild.builders.model_ref import read_facts_json
+from primebuild.manifest.load import load_manifest
+
+
+def _refused(capsys, manifest: Path, *sets: str) -> list[str]:
+    """The located error lines of `primebuild plan` (exit 2, no traceback)."""
+    argv = [a for s in sets for a in ("--set", s)]
+    result = call_cli(capsys, "plan", manifest, *argv, "-o", "json")
+    assert result.code == 2 and result.out == "" and "Traceback" not in result.err, result.text
+    return [line for line in result.err.splitlines() if f"{manifest.name}:" in line]
+
+
+def _fields(manifest: Path, *sets: str) -> set[str]:
+    loaded = load_manifest(manifest, list(sets))
+    config, shown = read_facts_json(loaded)
+    return {r.field for r in refusals(loaded.manifest, facts_from_hf_config(config, shown))}
+
+
+def test_a_llama_on_the_embedded_engine_is_refused_at_its_engine_line(workdir: Path, capsys):
+    facts = json.loads((workdir / "models" / "reverse-text-tiny.json").read_text())
+    llama = {**facts, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    (workdir / "models" / "llama-tiny.json").write_text(json.dumps(llama))
+    manifest = write(workdir, "tiny.yaml", CPU_MANIFEST.replace("reverse-text-tiny.json", "llama-tiny.json"))
+    lines = _refused(capsys, manifest)
+    engine_line = CPU_MANIFEST.splitlines().index("  engine: embedded") + 1
+    assert any(f"tiny.yaml:{engine_line}:" in line and "inference.engine: LlamaForCausalLM (model_type 'llama')"
+               in line and "qwen3, qwen3_moe only" in line for line in lines), lines
+    # the Qwen3 model of the same manifest plans
+    assert "inference.engine" not in _fields(write(workdir, "qwen.yaml", CPU_MANIFEST))
+
+
+def test_glm5_sparse_attention_under_context_parallelism_is_refused():
+    assert "trainer.cp" in _fields(MANIFESTS / "glm5.yaml", "trainer.cp=4", "trainer.dp_shard=24")
+    assert "trainer.cp" not in _fields(MANIFESTS / "glm5.yaml", "trainer.cp=1", "trainer.dp_shard=96")
+    # a dense-attention model keeps its CP (qwen3-30b-a3b)
+    assert "trainer.cp" not in _fields(MANIFESTS / "qwen3-30b-a3b.yaml", "trainer.cp=2", "trainer.dp_shard=4")
+
+
+def test_glm5_cp_refusal_is_located_and_says_why(capsys):
+    manifest = MANIFESTS / "glm5.yaml"
+    cp_line = manifest.read_text().splitlines().index("  cp: 4") + 1
+    lines = _refused(capsys, manifest)
+    cp = [line for line in lines if f"glm5.yaml:{cp_line}:3: trainer.cp: cp=4 with GlmMoeDsaForCausalLM" in line]
+    assert cp and "sparse attention" in cp[0] and "dense attention that inference does not run" in cp[0], lines
+
+
+def test_swe_tiny_without_bubblewrap_is_refused_where_the_plan_can_see(workdir: Path, capsys, monkeypatch):
+    manifest = write(workdir, "swe.yaml", CPU_MANIFEST.replace("  - id: reverse-text", "  - id: swe-tiny"))
+    # the local target runs the orchestrator here: no bwrap on PATH, a located refusal at the environment
+    monkeypatch.setenv("PATH", str(workdir))  # a folder without bwrap
+    assert shutil.which("bwrap") is None
+    lines = _refused(capsys, manifest)
+    env_line = CPU_MANIFEST.splitlines().index("  - id: reverse-text") + 1
+    assert any(f"swe.yaml:{env_line}:" in line and "environments[0].id" in line and "`bwrap` is not on PATH" in line
+               for line in lines), lines
+    monkeypatch.undo()
+    # a cluster target: the orchestrator runs in the image this manifest builds; a deb: base needs the package
+    slurm = ("target={kind: slurm}",)
+    assert "environments[0].id" in _fields(manifest, *slurm)
+    assert "environments[0].id" not in _fields(manifest, *slurm, "image.packages=[bubblewrap]")
+    # a registry base the plan cannot look into: not refused, but named among the plan's warnings
+    registry = load_manifest(manifest, [*slurm, "image.base=nvcr.io/nvidia/pytorch:25.09-py3"]).manifest
+    assert "environments[0].id" not in _fields(manifest, *slurm, "image.base=nvcr.io/nvidia/pytorch:25.09-py3")
+    assert any("bubblewrap" in w and "cannot look into" in w for w in sandbox_warnings(registry))
+
+
+TOOLS = textwrap.dedent(
+    """
+    import verifiers.v1 as vf
+
+
+    class Calculator(vf.Toolset):
+        @vf.tool
+        async def add(self, a: int, b: int) -> int:
+            return a + b
+
+
+    class Row(vf.TaskData):
+        answer: str = ""
+
+
+    class SumTask(vf.Task[Row]):
+        @classmethod
+        def toolsets(cls, config):
+            return [Calculator(vf.ToolsetConfig())]
+
+
+    class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
+        def load(self):
+            for i in range(4):
+                yield SumTask(Row(prompt=f"{i}+{i}", answer=str(2 * i)), self.config.task)
+
+
+    __all__ = ["SumTaskset"]
+    """
+)
+TOOLSETS = """    @classmethod
+    def toolsets(cls, config):
+        return [Calculator(vf.ToolsetConfig())]
+"""
+assert TOOLSETS in TOOLS
+NO_TOOLS = TOOLS.replace(TOOLSETS, "    pass\n")
+
+
+def test_verifiers_tool_use_is_refused_at_plan_time(workdir: Path, capsys, monkeypatch):
+    pytest.importorskip("verifiers")
+    write(workdir, "pb_plan_tools.py", TOOLS)
+    write(workdir, "pb_plan_plain.py", NO_TOOLS)
+    monkeypatch.syspath_prepend(str(workdir))
+    tools = write(workdir, "tools.yaml", CPU_MANIFEST.replace("  - id: reverse-text", "  - id: verifiers:pb-plan-tools"))
+    lines = _refused(capsys, tools)
+    env_line = CPU_MANIFEST.splitlines().index("  - id: reverse-text") + 1
+    assert any(f"tools.yaml:{env_line}:" in line and "environments[0].id" in line
+               and "its tasks use tools (Calculator)" in line for line in lines), lines
+    plain = write(workdir, "plain.yaml", CPU_MANIFEST.replace("  - id: reverse-text", "  - id: verifiers:pb-plan-plain"))
+    assert "environments[0].id" not in _fields(plain)
+    # the planner itself imported neither verifiers' tasksets nor torch (the check ran in a child process)
+    import sys
+
+    assert "pb_plan_tools" not in sys.modules
