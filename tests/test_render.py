@@ -63,7 +63,8 @@ def test_glm5_is_one_het_job_with_a_component_per_group():
     assert components[0].startswith("#SBATCH --nodes=4 ") and "--gres=gpu:8" in components[0]
     assert components[1].startswith("#SBATCH --nodes=12 ") and components[2].startswith("#SBATCH --nodes=12 ")
     assert "--gres" not in components[3]
-    assert text.count("exec srun --het-group=") == 4 + 12 + 12 + 1
+    assert text.count("exec srun --het-group=") == 4 + 12 + 12 + 1 + 1  # + the P/D router, on prefill-0's node
+    assert 'exec srun --het-group=0 --nodes=1 --ntasks=1 --kill-on-bad-exit=1 --unbuffered --job-name=router ' in text
     assert "--het-group=2 " in text and "--kill-on-bad-exit=1" in text
     assert "DESIGN STUDY, NOT RUNNABLE" in text and "weight_sync.mode" in text  # rendered, but marked
     assert "HF_TOKEN" in text and "WANDB_API_KEY" in text  # named …
@@ -192,9 +193,9 @@ def test_glm5_steps_and_pods_run_the_image_by_digest():
     digest = IMAGE[IMAGE.index("--image-digest") + 1]
     sbatch = (GOLDEN / "glm5.sbatch").read_text()
     steps = [line for line in sbatch.splitlines() if line.strip().startswith("exec srun")]
-    assert len(steps) == 29  # 4 prefill + 12 decode + 12 trainer nodes, and the orchestrator
+    assert len(steps) == 30  # 4 prefill + 12 decode + 12 trainer nodes, the P/D router and the orchestrator
     assert all(f"--container-image=registry.example.com#rl/primebuild@{digest}'" in s for s in steps)
-    assert sbatch.count("/usr/bin/python3 -m primebuild.cli worker") == 29
+    assert sbatch.count("/usr/bin/python3 -m primebuild.cli worker") == 30
     images = re.findall(r"^\s+image: (\S+)$", (GOLDEN / "glm5.kubernetes.yaml").read_text(), re.M)
     assert images and set(images) == {f"registry.example.com/rl/primebuild@{digest}"}
     plain = rendered("reverse-text-slurm.yaml", "slurm")  # no image: the nodes' own installation
