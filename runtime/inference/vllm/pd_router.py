@@ -388,6 +388,7 @@ def serve(config: VllmRouterConfig) -> None:
     admin_token = os.environ.get(config.admin_token_env) or None
     if admin_token is None:
         log.warning("environment variable %s is not set: admin calls will be refused", config.admin_token_env)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream request: two per sample
     uvicorn.run(create_router(config, admin_token), host=config.host, port=config.port, log_level="info")
 
 
