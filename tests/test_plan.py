@@ -148,6 +148,22 @@ def test_vllm_pd_over_nixl_gives_every_server_its_own_side_channel():
     assert router["config"]["kv_storage_path"] is None  # files are ExampleConnector's only
 
 
+def test_vllm_pd_on_slurm_needs_an_address_per_listening_group():
+    """A het-job gives every group its own allocation: the prefill and decode servers of a one-node CPU plan
+    would both listen on plan node 0 (a located error); on three nodes each has its own, and the router
+    listens beside prefill-0, inside the prefill group's allocation."""
+    from primebuild.errors import UserError
+
+    slurm = "target={kind: slurm}"
+    with pytest.raises(UserError) as err:
+        plan_json(MANIFESTS / "reverse-text-vllm-pd.yaml", [slurm], design=False)
+    (problem,) = err.value.problems
+    assert problem.field == "hardware.nodes" and "decode, prefill" in problem.message and problem.line
+    plan = plan_json(MANIFESTS / "reverse-text-vllm-pd.yaml", [slurm, "hardware.nodes=3"], design=False)
+    where = {p["name"]: (p["group"], p["node"]) for p in plan["processes"]}
+    assert where["prefill-0"] == where["router"] == ("prefill", 0) and where["decode-0"] == ("decode", 1)
+
+
 def test_glm5_memory_and_estimates(plans):
     plan = plans["glm5"]
     assert set(plan["memory"]) == {"prefill", "decode", "trainer"}
