@@ -24,9 +24,9 @@ Admin calls (the run's token) go to every server of both pools, prefill first, i
 config: /pause, /resume, /collective_rpc (the results of all servers, concatenated),
 /reset_prefix_cache, /update_weight_version, /start_weight_update, /update_weights,
 /finish_weight_update, and /init_weight_transfer_engine, where server i joins the trainer's group at
-the given rank offset plus the ranks of the servers before it. Reads: /health (200 when every server
-answers 200), /weight_info (the lowest version any server holds: a fleet partly updated looks stale,
-and is updated again), /is_paused (any), /version and /v1/models (one server's).
+the given rank offset plus the ranks of the servers before it. Reads: /health (the router's own),
+/weight_info (the lowest version any server holds, 503 until all answer: a fleet partly updated looks
+stale, and is updated again), /is_paused (any), /version and /v1/models (one server's).
 """
 
 from __future__ import annotations
@@ -270,11 +270,10 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        try:
-            answers = await read_all("/health")
-        except ApiError:
-            return Response(status_code=503)
-        return Response(status_code=200 if all(a.status_code == 200 for a in answers) else 503)
+        # The router itself: on Kubernetes it is a container of prefill-0's pod, whose readiness gates the
+        # decode group's start (JobSet InOrder), so it cannot wait for the decode servers. Whether the
+        # servers answer is what /weight_info tells (503 until all do), which the orchestrator retries.
+        return Response(status_code=200)
 
     @app.get("/weight_info")
     async def weight_info():
