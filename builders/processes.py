@@ -14,7 +14,8 @@ from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
 from primebuild.contracts.inference import BroadcastJoin, DisaggregationRole, InferenceServerConfig
 from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig
 from primebuild.contracts.plan import HEALTH_TIMEOUT_S, START_ORDER, HealthCheck, ProcessSpec, RestartPolicy
-from primebuild.contracts.router import DecodeServer, RouterConfig
+from primebuild.contracts.router import DecodeServer, RouterConfig, VllmPool, VllmRouterConfig
+from primebuild.contracts.run_dir import RunDir
 from primebuild.contracts.trackers import TensorboardConfig, TrackersConfig, WandbConfig
 from primebuild.contracts.trainer import (
     AipoLoss,
@@ -32,6 +33,9 @@ PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 VLLM_CPU_KV_CACHE_GIB = 1  # vLLM on CPU sizes its KV cache in GiB (its default, 4, is for big models)
 
 KV_PORT_OFFSET = 1000  # an embedded decode server's KV inbox listens at its HTTP port + this
+NIXL_PORT_OFFSET = 2000  # vLLM P/D over NIXL: side channels from the first HTTP port + this, one per DP rank
+NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
+EXAMPLE_CONNECTOR_BLOCK = 32  # ExampleConnector moves whole blocks; CPU attention takes multiples of 32 only
 
 NEVER = RestartPolicy(policy="never", max_restarts=0)
 ON_FAILURE = RestartPolicy(policy="on-failure", max_restarts=3)
@@ -51,6 +55,8 @@ def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ..
                                      checkpoint_quantized)
     if m.inference.disaggregation and m.inference.engine == "embedded":
         processes.append(_router_process(m, placement.orchestrator_node, processes, len(heads)))
+    elif m.inference.disaggregation:
+        processes.append(_vllm_router_process(m, processes, len(heads)))
     sync = BroadcastSync(init_method=init_method, world_size=world) if broadcast else FilesystemSync()
     processes += _trainer_processes(m, placement.trainer, sync)
     processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers, sync))
@@ -90,6 +96,7 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
     inf = m.inference
     groups = inf.groups
     out = []
+    side_channel = inf.port + NIXL_PORT_OFFSET  # the next free NIXL side-channel port
     for index, rp in enumerate(replicas):
         group = groups[rp.group]
         port = inf.port + index
@@ -120,6 +127,15 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                 if m.hardware.gpu == "cpu":
                     env["OMP_NUM_THREADS"] = str(inf.threads or _threads(m, 2))
             ports = {"http": port} if head else {}
+            if inf.engine == "vllm" and inf.disaggregation and inf.disaggregation.kv_connector in NIXL_CONNECTORS:
+                # vLLM's NIXL handshake listens at this port + the DP rank; the prefill's answer names host
+                # and port to the decode server, so the host is the node's address, not a loopback
+                env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=f"{{host:{slot.node}}}",
+                           VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_channel))
+                first_rank = node_rank * (group.dp // len(rp.slots))
+                ports["nixl"] = side_channel + first_rank  # this node's first DP rank's
+            if inf.engine == "vllm" and inf.disaggregation and node_rank == len(rp.slots) - 1:
+                side_channel += group.dp
             if config is not None and config.disaggregation and config.disaggregation.kv_port:
                 ports["kv"] = config.disaggregation.kv_port  # the decode server's KV inbox (ZMQ)
             if len(rp.slots) > 1 and head:
@@ -166,7 +182,11 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_ra
                          data_parallel_start_rank=node_rank * local if node_rank > 0 else None)
     if inf.disaggregation:
         role = "kv_producer" if rp.group == "prefill" else "kv_consumer"
-        server = replace(server, kv_transfer={"kv_connector": inf.disaggregation.kv_connector, "kv_role": role})
+        transfer = {"kv_connector": inf.disaggregation.kv_connector, "kv_role": role}
+        if inf.disaggregation.kv_connector == "ExampleConnector":
+            transfer["kv_connector_extra_config"] = {"shared_storage_path": str(RunDir("{run_dir}").kv_transfer)}
+            server = replace(server, block_size=EXAMPLE_CONNECTOR_BLOCK)
+        server = replace(server, kv_transfer=transfer)
     return server_argv(server)
 
 
@@ -187,6 +207,37 @@ def _router_process(m: Manifest, node: int, servers: list[ProcessSpec], replicas
     return _spec(name="router", role="router", node=node, gpus=[], env=env, ports={"http": port},
                  argv=["{python}", "-m", "primebuild.runtime.inference.router", "--config", "{config}"],
                  health=HealthCheck(kind="http", url=f"http://{{host:{node}}}:{port}/health",
+                                    timeout_s=HEALTH_TIMEOUT_S),
+                 restart=ON_FAILURE, config=config)
+
+
+def _vllm_router_process(m: Manifest, servers: list[ProcessSpec], replicas: int) -> ProcessSpec:
+    """vLLM's P/D router (runtime/inference/vllm/pd_router.py), the orchestrator's one endpoint. It runs in
+    the prefill group, on the first prefill server's node: on a target that allocates every group on its
+    own (a Slurm het-job component), a plan node's address is that of the one group that listens there,
+    and the router then listens on an address its own allocation has."""
+    inf = m.inference
+    heads = [p for p in servers if "http" in p.ports]
+    host = heads[0]  # the first prefill server
+    port = inf.port + replicas  # the first port after the servers'
+
+    def pool(role: str) -> list[VllmPool]:
+        group = inf.groups[role]
+        return [VllmPool(url=f"http://{{host:{p.node}}}:{p.ports['http']}", ranks=group.tp * group.dp)
+                for p in heads if p.role == role]
+
+    example = inf.disaggregation.kv_connector == "ExampleConnector"
+    config = VllmRouterConfig(
+        served_model_name=m.name, host=bind_host(m, host.node), port=port, prefill=pool("prefill"),
+        decode=pool("decode"), kv_storage_path=str(RunDir("{run_dir}").kv_transfer) if example else None,
+        kv_block_size=EXAMPLE_CONNECTOR_BLOCK)
+    env = _base_env(m, [])
+    if m.hardware.gpu == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    return _spec(name="router", role="router", group=host.group, node=host.node, gpus=[], env=env,
+                 ports={"http": port},
+                 argv=["{python}", "-m", "primebuild.runtime.inference.vllm.pd_router", "--config", "{config}"],
+                 health=HealthCheck(kind="http", url=f"http://{{host:{host.node}}}:{port}/health",
                                     timeout_s=HEALTH_TIMEOUT_S),
                  restart=ON_FAILURE, config=config)
 

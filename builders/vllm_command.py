@@ -59,7 +59,8 @@ class VllmServer:
     expert_parallel: bool = False
     quantization: str | None = None  # "fp8_per_block" (online, bf16 checkpoints) or "fp8" (FP8 checkpoints)
     kv_cache_dtype: str | None = None
-    kv_transfer: dict = field(default_factory=dict)  # P/D: {"kv_connector", "kv_role"}
+    kv_transfer: dict = field(default_factory=dict)  # P/D: {"kv_connector", "kv_role", ...}
+    block_size: int | None = None  # tokens per KV block (ExampleConnector moves whole blocks and names them)
 
 
 # The KV connectors vLLM 0.32 registers (vllm/distributed/kv_transfer/kv_connector/factory.py); any other
@@ -100,6 +101,8 @@ def server_argv(s: VllmServer) -> list[str]:
         argv += ["--quantization", s.quantization]
     if s.kv_cache_dtype:
         argv += ["--kv-cache-dtype", s.kv_cache_dtype]
+    if s.block_size is not None:
+        argv += ["--block-size", str(s.block_size)]
     if s.kv_transfer:
         argv += ["--kv-transfer-config", json.dumps(s.kv_transfer, sort_keys=True, separators=(",", ":"))]
     if s.weight_broadcast:

@@ -31,7 +31,7 @@ from primebuild.builders.lock import requests
 from primebuild.builders.plan import compile_plan
 from primebuild.contracts.inference import InferenceServerConfig
 from primebuild.contracts.orchestrator import OrchestratorConfig
-from primebuild.contracts.router import RouterConfig
+from primebuild.contracts.router import RouterConfig, VllmRouterConfig
 from primebuild.contracts.trainer import TrainerConfig
 from primebuild.errors import UserError
 from primebuild.manifest.load import load_manifest
@@ -53,7 +53,7 @@ def check_configs(m: Manifest, plan: dict) -> None:
             assert p["config"] is None and p["environment"] == "vllm"  # vLLM: the argv is the contract
             assert p["argv"][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
             continue
-        cls = CONSUMER[p["role"]]
+        cls = VllmRouterConfig if p["role"] == "router" and m.inference.engine == "vllm" else CONSUMER[p["role"]]
         config = cls.model_validate(p["config"])  # extra="forbid": nothing left over
         assert config.model_dump(mode="json") == p["config"]
     t, o, inf = m.trainer, m.orchestrator, m.inference
@@ -91,6 +91,16 @@ def check_configs(m: Manifest, plan: dict) -> None:
             if p["role"] in ("prefill", "decode"):
                 s = InferenceServerConfig.model_validate(p["config"])
                 assert s.disaggregation.role == p["role"] and (s.disaggregation.kv_port is not None) == (p["role"] == "decode")
+    elif inf.disaggregation:  # vLLM's router, on the first prefill server's node and in its group
+        (router,) = routers
+        r = VllmRouterConfig.model_validate(router["config"])
+        assert c.endpoints == [f"http://{{host:{router['node']}}}:{router['ports']['http']}/v1"]
+        prefill = [p for p in plan["processes"] if p["role"] == "prefill" and "http" in p["ports"]]
+        decode = [p for p in plan["processes"] if p["role"] == "decode" and "http" in p["ports"]]
+        assert [s.url for s in r.prefill] == [f"http://{{host:{p['node']}}}:{p['ports']['http']}" for p in prefill]
+        assert [s.url for s in r.decode] == [f"http://{{host:{p['node']}}}:{p['ports']['http']}" for p in decode]
+        assert (router["node"], router["group"]) == (prefill[0]["node"], prefill[0]["group"])
+        assert (r.kv_storage_path is not None) == (inf.disaggregation.kv_connector == "ExampleConnector")
     else:
         assert not routers and len(c.endpoints) == len(servers)
     heads = [p for p in by_role.get("inference", []) if "http" in p["ports"]]  # one per replica
@@ -518,8 +528,13 @@ for _part, _dims in _PD.items():
 FIELDS["inference.disaggregation.kv_connector"] = [
     Refused(("inference.disaggregation={prefill: {}, decode: {}, kv_connector: NixlConnector}",)),
     Refused(("inference.disaggregation.kv_connector=P2pNcclConnector",), base=GLM5),  # not a vLLM 0.32 connector
-    # vLLM P/D on CPUs: refused, saying why (only a debug connector runs there)
-    Refused((_SPLIT,), base="reverse-text-vllm.yaml", field_path="inference.disaggregation"),
+    # vLLM P/D on CPUs: only ExampleConnector runs there; with it, the router's config names the KV folder
+    Refused((_SPLIT,), base="reverse-text-vllm.yaml"),
+    Reaches(lambda plan: [p["config"]["kv_storage_path"] for p in plan["processes"] if p["role"] == "router"],
+            ("inference.disaggregation={prefill: {}, decode: {}, kv_connector: ExampleConnector}",),
+            ["{run_dir}/kv_transfer"], base="reverse-text-vllm.yaml"),
+    # LMCache's P/D needs a configuration the plan does not write
+    Refused(("inference.disaggregation.kv_connector=LMCacheConnectorV1", "inference.router_replay=false"), base=GLM5),
     Shapes(("inference.disaggregation.kv_connector=NixlConnector", "inference.router_replay=false"), "processes",
            base=GLM5, base_sets=("inference.router_replay=false",))]
 # vLLM's parallel layout of a replica: refused for the embedded engine, shapes the qwen3 design's placement.

@@ -116,12 +116,52 @@ def test_glm5_processes_wire_up(plans):
     assert {arg(t, "--nnodes") for t in trainers} == {"12"}
     assert sorted(int(arg(t, "--node-rank")) for t in trainers) == list(range(12))
     assert {arg(t, "--rdzv-endpoint") for t in trainers} == {f"{{host:{trainers[0]['node']}}}:29500"}
-    # the orchestrator samples from the decode heads (one per replica) and no more
-    orch = procs["orchestrator"]
+    # the orchestrator samples through vLLM's P/D router, which prefills on the 4 prefill servers and decodes on
+    # the 6 decode heads (one per replica); the router runs beside prefill-0, in its group
+    orch, router = procs["orchestrator"], procs["router"]
     assert orch["gpus"] == [] and orch["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert orch["config"]["endpoints"] == [f"http://{{host:{router['node']}}}:{router['ports']['http']}/v1"]
+    assert (router["node"], router["group"], router["gpus"]) == (prefill["node"], "prefill", [])
     heads = [p for p in procs.values() if p["role"] == "decode" and "http" in p["ports"]]
-    assert orch["config"]["endpoints"] == [f"http://{{host:{p['node']}}}:{p['ports']['http']}/v1" for p in heads]
-    assert len(heads) == 6
+    assert [s["url"] for s in router["config"]["decode"]] == [f"http://{{host:{p['node']}}}:{p['ports']['http']}"
+                                                              for p in heads]
+    assert len(heads) == 6 and len(router["config"]["prefill"]) == 4
+    assert [s["ranks"] for s in router["config"]["decode"]] == [16] * 6  # their joins' ranks (tp·dp)
+
+
+def test_vllm_pd_over_nixl_gives_every_server_its_own_side_channel():
+    """NIXL's handshake listens at VLLM_NIXL_SIDE_CHANNEL_PORT + the DP rank, and the prefill's answer sends
+    decode servers there: every DP rank of every server gets a port of its own, on its node's address."""
+    plan = plan_json(MANIFESTS / "glm5.yaml", ["inference.disaggregation.kv_connector=NixlConnector",
+                                               "inference.router_replay=false"])
+    servers = [p for p in plan["processes"] if p["role"] in ("prefill", "decode")]
+    taken: list[int] = []
+    for p in servers:
+        assert p["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == f"{{host:{p['node']}}}"
+        if p["name"].endswith("-n1"):  # a follower node: the same base, its ranks start at 8
+            assert p["ports"]["nixl"] == int(p["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + 8
+            continue
+        dp = 16 if p["role"] == "decode" else 1
+        taken += range(int(p["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]), int(p["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]) + dp)
+    assert len(taken) == len(set(taken)) == 4 + 6 * 16
+    (router,) = [p for p in plan["processes"] if p["role"] == "router"]
+    assert router["config"]["kv_storage_path"] is None  # files are ExampleConnector's only
+
+
+def test_vllm_pd_on_slurm_needs_an_address_per_listening_group():
+    """A het-job gives every group its own allocation: the prefill and decode servers of a one-node CPU plan
+    would both listen on plan node 0 (a located error); on three nodes each has its own, and the router
+    listens beside prefill-0, inside the prefill group's allocation."""
+    from primebuild.errors import UserError
+
+    slurm = "target={kind: slurm}"
+    with pytest.raises(UserError) as err:
+        plan_json(MANIFESTS / "reverse-text-vllm-pd.yaml", [slurm], design=False)
+    (problem,) = err.value.problems
+    assert problem.field == "hardware.nodes" and "decode, prefill" in problem.message and problem.line
+    plan = plan_json(MANIFESTS / "reverse-text-vllm-pd.yaml", [slurm, "hardware.nodes=3"], design=False)
+    where = {p["name"]: (p["group"], p["node"]) for p in plan["processes"]}
+    assert where["prefill-0"] == where["router"] == ("prefill", 0) and where["decode-0"] == ("decode", 1)
 
 
 def test_glm5_memory_and_estimates(plans):

@@ -63,11 +63,13 @@ def test_glm5_is_one_het_job_with_a_component_per_group():
     assert len(components) == 3 and headers.count("#SBATCH hetjob") == 2  # prefill, decode, trainer
     assert components[0].startswith("#SBATCH --nodes=4 ") and "--gres=gpu:8" in components[0]
     assert components[1].startswith("#SBATCH --nodes=12 ") and components[2].startswith("#SBATCH --nodes=12 ")
-    # the orchestrator shares plan node 0 with prefill-0, inside component 0's allocation
-    assert "--ntasks-per-node=2" in components[0]
-    assert text.count("exec srun --het-group=") == 4 + 12 + 12 + 1
+    # the orchestrator and the P/D router share plan node 0 with prefill-0, inside component 0's allocation
+    assert "--ntasks-per-node=3" in components[0]  # prefill-0, the P/D router and the orchestrator
+    assert text.count("exec srun --het-group=") == 4 + 12 + 12 + 1 + 1  # + the P/D router, on prefill-0's node
     orchestrator = _step(text, "orchestrator")
     assert "--het-group=0 " in orchestrator and '"${NODES_0[0]}"' in orchestrator and "--gres=none" in orchestrator
+    router = _step(text, "router")
+    assert "--het-group=0 " in router and '"${NODES_0[0]}"' in router and "--gres=none" in router
     assert "--het-group=2 " in text and "--kill-on-bad-exit=1" in text
     assert "HF_TOKEN" in text and "WANDB_API_KEY" in text  # named …
     assert "SLURM_JOB_NODELIST_HET_GROUP_2" in text and "SLURM_JOB_NODELIST_HET_GROUP_3" not in text
@@ -123,7 +125,7 @@ def test_network_settings_come_from_the_manifest_only():
     assert "NCCL_" not in plain.split("#SBATCH", 1)[1]  # nothing guessed (the header says none is set)
     site = rendered("glm5.yaml", "slurm", "--set", "hardware.network_env={NCCL_SOCKET_IFNAME: ib0, NCCL_IB_HCA: mlx5}")
     exports = [line for line in site.splitlines() if line.strip().startswith("export ")]
-    assert len(exports) == 29 and all("NCCL_IB_HCA=mlx5 NCCL_SOCKET_IFNAME=ib0" in line for line in exports)
+    assert len(exports) == 30 and all("NCCL_IB_HCA=mlx5 NCCL_SOCKET_IFNAME=ib0" in line for line in exports)
     assert "Network settings (hardware.network_env): NCCL_IB_HCA, NCCL_SOCKET_IFNAME" in site
 
 
@@ -267,9 +269,9 @@ def test_glm5_steps_and_pods_run_the_image_by_digest():
     digest = IMAGE[IMAGE.index("--image-digest") + 1]
     sbatch = (GOLDEN / "glm5.sbatch").read_text()
     steps = [line for line in sbatch.splitlines() if line.strip().startswith("exec srun")]
-    assert len(steps) == 29  # 4 prefill + 12 decode + 12 trainer nodes, and the orchestrator
+    assert len(steps) == 30  # 4 prefill + 12 decode + 12 trainer nodes, the P/D router and the orchestrator
     assert all(f"--container-image=registry.example.com#rl/primebuild@{digest}'" in s for s in steps)
-    assert sbatch.count("/usr/bin/python3 -m primebuild.cli worker") == 29
+    assert sbatch.count("/usr/bin/python3 -m primebuild.cli worker") == 30
     images = re.findall(r"^\s+image: (\S+)$", (GOLDEN / "glm5.kubernetes.yaml").read_text(), re.M)
     assert images and set(images) == {f"registry.example.com/rl/primebuild@{digest}"}
     plain = rendered("reverse-text-slurm.yaml", "slurm")  # no image: the nodes' own installation

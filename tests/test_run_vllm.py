@@ -29,7 +29,7 @@ def workspace(tmp_path_factory) -> Path:
     sft = yaml.safe_load((REPO / "manifests" / "reverse-text-sft.yaml").read_text())
     sft["sft"]["steps"], sft["sft"]["warmup_steps"] = 40, 10
     (manifests / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
-    for name in ("reverse-text.yaml", "reverse-text-vllm.yaml"):
+    for name in ("reverse-text.yaml", "reverse-text-vllm.yaml", "reverse-text-vllm-pd.yaml"):
         shutil.copy(REPO / "manifests" / name, manifests / name)
     (root / "store").mkdir()
     return root
@@ -97,3 +97,30 @@ def test_weights_reach_vllm_by_broadcast_every_step(workspace: Path, tmp_path: P
     log = (run_dir / "logs" / "inference-0.log").read_text()
     assert log.count("POST /init_weight_transfer_engine") == 1
     assert log.count("POST /update_weights") >= steps - 1, log[-3000:]
+
+
+@pytest.mark.timeout(1500)  # two vLLM servers start side by side: 4-5 minutes on a shared 2-core machine
+def test_a_pd_run_on_vllm_routes_every_request_and_updates_both_pools(workspace: Path, tmp_path: Path):
+    """reverse-text-vllm-pd: a vLLM prefill server and a vLLM decode server (ExampleConnector) behind the vLLM
+    P/D router, which the orchestrator talks to as to one vLLM server: every step's weights reach both servers
+    (the decode server samples with exactly the trained weights), and the router leaves no KV files behind."""
+    runs = tmp_path / "runs"
+    steps = 3
+    done = subprocess.run(
+        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text-vllm-pd.yaml"),
+         "--runs-dir", str(runs), "--quiet", "--set", f"orchestrator.max_steps={steps}",
+         "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=16",
+         "--set", "orchestrator.eval_prompts=16", "--set", "orchestrator.max_off_policy_steps=0",
+         "--set", f"inference.port={_free_port()}"],
+        capture_output=True, text=True, env=_env(workspace), timeout=1400)
+    (run_dir,) = list(runs.iterdir())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + _logs(runs)
+    assert _trained_steps(run_dir) == list(range(1, steps + 1))
+    rows = _metrics(run_dir)
+    mismatch = [r["value"] for r in rows if r["role"] == "trainer" and r["name"] == "mismatch_kl"]
+    assert len(mismatch) == steps and max(mismatch) < 1e-9, mismatch
+    logs = run_dir / "logs"
+    for server in ("prefill-0", "decode-0"):  # the router fanned every update out to both
+        assert (logs / f"{server}.log").read_text().count("POST /collective_rpc") >= steps - 1
+        assert (logs / f"{server}.log").read_text().count("POST /v1/completions") >= steps  # each sampled
+    assert not any((run_dir / "kv_transfer").glob("*"))

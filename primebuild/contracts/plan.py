@@ -24,7 +24,7 @@ from pydantic import Field
 from primebuild.contracts.base import Contract, parse_contract
 from primebuild.contracts.inference import InferenceServerConfig
 from primebuild.contracts.orchestrator import OrchestratorConfig
-from primebuild.contracts.router import DecodeServer, RouterConfig  # noqa: F401  (DecodeServer: re-export)
+from primebuild.contracts.router import DecodeServer, RouterConfig, VllmRouterConfig  # noqa: F401  (DecodeServer: re-export)
 from primebuild.contracts.sft import SFTConfig
 from primebuild.contracts.trainer import TrainerConfig
 from primebuild.errors import UserError
@@ -40,8 +40,8 @@ START_ORDER: dict[str, int] = {"inference": 0, "prefill": 0, "decode": 0, "route
 HEALTH_TIMEOUT_S = 1800.0  # an inference server loading a large model from a network disk
 PROCESS_HEALTH_TIMEOUT_S = 300.0
 
-ProcessConfig = Annotated[TrainerConfig | OrchestratorConfig | InferenceServerConfig | RouterConfig,
-                          Field(discriminator="kind")]
+ProcessConfig = Annotated[TrainerConfig | OrchestratorConfig | InferenceServerConfig | RouterConfig
+                          | VllmRouterConfig, Field(discriminator="kind")]
 
 
 class HealthCheck(Contract):

@@ -6,6 +6,7 @@
       config/<process>.json  logs/<process>.log         written by the worker and the supervisor
       rollouts/step_000001.pt …                         orchestrator -> trainer (runtime/trainer/batch.py)
       weights/step_000001/ …                            trainer -> inference (filesystem weight sync)
+      kv_transfer/<md5>/ …                              vLLM prefill -> decode servers (P/D, ExampleConnector)
       checkpoints/step_000050/ …                        trainer (resume)
       orchestrator.json                                 orchestrator: held-out rewards before/after
       metrics.jsonl                                     trainer and orchestrator, one line per value
@@ -211,6 +212,12 @@ class RunDir:
     @property
     def weights(self) -> Path:
         return self.root / "weights"
+
+    @property
+    def kv_transfer(self) -> Path:
+        """vLLM P/D with ExampleConnector: the prompts' KV files (prefill -> decode servers), which the P/D
+        router deletes once no request needs them."""
+        return self.root / "kv_transfer"
 
     @property
     def checkpoints(self) -> Path:

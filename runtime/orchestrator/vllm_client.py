@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from primebuild.contracts.completion import CompletionResult
 from primebuild.contracts.inference import BroadcastJoin
-from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
+from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError, VllmUnavailable
 from primebuild.runtime.inference.vllm.completions import adapt_response
 from primebuild.runtime.orchestrator.client import InferenceClient, InferenceUnavailable
 from primebuild.runtime.weight_sync.filesystem import verify
@@ -98,9 +98,9 @@ class VllmClient(InferenceClient):
                 await self.admin.update_weights(version=int(body["version"]), path=body.get("path"),
                                                 source=body.get("source", "folder"), in_flight="resume")
                 return
-            except httpx.TransportError as err:
-                # The server died during the update; its restart comes back on the base weights, so the
-                # whole update is done again once it answers.
+            except (httpx.TransportError, VllmUnavailable) as err:
+                # The server (or, behind a P/D router, one of its servers) died during the update; its
+                # restart comes back on the base weights, so the whole update is done again once it answers.
                 if asyncio.get_running_loop().time() > deadline:
                     raise InferenceUnavailable(f"{self.root}: weight update failed for {self.retry_seconds:.0f} s: "
                                                f"{err}") from err

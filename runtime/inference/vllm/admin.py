@@ -44,6 +44,11 @@ class VllmAdminError(RuntimeError):
     pass
 
 
+class VllmUnavailable(VllmAdminError):
+    """503: a server behind this endpoint is down (the vLLM P/D router's answer while one restarts); the
+    caller retries as it would for a server that does not answer at all."""
+
+
 def parse_policy_version(weight_version: str | None) -> int:
     """vLLM's weight-version string as our integer policy version ("default" = 0, the served start)."""
     if weight_version in (None, "", "default"):
@@ -77,6 +82,8 @@ class VllmAdmin:
     async def _call(self, method: str, path: str, *, json: dict | None = None,
                     params: dict | None = None) -> Any:
         response = await self.http.request(method, path, json=json, params=params)
+        if response.status_code == 503:
+            raise VllmUnavailable(f"{method} {path} answered 503: {response.text[:500]}")
         if response.status_code >= 400:
             raise VllmAdminError(f"{method} {path} answered {response.status_code}: {response.text[:500]}")
         return response.json() if response.content else None

@@ -1,0 +1,401 @@
+"""The P/D router for vLLM: one endpoint in front of vLLM prefill and decode servers that speaks vLLM's own
+API, so the orchestrator's VllmClient talks to it exactly as to one vLLM server.
+
+    python -m primebuild.runtime.inference.vllm.pd_router --config router.json   # a VllmRouterConfig
+
+A sampling request (/v1/completions, /v1/chat/completions) runs in two halves:
+  1. prefill: the client's body with max_tokens 1, n 1, unstreamed, and `kv_transfer_params:
+     {"do_remote_decode": true}` to the least-busy prefill server. Its KV connector keeps the prompt's
+     KV (NIXL pins the blocks; ExampleConnector writes files into the shared storage) and the answer's
+     `kv_transfer_params` say where (NIXL: remote engine, request, blocks, host, port; ExampleConnector:
+     none, its files are found by the prompt's tokens).
+  2. decode: the client's body plus those `kv_transfer_params` to the least-busy decode server, which
+     loads the KV instead of computing it and answers with vLLM's whole contract, passed through.
+
+Policy versions. Every admin call that can change the weights (all but pause, resume, joins and status
+reads) starts a new epoch. A hand-off whose prefill started in an earlier epoch is prefilled again
+before it is decoded, and no half starts while the servers are paused: KV computed by an older policy
+is never continued by a newer one. ExampleConnector's files are named by the prompt's tokens alone and
+a file that exists is never rewritten, so the resume that ends an update first deletes every file (the
+servers are still paused): a decode that vLLM preempted during the update, and re-prefills on resume,
+then computes its prompt on the new weights instead of loading the old KV.
+
+Admin calls (the run's token) go to every server of both pools, prefill first, in the order of the
+config: /pause, /resume, /collective_rpc (the results of all servers, concatenated),
+/reset_prefix_cache, /update_weight_version, /start_weight_update, /update_weights,
+/finish_weight_update, and /init_weight_transfer_engine, where server i joins the trainer's group at
+the given rank offset plus the ranks of the servers before it. Reads: /health (the router's own),
+/weight_info (the lowest version any server holds, 503 until all answer: a fleet partly updated looks
+stale, and is updated again), /is_paused (any), /version and /v1/models (one server's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from primebuild.contracts.router import VllmRouterConfig
+from primebuild.runtime.inference.entrypoint import serve_main
+from primebuild.runtime.inference.protocol import MAX_BODY_BYTES, ApiError
+from primebuild.runtime.inference.router import Pool
+from primebuild.runtime.inference.vllm.admin import parse_policy_version
+from primebuild.runtime.inference.vllm.kv_files import KvFiles
+
+log = logging.getLogger(__name__)
+PREFIX = "primebuild_vllm_router"
+MAX_PREFILLS = 8  # a hand-off overtaken by this many weight updates in a row gives up (503: the client retries)
+FAN_OUT = ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
+           "/start_weight_update", "/update_weights", "/finish_weight_update", "/init_weight_transfer_engine")
+# Admin calls that leave the weights as they are; every other one starts a new epoch.
+KEEPS_WEIGHTS = ("/pause", "/resume", "/init_weight_transfer_engine")
+READ_ONLY_RPCS = ("primebuild_broadcast_status",)
+# What a prefill must not inherit from the client's body: it samples one token, once, unstreamed.
+NOT_FOR_PREFILL = ("stream", "stream_options", "min_tokens", "n", "best_of", "max_tokens", "max_completion_tokens")
+
+
+class Fleet:
+    """What the router knows of the servers' weights: an epoch per weight change, and whether paused."""
+
+    def __init__(self):
+        self.epoch = 0
+        self.running = asyncio.Event()
+        self.running.set()
+        self.changed_while_paused = False
+
+    def pause(self) -> None:
+        self.running.clear()
+        self.changed_while_paused = False
+
+    def weights_changed(self) -> None:
+        self.epoch += 1
+        self.changed_while_paused = True
+
+
+@dataclass
+class Handoff:
+    epoch: int  # the router's epoch when the prefill started
+    result: dict | Response  # the prefill's answer, or the server's error to pass on
+    names: set[str]  # ExampleConnector folders held until the decode is done
+
+
+class Counters:
+    def __init__(self):
+        self.requests = self.failed = self.stale = 0
+        self.prefill_seconds = self.decode_seconds = 0.0
+
+
+def _changes_weights(path: str, body: bytes) -> bool:
+    if path in KEEPS_WEIGHTS:
+        return False
+    if path == "/collective_rpc":
+        try:
+            return json.loads(body or b"{}").get("method") not in READ_ONLY_RPCS
+        except (ValueError, AttributeError):
+            return True
+    return True
+
+
+def _prompts(answer: dict) -> list[list[int]]:
+    """The prompt ids a prefill answer reports (return_token_ids): per choice, or once for a chat."""
+    prompts = [c["prompt_token_ids"] for c in answer.get("choices", []) if c.get("prompt_token_ids")]
+    if not prompts and answer.get("prompt_token_ids"):
+        prompts = [answer["prompt_token_ids"]]
+    return prompts
+
+
+def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
+    prefill = Pool([s.url.rstrip("/") for s in config.prefill])
+    decode = Pool([s.url.rstrip("/") for s in config.decode])
+    every = config.prefill + config.decode
+    urls = [s.url.rstrip("/") for s in every]
+    files = KvFiles(config.kv_storage_path, config.kv_block_size) if config.kv_storage_path else None
+    if files is not None:
+        files.wipe()  # a restarted router: what a former one left is held by no request
+    fleet, counters = Fleet(), Counters()
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=limits)
+    app = FastAPI(title="primebuild vLLM P/D router", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    def authorize(request: Request) -> str:
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if (not admin_token or scheme.lower() != "bearer"
+                or not hmac.compare_digest(given.strip().encode(), admin_token.encode())):
+            raise ApiError(401, "admin calls need 'Authorization: Bearer <admin token>'", code="unauthorized",
+                           kind="authentication_error")
+        return header
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError as err:
+            raise ApiError(400, f"request body is not valid JSON: {str(err)[:200]}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        if "kv_transfer_params" in body:
+            raise ApiError(400, "kv_transfer_params is set by the router, not by clients", param="kv_transfer_params")
+        return body
+
+    async def run_prefill(path: str, body: dict) -> tuple[dict | Response, set[str]]:
+        """The first half; returns the prefill's answer (or the server's error, passed on) and the KV
+        folders the request now holds (ExampleConnector)."""
+        one_token = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
+        one_token.update(max_tokens=1, n=1, stream=False, return_token_ids=True,
+                         kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+        if path.endswith("/chat/completions"):
+            one_token["max_completion_tokens"] = 1
+        p = prefill.pick()
+        prefill.busy[p] += 1
+        if files is not None:
+            files.begin_write()
+        started = time.monotonic()
+        names: set[str] = set()
+        try:
+            answer = await http.post(prefill.urls[p] + path, json=one_token)
+            if answer.status_code != 200:  # the server's own answer (a 400 for a bad request ...)
+                return Response(answer.content, status_code=answer.status_code, media_type="application/json"), names
+            result = answer.json()
+            if files is not None:
+                names = files.names(_prompts(result))
+                files.hold(names)  # before end_write: a folder released meanwhile must not go under it
+            return result, names
+        except httpx.TransportError as err:
+            raise ApiError(503, f"prefill server {prefill.urls[p]} unreachable: {err}") from None
+        finally:
+            prefill.busy[p] -= 1
+            if files is not None:
+                files.end_write()
+            counters.prefill_seconds += time.monotonic() - started
+
+    def release(names: set[str]) -> None:
+        if files is not None and names:
+            files.release(names)
+
+    async def handoff(path: str, body: dict) -> Handoff:
+        """The first half, in the epoch it starts in."""
+        await fleet.running.wait()
+        epoch = fleet.epoch
+        result, names = await run_prefill(path, body)
+        return Handoff(epoch, result, names)
+
+    async def finish(path: str, body: dict, h: Handoff) -> Response:
+        """The second half, after prefilling again while the weights changed since the first."""
+        for _ in range(MAX_PREFILLS):
+            if isinstance(h.result, Response):
+                counters.failed += 1
+                return h.result
+            await fleet.running.wait()
+            if fleet.epoch == h.epoch:
+                break
+            counters.stale += 1  # its KV is an older policy's
+            release(h.names)
+            h = await handoff(path, body)
+        else:
+            release(h.names)
+            counters.failed += 1
+            raise ApiError(503, f"{MAX_PREFILLS} prefills in a row were overtaken by weight updates")
+        result, names = h.result, h.names
+
+        params = result.get("kv_transfer_params")
+        decode_body = {**body, "kv_transfer_params": params} if params else body
+        d = decode.pick()
+        decode.busy[d] += 1
+        started = time.monotonic()
+        try:
+            upstream = await http.send(http.build_request("POST", decode.urls[d] + path, json=decode_body),
+                                       stream=True)
+        except httpx.TransportError as err:
+            decode.busy[d] -= 1
+            release(names)
+            counters.failed += 1
+            raise ApiError(503, f"decode server {decode.urls[d]} unreachable: {err}") from None
+
+        async def done() -> None:
+            await upstream.aclose()
+            decode.busy[d] -= 1
+            release(names)
+            counters.decode_seconds += time.monotonic() - started
+
+        media = upstream.headers.get("content-type", "application/json")
+        if not body.get("stream"):
+            try:
+                content = await upstream.aread()
+            finally:
+                await done()
+            return Response(content, status_code=upstream.status_code, media_type=media)
+        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, media_type=media,
+                                 background=BackgroundTask(done))
+
+    async def disaggregated(request: Request, path: str) -> Response:
+        body = await read_body(request)
+        counters.requests += 1
+        try:
+            first = await handoff(path, body)
+        except ApiError:
+            counters.failed += 1
+            raise
+        return await finish(path, body, first)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await disaggregated(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await disaggregated(request, "/v1/chat/completions")
+
+    async def read_all(path: str) -> list[httpx.Response]:
+        try:
+            return await asyncio.gather(*(http.get(url + path) for url in urls))
+        except httpx.TransportError as err:
+            raise ApiError(503, f"{path}: a server is unreachable: {err}") from None
+
+    @app.get("/health")
+    async def health():
+        # The router itself: on Kubernetes it is a container of prefill-0's pod, whose readiness gates the
+        # decode group's start (JobSet InOrder), so it cannot wait for the decode servers. Whether the
+        # servers answer is what /weight_info tells (503 until all do), which the orchestrator retries.
+        return Response(status_code=200)
+
+    @app.get("/weight_info")
+    async def weight_info():
+        answers = await read_all("/weight_info")
+        if any(a.status_code != 200 for a in answers):
+            raise ApiError(503, "/weight_info: a server did not answer")
+        infos = [a.json() for a in answers]
+        return min(infos, key=lambda i: parse_policy_version(i.get("weight_version")))
+
+    @app.get("/is_paused")
+    async def is_paused():
+        answers = await read_all("/is_paused")
+        if any(a.status_code != 200 for a in answers):
+            raise ApiError(503, "/is_paused: a server did not answer")
+        return {"is_paused": any(a.json().get("is_paused") for a in answers)}
+
+    async def passthrough(url: str, path: str) -> Response:
+        try:
+            answer = await http.get(url + path)
+        except httpx.TransportError as err:
+            raise ApiError(503, f"{url}{path} unreachable: {err}") from None
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
+    @app.get("/version")
+    async def version():
+        return await passthrough(urls[0], "/version")
+
+    @app.get("/v1/models")
+    async def models():
+        return await passthrough(decode.urls[0], "/v1/models")
+
+    def bodies_for(path: str, raw: bytes) -> list[bytes]:
+        """The body each server gets: the same, except a join, where each server takes its own ranks."""
+        if path != "/init_weight_transfer_engine":
+            return [raw] * len(every)
+        try:
+            body = json.loads(raw)
+            offset = int(body["init_info"]["rank_offset"])
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(400, "init_info.rank_offset: an integer is required", param="init_info") from None
+        out = []
+        for server in every:
+            out.append(json.dumps({**body, "init_info": {**body["init_info"], "rank_offset": offset}}).encode())
+            offset += server.ranks
+        return out
+
+    async def admin(request: Request, path: str):
+        header = authorize(request)
+        raw = await request.body() or b"{}"
+        if path == "/pause":
+            fleet.pause()  # before the servers pause: no hand-off starts a half from now on
+        elif _changes_weights(path, raw):
+            fleet.weights_changed()
+        elif path == "/resume" and files is not None and fleet.changed_while_paused:
+            files.wipe()  # every server is still paused: no KV file is being read or written
+        headers = {"authorization": header, "content-type": "application/json"}
+        query = request.url.query
+        try:
+            answers = await asyncio.gather(*(
+                http.post(url + path + (f"?{query}" if query else ""), headers=headers, content=body)
+                for url, body in zip(urls, bodies_for(path, raw), strict=True)))
+        except httpx.TransportError as err:
+            raise ApiError(503, f"{path}: a server is unreachable: {err}") from None
+        if path == "/resume" and all(a.status_code == 200 for a in answers):
+            fleet.running.set()
+        failed = [(url, a) for url, a in zip(urls, answers, strict=True) if a.status_code != 200]
+        if failed:
+            url, worst = failed[0]
+            raise ApiError(worst.status_code, f"{path} failed on {len(failed)} of {len(urls)} servers; "
+                           f"{url}: {worst.text[:300]}")
+        if path == "/collective_rpc":
+            return {"results": [r for a in answers for r in a.json()["results"]]}
+        return Response(answers[0].content, status_code=200, media_type="application/json")
+
+    for path in FAN_OUT:
+        app.add_api_route(path, _admin_route(admin, path), methods=["POST"])
+
+    @app.get("/metrics")
+    async def metrics():
+        lines = []
+        for name, kind, text, value in (
+                ("requests_total", "counter", "Requests routed through prefill then decode.", counters.requests),
+                ("requests_failed_total", "counter", "Requests a prefill or decode server failed.", counters.failed),
+                ("stale_prefills_total", "counter", "Prefills redone because the weights changed before decode.",
+                 counters.stale),
+                ("epoch", "gauge", "Weight changes the router has forwarded.", fleet.epoch),
+                ("kv_folders", "gauge", "ExampleConnector KV folders in the shared storage.",
+                 files.folders() if files else 0),
+                ("kv_folders_deleted_total", "counter", "ExampleConnector KV folders deleted.",
+                 files.deleted if files else 0),
+                ("prefill_seconds_total", "counter", "Seconds in prefill requests.", counters.prefill_seconds),
+                ("decode_seconds_total", "counter", "Seconds in decode requests.", counters.decode_seconds)):
+            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} {kind}", f"{PREFIX}_{name} {value}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.state.fleet, app.state.counters, app.state.kv_files = fleet, counters, files
+    app.state.handoff, app.state.finish, app.state.close = handoff, finish, http.aclose  # the halves, for tests
+    return app
+
+
+def _admin_route(admin, path: str):
+    async def route(request: Request):
+        return await admin(request, path)
+    route.__name__ = "admin" + path.replace("/", "_")
+    return route
+
+
+def serve(config: VllmRouterConfig) -> None:
+    import uvicorn
+
+    admin_token = os.environ.get(config.admin_token_env) or None
+    if admin_token is None:
+        log.warning("environment variable %s is not set: admin calls will be refused", config.admin_token_env)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream request: two per sample
+    uvicorn.run(create_router(config, admin_token), host=config.host, port=config.port, log_level="info")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve_main(argv, prog="python -m primebuild.runtime.inference.vllm.pd_router",
+                      config_class=VllmRouterConfig, serve=serve,
+                      description="Route vLLM requests through prefill then decode servers.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
