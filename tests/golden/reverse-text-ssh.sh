@@ -5,7 +5,8 @@
 # this shell's environment when it runs (never written here). Run it where the run folder is
 # (a filesystem every host sees): the processes start in the plan's start order, each order once
 # the previous one is healthy; a process that fails is restarted as its restart policy allows,
-# otherwise every process is stopped (fail fast). Logs go to RUN_DIR/logs/NAME.log.
+# otherwise every process is stopped (fail fast). Logs go to RUN_DIR/logs/NAME.log. The workers read
+# RUN_DIR/plan.json and RUN_DIR/rendezvous.json (hosts, model folder, vLLM's python), as `run` writes them.
 set -uo pipefail
 : "${PRIMEBUILD_ADMIN_TOKEN:?set the run admin token}"
 command -v curl >/dev/null || { echo "ssh.sh: curl is needed for the health checks" >&2; exit 2; }
