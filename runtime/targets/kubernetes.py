@@ -4,7 +4,8 @@
   `run` refuses and says to `primebuild render --target kubernetes` and apply by hand;
 - launch: the rendezvous (the pods' DNS names) into the run folder, a Secret `<name>-admin` with a fresh
   admin token (created through the API, never rendered), then every object of
-  builders/render/kubernetes.py (ConfigMap, Service, LeaderWorkerSets, JobSet);
+  builders/render/kubernetes.py (ConfigMap, Service, JobSet), its pods running the image `run --image`
+  names (recorded in the run; default primebuild:latest);
 - follow: poll the JobSet's conditions (Completed / Failed) and print the progress lines from the run
   folder (metrics.jsonl, on the shared volume); at the end copy each pod's log into logs/;
 - stop: delete what was applied (Kubernetes stops the pods);
@@ -20,7 +21,7 @@ import secrets
 import sys
 import time
 
-from primebuild.builders.render.kubernetes import JOBSET_API, LWS_API, _Renderer
+from primebuild.builders.render.kubernetes import JOBSET_API, _Renderer
 from primebuild.contracts.plan import Plan, read_plan
 from primebuild.contracts.render import RenderContext
 from primebuild.contracts.run_dir import LaunchRecord, Rendezvous, RunDir, write_json_atomic
@@ -63,14 +64,14 @@ class KubernetesTarget(Target):
         _client()
 
     def _renderer(self, run: RunDir, plan: Plan) -> _Renderer:
-        model_path = run.read_json(run.run_record).get("model_path", "{model_path}")
-        return _Renderer(plan, RenderContext(run_dir=str(run.root), python="python3", model_path=model_path))
+        record = run.read_json(run.run_record)
+        return _Renderer(plan, RenderContext(run_dir=str(run.root), python="python3", image=record.get("image"),
+                                             model_path=record.get("model_path", "{model_path}")))
 
     def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
         client = _client()
         renderer = self._renderer(run, plan)
-        write_json_atomic(run.rendezvous, Rendezvous(hosts=renderer.hosts(), model_path=renderer.ctx.model_path)
-                          .model_dump(mode="json"))
+        write_json_atomic(run.rendezvous, Rendezvous(**renderer.rendezvous()).model_dump(mode="json"))
         core, custom = client.CoreV1Api(), client.CustomObjectsApi()
         ns = renderer.namespace
         token = client.V1Secret(metadata=client.V1ObjectMeta(name=f"{renderer.name}-admin"),
@@ -84,9 +85,8 @@ class KubernetesTarget(Target):
             elif kind == "Service":
                 core.create_namespaced_service(ns, obj)
             else:
-                group, version = _group_version(obj["apiVersion"])
-                plural = {JOBSET_API: "jobsets", LWS_API: "leaderworkersets"}[obj["apiVersion"]]
-                custom.create_namespaced_custom_object(group, version, ns, plural, obj)
+                group, version = _group_version(JOBSET_API)
+                custom.create_namespaced_custom_object(group, version, ns, "jobsets", obj)
             applied.append(f"{kind}/{name}")
             echo(f"applied {kind}/{name} in namespace {ns}")
         return LaunchRecord(target=self.kind, namespace=ns, objects=applied)
@@ -119,7 +119,7 @@ class KubernetesTarget(Target):
         self._collect_logs(run, record)
         progress.poll()
         if state and state.startswith("Completed"):
-            self.stop(run, record)  # inference servers (and LeaderWorkerSets) run until deleted
+            self.stop(run, record)  # inference servers run until deleted
             return Outcome(True, "run complete", 0)
         return Outcome(False, f"JobSet {state or 'deleted'}; see {run.logs}", 1)
 
@@ -155,9 +155,8 @@ class KubernetesTarget(Target):
                 elif kind == "Service":
                     core.delete_namespaced_service(name, ns)
                 else:
-                    api = JOBSET_API if kind == "JobSet" else LWS_API
-                    group, version = _group_version(api)
-                    custom.delete_namespaced_custom_object(group, version, ns, kind.lower() + "s", name,
+                    group, version = _group_version(JOBSET_API)
+                    custom.delete_namespaced_custom_object(group, version, ns, "jobsets", name,
                                                            propagation_policy="Foreground")
                 deleted.append(ref)
             except client.exceptions.ApiException as err:

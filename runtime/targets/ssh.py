@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from primebuild.builders.render.ssh import host_of, remote_command, remote_python, shell_path
+from primebuild.builders.render.ssh import host_of, remote_command, remote_python, shell_path, signal_command
 from primebuild.contracts.plan import Plan, ProcessSpec, read_plan
 from primebuild.contracts.run_dir import LaunchRecord, RunDir, single_host_or
 from primebuild.errors import UserError
@@ -137,9 +137,7 @@ class SshLauncher:
             time.sleep(0.2)
 
     def signal_group(self, spec: ProcessSpec, pgid: int, sig: str) -> None:
-        marker = shlex.quote(f"PRIMEBUILD_RUN_DIR={self.run.root}")
-        command = (f"if tr '\\0' '\\n' < /proc/{pgid}/environ 2>/dev/null | grep -qxF -- {marker}; then "
-                   f"kill -{sig} -- -{pgid}; fi")
+        command = signal_command(str(self.run.root), str(pgid), sig)
         self.connection(host_of(self.plan, spec)).run(command, hide=True, warn=True, timeout=30)
 
 
