@@ -462,8 +462,7 @@ FIELDS: dict[str, list] = {
                          # the next server's workers follow the first's: dp=2 on CPU, two replicas
                          Reaches(config_of(O, "weight_broadcast.1.rank"),
                                  ("weight_sync.mode=broadcast", "inference.engine=vllm", "inference.dp=2",
-                                  "inference.replicas=2"), 3),
-                         Refused(("weight_sync.mode=broadcast",), base=GLM5)],  # a P/D pair
+                                  "inference.replicas=2"), 3)],
     "weight_sync.port": [Reaches(config_of(T, "weight_sync.init_method"),
                                  ("weight_sync.mode=broadcast", "weight_sync.port=29700"), "tcp://{host:0}:29700"),
                          Refused(("weight_sync.port=29700",))],

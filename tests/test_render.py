@@ -65,14 +65,14 @@ def test_glm5_is_one_het_job_with_a_component_per_group():
     assert "--gres" not in components[3]
     assert text.count("exec srun --het-group=") == 4 + 12 + 12 + 1
     assert "--het-group=2 " in text and "--kill-on-bad-exit=1" in text
-    assert "DESIGN STUDY, NOT RUNNABLE" in text and "weight_sync.mode" in text  # rendered, but marked
+    assert "DESIGN STUDY, NOT RUNNABLE" in text and "inference.disaggregation" in text  # rendered, but marked
     assert "HF_TOKEN" in text and "WANDB_API_KEY" in text  # named …
     assert "SLURM_JOB_NODELIST_HET_GROUP_3" in text
 
 
 def test_run_refuses_what_render_marks_not_runnable(tmp_path):
     result = run_cli("run", MANIFESTS / "glm5.yaml", "--runs-dir", tmp_path, timeout=60)
-    assert result.code == 2 and "weight_sync.mode" in result.err and "Traceback" not in result.err
+    assert result.code == 2 and "inference.disaggregation" in result.err and "Traceback" not in result.err
     assert not any(tmp_path.iterdir())
 
 
