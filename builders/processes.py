@@ -12,7 +12,7 @@ from dataclasses import replace
 from primebuild.builders.placement import Placement, ReplicaPlacement, Slot
 from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
 from primebuild.contracts.inference import BroadcastJoin, DisaggregationRole, InferenceServerConfig
-from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig
+from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig, ServerJoin
 from primebuild.contracts.plan import HEALTH_TIMEOUT_S, START_ORDER, HealthCheck, ProcessSpec, RestartPolicy
 from primebuild.contracts.router import DecodeServer, RouterConfig, VllmPool, VllmRouterConfig
 from primebuild.contracts.run_dir import RunDir
@@ -50,7 +50,8 @@ def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ..
     heads = [rp for rp in placement.inference]  # one HTTP server per replica, on its first node
     broadcast = m.weight_sync.mode == "broadcast"
     init_method = f"tcp://{{host:{placement.trainer[0].node}}}:{m.weight_sync.port}"
-    world = 1 + len(heads)  # trainer rank 0 sends; every server head receives
+    first_ranks = weight_group_ranks(m, placement.inference)
+    world = first_ranks[-1]  # trainer rank 0 sends; every worker of every server receives
     processes = _inference_processes(m, placement.inference, init_method if broadcast else None, world,
                                      checkpoint_quantized)
     if m.inference.disaggregation and m.inference.engine == "embedded":
@@ -59,8 +60,25 @@ def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ..
         processes.append(_vllm_router_process(m, processes, len(heads)))
     sync = BroadcastSync(init_method=init_method, world_size=world) if broadcast else FilesystemSync()
     processes += _trainer_processes(m, placement.trainer, sync)
-    processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers, sync))
+    processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers, sync, first_ranks))
     return processes
+
+
+def receiving_workers(m: Manifest, rp: ReplicaPlacement) -> int:
+    """The workers of one inference server that receive a weight broadcast: every vLLM worker (tp x dp
+    of its replica, all engine cores) holds a full copy or a shard and joins with a rank of its own;
+    an embedded server is one process."""
+    group = m.inference.groups[rp.group]
+    return group.tp * group.dp if m.inference.engine == "vllm" else 1
+
+
+def weight_group_ranks(m: Manifest, replicas: tuple[ReplicaPlacement, ...]) -> list[int]:
+    """The first rank of each server in the trainer's weight group, and (last) the group's size: rank 0
+    is the trainer's sender, then the servers' workers in plan order (P/D: prefill, then decode)."""
+    ranks = [1]
+    for rp in replicas:
+        ranks.append(ranks[-1] + receiving_workers(m, rp))
+    return ranks
 
 
 def _spec(*, name: str, role: str, node: int, gpus, argv, env, ports=None, health=ALIVE, restart=NEVER,
@@ -125,7 +143,12 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                 env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB if m.hardware.gpu == "cpu" else None,
                                       routed_experts=inf.router_replay))
                 if m.hardware.gpu == "cpu":
-                    env["OMP_NUM_THREADS"] = str(inf.threads or _threads(m, 2))
+                    workers = receiving_workers(m, rp)
+                    env["OMP_NUM_THREADS"] = str(max(1, (inf.threads or _threads(m, 2)) // workers))
+                    if workers > 1:
+                        # vllm-cpu's automatic binding pins every engine core of a data-parallel server
+                        # to the same first core of the NUMA node (measured: dp=2, core ids [0] twice)
+                        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             ports = {"http": port} if head else {}
             if inf.engine == "vllm" and inf.disaggregation and inf.disaggregation.kv_connector in NIXL_CONNECTORS:
                 # vLLM's NIXL handshake listens at this port + the DP rank; the prefill's answer names host
@@ -311,15 +334,27 @@ def trainer_loss(loss: DppoKl | Aipo | Grpo | Cispo):
 # --- orchestrator ------------------------------------------------------------------------------------------
 
 
+def _vllm_joins(m: Manifest, processes: list[ProcessSpec], endpoints: list[ProcessSpec],
+                sync: BroadcastSync | FilesystemSync, first_ranks: list[int]) -> list[ServerJoin]:
+    """vLLM servers join the weight group when the orchestrator asks: every server (each pool of a P/D
+    split too), its workers from its first rank on. A server reached through a router (P/D) serves the
+    router's endpoint."""
+    if sync.mode != "broadcast" or m.inference.engine != "vllm":
+        return []
+    heads = [p for p in processes if "http" in p.ports and p.role in ("inference", "prefill", "decode")]
+    return [ServerJoin(init_method=sync.init_method, rank=first, world_size=sync.world_size,
+                       workers=after - first, url=f"http://{{host:{p.node}}}:{p.ports['http']}",
+                       endpoint=endpoints.index(p) if p in endpoints else 0)
+            for p, first, after in zip(heads, first_ranks[:-1], first_ranks[1:], strict=True)]
+
+
 def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec], moe_layers: tuple[int, ...],
-                          sync: BroadcastSync | FilesystemSync) -> ProcessSpec:
+                          sync: BroadcastSync | FilesystemSync, first_ranks: list[int]) -> ProcessSpec:
     o = m.orchestrator
     # P/D: requests go to the router, which sends each through a prefill and a decode server.
     samplers = [p for p in processes if "http" in p.ports and p.role in ("inference", "decode")]
     servers = [p for p in processes if p.role == "router"] or samplers
-    # vLLM servers join the weight group when the orchestrator asks, as the ranks the embedded ones take
-    joins = [BroadcastJoin(init_method=sync.init_method, rank=1 + i, world_size=sync.world_size)
-             for i in range(len(servers))] if sync.mode == "broadcast" and m.inference.engine == "vllm" else []
+    joins = _vllm_joins(m, processes, servers, sync, first_ranks)
     config = OrchestratorConfig(
         run_dir="{run_dir}", model_path="{model_path}", served_model_name=m.name, seq_len=o.seq_len,
         endpoints=[f"http://{{host:{p.node}}}:{p.ports['http']}/v1" for p in servers],

@@ -15,7 +15,8 @@ Flags we always add, and why:
 - ``--logprobs-mode processed_logprobs``: the log-prob of a sampled token is taken from the distribution
   it was drawn from (after temperature / top-k / top-p), as our embedded engine reports it.
 - ``--worker-extension-cls``: registers our broadcast weight-transfer engine in the worker (see
-  worker_extension.py), and ``--middleware``: the admin token on the RL endpoints (admin_auth.py).
+  worker_extension.py), and ``--middleware``: the admin token on the RL endpoints (admin_auth.py);
+  with weight broadcast also the route that reports every worker's receiver (broadcast_status.py).
 - ``VLLM_SERVER_DEV_MODE=1``: vLLM mounts its RL endpoints (/pause, /update_weights, ...) and
   /collective_rpc only in this mode.
 """
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 MODULE = "vllm.entrypoints.openai.api_server"
 WORKER_EXTENSION = "primebuild.runtime.inference.vllm.worker_extension.PrimebuildWorkerExtension"
 ADMIN_MIDDLEWARE = "primebuild.runtime.inference.vllm.admin_auth.AdminTokenMiddleware"
+BROADCAST_STATUS_MIDDLEWARE = "primebuild.runtime.inference.vllm.broadcast_status.BroadcastStatusRoute"
 BROADCAST_BACKEND = "primebuild_broadcast"  # worker_extension.BROADCAST_BACKEND (that module needs vllm)
 
 
@@ -79,7 +81,10 @@ def server_argv(s: VllmServer) -> list[str]:
     argv = [s.python, "-m", MODULE, "--model", s.model_path, "--served-model-name", s.served_model_name,
             "--host", s.host, "--port", str(s.port), "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
             "--seed", str(s.seed), "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
-            "--worker-extension-cls", WORKER_EXTENSION, "--middleware", ADMIN_MIDDLEWARE]
+            "--worker-extension-cls", WORKER_EXTENSION]
+    if s.weight_broadcast:  # before the admin token's: vLLM runs the last-listed middleware first
+        argv += ["--middleware", BROADCAST_STATUS_MIDDLEWARE]
+    argv += ["--middleware", ADMIN_MIDDLEWARE]
     if s.max_num_seqs is not None:
         argv += ["--max-num-seqs", str(s.max_num_seqs)]
     if s.enforce_eager:

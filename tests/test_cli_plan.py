@@ -59,7 +59,7 @@ def test_other_shipped_manifests_plan(name, capsys):
     assert plan["fits"] and plan["runnable"] and plan["plan_hash"] == plan_hash(plan)
 
 
-@pytest.mark.parametrize("name, refused_field", [("glm5", "weight_sync.mode"), ("qwen3-30b-a3b", "environments[0].id")])
+@pytest.mark.parametrize("name, refused_field", [("glm5", "inference.disaggregation"), ("qwen3-30b-a3b", "environments[0].id")])
 def test_a_plan_that_claims_unbuilt_backends_is_a_located_error(name, refused_field, capsys):
     result = call_cli(capsys, "plan", str(MANIFESTS / f"{name}.yaml"), "-o", "json")
     assert result.code == 2 and result.out == ""

@@ -472,7 +472,10 @@ FIELDS: dict[str, list] = {
                          # vLLM servers are asked to join by the orchestrator, as rank 1 (one server here)
                          Reaches(config_of(O, "weight_broadcast.0.rank"),
                                  ("weight_sync.mode=broadcast", "inference.engine=vllm"), 1),
-                         Refused(("weight_sync.mode=broadcast",), base=GLM5)],  # 16 workers per server
+                         # the next server's workers follow the first's: dp=2 on CPU, two replicas
+                         Reaches(config_of(O, "weight_broadcast.1.rank"),
+                                 ("weight_sync.mode=broadcast", "inference.engine=vllm", "inference.dp=2",
+                                  "inference.replicas=2"), 3)],
     "weight_sync.port": [Reaches(config_of(T, "weight_sync.init_method"),
                                  ("weight_sync.mode=broadcast", "weight_sync.port=29700"), "tcp://{host:0}:29700"),
                          Refused(("weight_sync.port=29700",))],
@@ -719,12 +722,12 @@ def test_hand_written_configs_with_this_stops_fields_are_refused_by_the_process(
     rank, are checked by the processes too (a clean error naming the file, exit 2, no traceback)."""
     plan = compile_json(scratch_folder_for(tmp_path), RL, ())
     orchestrator = process(plan, "orchestrator")["config"]
-    join = {"init_method": "tcp://127.0.0.1:29500", "rank": 1, "world_size": 2}
+    join = {"init_method": "tcp://127.0.0.1:29500", "rank": 1, "world_size": 2, "url": "http://127.0.0.1:8000"}
     cases = [
         ("primebuild.runtime.orchestrator.main", dict(orchestrator, max_requests_per_endpoint=0),
          "max_requests_per_endpoint: Input should be greater than or equal to 1"),
         ("primebuild.runtime.orchestrator.main", dict(orchestrator, weight_broadcast=[join, join]),
-         "weight_broadcast: 2 joins for 1 endpoints"),
+         "weight_broadcast: http://127.0.0.1:8000 starts at rank 1, expected 2"),
         ("primebuild.runtime.trainer.main", dict(process(plan, "trainer")["config"], optimizer_cpu_offload=True),
          "optimizer_cpu_offload needs FSDP: at least 2 trainer ranks"),
     ]

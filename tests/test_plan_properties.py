@@ -164,6 +164,12 @@ def check_plan(plan: dict, doc: dict) -> None:
     for node in plan["nodes"]:
         ports = [v for p in plan["processes"] if p["node"] == node["index"] for v in p["ports"].values()]
         assert len(ports) == len(set(ports)), f"port clash on node {node['index']}"
+    joins = next(p for p in plan["processes"] if p["role"] == "orchestrator")["config"]["weight_broadcast"]
+    if joins:  # vLLM + broadcast: every server joins, each worker with a rank of its own after the sender's 0
+        heads = [p for p in plan["processes"] if "http" in p["ports"] and p["role"] in ("inference", "prefill", "decode")]
+        assert [j["url"].rsplit(":", 1)[1] for j in joins] == [str(p["ports"]["http"]) for p in heads]
+        sync = next(p for p in plan["processes"] if p["role"] == "trainer")["config"]["weight_sync"]
+        assert sync["world_size"] == 1 + sum(j["workers"] for j in joins) == joins[0]["world_size"]
 
 
 @SETTINGS

@@ -124,3 +124,32 @@ def test_a_pd_run_on_vllm_routes_every_request_and_updates_both_pools(workspace:
         assert (logs / f"{server}.log").read_text().count("POST /collective_rpc") >= steps - 1
         assert (logs / f"{server}.log").read_text().count("POST /v1/completions") >= steps  # each sampled
     assert not any((run_dir / "kv_transfer").glob("*"))
+
+
+def test_weights_reach_every_worker_of_a_data_parallel_vllm_server(workspace: Path, tmp_path: Path):
+    """inference.dp=2 with broadcast weight sync: one vLLM server with two engine cores, whose two workers
+    join the trainer's group as ranks 1 and 2 (world 3); every step both load the new weights before the
+    server takes the version, and the requests both cores answer sample exactly the trained policy."""
+    runs = tmp_path / "runs"
+    steps = 3
+    done = subprocess.run(
+        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text-vllm.yaml"),
+         "--runs-dir", str(runs), "--quiet", "--set", f"orchestrator.max_steps={steps}",
+         "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=32",
+         "--set", "orchestrator.eval_prompts=40", "--set", "orchestrator.max_off_policy_steps=0",
+         "--set", "inference.dp=2", "--set", "weight_sync.mode=broadcast",
+         "--set", f"weight_sync.port={_free_port()}", "--set", f"inference.port={_free_port()}"],
+        capture_output=True, text=True, env=_env(workspace), timeout=850)
+    (run_dir,) = list(runs.iterdir())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + _logs(runs)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    (joins,) = [p["config"]["weight_broadcast"] for p in plan["processes"] if p["role"] == "orchestrator"]
+    assert [(j["rank"], j["workers"], j["world_size"]) for j in joins] == [(1, 2, 3)]
+    assert _trained_steps(run_dir) == list(range(1, steps + 1))
+    rows = _metrics(run_dir)
+    mismatch = [r["value"] for r in rows if r["role"] == "trainer" and r["name"] == "mismatch_kl"]
+    assert len(mismatch) == steps and max(mismatch) < 1e-9, mismatch
+    assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == steps
+    log = (run_dir / "logs" / "inference-0.log").read_text()
+    assert "EngineCore_DP1" in log and log.count("POST /init_weight_transfer_engine") == 1
+    assert log.count("POST /primebuild/broadcast_status") >= steps, log[-3000:]

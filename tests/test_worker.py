@@ -76,3 +76,33 @@ def test_a_plan_that_does_not_type_check_is_a_located_error(run: RunDir):
 def test_an_unknown_process_names_the_known_ones(run: RunDir):
     with pytest.raises(UserError, match="known processes: inference-0, trainer, orchestrator"):
         worker.prepare(worker.read_plan(run.plan), "decode-7", run)
+
+
+def test_vllm_weight_group_joins_resolve_to_each_servers_address(tmp_path: Path):
+    """vLLM + broadcast, two dp=2 servers: each join names its server at the node's address, and the
+    workers' rank blocks follow the sender's rank 0 (1-2, 3-4 of a group of 5)."""
+    sets = ["weight_sync.mode=broadcast", "inference.engine=vllm", "inference.dp=2", "inference.replicas=2"]
+    plan = compile_plan(load_manifest(MANIFESTS / "reverse-text.yaml", sets))
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.plan.write_text(render_json(plan))
+    run.rendezvous.write_text(Rendezvous(hosts=["10.0.0.7"], model_path="/models/tiny").model_dump_json())
+    worker.prepare(worker.read_plan(run.plan), "orchestrator", run)
+    joins = json.loads(run.config("orchestrator").read_text())["weight_broadcast"]
+    assert [(j["url"], j["rank"], j["workers"], j["world_size"], j["endpoint"]) for j in joins] == [
+        ("http://10.0.0.7:8000", 1, 2, 5, 0), ("http://10.0.0.7:8001", 3, 2, 5, 1)]
+    worker.prepare(worker.read_plan(run.plan), "trainer", run)
+    assert json.loads(run.config("trainer").read_text())["weight_sync"]["world_size"] == 5
+
+
+def test_glm5_weight_group_lists_every_prefill_and_decode_worker():
+    """P/D + broadcast: every server of both pools joins, prefill servers first (4 x tp8), then decode
+    (6 x dp16, each over 2 nodes); the trainer's group holds rank 0 and all 128 workers."""
+    plan = compile_plan(load_manifest(MANIFESTS / "glm5.yaml"), design=True)
+    joins = plan.process("orchestrator").config.weight_broadcast
+    assert [(j.rank, j.workers) for j in joins] == [(1 + 8 * i, 8) for i in range(4)] + [
+        (33 + 16 * i, 16) for i in range(6)]
+    assert {j.world_size for j in joins} == {129} == {plan.process("trainer-n0").config.weight_sync.world_size}
+    # behind a P/D router every server serves its one endpoint; without one, a decode server is its own
+    endpoints = plan.process("orchestrator").config.endpoints
+    assert all(len(endpoints) == 1 or endpoints[j.endpoint] == j.url + "/v1" for j in joins[4:])

@@ -65,8 +65,9 @@ class VllmServer:
     """One vLLM OpenAI server process (own process group, so teardown reaches its engine and worker)."""
 
     def __init__(self, model: Path, log_path: Path, *, admin_token: str, served_model_name: str = "tiny",
-                 weight_broadcast: bool = False, max_model_len: int = 128, kv_transfer: dict | None = None,
-                 block_size: int | None = None):
+                 weight_broadcast: bool = False, max_model_len: int = 128, data_parallel: int = 1,
+                 tensor_parallel: int = 1, kv_transfer: dict | None = None, block_size: int | None = None,
+                 extra_argv: tuple[str, ...] = ()):
         from primebuild.builders.vllm_command import VllmServer, server_argv, with_env
 
         self.port = free_port()
@@ -77,8 +78,12 @@ class VllmServer:
         argv = server_argv(VllmServer(python=str(vllm_python()), model_path=str(model), port=self.port,
                                       served_model_name=served_model_name, max_model_len=max_model_len,
                                       max_num_seqs=16, weight_broadcast=weight_broadcast,
-                                      kv_transfer=kv_transfer or {}, block_size=block_size))
+                                      data_parallel=data_parallel, data_parallel_local=data_parallel,
+                                      tensor_parallel=tensor_parallel,
+                                      kv_transfer=kv_transfer or {}, block_size=block_size)) + list(extra_argv)
         env = with_env({**os.environ, "PRIMEBUILD_ADMIN_TOKEN": admin_token}, cpu_kv_cache_gib=1)
+        if data_parallel * tensor_parallel > 1:  # as the plan starts them (builders/processes.py): unpinned
+            env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
         self._log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=log_path.parent)

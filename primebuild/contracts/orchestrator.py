@@ -18,6 +18,16 @@ class EnvironmentConfig(Contract):
     weight: float = Field(1.0, gt=0)  # share of each step's prompts (largest-remainder split)
 
 
+class ServerJoin(BroadcastJoin):
+    """One vLLM server of the trainer's weight group. Its workers (tp x dp, every engine core of the
+    server) take ranks ``rank .. rank + workers - 1``; the plan lays the servers out one after another
+    from rank 1 (rank 0 is the trainer's sender)."""
+
+    url: str  # the server itself, http://HOST:PORT -- also when a P/D router is the endpoint it serves
+    workers: int = Field(1, ge=1)
+    endpoint: int = Field(0, ge=0)  # the index in `endpoints` whose requests reach this server
+
+
 class OrchestratorConfig(Contract):
     kind: Literal["orchestrator"] = "orchestrator"
     run_dir: str
@@ -27,9 +37,9 @@ class OrchestratorConfig(Contract):
     # Sampling requests in flight per endpoint at most: what its servers run at once (max_num_seqs each);
     # more would only wait in the server's queue, and cost the client (bench/RESULTS.md, P10).
     max_requests_per_endpoint: int = Field(256, ge=1)
-    # vLLM with weight_sync broadcast: each endpoint's server is asked to join the trainer's weight group
-    # (vLLM's /init_weight_transfer_engine) as this rank; embedded servers join from their own config.
-    weight_broadcast: list[BroadcastJoin] = Field(default_factory=list)
+    # vLLM with weight_sync broadcast: every server (both pools of a P/D split) is asked to join the
+    # trainer's weight group (vLLM's /init_weight_transfer_engine); embedded servers join from their own config.
+    weight_broadcast: list[ServerJoin] = Field(default_factory=list)
     environments: list[EnvironmentConfig] = Field(min_length=1)
     seed: int = 0
 
@@ -57,9 +67,22 @@ class OrchestratorConfig(Contract):
     moe_layers: list[int] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _one_join_per_endpoint(self) -> OrchestratorConfig:
-        if self.weight_broadcast and len(self.weight_broadcast) != len(self.endpoints):
-            raise ValueError(f"weight_broadcast: {len(self.weight_broadcast)} joins for {len(self.endpoints)} endpoints")
+    def _joins_tile_the_group(self) -> OrchestratorConfig:
+        """The joins' rank blocks follow one another from rank 1 and fill the group, and every endpoint
+        has a server that receives: otherwise the trainer's sender would wait for a rank nobody takes."""
+        if not self.weight_broadcast:
+            return self
+        rank = 1
+        for join in sorted(self.weight_broadcast, key=lambda j: j.rank):
+            if join.rank != rank:
+                raise ValueError(f"weight_broadcast: {join.url} starts at rank {join.rank}, expected {rank}")
+            rank += join.workers
+        worlds = {j.world_size for j in self.weight_broadcast}
+        if worlds != {rank}:
+            raise ValueError(f"weight_broadcast: world_size {sorted(worlds)} for ranks 0..{rank - 1}")
+        served = {j.endpoint for j in self.weight_broadcast}
+        if served != set(range(len(self.endpoints))):
+            raise ValueError(f"weight_broadcast: joins serve endpoints {sorted(served)} of {len(self.endpoints)}")
         return self
 
     @model_validator(mode="after")

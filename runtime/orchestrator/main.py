@@ -55,10 +55,15 @@ class Orchestrator:
 
         self.cfg = cfg
         self.run_dir = RunDir(cfg.run_dir)
-        client = VllmClient if cfg.engine == "vllm" else InferenceClient
-        self.clients = [client.from_env(u, cfg.served_model_name, retry_seconds=cfg.retry_seconds,
-                                        max_requests=cfg.max_requests_per_endpoint)
-                        for u in cfg.endpoints]
+        if cfg.engine == "vllm":  # a client also watches the servers its endpoint's requests reach
+            self.clients = [VllmClient.from_env(u, cfg.served_model_name, retry_seconds=cfg.retry_seconds,
+                                                max_requests=cfg.max_requests_per_endpoint,
+                                                members=[j.url for j in cfg.weight_broadcast if j.endpoint == i])
+                            for i, u in enumerate(cfg.endpoints)]
+        else:
+            self.clients = [InferenceClient.from_env(u, cfg.served_model_name, retry_seconds=cfg.retry_seconds,
+                                                     max_requests=cfg.max_requests_per_endpoint)
+                            for u in cfg.endpoints]
         self.mix = EnvironmentMix(cfg.environments)
         self.metrics = MetricsWriter(self.run_dir.metrics, role="orchestrator",
                                      sinks=open_sinks(cfg.trackers, self.run_dir, "orchestrator"))
@@ -178,8 +183,7 @@ class Orchestrator:
         started = time.monotonic()
         start = self.first_missing_step()
         if cfg.weight_broadcast:  # vLLM servers join the trainer's weight group when asked
-            await asyncio.gather(*(c.join_weight_broadcast(j) for c, j in zip(self.clients, cfg.weight_broadcast,
-                                                                              strict=True)))
+            await asyncio.gather(*(self.clients[j.endpoint].join_weight_broadcast(j) for j in cfg.weight_broadcast))
         await self.sync_servers()
         summary_path = self.run_dir.orchestrator_state
         summary = self.run_dir.read_json(summary_path)

@@ -15,13 +15,14 @@ What differs underneath, and is absorbed here so the orchestrator cannot tell (d
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 from pydantic import ValidationError
 
 from primebuild.contracts.completion import CompletionResult
-from primebuild.contracts.inference import BroadcastJoin
+from primebuild.contracts.orchestrator import ServerJoin
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError, VllmUnavailable
 from primebuild.runtime.inference.vllm.completions import adapt_response
 from primebuild.runtime.orchestrator.client import InferenceClient, InferenceUnavailable
@@ -29,9 +30,13 @@ from primebuild.runtime.weight_sync.filesystem import verify
 
 
 class VllmClient(InferenceClient):
-    def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, **kw):
+    def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, members: Sequence[str] = (),
+                 **kw):
+        """`members`: the servers this endpoint's requests reach (default: the endpoint itself; a P/D
+        router's prefill and decode servers), whose workers' broadcast status gates an update."""
         super().__init__(base_url, model, admin_token=admin_token, **kw)
-        self.admin = VllmAdmin(self.root, admin_token=admin_token)
+        self.admin = VllmAdmin(self.root, admin_token=admin_token, members=members)
+        self.admin_token = admin_token
 
     async def close(self) -> None:
         await self.admin.close()
@@ -81,12 +86,14 @@ class VllmClient(InferenceClient):
     async def received_version(self) -> int:
         return await self.admin.received_version()
 
-    async def join_weight_broadcast(self, join: BroadcastJoin) -> None:
-        """Ask the server to join the trainer's weight group as `join.rank` (it joins in the background;
-        the trainer's sender waits for every member). A server that already joined is left as it is."""
+    async def join_weight_broadcast(self, join: ServerJoin) -> None:
+        """Ask the server `join.url` (this endpoint, or one behind its router) to join the trainer's
+        weight group, its workers from `join.rank` on (they join in the background; the trainer's sender
+        waits for every member). A server whose workers all joined already is left as it is."""
         await self.version()  # up and answering
-        if not all(s["joined"] for s in await self.admin.broadcast_status()):
-            await self.admin.init_broadcast(join.init_method, join.rank, join.world_size)
+        async with VllmAdmin(join.url, admin_token=self.admin_token) as server:
+            if not all(s["joined"] for s in await server.broadcast_status()):
+                await server.init_broadcast(join.init_method, join.rank, join.world_size)
 
     async def update_weights(self, body: dict) -> None:
         if body.get("source", "folder") == "folder":

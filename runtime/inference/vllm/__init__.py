@@ -11,6 +11,7 @@ in our .venv (the orchestrator, the plan, tests):
 inside the vLLM server's processes (imported by vLLM, need only vLLM's environment):
   admin_auth        ASGI middleware: the run's admin token on every non-public endpoint
   worker_extension  vLLM worker extension: registers our broadcast weight-transfer engine, reports it
+  broadcast_status  ASGI route: every worker's broadcast receiver, across all engine cores (data parallel)
   broadcast_engine  the weight-transfer engine that joins our trainer's weight broadcast group
 
 The command line and environment of a server are written by builders/vllm_command.py (pure; the plan

@@ -12,7 +12,9 @@ Same choreography as for our embedded engine (pause -> update -> resume), on vLL
         path, and /collective_rpc passes only string kwargs, which a path is);
      broadcast:   ``/start_weight_update``, ``/update_weights {"update_info": {"version": v}}``,
         ``/finish_weight_update`` -- vLLM's weight-transfer lifecycle over our engine
-        (broadcast_engine.py), which loads the step it staged from the trainer's group.
+        (broadcast_engine.py), which loads the step it staged from the trainer's group; every worker
+        of every engine core (``POST /primebuild/broadcast_status``, broadcast_status.py) must report
+        the same loaded step before step 4 sets the version.
   3. ``POST /reset_prefix_cache?reset_running_requests=true``: cached KV blocks were computed by the
      old weights; this drops them and preempts the frozen requests, so on resume they are re-prefilled
      (prompt + tokens so far) by the new weights -- what our embedded engine does for
@@ -29,15 +31,21 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
+from primebuild.runtime.inference.vllm.broadcast_status import STATUS_PATH as BROADCAST_STATUS_PATH
 from primebuild.runtime.weight_sync.filesystem import is_stable
 
 InFlight = Literal["resume", "finish"]
 PAUSE_MODE: dict[str, str] = {"resume": "keep", "finish": "wait"}
+
+
+LOAD_ATTEMPTS = 3  # loads of a newer step when a broadcast arrived at some workers during the load
+RECEIVE_WAIT_S = 60.0  # how long the other workers may take to finish receiving a step one has
 
 
 class VllmAdminError(RuntimeError):
@@ -47,6 +55,10 @@ class VllmAdminError(RuntimeError):
 class VllmUnavailable(VllmAdminError):
     """503: a server behind this endpoint is down (the vLLM P/D router's answer while one restarts); the
     caller retries as it would for a server that does not answer at all."""
+
+
+def _root(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def parse_policy_version(weight_version: str | None) -> int:
@@ -59,8 +71,12 @@ def parse_policy_version(weight_version: str | None) -> int:
 class VllmAdmin:
     """One vLLM server, by its root URL (``http://HOST:PORT``, no ``/v1``)."""
 
-    def __init__(self, root_url: str, *, admin_token: str | None = None, timeout_s: float = 600.0):
-        self.root = root_url.rstrip("/").removesuffix("/v1")
+    def __init__(self, root_url: str, *, admin_token: str | None = None, timeout_s: float = 600.0,
+                 members: Sequence[str] = ()):
+        self.root = _root(root_url)
+        # The servers whose workers hold the weights served here, for the broadcast status: the server
+        # itself, or the prefill and decode servers behind a P/D router (which fans the calls out).
+        self.members = [_root(m) for m in members] or [self.root]
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.http = httpx.AsyncClient(base_url=self.root, headers=headers,
                                       timeout=httpx.Timeout(timeout_s, connect=5.0))
@@ -135,9 +151,11 @@ class VllmAdmin:
             "init_method": init_method, "rank_offset": int(rank_offset), "world_size": int(world_size)}})
 
     async def broadcast_status(self) -> list[dict]:
-        """Per worker: {"joined", "received_version", "loaded_version", "error"}."""
-        return (await self._call("POST", "/collective_rpc",
-                                 json={"method": "primebuild_broadcast_status"}))["results"]
+        """Per worker of every member server (all engine cores of a data-parallel one):
+        {"joined", "rank", "received_version", "loaded_version", "error"}."""
+        answers = await asyncio.gather(*(self._call("POST", member + BROADCAST_STATUS_PATH)
+                                         for member in self.members))
+        return [status for answer in answers for status in answer["results"]]
 
     async def received_version(self) -> int:
         """The newest step every worker of this server has staged from the broadcast (0: none)."""
@@ -151,19 +169,36 @@ class VllmAdmin:
                 raise VllmAdminError(f"weight broadcast not usable on {self.root}: {status}")
             if int(status["received_version"]) < version:
                 raise VllmAdminError(f"{self.root} has not received version {version} "
-                                     f"(has {status['received_version']})")
+                                     f"(has {status['received_version']} on rank {status.get('rank')})")
+
+    async def wait_received(self, version: int, timeout_s: float = RECEIVE_WAIT_S) -> None:
+        """Until every worker has staged `version` (a step some workers have is arriving at the rest)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await self.check_broadcast_ready(version)
+            except VllmAdminError:
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.1)
 
     async def load_from_broadcast(self, version: int) -> int:
-        """Step 2, broadcast mode, through vLLM's weight-transfer lifecycle; loads the newest staged
-        step (``version`` or newer) and returns the one loaded, which it records as the version."""
-        await self._call("POST", "/start_weight_update")
-        await self._call("POST", "/update_weights", json={"update_info": {"version": int(version)}})
-        loaded = {s["loaded_version"] for s in await self.broadcast_status()}
-        if len(loaded) != 1 or None in loaded:
-            raise VllmAdminError(f"workers of {self.root} loaded different versions: {sorted(map(str, loaded))}")
-        served = int(loaded.pop())
-        await self._call("POST", "/finish_weight_update", json={"weight_version": str(served)})
-        return served
+        """Step 2, broadcast mode, through vLLM's weight-transfer lifecycle: every worker loads its
+        newest staged step (``version`` or newer) and the step they all loaded is returned. A newer step
+        can reach some workers between the status read and the load; then all load that one (after it
+        has reached every worker), so the workers of a server never serve different steps under one
+        version. The caller sets the version only after this returns."""
+        want = version
+        for _ in range(LOAD_ATTEMPTS):
+            await self._call("POST", "/start_weight_update")
+            await self._call("POST", "/update_weights", json={"update_info": {"version": int(want)}})
+            await self._call("POST", "/finish_weight_update")
+            loaded = [s["loaded_version"] for s in await self.broadcast_status()]
+            if None not in loaded and len(set(loaded)) == 1:
+                return int(loaded[0])
+            want = max(int(v) for v in loaded if v is not None)
+            await self.wait_received(want)
+        raise VllmAdminError(f"workers of {self.root} kept loading different steps: {loaded}")
 
     # the whole update
     async def update_weights(self, *, version: int, path: str | os.PathLike | None = None,

@@ -16,8 +16,9 @@ protocol and keeps vLLM's own control plane:
   POST /update_weights {"update_info": {"version": v}}
         load the newest staged step, which is v or newer (a newer one may have arrived since the
         caller read the status); the status then reports it as ``loaded_version``
-  POST /finish_weight_update {"weight_version": "<loaded_version>"}
-        finalise the reload; vLLM records the version
+  POST /finish_weight_update
+        finalise the reload. The caller (admin.py) sets the server's version only once every worker
+        of every engine core reports the same ``loaded_version``.
 
 An exception in a worker during these calls shuts the whole vLLM server down (vLLM treats a failed
 worker RPC as fatal), so callers check ``received_version`` first (admin.py does) and nothing here
@@ -46,7 +47,7 @@ from primebuild.runtime.inference.weight_receiver import BroadcastStage
 @dataclass
 class BroadcastInitInfo(WeightTransferInitInfo):
     init_method: str  # tcp://HOST:PORT of the trainer's TCPStore (rank 0 hosts it)
-    rank_offset: int  # this server's first rank in the group (1..world_size-1)
+    rank_offset: int  # this server's first rank in the group (1..world_size-1); its workers take the next ones
     world_size: int  # the trainer's sender + every receiving worker of every server
 
 
@@ -78,8 +79,8 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
 
     def status(self) -> dict[str, Any]:
         if self.stage is None:
-            return {"joined": False, "received_version": 0, "loaded_version": None, "error": None}
-        return {"joined": True, "received_version": self.stage.received_version,
+            return {"joined": False, "rank": None, "received_version": 0, "loaded_version": None, "error": None}
+        return {"joined": True, "rank": self.stage.rank, "received_version": self.stage.received_version,
                 "loaded_version": self.loaded_version, "error": self.stage.error}
 
     def start_weight_update(self) -> None:

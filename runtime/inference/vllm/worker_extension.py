@@ -4,8 +4,9 @@ Importing this module registers our broadcast weight-transfer engine with vLLM's
 ``primebuild_broadcast``; vLLM imports the extension in each worker before it loads the model and
 builds the engine named by ``--weight-transfer-config``, which is the one hook where a third-party
 engine can be registered without installing a package (vLLM's plugin entry points would need one).
-The extension's own method is a status read-out, called through ``/collective_rpc``; weight updates
-themselves go through vLLM's own endpoints. Runs inside vLLM's worker process.
+The extension's own method is a status read-out, called on every worker of every engine core through
+``POST /primebuild/broadcast_status`` (broadcast_status.py); weight updates themselves go through
+vLLM's own endpoints. Runs inside vLLM's worker process.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ class PrimebuildWorkerExtension:
     """Mixed into vLLM's worker class; names carry our prefix so they cannot clash with vLLM's."""
 
     def primebuild_broadcast_status(self) -> dict[str, Any]:
-        """{"joined", "received_version", "loaded_version", "error"} of this worker's broadcast receiver."""
+        """{"joined", "rank", "received_version", "loaded_version", "error"} of this worker's receiver."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "status"):
-            return {"joined": False, "received_version": 0, "loaded_version": None,
+            return {"joined": False, "rank": None, "received_version": 0, "loaded_version": None,
                     "error": "no primebuild_broadcast engine configured"}
         return engine.status()
