@@ -302,5 +302,8 @@ def _trainer_fixes(m: Manifest, tmem, can) -> str:
         fixes.append("activation_checkpointing: true")
     if tmem.activations > tmem.params and can("trainer.cp", t.cp * 2):
         fixes.append(f"cp: {t.cp * 2} (halves activations per GPU)")
+    if t.dp_replicate > 1:  # a replica holds the whole model: sharding over its ranks too divides it
+        fixes.append(f"dp_replicate: 1 with dp_shard: {t.dp_shard * t.dp_replicate} (the same GPUs, "
+                     f"parameters and optimizer state split {t.dp_replicate}x further)")
     fixes.append(f"more trainer GPUs (dp_shard: {t.dp_shard * 2} on twice the nodes)")
     return "try " + "; or ".join(fixes)

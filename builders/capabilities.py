@@ -231,11 +231,10 @@ def _vllm_pd(m: Manifest) -> Iterator[Refusal]:
 
 def _trainer(m: Manifest) -> Iterator[Refusal]:
     t = m.trainer
-    for dim, what in (("dp_replicate", "replicated (HSDP) data parallelism"), ("tp", "tensor parallelism")):
-        if getattr(t, dim) != 1:
-            yield Refusal(f"trainer.{dim}", f"{dim}={getattr(t, dim)}: the fsdp2 trainer applies dp_shard, cp and ep; "
-                          f"{what} is applied by no trainer backend yet", f"set {dim}: 1 and shard with dp_shard "
-                          "(and cp for long sequences)")
+    if t.tp != 1:
+        yield Refusal("trainer.tp", f"tp={t.tp}: the fsdp2 trainer applies dp_replicate, dp_shard, cp and ep; "
+                      "tensor parallelism is applied by no trainer backend yet", "set tp: 1 and shard with dp_shard "
+                      "(and cp for long sequences)")
     if t.optimizer.cpu_offload and t.world_size < 2:
         yield Refusal("trainer.optimizer.cpu_offload", "the fsdp2 trainer offloads FSDP's shards (CPUOffloadPolicy), "
                       "and one rank has none", "use at least 2 trainer ranks, or set cpu_offload: false")

@@ -11,7 +11,9 @@ Trainer conventions (torchtitan-style FSDP2 + EP + CP + TP):
   num_experts/ep whole experts, and those are FSDP-sharded again over the remaining
   dp_shard·cp·tp/ep ranks ("expert FSDP"). Per GPU, expert params therefore also end up divided by
   dp_shard·cp·tp; what EP changes is the size of a gathered layer (experts/ep instead of all experts).
-- dp_replicate (HSDP) replicates the shards: it adds no memory per GPU.
+- dp_replicate (HSDP) replicates the shards: each replica holds the whole model split dp_shard·cp·tp
+  ways, so replication divides no parameter, gradient or optimizer memory; it multiplies the ranks (the
+  world size) and adds a cross-replica all-reduce of the gradient shards.
 """
 
 from __future__ import annotations
@@ -199,7 +201,8 @@ def trainer_memory_per_gpu(
                         (with optimizer_cpu_offload all four go to host_bytes: FSDP2's CPUOffloadPolicy keeps
                         the shards on the host; the device holds the gathered layers, activations, logits)
     fsdp_buffers      = largest gathered layer L (params/tp, experts/ep) · (2 · bytes(param) + bytes(grad))
-                        when shards > 1: the current and prefetched layer, and one layer's unsharded grads
+                        when shards · dp_replicate > 1 (fully_shard wraps every layer as soon as there are
+                        two ranks): the current and prefetched layer, and one layer's unsharded grads
     tokens_per_gpu    = ceil(micro_batch_tokens / cp)
     activations       = tokens_per_gpu / tp · (num_layers · h · act_bytes + f · max_layer_activation)
                         with full activation checkpointing (each layer's input kept, one layer live);
@@ -250,7 +253,7 @@ def trainer_memory_per_gpu(
         params = grads = master = optimizer_state = 0
 
     fsdp_buffers = 0
-    if shards > 1:
+    if shards * dp_replicate > 1:
         fsdp_buffers = math.ceil(_largest_layer_params(facts, tp=tp, ep=ep) * (2 * p_bytes + g_bytes))
 
     tokens = _ceil_div(micro_batch_tokens, cp)

@@ -442,7 +442,9 @@ FIELDS: dict[str, list] = {
     "trainer.ranks": [Shapes(("trainer.ranks=2", "trainer.dp_shard=2"), "processes", base=RL),
                       Refused(("trainer.ranks=8",), base=GPU)],
     "trainer.dp_shard": [Reaches(config_of(T, "parallel.dp_shard"), ("trainer.ranks=2", "trainer.dp_shard=2"), 2)],
-    "trainer.dp_replicate": [Refused(("trainer.dp_replicate=2",))],
+    "trainer.dp_replicate": [Reaches(config_of(T, "parallel.dp_replicate"),
+                                     ("hardware.cpus_per_node=4", "trainer.ranks=4", "trainer.dp_replicate=2",
+                                      "trainer.dp_shard=2"), 2)],  # its memory (none saved): tests/test_plan.py
     "trainer.cp": [Reaches(config_of(T, "parallel.cp"), ("trainer.ranks=2", "trainer.cp=2"), 2)],
     "trainer.tp": [Refused(("trainer.tp=2",))],
     "trainer.ep": [Shapes(("trainer.ep=1",), "memory"), Refused(("trainer.ranks=2", "trainer.dp_shard=2", "trainer.ep=2"))],

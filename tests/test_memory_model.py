@@ -100,6 +100,16 @@ def test_trainer_cp_and_tp_split_tokens_params_and_vocab():
     assert tp.fsdp_buffers == math.ceil(592 / 2) * 8
 
 
+def test_trainer_replication_divides_nothing():
+    # HSDP: a replica holds the whole model split dp_shard ways; replicas add ranks, not savings
+    assert trainer(dp_shard=2, dp_replicate=2) == trainer(dp_shard=2)
+    hsdp, fsdp = trainer(dp_shard=1, dp_replicate=4), trainer(dp_shard=4)
+    assert (hsdp.params, hsdp.grads, hsdp.optimizer_state) == (2 * 1352, 4 * 1352, 2 * 4 * 1352)
+    assert hsdp.params == 4 * fsdp.params
+    # pure replication still runs under fully_shard, which gathers layer by layer like FSDP does
+    assert hsdp.fsdp_buffers == 592 * 8 and trainer(dp_shard=1).fsdp_buffers == 0
+
+
 def test_trainer_dtype_and_optimizer_choices():
     fp32 = trainer(param_dtype="fp32", master_dtype=None)
     assert (fp32.params, fp32.master_weights, fp32.optimizer_state) == (2704, 0, 5408)

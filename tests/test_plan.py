@@ -260,3 +260,28 @@ def test_a_real_change_changes_the_hash():
     a = plan_json(MANIFESTS / "qwen3-30b-a3b.yaml")
     b = plan_json(MANIFESTS / "qwen3-30b-a3b.yaml", ["inference.port=9000"])
     assert a["plan_hash"] != b["plan_hash"] and a["manifest_hash"] != b["manifest_hash"]
+
+
+def test_hsdp_reaches_the_trainer_and_the_memory_model_counts_no_saving():
+    """dp_replicate multiplies the trainer's ranks (placement, torchrun) and reaches its config; per GPU it
+    saves nothing: 2 replicas of 4 shards hold twice the parameters of 8 shards (builders/memory.py)."""
+    plan = plan_json(MANIFESTS / "reverse-text.yaml", ("hardware.cpus_per_node=4", "trainer.ranks=4",
+                                                       "trainer.dp_replicate=2", "trainer.dp_shard=2"), design=False)
+    (trainer,) = [p for p in plan["processes"] if p["role"] == "trainer"]
+    assert trainer["config"]["parallel"] == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1}
+    assert trainer["argv"][trainer["argv"].index("--nproc-per-node") + 1] == "4"
+
+    def offloaded_shards(*sets: str) -> int:  # this manifest offloads params, grads and AdamW to the host
+        return plan_json(MANIFESTS / "qwen3-30b-a3b.yaml", sets)["memory"]["trainer"]["host_offload_bytes_per_gpu"]
+
+    fsdp = offloaded_shards("trainer.dp_shard=8")
+    hsdp = offloaded_shards("trainer.dp_shard=4", "trainer.dp_replicate=2", "trainer.ep=4")
+    assert fsdp > 0 and hsdp == pytest.approx(2 * fsdp, rel=1e-6)
+    # a replicated trainer that does not fit is told to shard over its replicas' GPUs instead
+    from primebuild.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        plan_json(MANIFESTS / "qwen3-30b-a3b.yaml", ("trainer.dp_shard=4", "trainer.dp_replicate=2", "trainer.ep=4",
+                                                     "trainer.optimizer.cpu_offload=false"))
+    (problem,) = [p for p in err.value.problems if p.message.startswith("trainer:")]
+    assert "dp_replicate: 1 with dp_shard: 8" in problem.hint

@@ -1,7 +1,10 @@
 """Weight broadcast between real processes over gloo on 127.0.0.1."""
 
 import multiprocessing as mp
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -96,16 +99,20 @@ def test_sender_to_two_receivers():
     assert results == ["ok", "ok"]
 
 
-def trainer_main(cfg_json):
-    torch.set_num_threads(1)
-    from primebuild.contracts.trainer import TrainerConfig
-    from primebuild.runtime.trainer.main import run_trainer
+def torchrun_trainer(cfg, tmp_path) -> subprocess.Popen:
+    path = tmp_path / "trainer.json"
+    path.write_text(cfg.model_dump_json())
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
+                             f"--nproc_per_node={cfg.parallel.world_size}", f"--master_port={free_port()}", "-m",
+                             "primebuild.runtime.trainer.main", "--config", str(path)],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
-    run_trainer(TrainerConfig.model_validate_json(cfg_json))
 
-
-@pytest.mark.timeout(120)
-def test_trainer_broadcasts_each_step(tmp_path):
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("parallel", [{}, {"dp_replicate": 2}], ids=["one-rank", "hsdp-2-replicas"])
+def test_trainer_broadcasts_each_step(parallel, tmp_path):
+    """Rank 0 sends; with HSDP replicas the other rank gathers with it and sends nothing."""
     from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
     from transformers import AutoModelForCausalLM
 
@@ -118,17 +125,17 @@ def test_trainer_broadcasts_each_step(tmp_path):
     write_rollouts(run, model_path, range(1, 3), num_prompts=2)
     init = f"tcp://127.0.0.1:{free_port()}"
     cfg = trainer_config(model_path=str(model_path), run_dir=str(run), max_steps=2, lr=1e-3,
-                         weight_sync={"mode": "broadcast", "init_method": init, "world_size": 2, "timeout_s": 60})
-    proc = mp.get_context("spawn").Process(target=trainer_main, args=(cfg.model_dump_json(),))
-    proc.start()
+                         weight_sync={"mode": "broadcast", "init_method": init, "world_size": 2, "timeout_s": 60},
+                         parallel=parallel)
+    proc = torchrun_trainer(cfg, tmp_path)
     try:
-        receiver = BroadcastReceiver(init, 2, 1, timeout_s=60)
+        receiver = BroadcastReceiver(init, 2, 1, timeout_s=120)
         updates = []
         while (u := receiver.recv()) is not None:
             updates.append(u)
     finally:
-        proc.join(60)
-    assert proc.exitcode == 0
+        output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output[-3000:]
     assert [s for s, _ in updates] == [1, 2]
     assert not (run / "weights").exists()  # broadcast mode writes no weight folders
 

@@ -189,7 +189,8 @@ class Trainer(Strict):
     nodes: PositiveInt | None = Field(None, description="Nodes for the trainer; default: all not used by inference.")
     ranks: PositiveInt | None = Field(None, le=64, description="Processes on CPU-only hardware.")
     dp_shard: PositiveInt = Field(1, description="FSDP shard degree.")
-    dp_replicate: PositiveInt = Field(1, description="HSDP replicate degree.")
+    dp_replicate: PositiveInt = Field(1, description="HSDP replicate degree: replicas of the model sharded over "
+                                      "dp_shard*cp, gradients all-reduced across them. Saves no memory per GPU.")
     cp: PositiveInt = Field(1, description="Context parallel degree.")
     tp: PositiveInt = Field(1, description="Tensor parallel degree (inside a node).")
     ep: PositiveInt = Field(1, description="Expert parallel degree; must divide dp_shard*cp.")

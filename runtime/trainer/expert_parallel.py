@@ -18,10 +18,10 @@ gloo implements all_to_all_single with uneven splits (checked), so this runs on 
 Parameters: `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] become DTensors sharded on dim 0 over the
 EP mesh, under their HF names, so checkpoints (DCP) and the full state dict gather whole experts.
 Their gradients sum over the EP group inside the all-to-all's backward (each rank's loss is scaled for
-an average over all dp_shard*cp ranks), and FSDP then averages them over the ranks that own the same
-experts (meshes.efsdp, dp_shard*cp/ep of them); the missing 1/ep is applied to the expert weights'
-gradient here (`_ScaleGrad`), so they end up divided by the whole FSDP degree like every other
-gradient. (FSDP's own `set_gradient_divide_factor` would do it with ReduceOp.PREMUL_SUM, which gloo
+an average over all dp_replicate*dp_shard*cp ranks), and FSDP then averages them over the ranks that
+own the same experts (meshes.efsdp: dp_shard*cp/ep of them in each of the dp_replicate replicas); the
+missing 1/ep is applied to the expert weights' gradient here (`_ScaleGrad`), so they end up divided by
+the whole FSDP degree like every other gradient. (FSDP's own `set_gradient_divide_factor` would do it with ReduceOp.PREMUL_SUM, which gloo
 lacks: measured, it fails as soon as efsdp > 1.)
 """
 

@@ -107,17 +107,18 @@ def lr_at(config: TrainerConfig, step: int) -> float:
     return config.lr * min(1.0, step / config.warmup_steps)
 
 
-def _grad_norm(model: torch.nn.Module, max_norm: float, env: DistEnv) -> torch.Tensor:
+def _grad_norm(model: torch.nn.Module, max_norm: float, env: DistEnv, meshes: Meshes) -> torch.Tensor:
     """Clip to `max_norm` (as clip_grad_norm_ does) and return the norm before clipping.
 
-    With several ranks every element of every gradient lives on exactly one rank (FSDP shards, EP
-    owns whole experts, nothing is replicated), so the global norm is one all-reduce of local sums of
-    squares; clip_grad_norm_ cannot stack DTensors of different meshes (EP's experts vs the rest)."""
+    With several ranks every element of every gradient lives on exactly one rank of a replica (FSDP
+    shards, EP owns whole experts; HSDP's replicas hold the same reduced gradients), so the global norm
+    is one all-reduce of local sums of squares over the replica; clip_grad_norm_ cannot stack DTensors
+    of different meshes (EP's experts vs the rest)."""
     if not env.distributed:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     grads = [finite.local(p.grad) for p in model.parameters() if p.grad is not None]
     squares = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
-    dist.all_reduce(squares)
+    dist.all_reduce(squares, group=meshes.replica_group)
     norm = squares.sqrt().float()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
@@ -170,7 +171,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
                meshes: Meshes | None = None) -> dict:
     """One optimizer step on ``batch``; returns the step's metrics (identical on every rank).
 
-    Micro-batches are dealt over the dp ranks; the CP ranks of a dp rank share its micro-batches and
+    Micro-batches are dealt over the dp ranks (dp_replicate * dp_shard); the CP ranks of a dp rank share its micro-batches and
     split each one's sequence (context_parallel.py), each scoring the tokens of its own positions."""
     meta_temp = batch.metadata.get("temperature")
     if meta_temp is not None and abs(float(meta_temp) - config.temperature) > 1e-9:
@@ -188,7 +189,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
     meshes = meshes or build_meshes(ParallelDims(dp_shard=env.world_size), env.world_size, env.rank,
                                     env.device.type)
     mine = [place(mb, config, env, meshes) for mb in
-            pack(samples, config.micro_batch_tokens, meshes.dims.dp_shard, config.pad_token_id)[meshes.dp_rank]]
+            pack(samples, config.micro_batch_tokens, meshes.dp_degree, config.pad_token_id)[meshes.dp_rank]]
     replay = model.replay
     replayed = replay is not None and any(s.routed_experts is not None for s in samples)
     # The same on every rank (FSDP collectives must match): score the batch once more without replay.
@@ -216,8 +217,8 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
             loss_sum, m = loss_fn(lp, inference_lp, mb.advantages.to(env.device), mask)
             if bad_loss is None and not torch.isfinite(loss_sum).item():
                 bad_loss = f"of samples {mb.sample_indices[0]}..{mb.sample_indices[-1]}" if mb.sample_indices else ""
-            # FSDP2 averages gradients over ranks; scaling by world_size turns that back into the sum that
-            # one rank holding every micro-batch would compute.
+            # FSDP2 averages gradients over ranks (HSDP: over the shard and the replicate dimension); scaling
+            # by world_size turns that back into the sum that one rank holding every micro-batch would compute.
             (loss_sum * (env.world_size / normalizer)).backward()
         agreed = torch.tensor(replay.take_agreement() if replay is not None else (0.0, 0.0), dtype=torch.float64)
         totals += torch.cat([torch.stack(
@@ -241,7 +242,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
 
     finite.check(step, bad_loss, "the loss", env.device)
     finite.check(step, finite.first_non_finite(finite.grads(model)), "the gradient of", env.device)
-    grad_norm = _grad_norm(model, config.max_grad_norm, env)
+    grad_norm = _grad_norm(model, config.max_grad_norm, env, meshes)
     lr = lr_at(config, step)
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -163,7 +163,9 @@ def parallelize(model: Policy, meshes: Meshes, compute_dtype: str, fp8: bool = F
     3. FSDP: each decoder block and the root over meshes.fsdp (dp_shard * cp ranks); with EP, each
        block's experts first, over meshes.efsdp, sharded on dim 1 (dim 0 is already EP's); their
        gradient ends up divided by the whole FSDP degree like every other one (expert_parallel.py);
-       with `cpu_offload` every unit keeps its shards in host memory (CPUOffloadPolicy)."""
+       with `cpu_offload` every unit keeps its shards in host memory (CPUOffloadPolicy);
+    4. HSDP: with dp_replicate > 1 both meshes are 2-D (dp_replicate, shard), so the same fully_shard
+       calls shard inside a replica and all-reduce the gradient shards across replicas."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
