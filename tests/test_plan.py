@@ -115,7 +115,10 @@ def test_glm5_processes_wire_up(plans):
     assert len(trainers) == 12
     assert {arg(t, "--nnodes") for t in trainers} == {"12"}
     assert sorted(int(arg(t, "--node-rank")) for t in trainers) == list(range(12))
-    assert {arg(t, "--rdzv-endpoint") for t in trainers} == {f"{{host:{trainers[0]['node']}}}:29500"}
+    assert {(arg(t, "--master-addr"), arg(t, "--master-port")) for t in trainers} == {
+        (f"{{host:{trainers[0]['node']}}}", "29500")}
+    # each node's rendezvous and collectives listen on its own address, never on every interface
+    assert [arg(t, "--bind") for t in trainers] == [f"{{bind:{t['node']}}}" for t in trainers]
     # the orchestrator samples from the decode heads (one per replica) and no more
     orch = procs["orchestrator"]
     assert orch["gpus"] == [] and orch["env"]["CUDA_VISIBLE_DEVICES"] == ""
