@@ -6,7 +6,6 @@ collective, a server that stopped answering), nothing in the code under test kno
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import re
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_helpers import processes_of, workspace
+from cluster_helpers import listening_sockets, processes_of, workspace
 
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.hang_watchdog import FIRST_STEP_FACTOR, HangWatchdog, run_processes
@@ -193,32 +192,6 @@ def _pids(run_dir: Path, process: str, **env: str) -> list[int]:
         if all(f"{k}={v}".encode() in environ for k, v in env.items()):
             found.append(p.pid)
     return found
-
-
-def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
-    """(pid, local address, port) of every TCP socket in LISTEN state that one of `pids` holds."""
-    inodes: dict[str, int] = {}
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes[target[8:-1]] = pid
-        except OSError:
-            continue
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            address, port = local.split(":")
-            raw = bytes.fromhex(address)
-            # /proc prints each 32-bit word in host (little-endian) order
-            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            out.append((inodes[inode], str(ipaddress.ip_address(words)), int(port, 16)))
-    return out
 
 
 def test_a_rank_that_stops_coming_ends_the_run_naming_it_and_nothing_listens_beyond_loopback(
