@@ -291,7 +291,7 @@ def _no_effect(m: Manifest) -> Iterator[Refusal]:
     candidates = [
         ("weight_sync.port", m.weight_sync.mode == "filesystem", "filesystem weight sync opens no port"),
         ("trainer.rendezvous_port", not _multi_node_trainer(m),
-         "a single-node trainer rendezvous is local (torchrun --standalone picks a free port)"),
+         "a single-node trainer rendezvous listens on loopback, at a free port (runtime/trainer/launch.py)"),
         ("trainer.ranks", not cpu, "on GPUs the trainer runs one rank per GPU of its nodes (use dp_shard)"),
         ("model.revision", m.model.hf is None, "a revision applies to an hf: model only"),
         ("model.tokenizer", m.model.init is None, "a tokenizer is built only for init: random"),

@@ -278,12 +278,12 @@ def _trainer_processes(m: Manifest, slots: tuple[Slot, ...], sync) -> list[Proce
         env = _base_env(m, slot.gpus)
         if cpu:
             env["OMP_NUM_THREADS"] = str(_threads(m, 2 * nproc))
-        if len(slots) == 1:
-            launcher = ["--standalone", "--nnodes", "1"]
-        else:
-            launcher = ["--nnodes", str(len(slots)), "--node-rank", str(rank), "--rdzv-backend", "c10d",
-                        "--rdzv-id", m.name, "--rdzv-endpoint", f"{{host:{slots[0].node}}}:{t.rendezvous_port}"]
-        argv = ["{python}", "-m", "torch.distributed.run", *launcher, "--nproc-per-node", str(nproc),
+        # torchrun through our launcher: its rendezvous listens on the node's own address (loopback on
+        # one host, a free port there), never on every interface (runtime/trainer/launch.py).
+        port = t.rendezvous_port if len(slots) > 1 else 0
+        argv = ["{python}", "-m", "primebuild.runtime.trainer.launch", "--nnodes", str(len(slots)),
+                "--node-rank", str(rank), "--master-addr", f"{{host:{slots[0].node}}}", "--master-port", str(port),
+                "--bind", f"{{bind:{slot.node}}}", "--", "--nproc-per-node", str(nproc),
                 "-m", "primebuild.runtime.trainer.main", "--config", "{config}"]
         if nproc == 1 and len(slots) == 1:  # one rank needs no launcher (and no rendezvous port)
             argv = ["{python}", "-m", "primebuild.runtime.trainer.main", "--config", "{config}"]

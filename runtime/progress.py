@@ -68,6 +68,10 @@ class Progress:
         if self.live is not None:
             self.live.update(self.panel())
 
+    def newest_trained_step(self) -> int:
+        """The newest step the trainer finished (0: none yet)."""
+        return max((s for (role, s), v in self.steps.items() if role == "trainer" and "loss" in v), default=0)
+
     def panel(self):
         from rich.table import Table
 

@@ -35,6 +35,7 @@ from typing import TextIO
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.run_dir import FailureRecord, RunDir, write_json_atomic
+from primebuild.runtime.hang_watchdog import HangWatchdog, end_leftovers
 from primebuild.runtime.progress import Progress
 from primebuild.runtime.targets.base import Handle, Launcher
 
@@ -95,6 +96,7 @@ class Supervisor:
         self.admin_token = secrets.token_urlsafe(24)
         self.progress = Progress(self.run.metrics, echo, live)
         self.hosts = self.run.read_rendezvous().hosts
+        self.hang = HangWatchdog(plan, self.run, self.run.read_supervision().hang_floor_s)
 
     # --- starting --------------------------------------------------------------------------------
 
@@ -161,11 +163,12 @@ class Supervisor:
         interrupted = False
         stop_file = self.run.stop_file
         stop_deadline = None
+        self.hang.last_progress = time.monotonic()  # start-up (health checks) is not a step
         try:
             while True:
                 try:
                     self.progress.poll()
-                    outcome = self._check()
+                    outcome = self._check() or self._check_hang()
                     if outcome is not None:
                         return outcome
                     if stop_deadline is None and stop_file.exists():
@@ -215,6 +218,17 @@ class Supervisor:
             return self._stopped() if stopped else Outcome(True, "run complete", 0)
         return None
 
+    def _check_hang(self) -> Outcome | None:
+        """No step for longer than the hang bound: end the run naming the stuck process (hang_watchdog.py)."""
+        states = tuple((n, r.restarts, r.handle.poll()) for n, r in sorted(self.running.items()))
+        message = self.hang.check(self.progress.newest_trained_step(), states)
+        if message is None:
+            return None
+        stuck = self.running.get(self.hang.culprit_process) or self.running[self.plan.by_role("trainer")[0].name]
+        outcome = self._fail(stuck, None, message, 1)
+        end_leftovers(self.run)  # a frozen process ignores SIGTERM, and a torchrun rank is not in its group
+        return outcome
+
     # --- failing and stopping --------------------------------------------------------------------
 
     def _fail(self, running: Running, code: int | None, message: str, exit_code: int) -> Outcome:
@@ -239,7 +253,7 @@ class Supervisor:
     def _stopped(self) -> Outcome:
         """A requested stop (STOP file, Ctrl-C) is a normal end: the trainer checkpointed after its step."""
         self.progress.poll()
-        step = max((s for (role, s), v in self.progress.steps.items() if role == "trainer" and "loss" in v), default=0)
+        step = self.progress.newest_trained_step()
         return Outcome(True, f"stopped at step {step}; resume with `primebuild run --resume {self.run_dir}`", 0)
 
     def _reap(self, running: Running) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from primebuild.contracts.plan import Plan, ProcessSpec, read_plan
 from primebuild.contracts.run_dir import LOOPBACK, ProcessRecord, Rendezvous, RunDir, write_json_atomic
 from primebuild.errors import UserError
+from primebuild.runtime.stacks import PROCESS_ENV
 
 _PLACEHOLDER = re.compile(r"\{(run_dir|model_path|config|python|host:\d+|bind:\d+)\}")
 SUPERVISOR_PID_ENV = "PRIMEBUILD_SUPERVISOR_PID"
@@ -111,6 +112,7 @@ def prepare(plan: Plan, name: str, run: RunDir, extra_env: dict[str, str] | None
     env = dict(os.environ)
     env.update(extra_env or {})
     env.update(resolve(process.env))
+    env[PROCESS_ENV] = name  # inherited by its children too: whose stacks a hang dump holds (runtime/stacks.py)
     env.pop(SUPERVISOR_PID_ENV, None)
     missing = [s for s in process.secrets if s not in env]
     if missing:

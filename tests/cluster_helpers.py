@@ -6,6 +6,7 @@ developer machine it skips, saying why and how to start it.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
@@ -154,3 +155,29 @@ def logs_tail(run_dir: Path) -> str:
     for log in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
         out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="ignore").splitlines()[-20:]))
     return "\n".join(out)
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, local address, port) of every TCP socket in LISTEN state that one of `pids` holds."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address, port = local.split(":")
+            raw = bytes.fromhex(address)
+            # /proc prints each 32-bit word in host (little-endian) order
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out.append((inodes[inode], str(ipaddress.ip_address(words)), int(port, 16)))
+    return out

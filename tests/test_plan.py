@@ -115,7 +115,10 @@ def test_glm5_processes_wire_up(plans):
     assert len(trainers) == 12
     assert {arg(t, "--nnodes") for t in trainers} == {"12"}
     assert sorted(int(arg(t, "--node-rank")) for t in trainers) == list(range(12))
-    assert {arg(t, "--rdzv-endpoint") for t in trainers} == {f"{{host:{trainers[0]['node']}}}:29500"}
+    assert {(arg(t, "--master-addr"), arg(t, "--master-port")) for t in trainers} == {
+        (f"{{host:{trainers[0]['node']}}}", "29500")}
+    # each node's rendezvous and collectives listen on its own address, never on every interface
+    assert [arg(t, "--bind") for t in trainers] == [f"{{bind:{t['node']}}}" for t in trainers]
     # the orchestrator samples through vLLM's P/D router, which prefills on the 4 prefill servers and decodes on
     # the 6 decode heads (one per replica); the router runs beside prefill-0, in its group
     orch, router = procs["orchestrator"], procs["router"]

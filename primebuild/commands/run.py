@@ -26,6 +26,12 @@ from primebuild.errors import UserError
               help="Continue a stopped run from its folder (checkpoints and rollouts on disk).")
 @click.option("--quiet", "-q", is_flag=True, help="Only the progress lines (no process warnings).")
 @click.option("--verbose", "-v", is_flag=True, help="Every line every process prints (access logs too).")
+@click.option("--hang-timeout", type=click.FloatRange(min=0), default=None,
+              help="Least seconds without a finished step before the run counts as hung (default 600; 0: off): "
+                   "its stacks go to stacks/, the stuck process is named, the run ends. The bound grows with the "
+                   "slowest measured step and the plan's estimate (runtime/hang_watchdog.py).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=None,
+              help="Resume a failed or hung run by itself from its newest checkpoint, at most N times (default 0).")
 @click.option("--detach", is_flag=True,
               help="slurm/kubernetes: submit and return; follow later with `primebuild status/logs`, end with "
                    "`primebuild stop`. Without it, the run ends when this command is killed.")
@@ -33,7 +39,8 @@ from primebuild.errors import UserError
               help="kubernetes: the image the pods run, where `primebuild build`'s image was pushed (default "
                    "primebuild:latest); recorded in the run, so --resume uses it again.")
 def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_dir: Path | None, quiet: bool,
-            verbose: bool, detach: bool, image: str | None) -> None:
+            verbose: bool, hang_timeout: float | None, max_restarts: int | None, detach: bool,
+            image: str | None) -> None:
     """Run MANIFEST on its target: build its model, start every process, report the result."""
     from primebuild.builders import vllm_env
     from primebuild.builders.plan import compile_plan
@@ -47,6 +54,8 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     if quiet and verbose:
         raise UserError("--quiet and --verbose contradict each other: give one")
     verbosity = QUIET if quiet else VERBOSE if verbose else ATTENTION
+    if detach and max_restarts:
+        raise UserError("--max-restarts needs `primebuild run` to watch the run: drop --detach")
     if resume_dir is not None:
         if manifest or sets or image:
             raise UserError("--resume takes the run folder only: its plan, manifest and image are already recorded")
@@ -54,17 +63,9 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         plan = read_plan(run.plan)
         target = target_for(plan.target["kind"])
         target.provision(plan)
-        previous = run.read_launch()
-        if previous is not None and target.active(run, previous):
-            raise UserError(f"{run.root} is still running ({target.state(run, previous)})",
-                            hint="stop it first with `primebuild stop`")
-        run.stop_file.unlink(missing_ok=True)
-        run.failure.unlink(missing_ok=True)
-        from primebuild.runtime.resume import reconcile
-
-        after = reconcile(run, click.echo)
-        click.echo(f"resuming {run.root} after step {after}")
-        _execute(plan, run, target, verbosity, started, detach)
+        _record_supervision(run, hang_timeout, max_restarts)
+        _prepare_resume(run, target)
+        _execute_with_restarts(plan, run, target, verbosity, started, detach)
         return
     if manifest is None:
         raise UserError("give a manifest (e.g. manifests/reverse-text.yaml) or --resume RUN_DIR")
@@ -116,8 +117,46 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     from primebuild.builders.lock import record_lock
 
     record_lock(run.lock, loaded)  # the lock as it was, when the manifest has one
+    _record_supervision(run, hang_timeout, max_restarts)
     click.echo(f"run folder: {run.root}")
-    _execute(plan, run, target, verbosity, started, detach)
+    _execute_with_restarts(plan, run, target, verbosity, started, detach)
+
+
+def _record_supervision(run: RunDir, hang_timeout: float | None, max_restarts: int | None) -> None:
+    """supervision.json: what every target's supervisor reads (a resume keeps what it does not override)."""
+    from primebuild.contracts.run_dir import SupervisionRecord
+
+    record = run.read_supervision() if run.supervision.is_file() else SupervisionRecord()
+    changes = {k: v for k, v in (("hang_floor_s", hang_timeout), ("max_restarts", max_restarts)) if v is not None}
+    write_json_atomic(run.supervision, record.model_copy(update=changes).model_dump(mode="json"))
+
+
+def _prepare_resume(run: RunDir, target, *, restart: bool = False) -> None:
+    """Make a stopped or failed run's folder ready to continue after its newest verified checkpoint."""
+    previous = run.read_launch()
+    if not restart and previous is not None and target.active(run, previous):  # a restart: we are its supervisor
+        raise UserError(f"{run.root} is still running ({target.state(run, previous)})",
+                        hint="stop it first with `primebuild stop`")
+    run.stop_file.unlink(missing_ok=True)
+    run.failure.unlink(missing_ok=True)
+    from primebuild.runtime.resume import reconcile
+
+    after = reconcile(run, click.echo)
+    click.echo(f"resuming {run.root} after step {after}")
+
+
+def _execute_with_restarts(plan: Plan, run: RunDir, target, verbosity: int, started: float, detach: bool) -> None:
+    """`--max-restarts N`: a session that fails (a crash, a hang) is resumed from the newest checkpoint."""
+    allowed = run.read_supervision().max_restarts
+    for attempt in range(allowed + 1):
+        try:
+            _execute(plan, run, target, verbosity, started, detach)
+            return
+        except click.exceptions.Exit as failed:
+            if attempt == allowed or failed.exit_code in (2, 130):  # out of restarts; bad input; Ctrl-C twice
+                raise
+            click.echo(f"restart {attempt + 1}/{allowed}: resuming from the newest checkpoint", err=True)
+            _prepare_resume(run, target, restart=True)
 
 
 def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, detach: bool) -> None:

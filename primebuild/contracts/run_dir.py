@@ -13,6 +13,8 @@
       wandb/  tensorboard/<role>/                       the same values, for the trackers the manifest names
       summary.json  report.png  outcome.json            written by whoever supervised the run, at the end
       failure.json                                      the component that ended the run: exit status, log tail
+      stacks/<process>.<pid>.txt                        each Python process's thread stacks, dumped on a hang
+      supervision.json                                  `primebuild run`'s hang bound and restart count
       launch.json                                       the target's record: Slurm job id, supervisor pid …
       pids/<process>.json                               each worker: its host and process group (teardown)
       job.sbatch  kubernetes.yaml  ssh.sh               the rendered artifact the target submitted
@@ -92,6 +94,13 @@ class OutcomeRecord(Contract):
     ok: bool
     message: str
     exit_code: int
+
+
+class SupervisionRecord(Contract):
+    """How `primebuild run` asked this run to be supervised (every target's supervisor reads it)."""
+
+    hang_floor_s: float = Field(600.0, ge=0)  # the least time without a step before a hang; 0: no hang watchdog
+    max_restarts: int = Field(0, ge=0)  # `--max-restarts`: failed sessions resumed from the newest checkpoint
 
 
 class LaunchRecord(Contract):
@@ -193,6 +202,23 @@ class RunDir:
         if not self.outcome.is_file():
             return None
         return parse_contract(OutcomeRecord, json.loads(self.outcome.read_text()), where=str(self.outcome))
+
+    @property
+    def supervision(self) -> Path:
+        return self.root / "supervision.json"
+
+    def read_supervision(self) -> SupervisionRecord:
+        if not self.supervision.is_file():
+            return SupervisionRecord()
+        return parse_contract(SupervisionRecord, json.loads(self.supervision.read_text()), where=str(self.supervision))
+
+    @property
+    def stacks(self) -> Path:
+        return self.root / "stacks"
+
+    def stack_file(self, process: str, pid: int) -> Path:
+        """Where process `process` (pid `pid`) writes its thread stacks when asked (runtime/stacks.py)."""
+        return self.stacks / f"{process}.{pid}.txt"
 
     @property
     def stop_file(self) -> Path:

@@ -289,4 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from primebuild.runtime.stacks import dump_on_signal
+
+    dump_on_signal()  # a hung run asks for this process's stacks
     raise SystemExit(main())

@@ -1,0 +1,258 @@
+"""The hang watchdog (runtime/hang_watchdog.py) and the loopback-only trainer rendezvous (runtime/trainer/launch.py).
+
+Hangs are real: a process of a real run is frozen with SIGSTOP (a rank that stopped coming to a
+collective, a server that stopped answering), nothing in the code under test knows it is a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster_helpers import listening_sockets, processes_of, workspace
+
+from primebuild.contracts.run_dir import RunDir
+from primebuild.runtime.hang_watchdog import FIRST_STEP_FACTOR, HangWatchdog, run_processes
+from primebuild.runtime.stacks import PROCESS_ENV, RUN_DIR_ENV
+
+pytestmark = pytest.mark.timeout(420)
+HANG_FLOOR = 30  # seconds: small, so that a frozen run ends quickly here
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _plan(estimate_s: float):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(estimates={"profile": {"sync_step_seconds": estimate_s, "async_step_seconds": 1.0}},
+                           processes=[])
+
+
+def test_the_bound_grows_with_the_slowest_step_and_the_plans_estimate(tmp_path: Path, monkeypatch):
+    clock = _Clock()
+    watchdog = HangWatchdog(_plan(2.0), RunDir(tmp_path), floor_s=10.0, clock=clock)
+    monkeypatch.setattr(watchdog, "diagnose", lambda: "the culprit")
+    assert watchdog.check(0, ()) is None
+    assert watchdog.bound() == FIRST_STEP_FACTOR * 10.0  # start-up: models load, the first evaluation runs
+    clock.now = 25.0
+    assert watchdog.check(1, ()) is None  # step 1 after 25 s: start-up, not a step time
+    assert watchdog.bound() == 10.0  # max(5 × no step yet, 4 × the 2 s estimate, floor 10 s)
+    clock.now = 29.0
+    assert watchdog.check(2, ()) is None and watchdog.slowest_s == 4.0
+    assert watchdog.bound() == 20.0  # 5 × the slowest step (4 s)
+    clock.now = 45.0
+    assert watchdog.check(2, (("inference-0", 1, None),)) is None  # a restart is progress: the clock starts again
+    clock.now = 65.0
+    assert watchdog.check(2, (("inference-0", 1, None),)) is None
+    clock.now = 65.5
+    message = watchdog.check(2, (("inference-0", 1, None),))
+    assert message is not None and "step 3 made no progress for 20 s (bound 20 s" in message
+    assert "the culprit" in message
+
+
+def test_a_resumed_session_starts_its_first_step_bound_after_the_old_steps(tmp_path: Path):
+    clock = _Clock()
+    watchdog = HangWatchdog(_plan(0.5), RunDir(tmp_path), floor_s=10.0, clock=clock)
+    assert watchdog.check(7, ()) is None  # metrics.jsonl already holds steps 1..7 of the earlier session
+    assert watchdog.bound() == FIRST_STEP_FACTOR * 10.0
+
+
+def test_a_disabled_watchdog_never_fires(tmp_path: Path):
+    clock = _Clock()
+    watchdog = HangWatchdog(_plan(1.0), RunDir(tmp_path), floor_s=0, clock=clock)
+    clock.now = 1e9
+    assert watchdog.check(0, ()) is None
+
+
+_BLOCKED = """
+import threading
+from primebuild.runtime.stacks import dump_on_signal
+
+def wait_for_a_peer_that_never_comes(lock):
+    lock.acquire()
+
+dump_on_signal()
+lock = threading.Lock()
+lock.acquire()
+print("ready", flush=True)
+wait_for_a_peer_that_never_comes(lock)
+"""
+
+
+def _wait_for_state(pid: int, state: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat[stat.rindex(")") + 2] == state:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"pid {pid} did not reach state {state}")
+
+
+def test_stacks_of_a_blocked_process_name_its_frame_and_a_stopped_one_is_named_first(tmp_path: Path):
+    """Real processes: one blocked in C (a lock), one frozen by SIGSTOP; a third is no primebuild process."""
+    from types import SimpleNamespace
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    env = {**os.environ, RUN_DIR_ENV: str(run.root)}
+    blocked = subprocess.Popen([sys.executable, "-c", _BLOCKED], env={**env, PROCESS_ENV: "trainer"},
+                               stdout=subprocess.PIPE, text=True)
+    frozen = subprocess.Popen([sys.executable, "-c", _BLOCKED], env={**env, PROCESS_ENV: "inference-0"},
+                              stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen(["sleep", "60"], env={**env, PROCESS_ENV: "orchestrator"})
+    try:
+        assert blocked.stdout.readline() == "ready\n" and frozen.stdout.readline() == "ready\n"
+        os.kill(frozen.pid, signal.SIGSTOP)
+        _wait_for_state(frozen.pid, "T")
+        plan = SimpleNamespace(estimates={}, processes=[SimpleNamespace(name=n) for n in
+                                                        ("trainer", "inference-0", "orchestrator", "router")])
+        watchdog = HangWatchdog(plan, run, floor_s=1.0)
+        states = {p.pid: p for p in run_processes(run)}
+        assert {blocked.pid, frozen.pid, other.pid} <= set(states)
+        assert states[frozen.pid].state == "T" and not states[other.pid].catches_dump
+        assert states[blocked.pid].catches_dump
+        culprit = watchdog.diagnose()
+    finally:
+        for p in (blocked, frozen, other):
+            p.kill()
+            p.wait()
+    assert culprit.startswith(f"inference-0 (pid {frozen.pid}) is stopped")
+    assert watchdog.culprit_process == "inference-0"
+    dump = run.stack_file("trainer", blocked.pid).read_text()
+    assert "wait_for_a_peer_that_never_comes" in dump
+    report = (run.stacks / "hang.txt").read_text()
+    assert f"trainer (pid {blocked.pid}): main thread in wait_for_a_peer_that_never_comes" in report, report
+    assert "takes no stack requests" in report and "not on this host (no stacks taken): router" in report
+
+
+# --- end to end: real runs on the local target --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory) -> Path:
+    return workspace(tmp_path_factory.mktemp("hang"))
+
+
+def _env(manifests: Path) -> dict:
+    return {**os.environ, "PRIMEBUILD_STORE": str(manifests.parent / "store"), "PYTHONUNBUFFERED": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(manifests: Path, runs: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "reverse-text.yaml"), "--runs-dir", str(runs),
+         "--quiet", "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
+         "--set", f"inference.port={_free_port()}", "--hang-timeout", str(HANG_FLOOR), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(manifests))
+
+
+def _trained_steps(run_dir: Path) -> list[int]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return sorted(r["step"] for r in rows if r["role"] == "trainer" and r["name"] == "loss")
+
+
+def _wait_for_trained(runs: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        dirs = [p for p in runs.iterdir() if p.is_dir()] if runs.exists() else []
+        if dirs and (dirs[0] / "metrics.jsonl").exists() and step in _trained_steps(dirs[0]):
+            return dirs[0]
+        time.sleep(0.3)
+    raise AssertionError(f"step {step} was not trained within {timeout} s")
+
+
+def _pids(run_dir: Path, process: str, **env: str) -> list[int]:
+    """Live pids of plan process `process` of this run whose environment also holds `env`."""
+    found = []
+    for p in run_processes(RunDir(run_dir)):
+        if p.process != process:
+            continue
+        environ = Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")
+        if all(f"{k}={v}".encode() in environ for k, v in env.items()):
+            found.append(p.pid)
+    return found
+
+
+def test_a_rank_that_stops_coming_ends_the_run_naming_it_and_nothing_listens_beyond_loopback(
+        manifests: Path, tmp_path: Path):
+    """A 2-rank trainer: every socket of the run listens on loopback (torchrun's rendezvous too); then
+    rank 1 is frozen, rank 0 waits in a collective, and the watchdog ends the run within its bound,
+    naming the trainer, with the stacks of rank 0 showing the collective."""
+    runs = tmp_path / "runs"
+    proc = _start(manifests, runs, "--set", "trainer.ranks=2", "--set", "trainer.dp_shard=2",
+                   "--set", "orchestrator.max_steps=200")
+    try:
+        run_dir = _wait_for_trained(runs, 2, proc)
+        sockets = listening_sockets([int(line.split(":")[0]) for line in processes_of(run_dir)])
+        trainer_pids = set(_pids(run_dir, "trainer"))
+        assert any(pid in trainer_pids for pid, _, _ in sockets), sockets  # the rendezvous, the ranks' gloo
+        wildcard = [s for s in sockets if s[1] in ("0.0.0.0", "::")]
+        assert not wildcard, f"listening on every interface: {wildcard}"
+        assert all(s[1] == "127.0.0.1" for s in sockets), sockets
+        print(f"2-rank run: {len(sockets)} listening sockets, all on 127.0.0.1")
+
+        (rank1,) = _pids(run_dir, "trainer", RANK="1")
+        (rank0,) = _pids(run_dir, "trainer", RANK="0")
+        os.kill(rank1, signal.SIGSTOP)
+        frozen = time.monotonic()
+        out, _ = proc.communicate(timeout=360)
+        ended = time.monotonic() - frozen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out
+    bound = float(re.search(r"\(bound (\d+) s", out)[1])
+    print(f"rank 1 frozen -> run over in {ended:.0f} s (bound {bound:.0f} s)")
+    print(next(line for line in out.splitlines() if line.startswith("error: hang")))
+    # the bound, then a stop that waits 8 s for checkpoints and 10 s before SIGKILL, and the stack dumps
+    assert ended < bound + 60, out
+    assert "hang: step" in out and f"trainer (pid {rank1}) is stopped" in out, out
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["process"] == "trainer" and "hang:" in failure["message"]
+    report = (run_dir / "stacks" / "hang.txt").read_text()
+    print(report)
+    assert f"trainer (pid {rank0}): waits on a collective" in report, report
+    assert "torch/distributed/" in (run_dir / "stacks" / f"trainer.{rank0}.txt").read_text()  # the frame it waits in
+    assert processes_of(run_dir) == []
+
+
+def test_a_frozen_inference_server_is_named_and_max_restarts_finishes_every_step_once(manifests: Path, tmp_path: Path):
+    runs = tmp_path / "runs"
+    proc = _start(manifests, runs, "--set", "orchestrator.max_steps=6", "--max-restarts", "1")
+    try:
+        run_dir = _wait_for_trained(runs, 2, proc)
+        (server,) = _pids(run_dir, "inference-0")
+        os.kill(server, signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    print(next(line for line in out.splitlines() if line.startswith("error: hang")))
+    assert f"inference-0 (pid {server}) is stopped" in out and "restart 1/1" in out, out
+    assert "resuming" in out and "run complete" in out, out
+    assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # each step exactly once
+    report = (run_dir / "stacks" / "hang.txt").read_text()
+    assert f"inference-0 (pid {server}): stopped" in report and "orchestrator (pid" in report, report
+    assert not (run_dir / "failure.json").exists()  # the resumed session ended well
