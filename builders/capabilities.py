@@ -270,19 +270,23 @@ def _embedded_architecture(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
                       "this model when the server loads it", "use engine: vllm, or a Qwen3 / Qwen3-MoE model")
 
 
-# model_type -> its sparse attention that the fsdp2 trainer's context parallelism would drop: CP replaces the
-# attention mask by a causal one over the gathered keys (runtime/trainer/context_parallel.py), and each rank's
-# indexer would score only its own keys, so the top-k selection is lost and attention silently turns dense.
-SPARSE_ATTENTION = {"glm_moe_dsa": "DeepSeek sparse attention (an indexer picks top-k keys per query)"}
+# model_type -> its sparse attention. Under the fsdp2 trainer's context parallelism a rank holds only its own
+# positions: its indexer would score only its own keys, and the CP attention (runtime/trainer/context_parallel.py)
+# would attend over every gathered key, so the top-k selection is lost and attention silently turns dense.
+SPARSE_ATTENTION = {"glm_moe_dsa": "DeepSeek sparse attention (an indexer picks top-k keys per query)",
+                    "deepseek_v32": "DeepSeek sparse attention (an indexer picks top-k keys per query)"}
+# Those whose indexer runs over all CP ranks' keys and whose top-k reaches the CP attention
+# (runtime/trainer/sparse_attention.py SPARSE_INDEXERS; tests/test_trainer_sparse_attention_cp.py).
+SPARSE_ATTENTION_UNDER_CP = {"glm_moe_dsa"}
 
 
 def _sparse_attention_under_cp(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
-    if m.trainer.cp > 1 and f.model_type in SPARSE_ATTENTION:
+    if m.trainer.cp > 1 and f.model_type in SPARSE_ATTENTION and f.model_type not in SPARSE_ATTENTION_UNDER_CP:
         yield Refusal("trainer.cp", f"cp={m.trainer.cp} with {f.architecture}: its {SPARSE_ATTENTION[f.model_type]} is "
-                      "not split over context-parallel ranks; the trainer's CP attention drops the index mask and "
-                      "would train dense attention that inference does not run",
+                      "not split over context-parallel ranks; each rank's indexer would see only its own keys and "
+                      "the trainer's CP attention would train dense attention that inference does not run",
                       "set cp: 1 (and dp_shard to keep the world size; the plan then says whether a sequence fits "
-                      "one GPU), or see the plan with --design")
+                      "one GPU), or teach runtime/trainer/sparse_attention.py this model's indexer")
 
 
 def _no_effect(m: Manifest) -> Iterator[Refusal]:

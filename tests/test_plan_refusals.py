@@ -1,6 +1,7 @@
 """What the runtime cannot do is refused when the plan is made, located, not when a process loads:
 a model the embedded engine does not implement, swe-tiny without bubblewrap where its sandbox runs,
-GLM-5's sparse attention under context parallelism, verifiers tool use."""
+a sparse attention under context parallelism whose indexer the CP trainer does not make global, verifiers
+tool use."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import CPU_MANIFEST, MANIFESTS, call_cli, write
 
+from primebuild.builders import capabilities
 from primebuild.builders.capabilities import refusals
 from primebuild.builders.environments import sandbox_warnings
 from primebuild.builders.model_facts import facts_from_hf_config
@@ -46,14 +48,22 @@ def test_a_llama_on_the_embedded_engine_is_refused_at_its_engine_line(workdir: P
     assert "inference.engine" not in _fields(write(workdir, "qwen.yaml", CPU_MANIFEST))
 
 
-def test_glm5_sparse_attention_under_context_parallelism_is_refused():
+def test_glm5_sparse_attention_runs_under_context_parallelism():
+    # its indexer scores every CP rank's keys (runtime/trainer/sparse_attention.py; equality with one rank:
+    # tests/test_trainer_sparse_attention_cp.py)
+    assert "trainer.cp" not in _fields(MANIFESTS / "glm5.yaml", "trainer.cp=4", "trainer.dp_shard=24")
+
+
+def test_sparse_attention_without_a_global_indexer_is_refused_under_cp(monkeypatch):
+    monkeypatch.setattr(capabilities, "SPARSE_ATTENTION_UNDER_CP", set())  # as for deepseek_v32
     assert "trainer.cp" in _fields(MANIFESTS / "glm5.yaml", "trainer.cp=4", "trainer.dp_shard=24")
     assert "trainer.cp" not in _fields(MANIFESTS / "glm5.yaml", "trainer.cp=1", "trainer.dp_shard=96")
     # a dense-attention model keeps its CP (qwen3-30b-a3b)
     assert "trainer.cp" not in _fields(MANIFESTS / "qwen3-30b-a3b.yaml", "trainer.cp=2", "trainer.dp_shard=4")
 
 
-def test_glm5_cp_refusal_is_located_and_says_why(capsys):
+def test_sparse_attention_cp_refusal_is_located_and_says_why(capsys, monkeypatch):
+    monkeypatch.setattr(capabilities, "SPARSE_ATTENTION_UNDER_CP", set())
     manifest = MANIFESTS / "glm5.yaml"
     cp_line = manifest.read_text().splitlines().index("  cp: 4") + 1
     lines = _refused(capsys, manifest)

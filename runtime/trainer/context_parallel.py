@@ -9,7 +9,8 @@ Attention: each rank computes q, k, v for its own positions (RoPE at their globa
 by global position. The all-gather is autograd-aware: its backward sums the key/value gradients of
 every rank and returns each rank its own part. It runs as an attention function registered with
 transformers' attention interface, so the HF decoder layers are untouched; on one rank, or without an
-active split, it is plain SDPA.
+active split, it is plain SDPA. A sparse attention's top-k `indices` (global positions, from an indexer made
+global by sparse_attention.py) further restrict each query to those keys.
 
 Right padding means causal attention alone keeps real tokens from seeing padding, so no padding mask
 travels: a padded position's output is garbage that no loss reads.
@@ -76,6 +77,10 @@ def use_shard(shard: ContextShard | None) -> None:
     _current = shard
 
 
+def current_shard() -> ContextShard | None:
+    return _current
+
+
 class _GatherSeq(torch.autograd.Function):
     """All-gather along the sequence axis (dim 2 of [B, H, T, D]); backward: sum over ranks, keep own."""
 
@@ -97,11 +102,17 @@ class _GatherSeq(torch.autograd.Function):
         return grad[:, :, ctx.rank * ctx.local:(ctx.rank + 1) * ctx.local].contiguous(), None
 
 
-def context_parallel_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention function: [B, H, Tq, D] queries -> [B, Tq, H, D] outputs."""
+def context_parallel_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               indices=None, **kwargs):
+    """transformers attention function: [B, H, Tq, D] queries -> [B, Tq, H, D] outputs.
+
+    `indices` ([B, Tq, k] global key positions, from a sparse-attention indexer: sparse_attention.py)
+    restricts each query to those keys."""
     shard = _current
     groups = query.shape[1] // key.shape[1]
     if shard is None:
+        if indices is not None:
+            raise NotImplementedError("sparse attention indices without a context-parallel split")
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                              scale=scaling, is_causal=attention_mask is None and query.shape[2] > 1,
                                              enable_gqa=groups > 1)
@@ -109,6 +120,10 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
     key = _GatherSeq.apply(key, shard.group)
     value = _GatherSeq.apply(value, shard.group)
     visible = shard.positions[:, None] >= shard.all_positions[None, :]  # causal by global position
+    if indices is not None:
+        chosen = torch.zeros(*indices.shape[:2], shard.length, dtype=torch.bool, device=indices.device)
+        chosen = chosen.scatter_(-1, indices.long(), True)[:, :, shard.all_positions]  # in gathered order
+        visible = (visible & chosen)[:, None]  # [B, 1, Tq, T]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, dropout_p=dropout, scale=scaling,
                                          enable_gqa=groups > 1)
     return out.transpose(1, 2).contiguous(), None
@@ -120,3 +135,12 @@ def register() -> str:
 
     AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
     return ATTENTION_NAME
+
+
+def register_mask() -> None:
+    """Have transformers build the (local) causal mask for this attention function too, as for SDPA: models
+    that read the mask themselves need one (sparse_attention.py); the attention function ignores it under a
+    split."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

@@ -17,6 +17,7 @@ from .context_parallel import ContextShard
 from .expert_parallel import apply_expert_parallel
 from .parallel_dims import Meshes, build_meshes
 from .router_replay import RouterReplay
+from .sparse_attention import apply_sparse_attention_cp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -158,7 +159,8 @@ def parallelize(model: Policy, meshes: Meshes, compute_dtype: str, fp8: bool = F
     """Apply every parallel dimension, in a fixed order (torchtitan's parallelize, for our dims):
 
     1. EP: every MoE layer's experts become ExpertParallelExperts over meshes.ep_mesh (expert_parallel.py);
-    2. CP: attention runs through the context-parallel attention function (context_parallel.py);
+    2. CP: attention runs through the context-parallel attention function (context_parallel.py), and
+       sparse attention indexers score all keys of the sequence (sparse_attention.py);
        the split itself happens per micro-batch (Policy.forward);
     3. FSDP: each decoder block and the root over meshes.fsdp (dp_shard * cp ranks); with EP, each
        block's experts first, over meshes.efsdp, sharded on dim 1 (dim 0 is already EP's); their
@@ -173,6 +175,7 @@ def parallelize(model: Policy, meshes: Meshes, compute_dtype: str, fp8: bool = F
     expert_modules = apply_expert_parallel(hf, meshes.ep_mesh, fp8=fp8) if meshes.ep_mesh is not None else []
     if meshes.cp_mesh is not None:
         hf.config._attn_implementation = context_parallel.register()
+        apply_sparse_attention_cp(hf)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
     # pinned host memory makes the copies to and from a GPU asynchronous; a CPU run has nothing to pin
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
