@@ -41,7 +41,9 @@ PAUSE_MODE: dict[str, str] = {"resume": "keep", "finish": "wait"}
 
 
 class VllmAdminError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status  # the HTTP status of the answer (0: no answer was the problem)
 
 
 def parse_policy_version(weight_version: str | None) -> int:
@@ -78,7 +80,8 @@ class VllmAdmin:
                     params: dict | None = None) -> Any:
         response = await self.http.request(method, path, json=json, params=params)
         if response.status_code >= 400:
-            raise VllmAdminError(f"{method} {path} answered {response.status_code}: {response.text[:500]}")
+            raise VllmAdminError(f"{method} {path} answered {response.status_code}: {response.text[:500]}",
+                                 response.status_code)
         return response.json() if response.content else None
 
     # status
