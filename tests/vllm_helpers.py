@@ -65,7 +65,8 @@ class VllmServer:
     """One vLLM OpenAI server process (own process group, so teardown reaches its engine and worker)."""
 
     def __init__(self, model: Path, log_path: Path, *, admin_token: str, served_model_name: str = "tiny",
-                 weight_broadcast: bool = False, max_model_len: int = 128):
+                 weight_broadcast: bool = False, max_model_len: int = 128, cpu: bool = True,
+                 extra_argv: tuple[str, ...] = ()):
         from primebuild.builders.vllm_command import VllmServer, server_argv, with_env
 
         self.port = free_port()
@@ -75,7 +76,8 @@ class VllmServer:
         self.log_path = log_path
         argv = server_argv(VllmServer(python=str(vllm_python()), model_path=str(model), port=self.port,
                                       served_model_name=served_model_name, max_model_len=max_model_len,
-                                      max_num_seqs=16, weight_broadcast=weight_broadcast))
+                                      max_num_seqs=16, weight_broadcast=weight_broadcast, cpu=cpu))
+        argv += list(extra_argv)
         env = with_env({**os.environ, "PRIMEBUILD_ADMIN_TOKEN": admin_token}, cpu_kv_cache_gib=1)
         self._log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,

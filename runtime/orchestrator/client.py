@@ -5,8 +5,9 @@ rides out a server restart: a failed request is retried until `retry_seconds` pa
 replica costs a delay, never a lost or duplicated sample. A server that answers but only with errors
 (5xx: its engine died behind a live HTTP server) is a failing server too: the supervisor restarts it
 within seconds (runtime/liveness.py), and if it keeps answering errors for ERROR_RUN_SECONDS with no
-restart in between, the request fails, naming the server and its answer. Either way a WARNING says so
-on the terminal (at most every WARN_SECONDS per server), so a run never waits in silence.
+restart in between, the request fails, naming the server and its answer. Either way, once a call has
+waited QUIET_SECONDS, a WARNING says so on the terminal (at most every WARN_SECONDS per server), so a run
+never waits in silence.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 log = logging.getLogger("primebuild.orchestrator")
 LANE_CONNECTIONS = 16  # connections per httpx pool of sampling requests (see InferenceClient.__init__)
 ERROR_RUN_SECONDS = 60.0  # only error answers for this long, and no restart seen: the server is broken
+QUIET_SECONDS = 5.0  # a shorter outage is not worth a warning (a keep-alive connection the server just closed)
 WARN_SECONDS = 30.0
 
 
@@ -39,14 +41,19 @@ class Outage:
         self.client = client
         self.url = url
         self.loop = asyncio.get_running_loop()
-        self.deadline = self.loop.time() + client.retry_seconds
+        self.started = self.loop.time()
+        self.deadline = self.started + client.retry_seconds
         self.errors_since: float | None = None  # start of the current run of error answers
+
+    def _warn(self, message: str) -> None:
+        if self.loop.time() - self.started >= QUIET_SECONDS:
+            self.client.warn(message)
 
     def gone(self, err: Exception) -> None:
         """The server did not answer (it died, or is restarting): retry until `retry_seconds` pass."""
         self.client.transport_errors += 1
         self.errors_since = None  # a restart ends a run of error answers
-        self.client.warn(f"{self.url}: {type(err).__name__}: {err}; waiting for the server to come back")
+        self._warn(f"{self.url}: {type(err).__name__}: {err}; waiting for the server to come back")
         if self.loop.time() > self.deadline:
             raise InferenceUnavailable(f"{self.url}: no answer for {self.client.retry_seconds:.0f} s: {err}") from err
 
@@ -55,7 +62,7 @@ class Outage:
         self.client.transport_errors += 1  # the answer to come may be a restarted server's
         now = self.loop.time()
         self.errors_since = now if self.errors_since is None else self.errors_since
-        self.client.warn(f"{self.url} answered {status}: {text[:200]}; retrying (a dead engine is restarted)")
+        self._warn(f"{self.url} answered {status}: {text[:200]}; retrying (a dead engine is restarted)")
         if now - self.errors_since > ERROR_RUN_SECONDS or now > self.deadline:
             raise InferenceUnavailable(f"{self.url} answered only {status} for {now - self.errors_since:.0f} s "
                                        f"and was not restarted: {text[:300]}")
