@@ -9,6 +9,9 @@ and dumped (never templated text), so every value is escaped by the YAML emitter
   orchestrator. A job has one pod per plan node of its group (Indexed completions; the pod with
   JOB_COMPLETION_INDEX r holds the r-th node's processes, one container each). Restart policies map
   to the Job's backoffLimit (inference: on-failure, trainer/orchestrator: never).
+- A server must stay alive, not only get ready: a livenessProbe on /health (after a startupProbe that
+  allows the plan's start timeout) has the kubelet restart a server whose engine died behind a live
+  HTTP server (vLLM's /health answers 503 then), as the supervisor does elsewhere (runtime/liveness.py).
 - LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): a multi-node inference replica is a group of `size`
   pods, recreated together (`RecreateGroupOnPodRestart`), the leader being node rank 0.
 - Addresses: `{host:N}` is the DNS name of the pod that holds plan node N (JobSet:
@@ -123,8 +126,12 @@ class _Renderer:
         container["resources"] = {"limits": resources} if p.gpus else {"requests": resources}
         if "http" in p.ports:
             container["ports"] = [{"name": "http", "containerPort": p.ports["http"]}]
-            container["readinessProbe"] = {"httpGet": {"path": "/health", "port": p.ports["http"]},
-                                           "periodSeconds": 5, "failureThreshold": 360}
+            def probe(**timing) -> dict:  # a fresh dict each: shared ones would become YAML anchors
+                return {"httpGet": {"path": "/health", "port": p.ports["http"]}, **timing}
+
+            container["readinessProbe"] = probe(periodSeconds=5, failureThreshold=360)
+            container["startupProbe"] = probe(periodSeconds=5, failureThreshold=max(1, round(p.health.timeout_s / 5)))
+            container["livenessProbe"] = probe(periodSeconds=5, timeoutSeconds=5, failureThreshold=6)
         return container
 
     def pod_spec(self, processes: list[ProcessSpec], restart: str, by_index: bool) -> dict:
