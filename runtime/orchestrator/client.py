@@ -6,7 +6,7 @@ replica costs a delay, never a lost or duplicated sample. A server that answers 
 (5xx: its engine died behind a live HTTP server) is a failing server too: the supervisor restarts it
 within seconds (runtime/liveness.py), and if it keeps answering errors for ERROR_RUN_SECONDS with no
 restart in between, the request fails, naming the server and its answer. Either way, once a call has
-waited QUIET_SECONDS, a WARNING says so on the terminal (at most every WARN_SECONDS per server), so a run
+failed for QUIET_SECONDS, a WARNING says so on the terminal (at most every WARN_SECONDS per server), so a run
 never waits in silence.
 """
 
@@ -41,12 +41,14 @@ class Outage:
         self.client = client
         self.url = url
         self.loop = asyncio.get_running_loop()
-        self.started = self.loop.time()
-        self.deadline = self.started + client.retry_seconds
+        self.deadline = self.loop.time() + client.retry_seconds
+        self.first_failure: float | None = None
         self.errors_since: float | None = None  # start of the current run of error answers
 
     def _warn(self, message: str) -> None:
-        if self.loop.time() - self.started >= QUIET_SECONDS:
+        now = self.loop.time()
+        self.first_failure = now if self.first_failure is None else self.first_failure
+        if now - self.first_failure >= QUIET_SECONDS:
             self.client.warn(message)
 
     def gone(self, err: Exception) -> None:
