@@ -7,9 +7,11 @@ embedded server's /health answers 503 once its engine thread has died. Such a se
 on it for its whole retry window.
 
 A probe thread per server asks its health URL every PROBE_SECONDS once the server was healthy. The
-server is declared dead after DEAD_AFTER_ERRORS error answers (5xx) in a row, or when nothing answered
-for UNRESPONSIVE_SECONDS (a server busy on 2 shared cores can miss a few probes; a dead engine answers
-503 at once).
+server is declared dead after DEAD_AFTER_ERRORS failures in a row, a failure being an error answer
+(5xx), a refused connection (nothing listens: vLLM's API server stops listening once its engine died,
+then waits for its clients' connections to close), or any missing answer after one of those; or when
+nothing answered for UNRESPONSIVE_SECONDS (a server busy on 2 shared cores can miss a few probes, but
+its socket still accepts).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class LivenessProbe:
 
     def _run(self) -> None:
         errors = 0
+        what: list[str] = []  # the failures in a row, for the cause
         answered_at = time.monotonic()
         while not self._stopped.wait(PROBE_SECONDS):
             try:
@@ -50,17 +53,23 @@ class LivenessProbe:
                     status = response.status
             except urllib.error.HTTPError as err:
                 status = err.code
-            except OSError:
-                status = None
-            if status is None:
+            except OSError as err:
+                refused = isinstance(getattr(err, "reason", err), ConnectionRefusedError)
+                status = "refused the connection" if refused else None
+            if status is None and errors == 0:
                 if time.monotonic() - answered_at > UNRESPONSIVE_SECONDS:
                     self.cause = f"{self.url} did not answer for {UNRESPONSIVE_SECONDS:.0f} s"
                     return
                 continue
             answered_at = time.monotonic()
-            errors = errors + 1 if status >= 500 else 0
+            failed = not isinstance(status, int) or status >= 500
+            errors = errors + 1 if failed else 0
+            if failed:
+                what.append(f"answered {status}" if isinstance(status, int) else status or "no answer")
+            else:
+                what.clear()
             if errors >= DEAD_AFTER_ERRORS:
-                self.cause = f"{self.url} answered {status} {errors} times in a row (its engine died)"
+                self.cause = f"{self.url}: {', '.join(what[-errors:])} (its engine died)"
                 return
 
 

@@ -24,6 +24,7 @@ class Answers(BaseHTTPRequestHandler):
         length = int(self.headers.get("content-length") or 0)
         self.rfile.read(length)
         body = json.dumps({"error": {"message": "EngineCore encountered an issue"}}).encode()
+        self.server.errors_answered += self.server.status >= 500
         self.send_response(self.server.status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(body)))
@@ -40,6 +41,7 @@ class Answers(BaseHTTPRequestHandler):
 def server():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Answers)
     httpd.status = 200
+    httpd.errors_answered = 0
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
@@ -62,7 +64,28 @@ def test_the_probe_declares_a_server_answering_errors_dead_and_leaves_a_healthy_
         deadline = time.monotonic() + 60
         while probe.cause is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert probe.cause is not None and "answered 503 3 times in a row" in probe.cause
+        assert probe.cause is not None and "answered 503, answered 503, answered 503" in probe.cause
+    finally:
+        probe.stop()
+
+
+def test_a_server_that_stops_listening_after_an_error_is_dead_within_seconds(server):
+    """vLLM's API server after its EngineCore died: one 503, then it closes its socket and waits for its
+    clients' connections, alive but not listening."""
+    probe = liveness.LivenessProbe("inference-0", _url(server) + "/health")
+    try:
+        time.sleep(liveness.PROBE_SECONDS * 2)
+        server.status = 503
+        deadline = time.monotonic() + 30
+        while not server.errors_answered and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.shutdown()
+        server.server_close()  # nothing listens any more
+        deadline = time.monotonic() + 60
+        while probe.cause is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert probe.cause is not None and "refused the connection" in probe.cause, probe.cause
+        assert time.monotonic() < deadline  # well before UNRESPONSIVE_SECONDS
     finally:
         probe.stop()
 
