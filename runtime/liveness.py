@@ -27,7 +27,8 @@ PROBE_SECONDS = 2.0
 PROBE_TIMEOUT_SECONDS = 5.0
 DEAD_AFTER_ERRORS = 3
 UNRESPONSIVE_SECONDS = 180.0
-_ERROR_LINE = re.compile(r"(?:^|\] )(\w+(?:Error|Exception): .+)")  # a traceback's last line, maybe log-prefixed
+# a traceback's last line, maybe log-prefixed, maybe with the exception's module path
+_ERROR_LINE = re.compile(r"(?:^|\] )(?:\w+\.)*(\w+(?:Error|Exception): .+)")
 START_MARKER = "--- start "  # the supervisor's line before each start of a process
 
 

@@ -101,6 +101,11 @@ def test_the_root_cause_is_the_first_error_since_the_last_start(tmp_path):
         "(APIServer pid=3) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore died",
     ]) + "\n")
     assert liveness.first_error_line(log) == "RuntimeError: CPU Generator does not use offset"
+    # a killed EngineCore leaves only its consequence, with the exception's module path
+    log.write_text(f"{liveness.START_MARKER}2026-12-03T09:06:25 (restart 0) ---\n(APIServer pid=4) ERROR 12-03 "
+                   "09:09:59 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered "
+                   "an issue.\n")
+    assert liveness.first_error_line(log) == "EngineDeadError: EngineCore encountered an issue."
     assert liveness.first_error_line(tmp_path / "missing.log") is None
 
 
