@@ -165,8 +165,9 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
             problems.append(Problem(
                 f"vLLM cannot return routed experts with {inf.disaggregation.kv_connector}",
                 field="inference.disaggregation.kv_connector",
-                hint="vLLM 0.32 returns routed experts with no NIXL, Mooncake or MoRIIO connector: use "
-                     "LMCacheConnectorV1, or turn router_replay off"))
+                hint="vLLM 0.32 returns routed experts with no NIXL, Mooncake or MoRIIO connector (and the plan "
+                     "does not write LMCache's P/D set-up): turn router_replay off, or drop disaggregation, or "
+                     "use engine: embedded (router replay under P/D)"))
     return problems
 
 

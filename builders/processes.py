@@ -190,7 +190,7 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_ra
     server = VllmServer(
         python="{python}", model_path="{model_path}", served_model_name=m.name, port=port, host=bind_host(m, rp.slots[node_rank].node),
         seed=m.seed, max_model_len=m.orchestrator.seq_len, max_num_seqs=inf.max_num_seqs,
-        dtype=PRECISION_DTYPE.get(inf.precision, "bfloat16"), enforce_eager=cpu,  # CUDA graphs on GPUs
+        dtype=PRECISION_DTYPE.get(inf.precision, "bfloat16"), enforce_eager=cpu, cpu=cpu,  # CUDA graphs on GPUs
         weight_broadcast=broadcast, return_routed_experts=inf.router_replay,
         gpu_memory_utilization=None if cpu else inf.gpu_memory_utilization, tensor_parallel=group.tp,
         expert_parallel=group.ep > 1,

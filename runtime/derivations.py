@@ -40,9 +40,17 @@ def resolve_model(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
         return Resolved(path, True, 0.0, {"source": "path"})
     if kind == "hf":
         from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
         started = time.perf_counter()
-        path = Path(snapshot_download(m.hf, revision=m.revision))  # type: ignore[arg-type]
+        try:
+            path = Path(snapshot_download(m.hf, revision=m.revision))  # type: ignore[arg-type]
+        except (LocalEntryNotFoundError, HfHubHTTPError) as err:  # no network, unknown repo or revision, no access
+            raise UserError(loaded.source.problem(
+                ("model", "hf"), f"{m.hf}@{m.revision}: the hub's files could not be fetched, and the local hub "
+                f"cache does not hold them ({type(err).__name__}: {str(err).splitlines()[0][:200]})",
+                hint="check the network and HF_TOKEN (listed in secrets), or download the snapshot into the hub "
+                     "cache first (huggingface-cli download), or point model.path at a local folder")) from None
         return Resolved(path, False, time.perf_counter() - started, {"source": "hf", "repo": m.hf})
     if kind == "init":
         return _random_init(loaded, store)

@@ -10,11 +10,15 @@ step of its het-job component): only the launcher differs (runtime/targets/).
   terminal gets one progress line per step (from metrics.jsonl) and, prefixed with the process's name,
   the lines that ask for attention (warnings, errors, tracebacks); `verbose` adds every line (access
   logs, per-request lines), `quiet` keeps the progress alone.
+- A server that is up is probed all along (runtime/liveness.py): one whose process lives but whose
+  engine died (its /health answers 5xx) counts as dead, as does a server process that exits, even with 0.
 - A process that dies is restarted when its restart policy says so. Otherwise the run fails fast:
   failure.json names the process, its exit status and its last log lines; a STOP file lets the trainer
   checkpoint the step it finished (so `--resume` loses nothing) for at most STOP_GRACE_SECONDS; then
   every process gets SIGTERM and, TERM_SECONDS later, SIGKILL. The whole run is down well within 30 s.
 - The run ends when the orchestrator exits 0 and the trainer has finished.
+- No step for STALL_SECONDS: the terminal says so (and again every STALL_SECONDS), with the processes'
+  last attention lines in their logs, so a run never sits silent.
 - Ctrl-C (or a STOP file in the run folder) asks the trainer to checkpoint and the orchestrator to stop,
   waits a bounded time, then stops everything; `primebuild run --resume RUN_DIR` continues from there.
 """
@@ -36,6 +40,7 @@ from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.run_dir import FailureRecord, RunDir, write_json_atomic
 from primebuild.runtime.hang_watchdog import HangWatchdog, end_leftovers
+from primebuild.runtime.liveness import START_MARKER, LivenessProbe, first_error_line
 from primebuild.runtime.progress import Progress
 from primebuild.runtime.targets.base import Handle, Launcher
 
@@ -43,6 +48,7 @@ GRACE_SECONDS = 60  # a requested stop: how long the trainer may take to finish 
 STOP_GRACE_SECONDS = 8.0  # a failure: how long the survivors may take to checkpoint before SIGTERM
 TERM_SECONDS = 10.0  # SIGTERM -> SIGKILL
 LOG_TAIL_LINES = 30
+STALL_SECONDS = 300.0  # no new metrics for this long: the terminal says so (again every STALL_SECONDS)
 QUIET, ATTENTION, VERBOSE = 0, 1, 2
 # What a person must see on the terminal: log records at WARNING and above (every process logs with its
 # level), tracebacks and `error:` lines. torch/transformers chatter, tqdm bars and access logs stay in logs/.
@@ -57,6 +63,7 @@ class Running:
     log: TextIO
     restarts: int = 0
     pump: threading.Thread | None = None
+    probe: LivenessProbe | None = None  # once an HTTP server was healthy
 
 
 @dataclass
@@ -95,6 +102,7 @@ class Supervisor:
         # The admin token lives only in this process tree's environment: never in a file or a log.
         self.admin_token = secrets.token_urlsafe(24)
         self.progress = Progress(self.run.metrics, echo, live)
+        self._progress_seen = (-1, time.monotonic())  # (metrics offset, when it last moved)
         self.hosts = self.run.read_rendezvous().hosts
         self.hang = HangWatchdog(plan, self.run, self.run.read_supervision().hang_floor_s)
 
@@ -103,7 +111,7 @@ class Supervisor:
     def _spawn(self, spec: ProcessSpec, restarts: int = 0) -> Running:
         name = spec.name
         log = open(self.run.log(name), "a", buffering=1)  # noqa: SIM115 (closed in _reap)
-        log.write(f"--- start {time.strftime('%Y-%m-%dT%H:%M:%S')} (restart {restarts}) ---\n")
+        log.write(f"{START_MARKER}{time.strftime('%Y-%m-%dT%H:%M:%S')} (restart {restarts}) ---\n")
         handle = self.launcher.start(spec, {ADMIN_TOKEN_ENV: self.admin_token, "PYTHONUNBUFFERED": "1"})
         running = Running(spec, handle, log, restarts)
         running.pump = threading.Thread(target=self._pump, args=(name, handle, log, _ATTENTION[spec.terminal]),
@@ -136,6 +144,7 @@ class Supervisor:
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (the run's own servers)
                     if response.status == 200:
+                        running.probe = LivenessProbe(running.spec.name, url)
                         return True
             except OSError:
                 pass
@@ -168,6 +177,7 @@ class Supervisor:
             while True:
                 try:
                     self.progress.poll()
+                    self._notice_stall()
                     outcome = self._check() or self._check_hang()
                     if outcome is not None:
                         return outcome
@@ -191,14 +201,22 @@ class Supervisor:
     def _check(self) -> Outcome | None:
         for name, running in list(self.running.items()):
             code = running.handle.poll()
-            if code is None:
-                continue
             role = running.spec.role
-            if code == 0 and role in ("orchestrator", "trainer"):
+            if code is None:
+                if running.probe is None or running.probe.cause is None:
+                    continue
+                # alive, but its engine is gone: as dead as an exited server (its restart kills the group)
+                why = f"is up but dead: {running.probe.cause}"
+            elif code == 0 and role in ("orchestrator", "trainer"):
                 continue
+            else:
+                why = describe_exit(code)[0]  # a server that exits, even with 0, failed: it has no end of its own
+            cause = first_error_line(self.run.log(name))
+            if cause:
+                why += f" ({cause})"
             policy = running.spec.restart
-            if code != 0 and policy.policy == "on-failure" and running.restarts < policy.max_restarts:
-                self.echo(f"{name} {describe_exit(code)[0]}: restarting ({running.restarts + 1}/{policy.max_restarts})")
+            if policy.policy == "on-failure" and running.restarts < policy.max_restarts:
+                self.echo(f"{name} {why}: restarting ({running.restarts + 1}/{policy.max_restarts})")
                 self._reap(running)
                 replacement = self._spawn(running.spec, running.restarts + 1)
                 self.running[name] = replacement
@@ -206,10 +224,8 @@ class Supervisor:
                     return self._fail(replacement, replacement.handle.poll(),
                                       f"{name} failed again after a restart; see {self.run.log(name)}", 1)
                 continue
-            if code == 0:
-                return self._fail(running, code, f"{name} ({role}) exited before the run finished", 1)
-            return self._fail(running, code, f"{name} ({role}) {describe_exit(code)[0]}; see {self.run.log(name)}",
-                              code if 0 < code < 128 else 1)
+            return self._fail(running, code, f"{name} ({role}) {why}; see {self.run.log(name)}",
+                              code if code is not None and 0 < code < 128 else 1)
         orchestrator_done = all(self.running[p.name].handle.poll() == 0 for p in self.plan.by_role("orchestrator"))
         trainers_done = all(self.running[p.name].handle.poll() == 0 for p in self.plan.by_role("trainer"))
         if orchestrator_done and trainers_done:
@@ -228,6 +244,17 @@ class Supervisor:
         outcome = self._fail(stuck, None, message, 1)
         end_leftovers(self.run)  # a frozen process ignores SIGTERM, and a torchrun rank is not in its group
         return outcome
+
+    def _notice_stall(self) -> None:
+        offset, since = self._progress_seen
+        now = time.monotonic()
+        if self.progress.offset != offset:
+            self._progress_seen = (self.progress.offset, now)
+        elif now - since > STALL_SECONDS:
+            self._progress_seen = (offset, now)
+            alive = ", ".join(n for n, r in self.running.items() if r.handle.poll() is None)
+            self.echo(f"warning: no new metrics for {STALL_SECONDS:.0f} s (last trained step "
+                      f"{max(self.progress.printed, default=0)}); running: {alive}; see {self.run.logs}/")
 
     # --- failing and stopping --------------------------------------------------------------------
 
@@ -259,6 +286,8 @@ class Supervisor:
     def _reap(self, running: Running) -> None:
         # A process that died may leave children behind in its process group (vLLM's engine core and
         # workers): end the whole group, so a restart never runs beside an orphan holding memory or a port.
+        if running.probe:
+            running.probe.stop()
         running.handle.kill()
         if running.pump:
             running.pump.join(timeout=2)
@@ -266,6 +295,9 @@ class Supervisor:
 
     def stop_all(self, timeout: float = TERM_SECONDS) -> None:
         self.stopping = True
+        for running in self.running.values():
+            if running.probe:
+                running.probe.stop()  # a server going down now is no news
         for running in self.running.values():
             if running.handle.poll() is None:
                 running.handle.terminate()

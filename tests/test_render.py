@@ -148,9 +148,24 @@ def test_a_script_rendered_without_paths_names_none_of_this_machine(tmp_path):
 
 
 def test_run_refuses_what_render_marks_not_runnable(tmp_path):
-    result = run_cli("run", MANIFESTS / "glm5.yaml", "--runs-dir", tmp_path, timeout=60)
-    assert result.code == 2 and "inference.disaggregation" in result.err and "Traceback" not in result.err
+    # router replay beside NIXL is what vLLM 0.32 refuses: a design study, never started
+    result = run_cli("run", MANIFESTS / "glm5.yaml", "--runs-dir", tmp_path, "--set", "inference.router_replay=true",
+                     timeout=60)
+    assert result.code == 2 and "Traceback" not in result.err
+    assert "inference.disaggregation.kv_connector: vLLM cannot return routed experts" in result.err
     assert not any(tmp_path.iterdir())
+
+
+def test_run_names_the_model_it_cannot_fetch(tmp_path):
+    """glm5 plans as a run; offline, with an empty hub cache, its weights cannot be fetched: a located
+    error, exit 2, nothing written."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    result = run_cli("run", MANIFESTS / "glm5.yaml", "--runs-dir", runs, timeout=120,
+                     env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert result.code == 2 and "Traceback" not in result.err, result.err
+    assert "glm5.yaml:" in result.err and "model.hf: zai-org/GLM-5@main" in result.err
+    assert not any(runs.iterdir())
 
 
 def _objects(golden: str) -> list[dict]:

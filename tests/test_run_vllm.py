@@ -71,6 +71,34 @@ def test_a_run_on_vllm_survives_a_killed_server_and_updates_its_weights_every_st
     assert reloads >= steps - 1, f"{reloads} weight reloads for {steps} published steps"
 
 
+@pytest.mark.timeout(2700)  # the SFT and two vLLM starts cost many minutes on a loaded 2-core machine
+def test_a_run_on_vllm_restarts_a_server_whose_engine_core_died(workspace: Path, tmp_path: Path):
+    """P19: only vLLM's EngineCore is killed; its API server lives on, answering 500 (and /health 503).
+    The supervisor's liveness probe finds it dead within seconds, restarts it, and the run goes on: every
+    step trained exactly once, and no stretch without a message."""
+    runs = tmp_path / "runs"
+    steps = 5
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text-vllm.yaml"),
+         "--runs-dir", str(runs), "--set", f"orchestrator.max_steps={steps}", "--set", "orchestrator.eval_every=0",
+         "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
+         "--set", f"inference.port={_free_port()}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(workspace))
+    try:
+        run_dir = _wait_for_trained(runs, 2, proc, timeout=1500)  # SFT first
+        os.kill(_pid_of(run_dir, "VLLM::EngineCore"), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + _logs(runs)
+    restarts = [line for line in out.splitlines() if "restarting (1/" in line]
+    assert restarts and restarts[0].startswith("inference-0 "), out
+    assert _trained_steps(run_dir) == list(range(1, steps + 1))  # each step exactly once, none lost
+    assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == steps
+    assert "restart 1" in (run_dir / "logs" / "inference-0.log").read_text()
+
+
 def test_weights_reach_vllm_by_broadcast_every_step(workspace: Path, tmp_path: Path):
     """weight_sync broadcast into vLLM: the orchestrator asks the server to join the trainer's group
     (/init_weight_transfer_engine), the trainer sends every step over gloo, vLLM stages it in its worker

@@ -67,6 +67,7 @@ class VllmServer:
     def __init__(self, model: Path, log_path: Path, *, admin_token: str, served_model_name: str = "tiny",
                  weight_broadcast: bool = False, max_model_len: int = 128, data_parallel: int = 1,
                  tensor_parallel: int = 1, kv_transfer: dict | None = None, block_size: int | None = None,
+                 cpu: bool = True,
                  extra_argv: tuple[str, ...] = ()):
         from primebuild.builders.vllm_command import VllmServer, server_argv, with_env
 
@@ -80,7 +81,7 @@ class VllmServer:
                                       max_num_seqs=16, weight_broadcast=weight_broadcast,
                                       data_parallel=data_parallel, data_parallel_local=data_parallel,
                                       tensor_parallel=tensor_parallel,
-                                      kv_transfer=kv_transfer or {}, block_size=block_size)) + list(extra_argv)
+                                      kv_transfer=kv_transfer or {}, block_size=block_size, cpu=cpu)) + list(extra_argv)
         env = with_env({**os.environ, "PRIMEBUILD_ADMIN_TOKEN": admin_token}, cpu_kv_cache_gib=1)
         if data_parallel * tensor_parallel > 1:  # as the plan starts them (builders/processes.py): unpinned
             env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")

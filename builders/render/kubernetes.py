@@ -9,6 +9,9 @@ YAML built as data and dumped (never templated text), so every value is escaped 
   JOB_COMPLETION_INDEX r holds the r-th node's processes, one container each). The plan's restart
   policy is the Job's: never -> restartPolicy Never and backoffLimit 0, on-failure -> OnFailure and
   backoffLimit max_restarts.
+- A server must stay alive, not only get ready: a livenessProbe on /health (after a startupProbe that
+  allows the plan's start timeout) has the kubelet restart a server whose engine died behind a live
+  HTTP server (vLLM's /health answers 503 then), as the supervisor does elsewhere (runtime/liveness.py).
 - A multi-node inference replica (processes `<group>-<i>-n<rank>`) is more pods of its group's job: the
   plan gives it restart policy never (its ranks form one torch.distributed group, which cannot take a
   restarted member), so it needs nothing a LeaderWorkerSet adds (recreating a group), and being in the
@@ -128,8 +131,12 @@ class _Renderer:
         container["resources"] = resources
         if "http" in p.ports:
             container["ports"] = [{"name": "http", "containerPort": p.ports["http"]}]
-            container["readinessProbe"] = {"httpGet": {"path": "/health", "port": p.ports["http"]},
-                                           "periodSeconds": 5, "failureThreshold": 360}
+            def probe(**timing) -> dict:  # a fresh dict each: shared ones would become YAML anchors
+                return {"httpGet": {"path": "/health", "port": p.ports["http"]}, **timing}
+
+            container["readinessProbe"] = probe(periodSeconds=5, failureThreshold=360)
+            container["startupProbe"] = probe(periodSeconds=5, failureThreshold=max(1, round(p.health.timeout_s / 5)))
+            container["livenessProbe"] = probe(periodSeconds=5, timeoutSeconds=5, failureThreshold=6)
         return container
 
     def pod_spec(self, processes: list[ProcessSpec], restart: str) -> dict:

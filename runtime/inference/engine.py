@@ -18,6 +18,12 @@ on, then swapped in by reference between two steps. In-flight sequences are then
 new weights (default: their KV cache is recomputed by re-prefilling prompt + tokens so far, so every
 later token is exactly what the new weights give) or, with `in_flight="finish"`, allowed to finish on
 the old weights while new work waits. Every token records the version that produced it.
+
+A dead engine says so: a failed step aborts its requests and the loop goes on, but MAX_FAILED_STEPS
+failed steps in a row (a broken device or model, not one bad batch), or the loop itself ending on an
+error, mark the engine dead (`dead` holds the cause): pending requests are aborted, new ones refused
+(EngineDead), and the server's /health answers 503 and the server exits (server.py), so that the
+supervisor restarts it instead of the run waiting on a live server with a dead engine.
 """
 
 from __future__ import annotations
@@ -47,6 +53,11 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_FAILED_STEPS = 3
+
+
+class EngineDead(RuntimeError):
+    """The engine's loop has ended on an error: nothing will be served any more."""
 
 
 class SeqUpdate(NamedTuple):
@@ -251,7 +262,8 @@ class Engine:
         self._update_lock = threading.Lock()
         self._ids = itertools.count()
         self._abort_pending = False  # set by Request.abort from any thread; read by the engine thread
-        self._thread = threading.Thread(target=self._loop, name="primebuild-engine", daemon=True)
+        self.dead: str | None = None  # why the engine stopped serving, once it has
+        self._thread = threading.Thread(target=self._run, name="primebuild-engine", daemon=True)
         self._thread.start()
 
     # ---------------------------------------------------------------- public, thread-safe
@@ -276,6 +288,8 @@ class Engine:
             raise UserError("the shipped KV cache belongs to another prompt")
         request = Request(next(self._ids), list(prompt_ids), params, sink, self._note_abort, prefilled, export)
         with self._cv:
+            if self.dead is not None:
+                raise EngineDead(f"the engine is dead: {self.dead}")
             self._incoming.append(request)
             self._cv.notify()
         return request
@@ -352,6 +366,8 @@ class Engine:
                 self._cv.notify()
             if not swap.done.wait(timeout):
                 raise TimeoutError("the weight swap did not happen in time (paused with requests in flight?)")
+            if self.dead is not None:
+                raise EngineDead(f"the engine is dead: {self.dead}")
 
     def shutdown(self) -> None:
         with self._cv:
@@ -375,7 +391,24 @@ class Engine:
     def _swap_ready(self) -> bool:
         return self._swap is not None and (self._swap.in_flight == "resume" or not self.running)
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 (whatever ended the loop is the engine's cause of death)
+            log.critical("the engine loop died", exc_info=True)
+            self._die(f"{type(error).__name__}: {error}")
+
+    def _die(self, cause: str) -> None:
+        with self._cv:  # after this no submit() gets in, so every request is answered
+            self.dead = cause
+            self.waiting.extend(self._incoming)
+            self._incoming.clear()
+            if self._swap is not None:
+                self._swap.done.set()  # its caller reads `dead`
+        self._fail_all(f"engine died: {cause}")
+
     def _loop(self) -> None:
+        failed_steps = 0
         while True:
             with self._cv:
                 while not self._shutdown:
@@ -392,7 +425,11 @@ class Engine:
                 continue
             try:
                 self._step()
-            except Exception as error:  # never let one bad batch kill the server
+                failed_steps = 0
+            except Exception as error:  # one bad batch must not kill the server, a broken engine must
+                failed_steps += 1
+                if failed_steps >= MAX_FAILED_STEPS:
+                    raise
                 log.exception("engine step failed; aborting the affected requests")
                 self._fail_all(f"internal engine error: {type(error).__name__}: {error}")
 

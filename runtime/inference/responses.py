@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from primebuild.errors import UserError
 
-from .engine import ChoiceResult, Engine, Prefilled, SeqUpdate
+from .engine import ChoiceResult, Engine, EngineDead, Prefilled, SeqUpdate
 from .protocol import ApiError
 from .sampling import SamplingParams
 from .tokenizer import ServedTokenizer
@@ -55,6 +55,9 @@ class Generation:
         except UserError as err:
             self.abort()
             raise ApiError(400, str(err)) from None
+        except EngineDead as err:
+            self.abort()
+            raise ApiError(503, str(err), code="engine_dead") from None
 
     def _sink(self, prompt_index: int, updates: list[SeqUpdate]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (prompt_index, updates))

@@ -9,13 +9,13 @@ import logging
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from primebuild.errors import UserError
 
 from . import metrics as prometheus
 from .disaggregation import Disaggregation
-from .engine import Engine
+from .engine import Engine, EngineDead
 from .protocol import ApiError, UpdateWeightsRequest, parse_body
 from .weight_receiver import BroadcastStage
 
@@ -35,6 +35,8 @@ def admin_router(engine: Engine, served_model_name: str, admin_token: str | None
 
     @router.get("/health")
     async def health():
+        if engine.dead is not None:  # a live server over a dead engine is a dead server (the supervisor restarts it)
+            return JSONResponse({"status": "dead", "error": engine.dead}, status_code=503)
         state = {"status": "ok", "model": served_model_name, "policy_version": engine.version,
                  "paused": engine.paused}
         if pd is not None and pd.role is not None:
@@ -78,6 +80,8 @@ def admin_router(engine: Engine, served_model_name: str, admin_token: str | None
             raise ApiError(400, str(err), param="source" if body.source == "broadcast" else "path") from None
         except TimeoutError as err:
             raise ApiError(409, str(err)) from None
+        except EngineDead as err:
+            raise ApiError(503, str(err), code="engine_dead") from None
         log.info("weights updated to version %s from %s", body.version, body.path or "the broadcast")
         return {"status": "ok", "policy_version": engine.version, "seconds": round(time.monotonic() - started, 3)}
 

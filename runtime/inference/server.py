@@ -7,7 +7,8 @@ responses.py, requests checked in validation.py, bodies typed in protocol.py) an
 (health, metrics, pause / resume / update_weights behind the run's token). Errors of every kind leave
 as OpenAI-shaped JSON bodies. See docs/inference.md for the contract.
 
-Entry points: `serve(config)` (blocking; what the worker runs), `create_app(engine, ...)` (tests).
+Entry points: `serve(config)` (blocking; what the worker runs), `create_app(engine, ...)` (tests), and
+`run_http(app, engine, host, port)`, which serves until the engine dies (then the server leaves, exit 1).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,6 +41,7 @@ from .weight_receiver import BroadcastStage
 log = logging.getLogger(__name__)
 
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # fp8: FP8 weights over one of these (serve)
+ENGINE_WATCH_SECONDS = 1.0
 
 
 def create_app(
@@ -93,7 +97,6 @@ def create_app(
 def serve(config: InferenceServerConfig) -> None:
     """Load the model and serve it until interrupted (blocking)."""
     import torch
-    import uvicorn
 
     if config.precision not in PRECISION_DTYPES and config.precision != "fp8":
         raise UserError(f"precision {config.precision}: the embedded engine computes in fp32, bf16 or fp8")
@@ -121,7 +124,28 @@ def serve(config: InferenceServerConfig) -> None:
         pd = Disaggregation(role, f"tcp://{config.host}:{config.disaggregation.kv_port}" if role == "decode" else None)
     app = create_app(engine, tokenizer, served_model_name=config.served_model_name, admin_token=admin_token,
                      shutdown_engine_on_exit=True, weight_stage=weight_stage, pd=pd)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info")
+    if not run_http(app, engine, config.host, config.port):
+        raise SystemExit(1)  # the supervisor restarts a server that failed
+
+
+def run_http(app: FastAPI, engine: Engine, host: str, port: int) -> bool:
+    """Serve until interrupted (True) or until the engine died (False): a server over a dead engine
+    leaves, within ENGINE_WATCH_SECONDS, rather than answer every request with an error."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+
+    def watch() -> None:
+        while not server.should_exit:
+            if engine.dead is not None:
+                log.critical("the engine died (%s): the server leaves", engine.dead)
+                server.should_exit = True
+            time.sleep(ENGINE_WATCH_SECONDS)
+
+    threading.Thread(target=watch, name="engine-watch", daemon=True).start()
+    server.run()
+    return engine.dead is None
 
 
 def main(argv: list[str] | None = None) -> int:

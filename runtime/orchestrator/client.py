@@ -2,7 +2,12 @@
 
 It speaks the OpenAI-compatible contract of docs/inference.md (the embedded engine and vLLM alike), and
 rides out a server restart: a failed request is retried until `retry_seconds` pass, so a restarted
-replica costs a delay, never a lost or duplicated sample.
+replica costs a delay, never a lost or duplicated sample. A server that answers but only with errors
+(5xx: its engine died behind a live HTTP server) is a failing server too: the supervisor restarts it
+within seconds (runtime/liveness.py), and if it keeps answering errors for ERROR_RUN_SECONDS with no
+restart in between, the request fails, naming the server and its answer. Either way, once a call has
+failed for QUIET_SECONDS, a WARNING says so on the terminal (at most every WARN_SECONDS per server), so a run
+never waits in silence.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 import httpx
 from pydantic import ValidationError
@@ -19,10 +25,49 @@ from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 
 log = logging.getLogger("primebuild.orchestrator")
 LANE_CONNECTIONS = 16  # connections per httpx pool of sampling requests (see InferenceClient.__init__)
+ERROR_RUN_SECONDS = 60.0  # only error answers for this long, and no restart seen: the server is broken
+QUIET_SECONDS = 5.0  # a shorter outage is not worth a warning (a keep-alive connection the server just closed)
+WARN_SECONDS = 30.0
 
 
 class InferenceUnavailable(RuntimeError):
     pass
+
+
+class Outage:
+    """One call's view of a server that fails it: until when to retry, and whether to give up now."""
+
+    def __init__(self, client: InferenceClient, url: str):
+        self.client = client
+        self.url = url
+        self.loop = asyncio.get_running_loop()
+        self.deadline = self.loop.time() + client.retry_seconds
+        self.first_failure: float | None = None
+        self.errors_since: float | None = None  # start of the current run of error answers
+
+    def _warn(self, message: str) -> None:
+        now = self.loop.time()
+        self.first_failure = now if self.first_failure is None else self.first_failure
+        if now - self.first_failure >= QUIET_SECONDS:
+            self.client.warn(message)
+
+    def gone(self, err: Exception) -> None:
+        """The server did not answer (it died, or is restarting): retry until `retry_seconds` pass."""
+        self.client.transport_errors += 1
+        self.errors_since = None  # a restart ends a run of error answers
+        self._warn(f"{self.url}: {type(err).__name__}: {err}; waiting for the server to come back")
+        if self.loop.time() > self.deadline:
+            raise InferenceUnavailable(f"{self.url}: no answer for {self.client.retry_seconds:.0f} s: {err}") from err
+
+    def failing(self, status: int, text: str) -> None:
+        """The server answered an error (5xx): its engine may be dead behind a live HTTP server."""
+        self.client.transport_errors += 1  # the answer to come may be a restarted server's
+        now = self.loop.time()
+        self.errors_since = now if self.errors_since is None else self.errors_since
+        self._warn(f"{self.url} answered {status}: {text[:200]}; retrying (a dead engine is restarted)")
+        if now - self.errors_since > ERROR_RUN_SECONDS or now > self.deadline:
+            raise InferenceUnavailable(f"{self.url} answered only {status} for {now - self.errors_since:.0f} s "
+                                       f"and was not restarted: {text[:300]}")
 
 
 class InferenceClient:
@@ -32,7 +77,8 @@ class InferenceClient:
         self.root = self.base_url.removesuffix("/v1")
         self.model = model
         self.retry_seconds = retry_seconds
-        self.transport_errors = 0  # requests that found the server gone (it died, or is restarting)
+        self.transport_errors = 0  # calls that found the server gone or failing (it died, or is restarting)
+        self._warned_at = -WARN_SECONDS
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         timeout = httpx.Timeout(600.0, connect=5.0)
         # Health, pause, update and resume have their own connections: they never wait behind sampling.
@@ -59,27 +105,31 @@ class InferenceClient:
         for http in (self.http, *self.lanes):
             await http.aclose()
 
+    def warn(self, message: str) -> None:
+        """A WARNING (the supervisor shows those on the terminal), at most every WARN_SECONDS."""
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_SECONDS:
+            self._warned_at = now
+            log.warning("%s", message)
+
     async def _post(self, path: str, body: dict, *, root: bool = False, http: httpx.AsyncClient | None = None) -> dict:
         url = (self.root if root else self.base_url) + path
         http = http or self.http
-        deadline = asyncio.get_running_loop().time() + self.retry_seconds
+        outage = Outage(self, url)
         delay = 0.2
         while True:
             try:
                 response = await http.post(url, json=body)
             except (httpx.TransportError, httpx.RemoteProtocolError) as err:
-                self.transport_errors += 1
-                if asyncio.get_running_loop().time() > deadline:
-                    raise InferenceUnavailable(f"{url}: {err}") from err
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            if response.status_code >= 500 and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(delay)
-                continue
-            if response.status_code >= 400:
-                raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
-            return response.json()
+                outage.gone(err)
+            else:
+                if response.status_code < 400:
+                    return response.json()
+                if response.status_code < 500:
+                    raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
+                outage.failing(response.status_code, response.text)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def _sample(self, body: dict) -> dict:
         lane = await self.free_lanes.get()
@@ -120,16 +170,16 @@ class InferenceClient:
         return (await self.health()).received_version
 
     async def health(self) -> ServerHealth:
-        deadline = asyncio.get_running_loop().time() + self.retry_seconds
+        outage = Outage(self, self.root + "/health")
         while True:
             try:
-                response = await self.http.get(self.root + "/health")
+                response = await self.http.get(outage.url)
+            except httpx.TransportError as err:
+                outage.gone(err)
+            else:
                 if response.status_code == 200:
                     return ServerHealth.model_validate(response.json())
-            except httpx.TransportError:
-                pass
-            if asyncio.get_running_loop().time() > deadline:
-                raise InferenceUnavailable(f"{self.root}/health did not answer for {self.retry_seconds:.0f} s")
+                outage.failing(response.status_code, response.text)
             await asyncio.sleep(0.25)
 
     async def update_weights(self, body: dict) -> None:

@@ -23,9 +23,9 @@ from pydantic import ValidationError
 
 from primebuild.contracts.completion import CompletionResult
 from primebuild.contracts.orchestrator import ServerJoin
-from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError, VllmUnavailable
+from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
 from primebuild.runtime.inference.vllm.completions import adapt_response
-from primebuild.runtime.orchestrator.client import InferenceClient, InferenceUnavailable
+from primebuild.runtime.orchestrator.client import InferenceClient, Outage
 from primebuild.runtime.weight_sync.filesystem import verify
 
 
@@ -68,16 +68,17 @@ class VllmClient(InferenceClient):
             raise RuntimeError(f"{self.base_url}/completions answered outside the rollout contract: {err}") from None
 
     async def version(self) -> int:
-        """The server's policy version; waits for a restarting server to come back."""
-        deadline = asyncio.get_running_loop().time() + self.retry_seconds
+        """The server's policy version; waits for a restarting server to come back (a dead engine behind
+        a live server answers errors: Outage gives up on it after a while)."""
+        outage = Outage(self, self.root + "/weight_info")
         while True:
             try:
                 return await self.admin.policy_version()
-            except (httpx.TransportError, VllmAdminError) as err:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise InferenceUnavailable(f"{self.root}: no policy version for {self.retry_seconds:.0f} s: "
-                                               f"{err}") from err
-                await asyncio.sleep(0.5)
+            except httpx.TransportError as err:
+                outage.gone(err)
+            except VllmAdminError as err:
+                outage.failing(err.status, str(err))
+            await asyncio.sleep(0.5)
 
     async def engine(self) -> dict:
         response = await self.http.get(self.root + "/version")
@@ -99,19 +100,21 @@ class VllmClient(InferenceClient):
         if body.get("source", "folder") == "folder":
             verify(body["path"])  # a damaged folder is named here, not by a dead server
             _check_finite(Path(body["path"]))
-        deadline = asyncio.get_running_loop().time() + self.retry_seconds
+        outage = Outage(self, self.root + " (weight update)")
         while True:
             try:
                 await self.admin.update_weights(version=int(body["version"]), path=body.get("path"),
                                                 source=body.get("source", "folder"), in_flight="resume")
                 return
-            except (httpx.TransportError, VllmUnavailable) as err:
-                # The server (or, behind a P/D router, one of its servers) died during the update; its
-                # restart comes back on the base weights, so the whole update is done again once it answers.
-                if asyncio.get_running_loop().time() > deadline:
-                    raise InferenceUnavailable(f"{self.root}: weight update failed for {self.retry_seconds:.0f} s: "
-                                               f"{err}") from err
-                await self.version()
+            # The server died during the update (or its engine did: 5xx); its restart comes back on the
+            # base weights, so the whole update is done again once it answers.
+            except httpx.TransportError as err:
+                outage.gone(err)
+            except VllmAdminError as err:
+                if err.status < 500:
+                    raise
+                outage.failing(err.status, str(err))
+            await self.version()
 
 
 def _check_finite(folder: Path) -> None:

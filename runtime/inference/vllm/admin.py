@@ -49,7 +49,9 @@ RECEIVE_WAIT_S = 60.0  # how long the other workers may take to finish receiving
 
 
 class VllmAdminError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status  # the HTTP status of the answer (0: no answer was the problem)
 
 
 class VllmUnavailable(VllmAdminError):
@@ -99,9 +101,10 @@ class VllmAdmin:
                     params: dict | None = None) -> Any:
         response = await self.http.request(method, path, json=json, params=params)
         if response.status_code == 503:
-            raise VllmUnavailable(f"{method} {path} answered 503: {response.text[:500]}")
+            raise VllmUnavailable(f"{method} {path} answered 503: {response.text[:500]}", 503)
         if response.status_code >= 400:
-            raise VllmAdminError(f"{method} {path} answered {response.status_code}: {response.text[:500]}")
+            raise VllmAdminError(f"{method} {path} answered {response.status_code}: {response.text[:500]}",
+                                 response.status_code)
         return response.json() if response.content else None
 
     # status
