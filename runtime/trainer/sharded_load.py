@@ -3,8 +3,8 @@
 The model is built on the meta device and parallelised there (EP, FSDP: parameters become DTensors that
 know which block of the full tensor each rank owns); then the empty shards are allocated and every rank
 reads only its blocks with safetensors' `get_slice` (memory-mapped: bytes of other ranks' blocks are
-never touched). A rank's peak is its shards plus one parameter's block, so a model that fits sharded
-loads sharded: nothing ever holds the whole model (torchtitan's meta-init + load, without a DCP copy of
+never touched; the files are unmapped after each decoder layer). A rank's peak is its shards plus one
+layer's blocks, so a model that fits sharded loads sharded: nothing ever holds the whole model (torchtitan's meta-init + load, without a DCP copy of
 the HF checkpoint).
 
 Checkpoint names are the model's own, except where transformers fuses checkpoint tensors on load (MoE
@@ -16,6 +16,7 @@ A conversion of any other shape is refused by name rather than loaded wrong.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from primebuild.errors import UserError
 
 Ranges = list[tuple[int, int]]  # one [start, stop) per dimension
+LAYER = re.compile(r"^(.*\.layers\.\d+)\.")  # a decoder layer's names: loaded, published, as one group
 
 
 class SafetensorsCheckpoint:
@@ -47,17 +49,30 @@ class SafetensorsCheckpoint:
                     weight_map.update(dict.fromkeys(f.keys(), file.name))
         self.folder = folder
         self.weight_map = weight_map
-        self._open = {name: safe_open(str(folder / name), framework="pt") for name in sorted(set(weight_map.values()))}
+        self._open: dict[str, object] = {}
+
+    def _slice(self, name: str):
+        from safetensors import safe_open
+
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.folder / file), framework="pt")
+        return self._open[file].get_slice(name)
+
+    def release(self) -> None:
+        """Unmap the files: the pages read so far stop counting in this process's memory (a reader holds
+        one layer's pages, not the checkpoint's)."""
+        self._open.clear()
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
     def shape(self, name: str) -> list[int]:
-        return list(self._open[self.weight_map[name]].get_slice(name).get_shape())
+        return list(self._slice(name).get_shape())
 
     def read(self, name: str, ranges: Ranges) -> torch.Tensor:
         """The block [start:stop) of every dimension of tensor `name`; only its bytes are read."""
-        part = self._open[self.weight_map[name]].get_slice(name)
+        part = self._slice(name)
         return part[tuple(slice(a, b) for a, b in ranges)] if ranges else part[:]
 
 
@@ -145,7 +160,11 @@ def load_shards(hf: nn.Module, folder: str | Path) -> None:
     ckpt = SafetensorsCheckpoint(folder)
     fusions = _fusions(hf)
     persistent = [(n, b) for n, b in hf.named_buffers() if n in ckpt]
+    layer = None
     for name, tensor in [*hf.named_parameters(), *persistent]:
+        if (m := LAYER.match(name)) is None or m.group(1) != layer:
+            ckpt.release()
+            layer = m and m.group(1)
         local, ranges = _local_block(tensor)
         if local.numel() == 0:
             continue
@@ -154,6 +173,7 @@ def load_shards(hf: nn.Module, folder: str | Path) -> None:
             raise UserError(f"{ckpt.folder}: {name} has shape {tuple(block.shape)} where the model needs "
                             f"{tuple(local.shape)} (block {ranges})")
         local.copy_(block)
+    ckpt.release()
 
 
 @torch.no_grad()

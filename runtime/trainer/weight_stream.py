@@ -12,7 +12,6 @@ synchronous steps). HF loads either form; the bytes of the head are gathered and
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import torch
@@ -21,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from primebuild.runtime.weight_sync.stream import TensorSpec
 
-LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
+from .sharded_load import LAYER
 
 
 def _group_names(names: list[str]) -> list[list[str]]:
