@@ -1,9 +1,10 @@
 """One trainer rank under torchrun: how much host memory loading the model and publishing its weights
 (twice) add to the process (peak RSS above the RSS before, the kernel's high-water mark reset just before).
 
-    torchrun --nproc_per_node=N tests/sharded_load_worker.py MODEL WARMUP_MODEL OUT_DIR
+    torchrun --nproc_per_node=N tests/sharded_load_worker.py MODEL WARMUP_MODEL OUT_DIR [EP]
 
-Writes OUT_DIR/rank{r}.json. Used by tests/test_trainer_sharded_load.py and bench/trainer_memory.py.
+Writes OUT_DIR/rank{r}.json and publishes the loaded weights under OUT_DIR/weights (steps 1 and 2).
+Used by tests/test_trainer_sharded_load.py (its numbers are in docs/planning.md, section 7).
 A warm-up load of a tiny model first imports and initialises everything the measured load uses, so the
 measured peaks are tensors, not code.
 """
@@ -38,10 +39,10 @@ def peak_above_now(action):
     return result, _status()["VmHWM"] - before
 
 
-def main(model_path: str, warmup_path: str, out_dir: str) -> None:
+def main(model_path: str, warmup_path: str, out_dir: str, ep: str = "1") -> None:
     torch.set_num_threads(1)
     env = init_distributed()
-    meshes = build_meshes(ParallelDims(dp_shard=env.world_size), env.world_size, env.rank, env.device.type)
+    meshes = build_meshes(ParallelDims(dp_shard=env.world_size, ep=int(ep)), env.world_size, env.rank, env.device.type)
 
     def load(path):
         return load_model(path, env, "float32", activation_checkpointing=False, logprob_chunk_tokens=64, meshes=meshes)
@@ -77,4 +78,4 @@ def main(model_path: str, warmup_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
