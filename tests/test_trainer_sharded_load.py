@@ -78,13 +78,13 @@ def test_load_memory_falls_as_one_over_ranks_and_publishing_adds_one_layer(tmp_p
             # loader held the whole fp32 model on every rank, 45 MB, before sharding it)
             assert r["load_peak"] <= r["shard_bytes"] + 2 * r["largest_group_bytes"] + 2 * MB, (n, r)
     # publishing gathers one decoder layer at a time: about one layer above the shards once the allocator
-    # has its free blocks (the first publish leaves it ~3 freed layers: 14-16 MB seen, 3.75 MB a layer);
+    # has its free blocks (the first publish leaves it ~3 freed layers: 11-16 MB seen, 3.75 MB a layer);
     # the old gather of the full state dict added the model (45 MB) on rank 0
     for n in (2, 4):
         for r in runs[n]:
             layer = r["largest_group_bytes"]
-            assert r["publish_again_peak"] <= 2 * layer + MB, (n, r)
-            assert r["publish_peak"] <= 5 * layer and r["publish_peak"] < 0.4 * r["model_bytes"], (n, r)
+            assert r["publish_again_peak"] <= 2 * layer + 2 * MB, (n, r)
+            assert r["publish_peak"] <= 6 * layer and r["publish_peak"] <= 0.5 * r["model_bytes"], (n, r)
 
 
 @pytest.mark.slow
