@@ -162,6 +162,10 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
         hf.tie_weights()  # to_empty gave each module its own tensor; FSDP2 keeps shared parameters shared
     load_shards(hf, model_path)
     init_computed_buffers(hf)
+    if cpu_offload:  # buffers (rotary frequencies) are not FSDP's: they stay where the compute is
+        for module in hf.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(env.device)
     model.train()
     return model
 

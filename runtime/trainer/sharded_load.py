@@ -159,7 +159,8 @@ def load_shards(hf: nn.Module, folder: str | Path) -> None:
     """Fill every parameter and persistent buffer of `hf` (allocated, possibly sharded) from `folder`."""
     ckpt = SafetensorsCheckpoint(folder)
     fusions = _fusions(hf)
-    persistent = [(n, b) for n, b in hf.named_buffers() if n in ckpt]
+    persistent = [(n, b) for n, b in hf.named_buffers()
+                  if n.rpartition(".")[2] not in hf.get_submodule(n.rpartition(".")[0])._non_persistent_buffers_set]
     layer = None
     for name, tensor in [*hf.named_parameters(), *persistent]:
         if (m := LAYER.match(name)) is None or m.group(1) != layer:
@@ -183,5 +184,10 @@ def init_computed_buffers(hf: nn.Module) -> None:
     owners = {name.rpartition(".")[0] for name, _ in hf.named_buffers()}
     for name in sorted(owners):
         module = hf.get_submodule(name)
-        if next(module.parameters(recurse=False), None) is None:  # never re-initialise a loaded weight
-            hf._init_weights(module)
+        computed = [b for b in module._buffers if b in module._non_persistent_buffers_set]
+        if not computed:
+            continue
+        if next(module.parameters(recurse=False), None) is not None:  # never re-initialise a loaded weight
+            raise UserError(f"{type(hf).__name__}: {name} holds computed buffers {computed} next to weights; "
+                            "the sharded loader cannot recompute them")
+        hf._init_weights(module)
