@@ -17,6 +17,8 @@ from primebuild.runtime.weight_sync.filesystem import (
     step_folder,
     wait_for_step,
 )
+from primebuild.runtime.weight_sync.safetensors_stream import write_safetensors
+from primebuild.runtime.weight_sync.stream import TensorSpec
 
 
 def test_reader_never_sees_partial_folder(tmp_path):
@@ -99,3 +101,46 @@ def test_hf_weights_roundtrip_with_tied_embeddings(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
+
+
+class Layers:
+    """Streamed weights: a layout up front, then one group at a time; counts the groups handed out."""
+
+    def __init__(self, groups):
+        self._groups = groups
+        self.layout = [TensorSpec(k, t.dtype, tuple(t.shape)) for g in groups for k, t in g]
+        self.given = 0
+
+    def groups(self):
+        for g in self._groups:
+            self.given += 1
+            yield g
+
+
+def test_streamed_safetensors_file_is_what_safetensors_reads(tmp_path):
+    """The streamed writer (header from the layout, bytes as they come) writes a file safetensors reads
+    back exactly, for every dtype the trainer publishes, 0-d and empty tensors included."""
+    from safetensors import safe_open
+
+    groups = [
+        [("a.weight", torch.randn(3, 5)), ("a.bf16", torch.randn(4, 2).to(torch.bfloat16))],
+        [("b.ids", torch.arange(7)), ("b.mask", torch.tensor([True, False, True])), ("b.scalar", torch.tensor(2.5))],
+        [("c.empty", torch.empty(0, 4)), ("c.fp8", torch.randn(16).to(torch.float8_e4m3fn))],
+    ]
+    weights = Layers(groups)
+    write_safetensors(tmp_path / "m.safetensors", weights, metadata={"format": "pt"})
+    assert weights.given == 3
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert list(f.keys()) == sorted(k for g in groups for k, _ in g)
+        for k, t in (kv for g in groups for kv in g):
+            got = f.get_tensor(k)
+            assert got.dtype == t.dtype and got.shape == t.shape, k
+            assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k
+
+
+def test_a_stream_that_breaks_its_layout_is_refused(tmp_path):
+    weights = Layers([[("a", torch.zeros(2))]])
+    weights.layout = [TensorSpec("a", torch.float32, (3,))]
+    with pytest.raises(RuntimeError, match="layout says"):
+        write_safetensors(tmp_path / "m.safetensors", weights)

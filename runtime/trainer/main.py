@@ -58,12 +58,12 @@ from .model import (
     PRECISION_DTYPES,
     DistEnv,
     autocast_context,
-    full_state_dict,
     init_distributed,
     load_model,
     precision_dtype,
 )
 from .parallel_dims import Meshes, build_meshes, check_dims
+from .weight_stream import PublishedWeights
 
 __all__ = ["TrainerConfig", "run_trainer", "main"]
 
@@ -294,6 +294,7 @@ class WeightPublisher:
         self.config, self.env = config, env
         self.weights_dir = RunDir(config.run_dir).weights
         self.sender = None
+        self.weights: PublishedWeights | None = None
         sync = config.weight_sync
         if sync.mode == "broadcast" and env.is_main:
             from primebuild.runtime.weight_sync.broadcast import BroadcastSender
@@ -307,16 +308,16 @@ class WeightPublisher:
             )
 
     def publish(self, model, step: int) -> None:
-        state = full_state_dict(model, DTYPES[self.config.weight_dtype])  # collective: all ranks
+        """Stream the full weights a layer at a time (weight_stream.py): every rank takes part in the
+        gathers, rank 0 writes or sends each layer as it comes, so no rank holds the whole model."""
+        if self.weights is None:  # names and shapes do not change from step to step
+            self.weights = PublishedWeights(model.hf, DTYPES[self.config.weight_dtype])
         if not self.env.is_main:
-            return
-        if self.sender is not None:
-            self.sender.send(state, step)
+            self.weights.drain()
+        elif self.sender is not None:
+            self.sender.send(self.weights, step)
         else:
-            config = model.config
-            fs.publish_hf_weights(
-                self.weights_dir, step, state, config, self.config.model_path
-            )
+            fs.publish_hf_weights(self.weights_dir, step, self.weights, model.config, self.config.model_path)
 
     def close(self) -> None:
         if self.sender is not None:

@@ -126,15 +126,21 @@ class Policy(nn.Module):
 def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
                logprob_chunk_tokens: int, router_replay: bool = False, fp8: bool = False,
                meshes: Meshes | None = None, cpu_offload: bool = False) -> Policy:
-    """Load the HF causal LM with fp32 master weights, switch its matmuls to FP8 if asked, and apply the
-    parallel dimensions of `meshes` (`parallelize`). Parameters are computed in ``compute_dtype``;
-    gradients are reduced in fp32. `cpu_offload` keeps the sharded parameters, gradients and with them
-    the optimizer state in host memory (FSDP2's CPUOffloadPolicy): only the gathered layers, the
-    activations and the logits occupy the device, and the optimizer steps on the CPU (FSDP only: one
-    rank has no shards; the trainer's check_launch refuses it there)."""
-    from transformers import AutoModelForCausalLM
+    """Build the HF causal LM on the meta device with fp32 master weights, switch its matmuls to FP8 if
+    asked, apply the parallel dimensions of `meshes` (`parallelize`), and only then allocate each rank's
+    shards and read them from the checkpoint (sharded_load.py): no rank ever holds the full model.
+    Parameters are computed in ``compute_dtype``; gradients are reduced in fp32. `cpu_offload` keeps
+    the sharded parameters, gradients and with them the optimizer state in host memory (FSDP2's
+    CPUOffloadPolicy): only the gathered layers, the activations and the logits occupy the device, and
+    the optimizer steps on the CPU (FSDP only: one rank has no shards; the trainer's check_launch
+    refuses it there)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    from .sharded_load import init_computed_buffers, load_shards
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     hf.config.use_cache = False
     if fp8:  # before FSDP wraps the blocks: the switched modules keep their parameters (fp8.py)
         from .fp8 import apply_fp8_training
@@ -147,10 +153,20 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model = Policy(hf, logprob_chunk_tokens, router_replay).to(env.device)
+    model = Policy(hf, logprob_chunk_tokens, router_replay)
     if env.distributed:
         parallelize(model, meshes or build_meshes(ParallelDims(dp_shard=env.world_size), env.world_size, env.rank,
                                                   env.device.type), compute_dtype, fp8=fp8, cpu_offload=cpu_offload)
+    # offloaded shards live in host memory; FSDP2 moves what it gathers to the device
+    model.to_empty(device="cpu" if cpu_offload else env.device)
+    if not env.distributed:
+        hf.tie_weights()  # to_empty gave each module its own tensor; FSDP2 keeps shared parameters shared
+    load_shards(hf, model_path)
+    init_computed_buffers(hf)
+    if cpu_offload:  # buffers (rotary frequencies) are not FSDP's: they stay where the compute is
+        for module in hf.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(env.device)
     model.train()
     return model
 
@@ -197,24 +213,13 @@ def autocast_context(env: DistEnv, compute_dtype: str):
 
 
 def full_state_dict(policy: Policy, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All-gather the full (unsharded) weights to CPU on rank 0, in HF checkpoint naming and ``dtype``.
+    """All full (unsharded) weights on CPU, in HF checkpoint naming and ``dtype`` (weight_stream.py),
+    in one dict: for tests and tools on small models; the trainer publishes them streamed instead.
     Every rank must call it (it is a collective); ranks other than 0 get an empty dict."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from .weight_stream import PublishedWeights
 
-    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights = PublishedWeights(policy.hf, dtype)
     if dist.is_initialized() and dist.get_rank() != 0:
+        weights.drain()
         return {}
-    sd = {
-        k.removeprefix("hf."): v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()
-        for k, v in sd.items()
-    }
-    model = policy.hf
-    # Tied weights (lm_head = embed_tokens) are published under both names, unlike save_pretrained: a
-    # server that reloads in place (vLLM's reload_weights) updates the head only from its own key, and
-    # without it served a head frozen at the first weights (measured: mismatch KL growing from 1e-12 to
-    # 3e-4 in 19 synchronous steps). HF loads either form; the bytes of the head are written twice.
-    try:  # transformers 5 fuses some weights on load (MoE experts); publish the checkpoint's own naming
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return sd
-    return dict(revert_weight_conversion(model, sd))
+    return {name: tensor for group in weights.groups() for name, tensor in group}

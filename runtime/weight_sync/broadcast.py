@@ -12,7 +12,8 @@ Wire protocol for one update, all as broadcasts from rank 0:
   3. payload  the tensors' raw bytes, concatenated in metadata order and cut into buckets of about
               ``bucket_bytes`` (a tensor is never split; a bigger tensor is a bucket of its own). Both
               sides derive the bucket layout from the metadata, so no sizes travel twice. Raw bytes make
-              every dtype (bf16, fp8) travel the same way.
+              every dtype (bf16, fp8) travel the same way. The sender needs only the layout up front and
+              then one bucket at a time (stream.py), so a sharded trainer streams its layers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+
+from .stream import StreamedWeights, as_stream, in_layout_order
 
 KIND_CLOSE, KIND_WEIGHTS = 0, 1
 
@@ -98,24 +101,28 @@ class BroadcastSender:
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self._group, self._store = _make_group(init_method, 0, world_size, backend, timeout_s)
 
-    def send(self, state_dict: Mapping[str, torch.Tensor], step: int) -> None:
-        raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in state_dict.values()]
+    def send(self, weights: Mapping[str, torch.Tensor] | StreamedWeights, step: int) -> None:
+        """One update. Streamed weights are sent as they come: the sender holds the group being read and
+        one bucket, never the whole state (metadata first: the layout is known up front)."""
+        weights = as_stream(weights)
+        sizes = [spec.nbytes for spec in weights.layout]
         meta = {
             "step": int(step),
             "bucket_bytes": self.bucket_bytes,
-            "tensors": [
-                [name, str(t.dtype), list(t.shape), r.numel()]
-                for (name, t), r in zip(state_dict.items(), raw, strict=True)
-            ],
+            "tensors": [[s.name, str(s.dtype), list(s.shape), n] for s, n in zip(weights.layout, sizes, strict=True)],
         }
         blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(self.device)
         _broadcast(
             self._group, torch.tensor([KIND_WEIGHTS, blob.numel()], dtype=torch.int64, device=self.device)
         )
         _broadcast(self._group, blob)
-        for bucket in _buckets([r.numel() for r in raw], self.bucket_bytes):
-            payload = torch.cat([raw[i].to(self.device) for i in bucket])
-            _broadcast(self._group, payload)
+        last_of_bucket = {bucket[-1] for bucket in _buckets(sizes, self.bucket_bytes)}
+        pending: list[torch.Tensor] = []
+        for i, (_, tensor) in enumerate(in_layout_order(weights)):
+            pending.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            if i in last_of_bucket:
+                _broadcast(self._group, torch.cat([r.to(self.device) for r in pending]))
+                pending = []
 
     def close(self) -> None:
         """Tell receivers there is nothing more (their ``recv`` returns None), then leave the group."""

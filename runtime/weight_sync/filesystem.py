@@ -27,6 +27,9 @@ from primebuild.contracts.run_dir import STEP_NAME, step_folder
 from primebuild.errors import UserError
 from primebuild.hashing import sha256_file
 
+from .safetensors_stream import write_safetensors
+from .stream import StreamedWeights, as_stream
+
 STABLE = "STABLE"
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -214,35 +217,22 @@ def remove_steps(root: str | os.PathLike, steps: list[int]) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def _safetensors_ready(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses non-contiguous tensors and tensors sharing storage: give it plain copies."""
-    out, seen = {}, set()
-    for k, t in state_dict.items():
-        t = t.detach().contiguous()
-        if t.untyped_storage().data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        out[k] = t
-    return out
-
-
 def write_hf_folder(
     folder: Path,
-    state_dict: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor] | StreamedWeights,
     config,
     tokenizer_src: str | os.PathLike | None,
 ) -> None:
     """Write ``config.json``, ``model.safetensors`` and the base model's tokenizer files into ``folder``.
-    ``config`` is a transformers PretrainedConfig; its ``dtype`` is set to the tensors' dtype."""
-    from safetensors.torch import save_file
-
-    tensors = _safetensors_ready(state_dict)
+    ``config`` is a transformers PretrainedConfig; its ``dtype`` is set to the tensors' dtype. Streamed
+    weights are written as they come (safetensors_stream.py): one group in memory at a time."""
+    weights = as_stream(weights)
     config = copy.deepcopy(config)
-    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    dtypes = {spec.dtype for spec in weights.layout if spec.dtype.is_floating_point}
     if len(dtypes) == 1:
         config.dtype = next(iter(dtypes))
     config.save_pretrained(folder)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(folder / "model.safetensors", weights, metadata={"format": "pt"})
     if tokenizer_src is not None:
         for name in TOKENIZER_FILES:
             src = Path(tokenizer_src) / name
@@ -253,12 +243,9 @@ def write_hf_folder(
 def publish_hf_weights(
     weights_dir: str | os.PathLike,
     step: int,
-    state_dict: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor] | StreamedWeights,
     config,
     tokenizer_src: str | os.PathLike | None = None,
 ) -> Path:
-    """Publish ``weights_dir/step_{k:06d}`` in HF layout, atomically; optionally prune older steps."""
-    final = publish_dir(
-        step_folder(weights_dir, step), lambda d: write_hf_folder(d, state_dict, config, tokenizer_src), step
-    )
-    return final
+    """Publish ``weights_dir/step_{k:06d}`` in HF layout, atomically."""
+    return publish_dir(step_folder(weights_dir, step), lambda d: write_hf_folder(d, weights, config, tokenizer_src), step)
