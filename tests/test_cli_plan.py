@@ -59,7 +59,18 @@ def test_other_shipped_manifests_plan(name, capsys):
     assert plan["fits"] and plan["runnable"] and plan["plan_hash"] == plan_hash(plan)
 
 
-@pytest.mark.parametrize("name, refused_field", [("glm5", "inference.disaggregation"), ("qwen3-30b-a3b", "environments[0].id")])
+def test_glm5_plans_as_a_run(capsys):
+    """The first command a cluster user types: vLLM P/D behind the router, broadcast into all 128 vLLM
+    workers, FSDP x CP x EP with GLM-5's sparse attention under CP: every field applied, the plan fits."""
+    result = call_cli(capsys, "plan", str(MANIFESTS / "glm5.yaml"), "-o", "json")
+    assert result.code == 0, result.err
+    plan = json.loads(result.out)
+    assert plan["runnable"] is True and plan["fits"] is True and plan["unsupported"] == []
+    roles = [p["role"] for p in plan["processes"]]
+    assert roles.count("router") == 1 and roles.count("orchestrator") == 1
+
+
+@pytest.mark.parametrize("name, refused_field", [("qwen3-30b-a3b", "environments[0].id")])
 def test_a_plan_that_claims_unbuilt_backends_is_a_located_error(name, refused_field, capsys):
     result = call_cli(capsys, "plan", str(MANIFESTS / f"{name}.yaml"), "-o", "json")
     assert result.code == 2 and result.out == ""

