@@ -18,9 +18,6 @@ partly updated looks stale to the orchestrator, which then updates it again.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import itertools
-import json
 import logging
 import os
 import sys
@@ -35,23 +32,11 @@ from starlette.background import BackgroundTask
 from primebuild.contracts.router import RouterConfig
 
 from .entrypoint import serve_main
-from .protocol import MAX_BODY_BYTES, ApiError
+from .protocol import ApiError
+from .router_base import Pool, authorize, json_object, router_app
 
 log = logging.getLogger(__name__)
 PREFIX = "primebuild_router"
-
-
-class Pool:
-    """Servers of one kind and the requests each has in flight (least-busy first, then in turn)."""
-
-    def __init__(self, urls: list[str]):
-        self.urls = urls
-        self.busy = [0] * len(urls)
-        self._turn = itertools.count()
-
-    def pick(self) -> int:
-        n, start = len(self.urls), next(self._turn) % len(self.urls)
-        return min(range(n), key=lambda i: (self.busy[i], (i - start) % n))
 
 
 class Counters:
@@ -66,35 +51,10 @@ def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
     inbox = {d.url.rstrip("/"): d.kv_address for d in config.decode}
     every = prefill.urls + decode.urls
     counters = Counters()
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-    http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=limits)
-    app = FastAPI(title="primebuild P/D router", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
-
-    def authorize(request: Request) -> str:
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if (not admin_token or scheme.lower() != "bearer"
-                or not hmac.compare_digest(given.strip().encode(), admin_token.encode())):
-            raise ApiError(401, "admin calls need 'Authorization: Bearer <admin token>'", code="unauthorized",
-                           kind="authentication_error")
-        return header
+    app, http = router_app("primebuild P/D router")
 
     async def disaggregated(request: Request, path: str):
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw)
-        except ValueError as err:
-            raise ApiError(400, f"request body is not valid JSON: {str(err)[:200]}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        if "kv_transfer" in body:
-            raise ApiError(400, "kv_transfer is set by the router, not by clients", param="kv_transfer")
+        body = await json_object(request, "kv_transfer")
         transfer = uuid.uuid4().hex
         p, d = prefill.pick(), decode.pick()
         prefill_url, decode_url = prefill.urls[p], decode.urls[d]
@@ -177,7 +137,7 @@ def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
                 "paused": any(s.get("paused") for s in states)}
 
     async def admin(request: Request, path: str):
-        header = authorize(request)
+        header = authorize(request, admin_token)
         body = await request.body()
         try:
             answers = await fan_out("POST", path, {"authorization": header, "content-type": "application/json"},

@@ -32,7 +32,6 @@ stale, and is updated again), /is_paused (any), /version and /v1/models (one ser
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -42,13 +41,13 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from primebuild.contracts.router import VllmRouterConfig
 from primebuild.runtime.inference.entrypoint import serve_main
-from primebuild.runtime.inference.protocol import MAX_BODY_BYTES, ApiError
-from primebuild.runtime.inference.router import Pool
+from primebuild.runtime.inference.protocol import ApiError
+from primebuild.runtime.inference.router_base import Pool, authorize, json_object, router_app
 from primebuild.runtime.inference.vllm.admin import parse_policy_version
 from primebuild.runtime.inference.vllm.kv_files import KvFiles
 
@@ -123,36 +122,7 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
     if files is not None:
         files.wipe()  # a restarted router: what a former one left is held by no request
     fleet, counters = Fleet(), Counters()
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-    http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=limits)
-    app = FastAPI(title="primebuild vLLM P/D router", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
-
-    def authorize(request: Request) -> str:
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if (not admin_token or scheme.lower() != "bearer"
-                or not hmac.compare_digest(given.strip().encode(), admin_token.encode())):
-            raise ApiError(401, "admin calls need 'Authorization: Bearer <admin token>'", code="unauthorized",
-                           kind="authentication_error")
-        return header
-
-    async def read_body(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw)
-        except ValueError as err:
-            raise ApiError(400, f"request body is not valid JSON: {str(err)[:200]}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        if "kv_transfer_params" in body:
-            raise ApiError(400, "kv_transfer_params is set by the router, not by clients", param="kv_transfer_params")
-        return body
+    app, http = router_app("primebuild vLLM P/D router")
 
     async def run_prefill(path: str, body: dict) -> tuple[dict | Response, set[str]]:
         """The first half; returns the prefill's answer (or the server's error, passed on) and the KV
@@ -245,7 +215,7 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
                                  background=BackgroundTask(done))
 
     async def disaggregated(request: Request, path: str) -> Response:
-        body = await read_body(request)
+        body = await json_object(request, "kv_transfer_params")
         counters.requests += 1
         try:
             first = await handoff(path, body)
@@ -321,7 +291,7 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
         return out
 
     async def admin(request: Request, path: str):
-        header = authorize(request)
+        header = authorize(request, admin_token)
         raw = await request.body() or b"{}"
         if path == "/pause":
             fleet.pause()  # before the servers pause: no hand-off starts a half from now on

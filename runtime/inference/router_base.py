@@ -1,0 +1,68 @@
+"""What both P/D routers share (the embedded engine's, router.py, and vLLM's, vllm/pd_router.py): the
+FastAPI app with OpenAI-style errors, one pooled httpx client for the servers behind it, the pools'
+least-busy pick, the admin token check and the client's JSON body."""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import json
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from .protocol import MAX_BODY_BYTES, ApiError
+
+
+class Pool:
+    """Servers of one kind and the requests each has in flight (least-busy first, then in turn)."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+        self.busy = [0] * len(urls)
+        self._turn = itertools.count()
+
+    def pick(self) -> int:
+        n, start = len(self.urls), next(self._turn) % len(self.urls)
+        return min(range(n), key=lambda i: (self.busy[i], (i - start) % n))
+
+
+def router_app(title: str) -> tuple[FastAPI, httpx.AsyncClient]:
+    """The router's app (ApiError answered as OpenAI-style JSON) and its client to the servers: one pool
+    of up to 1024 connections, long reads (a decode may stream for minutes), quick connects."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    return app, httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=limits)
+
+
+def authorize(request: Request, admin_token: str | None) -> str:
+    """The request's Authorization header, when it carries the run's admin token (else 401)."""
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if (not admin_token or scheme.lower() != "bearer"
+            or not hmac.compare_digest(given.strip().encode(), admin_token.encode())):
+        raise ApiError(401, "admin calls need 'Authorization: Bearer <admin token>'", code="unauthorized",
+                       kind="authentication_error")
+    return header
+
+
+async def json_object(request: Request, routers_own: str) -> dict:
+    """A client's request body: a JSON object of bounded size, without the field the router sets."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(raw)
+    except ValueError as err:
+        raise ApiError(400, f"request body is not valid JSON: {str(err)[:200]}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    if routers_own in body:
+        raise ApiError(400, f"{routers_own} is set by the router, not by clients", param=routers_own)
+    return body
