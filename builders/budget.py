@@ -89,7 +89,8 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
     t = m.trainer
     tmem = _trainer_memory(m, f, capacity, t.dp_shard)
     breakdown = {k: getattr(tmem, k) for k in ("params", "grads", "optimizer_state", "master_weights",
-                                                "fsdp_buffers", "activations", "logits", "overhead")}
+                                                "fsdp_buffers", "activations", "logits", "sparse_index",
+                                                "overhead")}
     memory["trainer"] = {"role": "trainer", "capacity_bytes": capacity, "budget_bytes": capacity,
                          "used_bytes": tmem.total, "free_bytes": tmem.free, "fits": tmem.fits,
                          "breakdown": breakdown, "host_offload_bytes_per_gpu": tmem.host_bytes,

@@ -56,6 +56,17 @@ CPU_EAGER_ACTIVATION_FACTOR = 1.45
 # FP8 checkpoints (DeepSeek-V3 / GLM-5 style) keep one fp32 scale per 128×128 weight block.
 FP8_BLOCK = 128 * 128
 FP8_SCALE_BYTES = 4
+# A DSA indexer's float32 scores of every query against every key are [B, S, index_n_heads, T]: 512 GiB
+# per layer for GLM-5 at 32k local queries × 128k keys. The trainer's indexer scores a chunk of queries at
+# a time (runtime/trainer/sparse_attention.py), as many as fit in this budget.
+INDEX_SCORE_CHUNK_BYTES = 1 * GIB
+
+
+def index_query_chunk(batch: int, index_heads: int, keys: int) -> int:
+    """Queries per chunk of a DSA indexer: its [batch, chunk, index_heads, keys] fp32 scores fit the budget."""
+    return max(1, INDEX_SCORE_CHUNK_BYTES // (batch * index_heads * keys * 4))
+
+
 # vLLM: CUDA graphs for the decode batch sizes it captures (vLLM logs 0.5-2 GiB for large models).
 CUDA_GRAPH_BYTES = 1 * GIB
 
@@ -115,6 +126,7 @@ class TrainerMemory:
     fsdp_buffers: int  # all-gathered layer params (current + prefetched) and one layer's full grads
     activations: int
     logits: int
+    sparse_index: int  # one DSA layer's index scores (one query chunk) and key-selection masks; 0 if dense
     overhead: int  # CUDA context + NCCL buffers + fragmentation
     total: int
     free: int  # gpu_memory_bytes − total (negative: does not fit)
@@ -211,6 +223,11 @@ def trainer_memory_per_gpu(
                         ep > 1 adds, per MoE layer, the received copy of each routed token (k · h · act_bytes)
                         that the local experts keep for backward beside the sender's
     logits            = min(tokens_per_gpu, logits_chunk_tokens) · ceil(vocab / tp) · 12  (measured peak)
+    sparse_index      = DSA models: B·C·H·T·4 (one query chunk's fp32 scores, index_query_chunk) + B·S·T·m,
+                        B = ceil(micro_batch_tokens / seq_len), S = seq_len / cp local queries, T = seq_len
+                        keys, H = index_n_heads; m bool/act bytes per (query, key) of the selection masks:
+                        cp > 1: chosen + visible bools + SDPA's additive copy (2 + act_bytes);
+                        cp = 1: causal, index and combined bools + SDPA's additive copy (3 + act_bytes)
     overhead          = CUDA context (1 GiB) + NCCL (2 GiB) + 5% of everything else
     """
     _positive(dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, ep=ep, tp=tp,
@@ -272,13 +289,22 @@ def trainer_memory_per_gpu(
     logit_tokens = min(tokens, logits_chunk_tokens) if logits_chunk_tokens else tokens
     logits = logit_tokens * _ceil_div(facts.vocab_size, tp) * LOGITS_BYTES_PER_ELEMENT
 
-    allocated = params + grads + master + optimizer_state + fsdp_buffers + activations + logits
+    sparse_index = 0
+    if facts.index_topk:
+        batch, queries = _ceil_div(micro_batch_tokens, seq_len), _ceil_div(seq_len, cp)
+        chunk = min(queries, index_query_chunk(batch, facts.index_n_heads, seq_len))
+        masks_per_pair = (2 if cp > 1 else 3) + a_bytes
+        sparse_index = math.ceil(batch * chunk * facts.index_n_heads * seq_len * 4
+                                 + batch * queries * seq_len * masks_per_pair)
+
+    allocated = params + grads + master + optimizer_state + fsdp_buffers + activations + logits + sparse_index
     fixed = CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES if overhead_bytes is None else overhead_bytes
     overhead = fixed + math.ceil(FRAGMENTATION_FRACTION * allocated)
     total = allocated + overhead
     return TrainerMemory(
         params=params, grads=grads, optimizer_state=optimizer_state, master_weights=master,
-        fsdp_buffers=fsdp_buffers, activations=activations, logits=logits, overhead=overhead,
+        fsdp_buffers=fsdp_buffers, activations=activations, logits=logits, sparse_index=sparse_index,
+        overhead=overhead,
         total=total, free=gpu_memory_bytes - total, fits=total <= gpu_memory_bytes,
         host_bytes=host_bytes, tokens_per_gpu=tokens,
     )

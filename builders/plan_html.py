@@ -23,7 +23,7 @@ MEMORY_PARTS = [
     ("grads_optimizer", "grads + optimizer", ("grads", "optimizer_state"), "#56B4E9"),
     ("fsdp_buffers", "gathered layers (FSDP)", ("fsdp_buffers",), "#F0E442"),
     ("kv_cache", "KV cache", ("kv_cache",), "#CC79A7"),
-    ("activations", "activations + logits", ("activations", "logits"), "#E69F00"),
+    ("activations", "activations + logits", ("activations", "logits", "sparse_index"), "#E69F00"),
     ("overhead", "overhead", ("overhead",), "#999999"),
 ]
 FREE_COLOUR = "#F3F4F6"

@@ -256,3 +256,24 @@ def test_planner_modules_import_fast_and_without_torch():
     assert min(seconds) < 0.05, seconds
     imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "numpy" not in imported
+
+
+def test_sparse_index_term_for_dsa_models_only():
+    """GLM-5's indexer: one query chunk of fp32 scores plus the key-selection masks, by hand; none for Qwen3."""
+    from primebuild.builders.memory import INDEX_SCORE_CHUNK_BYTES, index_query_chunk
+
+    glm5, qwen3 = known_model_facts("glm-5"), known_model_facts("qwen3-30b-a3b")
+    seq, cp, h200 = 131072, 4, gpu_spec("h200").memory_bytes
+    mem = trainer_memory_per_gpu(glm5, dp_shard=32, cp=cp, ep=64, micro_batch_tokens=seq, seq_len=seq,
+                                 gpu_memory_bytes=h200)
+    chunk = index_query_chunk(1, 32, seq)
+    assert chunk == 64 and chunk * 32 * seq * 4 == INDEX_SCORE_CHUNK_BYTES  # 512 GiB unchunked
+    assert mem.sparse_index == chunk * 32 * seq * 4 + (seq // cp) * seq * (2 + 2)  # 17 GiB
+    one_rank = trainer_memory_per_gpu(glm5, dp_shard=64, ep=64, micro_batch_tokens=1024, seq_len=1024,
+                                      gpu_memory_bytes=h200)
+    assert one_rank.sparse_index == 1024 * 32 * 1024 * 4 + 1024 * 1024 * (3 + 2)  # all queries in one chunk
+    dense = trainer_memory_per_gpu(qwen3, dp_shard=8, micro_batch_tokens=seq, seq_len=seq, cp=cp,
+                                   gpu_memory_bytes=h200)
+    assert dense.sparse_index == 0
+    assert mem.total > trainer_memory_per_gpu(glm5, dp_shard=32, cp=cp, ep=64, micro_batch_tokens=seq,
+                                              seq_len=seq // 2, gpu_memory_bytes=h200).total

@@ -17,7 +17,7 @@ from .context_parallel import ContextShard
 from .expert_parallel import apply_expert_parallel
 from .parallel_dims import Meshes, build_meshes
 from .router_replay import RouterReplay
-from .sparse_attention import apply_sparse_attention_cp
+from .sparse_attention import apply_chunked_indexer, apply_sparse_attention_cp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -142,6 +142,7 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     hf.config.use_cache = False
+    apply_chunked_indexer(hf)  # DSA models: bounded index scores, with or without CP (sparse_attention.py)
     if fp8:  # before FSDP wraps the blocks: the switched modules keep their parameters (fp8.py)
         from .fp8 import apply_fp8_training
 
