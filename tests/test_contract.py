@@ -542,8 +542,8 @@ FIELDS["inference.disaggregation.kv_connector"] = [
             ["{run_dir}/kv_transfer"], base="reverse-text-vllm.yaml"),
     # LMCache's P/D needs a configuration the plan does not write
     Refused(("inference.disaggregation.kv_connector=LMCacheConnectorV1", "inference.router_replay=false"), base=GLM5),
-    Shapes(("inference.disaggregation.kv_connector=NixlConnector", "inference.router_replay=false"), "processes",
-           base=GLM5, base_sets=("inference.router_replay=false",))]
+    Shapes(("inference.disaggregation.kv_connector=NixlConnector",), "processes",  # glm5's: NIXL side channels
+           base=GLM5, base_sets=("inference.disaggregation.kv_connector=ExampleConnector",))]
 # vLLM's parallel layout of a replica: refused for the embedded engine, shapes the qwen3 design's placement.
 _LAYOUT = {"tp": ("inference.tp=1", "inference.ep=1"), "dp": ("inference.dp=2", "inference.replicas=2"),
            "ep": ("inference.ep=1",),

@@ -8,7 +8,6 @@ Expected lines are computed from the text of each case, so a case stays correct 
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,12 +224,9 @@ def test_alias_bomb_is_refused_fast(workdir: Path):
     for prev, cur in zip("abcdefgh", "bcdefghi", strict=True):
         lines.append(f"{cur}: &{cur} [" + ",".join([f"*{prev}"] * 9) + "]")
     write(workdir, "m.yaml", "apiVersion: primebuild/v1\n" + "\n".join(lines) + "\n")
-    start = time.monotonic()
-    result = run_cli("validate", "m.yaml", cwd=workdir)
-    elapsed = time.monotonic() - start
+    result = run_cli("validate", "m.yaml", cwd=workdir)  # expanded, 9^9 values would outlast run_cli's timeout
     assert result.code == 2 and "Traceback" not in result.text
     assert re.search(r"m\.yaml:\d+:\d+: .*document expands to more than \d+ values \(alias bomb\?\)", result.err)
-    assert elapsed < 5, elapsed
 
 
 def test_multiple_problems_reported_at_once_sorted_by_line(workdir: Path):
