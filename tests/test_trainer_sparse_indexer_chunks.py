@@ -3,9 +3,9 @@ transformers' GlmMoeDsaIndexer picks, for chunk sizes that do and do not divide 
 
 import pytest
 import torch
+from test_trainer_sparse_attention_cp import SMALL, make_tiny_glm5
 
 from primebuild.runtime.trainer.sparse_attention import chunked_index_topk
-from test_trainer_sparse_attention_cp import SMALL, make_tiny_glm5
 
 
 @pytest.fixture(scope="module")
