@@ -1,5 +1,5 @@
 """The Slurm target for real: `primebuild run` submits reverse-text-slurm.yaml as a heterogeneous job to
-the localhost Slurm (scripts/ci-services: slurmctld + three slurmd nodes at 127.0.0.11-13), follows it,
+the localhost Slurm (scripts/ci-services: slurmctld + five slurmd nodes at 127.0.0.11-15), follows it,
 and status / logs / stop / --resume work on it; fault tests end it within 30 s naming the component.
 
 The run folder of the first test sits under a path full of shell metacharacters, so the whole chain
@@ -85,7 +85,7 @@ def test_a_het_job_runs_the_embedded_default_and_learns(ws, tmp_path: Path):
                            timeout=30).stdout
     assert len([line for line in shown.splitlines() if "HetJobOffset=" in line]) == 3
     rendezvous = json.loads((run_dir / "rendezvous.json").read_text())
-    assert rendezvous["hosts"][0] in ("127.0.0.11", "127.0.0.12", "127.0.0.13")
+    assert rendezvous["hosts"][0] in {f"127.0.0.{n}" for n in range(11, 16)}  # a slurmd node's own address
     server_log = re.sub(r"\x1b\[[0-9;]*m", "", (run_dir / "logs" / "inference-0.log").read_text())
     assert f"Uvicorn running on http://{rendezvous['hosts'][0]}:" in server_log
     # it learns: the rollout reward of the last 10 steps beats the first 10 (sampled at temperature 1)
