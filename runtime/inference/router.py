@@ -26,14 +26,13 @@ import uuid
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from primebuild.contracts.router import RouterConfig
 
 from .entrypoint import serve_main
 from .protocol import ApiError
-from .router_base import Pool, authorize, json_object, router_app
+from .router_base import Pool, authorize, json_object, pass_through, router_app
 
 log = logging.getLogger(__name__)
 PREFIX = "primebuild_router"
@@ -93,15 +92,7 @@ def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
             decode.busy[d] -= 1
             counters.decode_seconds += time.monotonic() - started
 
-        media = upstream.headers.get("content-type", "application/json")
-        if not body.get("stream"):
-            try:
-                content = await upstream.aread()
-            finally:
-                await done()
-            return Response(content, status_code=upstream.status_code, media_type=media)
-        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, media_type=media,
-                                 background=BackgroundTask(done))
+        return await pass_through(upstream, bool(body.get("stream")), done)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -10,7 +10,8 @@ import json
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from .protocol import MAX_BODY_BYTES, ApiError
 
@@ -66,3 +67,16 @@ async def json_object(request: Request, routers_own: str) -> dict:
     if routers_own in body:
         raise ApiError(400, f"{routers_own} is set by the router, not by clients", param=routers_own)
     return body
+
+
+async def pass_through(upstream: httpx.Response, stream: bool, done) -> Response:
+    """The decode server's answer to the client, whole or streamed as it comes; `done` runs once it is read."""
+    media = upstream.headers.get("content-type", "application/json")
+    if not stream:
+        try:
+            content = await upstream.aread()
+        finally:
+            await done()
+        return Response(content, status_code=upstream.status_code, media_type=media)
+    return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, media_type=media,
+                             background=BackgroundTask(done))

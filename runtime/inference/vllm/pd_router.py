@@ -41,13 +41,12 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import PlainTextResponse, Response
 
 from primebuild.contracts.router import VllmRouterConfig
 from primebuild.runtime.inference.entrypoint import serve_main
 from primebuild.runtime.inference.protocol import ApiError
-from primebuild.runtime.inference.router_base import Pool, authorize, json_object, router_app
+from primebuild.runtime.inference.router_base import Pool, authorize, json_object, pass_through, router_app
 from primebuild.runtime.inference.vllm.admin import parse_policy_version
 from primebuild.runtime.inference.vllm.kv_files import KvFiles
 
@@ -204,15 +203,7 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
             release(names)
             counters.decode_seconds += time.monotonic() - started
 
-        media = upstream.headers.get("content-type", "application/json")
-        if not body.get("stream"):
-            try:
-                content = await upstream.aread()
-            finally:
-                await done()
-            return Response(content, status_code=upstream.status_code, media_type=media)
-        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, media_type=media,
-                                 background=BackgroundTask(done))
+        return await pass_through(upstream, bool(body.get("stream")), done)
 
     async def disaggregated(request: Request, path: str) -> Response:
         body = await json_object(request, "kv_transfer_params")
