@@ -158,5 +158,5 @@ class ServerSet:
             except (ServerGone, InferenceUnavailable):
                 continue  # not back yet
             if server.state in ("joining", "down"):  # the supervisor did not retire it meanwhile
-                log.info("%s serves policy version %d: it takes requests again", server.url, version)
+                log.info("%s serves policy version %d: it takes requests", server.url, version)
                 self.set_active(server, version)
