@@ -139,13 +139,15 @@ class ElasticInference:
         self.joining: list[Join] = []  # started, not healthy yet: the supervisor keeps watching meanwhile
         self.draining: list[Drain] = []
         self.answered: set[str] = set()
+        self.retired: set[str] = set()  # stopped by `scale -1`, or added ones that never became healthy
+        self.started = time.time()  # a request older than this supervisor was meant for an earlier session
 
     def plan_path_of(self, name: str):
         return self.run.scaled_plan if name in self.added else None
 
     def servers(self) -> list[ProcessSpec]:
-        out = {d.name for d in self.joining}
-        return [p for p in self.plan.by_role("inference") if p.name in self.sup.running and p.name not in out]
+        out = {d.name for d in self.joining} | self.retired
+        return [p for p in self.plan.by_role("inference") if p.name not in out]
 
     def write_pool(self) -> None:
         if self.refusal is not None:
@@ -163,9 +165,12 @@ class ElasticInference:
             return
         for path in sorted(self.run.scale.glob("request-*.json")):
             request_id = path.stem.removeprefix("request-")
-            if request_id in self.answered:
+            if request_id in self.answered or self.run.scale_answer(request_id).exists():
                 continue
             self.answered.add(request_id)
+            if path.stat().st_mtime < self.started:
+                self._answer(request_id, False, "the run was restarted before this request was answered: ask again")
+                continue
             try:
                 request = ScaleRequest.model_validate_json(path.read_text())
             except ValueError as err:
@@ -208,6 +213,7 @@ class ElasticInference:
                 continue
             self.joining.remove(join)
             if not healthy:
+                self.retired.add(join.name)
                 if running is not None:
                     self.sup.running.pop(join.name)
                     self.sup._reap(running)
@@ -248,6 +254,7 @@ class ElasticInference:
                     running.handle.kill()
                 self.sup._reap(running)
             self.draining.remove(drain)
+            self.retired.add(drain.name)
             self.write_pool()
             how = "drained" if drained else f"not drained within {DRAIN_SECONDS:.0f} s (its requests are re-routed)"
             self._answer(drain.request_id, True, f"retired {drain.name}, {how}; it served {served}")

@@ -158,6 +158,7 @@ class Supervisor:
         return False
 
     def start(self) -> Outcome | None:
+        self.elastic.write_pool()  # before the orchestrator starts: never a list left by an earlier session
         orders = sorted({p.start_order for p in self.plan.processes})
         for order in orders:
             group = [p for p in self.plan.processes if p.start_order == order]
@@ -170,7 +171,6 @@ class Supervisor:
                     what = describe_exit(code)[0] if code is not None else "timed out"
                     return self._fail(running, code, f"{spec.name} did not become healthy ({what}); "
                                       f"see {self.run.log(spec.name)}", 1)
-        self.elastic.write_pool()
         return None
 
     # --- watching --------------------------------------------------------------------------------

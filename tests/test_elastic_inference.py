@@ -141,3 +141,50 @@ def test_scale_is_refused_where_it_is_not_built(workspace: Path, tmp_path: Path)
         refused = _scale(run_dir, "+1", workspace)
         assert refused.returncode == 2 and expected in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
+
+
+def test_the_orchestrator_follows_the_supervisors_list_and_samples_only_active_servers(tmp_path: Path):
+    """Without processes: joining and draining servers get no request, a drained one the list drops is
+    forgotten, and a stale list from an earlier session cannot make a server active."""
+    import asyncio
+
+    from primebuild.contracts.run_dir import InferencePool, PoolServer, RunDir, write_json_atomic
+    from primebuild.runtime.orchestrator.client import InferenceClient
+    from primebuild.runtime.orchestrator.servers import ServerSet
+
+    run = RunDir(tmp_path)
+    a, b, c = (f"http://127.0.0.1:{port}/v1" for port in (9, 10, 11))
+
+    def listing(urls, draining=()):
+        pool = InferencePool(servers=[PoolServer(name=u[-5:], url=u) for u in urls], draining=list(draining))
+        write_json_atomic(run.inference_pool, pool.model_dump(mode="json"))
+        os.utime(run.inference_pool, ns=(time.time_ns(), time.time_ns()))
+
+    async def scenario():
+        servers = ServerSet([InferenceClient(a, "m"), InferenceClient(b, "m")], run,
+                            lambda url: InferenceClient(url, "m"), retry_seconds=1)
+        listing([a, b, c])
+        servers.reconcile()
+        assert {u: s.state for u, s in servers.servers.items()} == {a: "active", b: "active", c: "joining"}
+        picked = {(await servers.pick()).url for _ in range(6)}
+        assert picked == {a, b}  # the joining one gets nothing before it serves the current weights
+        await servers.revive(3, load=None)  # nothing listens on port 11: it stays joining
+        assert servers.servers[c].state == "joining"
+        servers.servers[b].in_flight = 1
+        listing([a, b, c], draining=[b[-5:]])
+        servers.reconcile()
+        servers.settle_drains()
+        assert servers.servers[b].state == "draining"  # its request in flight finishes first
+        assert {(await servers.pick()).url for _ in range(4)} == {a}
+        servers.servers[b].in_flight = 0
+        servers.settle_drains()
+        listing([a])
+        servers.reconcile()
+        assert set(servers.servers) == {a}  # b drained and dropped, c never joined and is no longer listed
+        servers.write_state()
+        state = json.loads(run.inference_pool_state.read_text())["servers"]
+        assert state[a]["state"] == "active"
+        for s in servers.all_clients():
+            await s.close()
+
+    asyncio.run(scenario())

@@ -58,6 +58,7 @@ class ServerSet:
             self.servers[client.base_url] = Server(client.base_url, client)
         self._turn = 0
         self._pool_mtime = None
+        self._listed: set[str] | None = None  # the URLs of the supervisor's last list
         self._changed = asyncio.Event()  # a server became active
         self._state_written = None
 
@@ -104,6 +105,7 @@ class ServerSet:
 
     def reconcile(self) -> None:
         """Follow inference_pool.json: add the servers it adds, drain those it retires."""
+        self._forget_stopped()
         path = self.run.inference_pool
         try:
             mtime = path.stat().st_mtime_ns
@@ -125,10 +127,16 @@ class ServerSet:
                 log.info("server %s (%s) is retired: draining %d request(s) in flight", entry.name, url,
                          self.servers[url].in_flight)
                 self.servers[url].state = "draining"
-        listed = {s.url.rstrip("/") for s in pool.servers}
+        self._listed = {s.url.rstrip("/") for s in pool.servers}
+        self._forget_stopped()
+
+    def _forget_stopped(self) -> None:
+        """A drained or joining server the supervisor no longer lists was stopped: forget it."""
+        if self._listed is None:
+            return
         for url, server in list(self.servers.items()):
-            if server.state == "drained" and url not in listed:
-                del self.servers[url]  # stopped by the supervisor
+            if server.state in ("drained", "joining") and url not in self._listed:
+                del self.servers[url]
                 asyncio.ensure_future(server.client.close())
 
     def settle_drains(self) -> None:
