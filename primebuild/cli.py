@@ -29,6 +29,7 @@ COMMANDS = {
     "status": "status",
     "logs": "logs",
     "stop": "stop",
+    "scale": "scale",
     "replay": "replay",
     "diff": "diff",
     "verify": "verify",

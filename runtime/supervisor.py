@@ -19,6 +19,8 @@ step of its het-job component): only the launcher differs (runtime/targets/).
 - The run ends when the orchestrator exits 0 and the trainer has finished.
 - No step for STALL_SECONDS: the terminal says so (and again every STALL_SECONDS), with the processes'
   last attention lines in their logs, so a run never sits silent.
+- `primebuild scale RUN --inference +1 / -1` adds or retires an inference replica while the run goes
+  on (runtime/elastic.py answers its requests between health checks).
 - Ctrl-C (or a STOP file in the run folder) asks the trainer to checkpoint and the orchestrator to stop,
   waits a bounded time, then stops everything; `primebuild run --resume RUN_DIR` continues from there.
 """
@@ -39,6 +41,7 @@ from typing import TextIO
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.run_dir import FailureRecord, RunDir, write_json_atomic
+from primebuild.runtime.elastic import ElasticInference
 from primebuild.runtime.hang_watchdog import HangWatchdog, end_leftovers
 from primebuild.runtime.liveness import START_MARKER, LivenessProbe, first_error_line
 from primebuild.runtime.progress import Progress
@@ -105,6 +108,7 @@ class Supervisor:
         self._progress_seen = (-1, time.monotonic())  # (metrics offset, when it last moved)
         self.hosts = self.run.read_rendezvous().hosts
         self.hang = HangWatchdog(plan, self.run, self.run.read_supervision().hang_floor_s)
+        self.elastic = ElasticInference(self, getattr(launcher, "kind", "remote"))
 
     # --- starting --------------------------------------------------------------------------------
 
@@ -112,7 +116,9 @@ class Supervisor:
         name = spec.name
         log = open(self.run.log(name), "a", buffering=1)  # noqa: SIM115 (closed in _reap)
         log.write(f"{START_MARKER}{time.strftime('%Y-%m-%dT%H:%M:%S')} (restart {restarts}) ---\n")
-        handle = self.launcher.start(spec, {ADMIN_TOKEN_ENV: self.admin_token, "PYTHONUNBUFFERED": "1"})
+        env = {ADMIN_TOKEN_ENV: self.admin_token, "PYTHONUNBUFFERED": "1"}
+        scaled_plan = self.elastic.plan_path_of(name)  # a replica `scale` added: not in plan.json
+        handle = self.launcher.start(spec, env, plan_path=scaled_plan) if scaled_plan else self.launcher.start(spec, env)
         running = Running(spec, handle, log, restarts)
         running.pump = threading.Thread(target=self._pump, args=(name, handle, log, _ATTENTION[spec.terminal]),
                                         daemon=True)
@@ -152,6 +158,7 @@ class Supervisor:
         return False
 
     def start(self) -> Outcome | None:
+        self.elastic.write_pool()  # before the orchestrator starts: never a list left by an earlier session
         orders = sorted({p.start_order for p in self.plan.processes})
         for order in orders:
             group = [p for p in self.plan.processes if p.start_order == order]
@@ -181,6 +188,7 @@ class Supervisor:
                     outcome = self._check() or self._check_hang()
                     if outcome is not None:
                         return outcome
+                    self.elastic.poll()
                     if stop_deadline is None and stop_file.exists():
                         stop_deadline = time.monotonic() + GRACE_SECONDS  # `primebuild stop` from elsewhere
                     if stop_deadline is not None and time.monotonic() > stop_deadline:

@@ -16,6 +16,10 @@
       stacks/<process>.<pid>.txt                        each Python process's thread stacks, dumped on a hang
       supervision.json                                  `primebuild run`'s hang bound and restart count
       launch.json                                       the target's record: Slurm job id, supervisor pid …
+      inference_pool.json                               supervisor -> orchestrator: the replicas to use / drain
+      inference_pool_state.json                         orchestrator -> supervisor: each replica's state, requests
+      scale/request-<id>.json  scale/answer-<id>.json   `primebuild scale` -> the supervisor, and its answer
+      scale/plan.json                                   the plan plus the replicas `scale` added (their workers read it)
       pids/<process>.json                               each worker: its host and process group (teardown)
       job.sbatch  kubernetes.yaml  ssh.sh               the rendered artifact the target submitted
       logs/job-<id>.log                                 the Slurm job's own output (in-job supervisor)
@@ -31,6 +35,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -113,6 +118,44 @@ class LaunchRecord(Contract):
     namespace: str | None = None  # kubernetes
     objects: list[str] = Field(default_factory=list)  # kubernetes: kind/name of what was applied
     launches: int = Field(1, ge=1)  # 1 + how many times the run was resumed
+
+
+class PoolServer(Contract):
+    """One inference server the orchestrator may sample from."""
+
+    name: str  # its process name (inference-2)
+    url: str  # its OpenAI base URL (…/v1), as the orchestrator's endpoints spell it
+
+
+class InferencePool(Contract):
+    """The supervisor's word on the replicas (written at start and on every `scale`): the orchestrator
+    adds a server it does not know yet and stops sending to one that is draining."""
+
+    servers: list[PoolServer]
+    draining: list[str] = Field(default_factory=list)  # names: finish or re-route in-flight requests, take no new
+
+
+class ServerState(Contract):
+    """The orchestrator's view of one server (inference_pool_state.json)."""
+
+    state: Literal["joining", "active", "down", "draining", "drained"]
+    requests: int = 0  # answers received from it
+    joined_version: int | None = None  # the policy version it was brought to before it got work
+    answered_versions: list[int] = Field(default_factory=list)  # [lowest, highest] policy version since it (re)joined
+
+
+class PoolState(Contract):
+    servers: dict[str, ServerState]  # by URL
+
+
+class ScaleRequest(Contract):
+    id: str
+    inference: int  # +1 adds a replica, -1 retires one
+
+
+class ScaleAnswer(Contract):
+    ok: bool
+    message: str
 
 
 class RunDir:
@@ -211,6 +254,28 @@ class RunDir:
         if not self.supervision.is_file():
             return SupervisionRecord()
         return parse_contract(SupervisionRecord, json.loads(self.supervision.read_text()), where=str(self.supervision))
+
+    @property
+    def inference_pool(self) -> Path:
+        return self.root / "inference_pool.json"
+
+    @property
+    def inference_pool_state(self) -> Path:
+        return self.root / "inference_pool_state.json"
+
+    @property
+    def scale(self) -> Path:
+        return self.root / "scale"
+
+    def scale_request(self, request_id: str) -> Path:
+        return self.scale / f"request-{request_id}.json"
+
+    def scale_answer(self, request_id: str) -> Path:
+        return self.scale / f"answer-{request_id}.json"
+
+    @property
+    def scaled_plan(self) -> Path:
+        return self.scale / "plan.json"
 
     @property
     def stacks(self) -> Path:

@@ -7,7 +7,8 @@ replica costs a delay, never a lost or duplicated sample. A server that answers 
 within seconds (runtime/liveness.py), and if it keeps answering errors for ERROR_RUN_SECONDS with no
 restart in between, the request fails, naming the server and its answer. Either way, once a call has
 failed for QUIET_SECONDS, a WARNING says so on the terminal (at most every WARN_SECONDS per server), so a run
-never waits in silence.
+never waits in silence. With several servers (runtime/orchestrator/servers.py) a client fails fast
+instead: a server that does not answer raises ServerGone at once, and its request goes to another one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class InferenceUnavailable(RuntimeError):
     pass
 
 
+class ServerGone(ConnectionError):
+    """A fail-fast client's server did not answer (killed, restarting, stopped)."""
+
+
 class Outage:
     """One call's view of a server that fails it: until when to retry, and whether to give up now."""
 
@@ -54,6 +59,8 @@ class Outage:
     def gone(self, err: Exception) -> None:
         """The server did not answer (it died, or is restarting): retry until `retry_seconds` pass."""
         self.client.transport_errors += 1
+        if self.client.fail_fast:
+            raise ServerGone(f"{self.url}: {type(err).__name__}: {err}") from err
         self.errors_since = None  # a restart ends a run of error answers
         self._warn(f"{self.url}: {type(err).__name__}: {err}; waiting for the server to come back")
         if self.loop.time() > self.deadline:
@@ -78,6 +85,7 @@ class InferenceClient:
         self.model = model
         self.retry_seconds = retry_seconds
         self.transport_errors = 0  # calls that found the server gone or failing (it died, or is restarting)
+        self.fail_fast = False  # True: a server that does not answer raises ServerGone instead of being waited for
         self._warned_at = -WARN_SECONDS
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         timeout = httpx.Timeout(600.0, connect=5.0)

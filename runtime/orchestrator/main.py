@@ -15,6 +15,10 @@ Resume: the next batch is the first not on disk, so a restarted orchestrator nei
 a step; groups that were running when it stopped are simply not in any batch, and the group stream
 continues after the last one written (recorded in each batch's metadata). A restarted inference server
 comes back on version 0 and gets the latest weights pushed.
+
+Elastic inference (servers.py): a server that stops answering is set aside and its in-flight requests go
+to the others; it takes requests again once it is back and on the current weights. Servers the
+supervisor adds (`primebuild scale --inference +1`) join the same way; retired ones are drained.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from primebuild.contracts.orchestrator import OrchestratorConfig
 from primebuild.contracts.run_dir import RunDir, write_json_atomic
 from primebuild.errors import UserError
 from primebuild.kernels.routing import sample_routes
-from primebuild.runtime.orchestrator.client import InferenceClient
+from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.pool import Group, IdleClock, RolloutPool
 from primebuild.runtime.orchestrator.rollout import RolloutRunner
+from primebuild.runtime.orchestrator.servers import STATE_SECONDS, ServerSet
 from primebuild.runtime.orchestrator.vllm_client import VllmClient
 from primebuild.runtime.orchestrator.weights import weight_source
 from primebuild.runtime.trackers import open_sinks
@@ -61,27 +66,31 @@ class Orchestrator:
                                                 members=[j.url for j in cfg.weight_broadcast if j.endpoint == i])
                             for i, u in enumerate(cfg.endpoints)]
         else:
-            self.clients = [InferenceClient.from_env(u, cfg.served_model_name, retry_seconds=cfg.retry_seconds,
-                                                     max_requests=cfg.max_requests_per_endpoint)
-                            for u in cfg.endpoints]
+            self.clients = [self.new_client(u) for u in cfg.endpoints]
         self.mix = EnvironmentMix(cfg.environments)
         self.metrics = MetricsWriter(self.run_dir.metrics, role="orchestrator",
                                      sinks=open_sinks(cfg.trackers, self.run_dir, "orchestrator"))
         self.server_version = 0
         self.sync_lock = asyncio.Lock()
+        self.servers = ServerSet(self.clients, self.run_dir, self.new_client, cfg.retry_seconds)
         self.weights = weight_source(cfg.weight_sync, self.run_dir, cfg.keep_weights)
         self.runner = RolloutRunner(AutoTokenizer.from_pretrained(cfg.model_path),
                                     max_tokens_per_turn=cfg.max_completion_tokens, seq_len=cfg.seq_len,
                                     top_p=cfg.top_p, routes_of=self.routes_of if cfg.router_replay else None)
         self.groups_per_step = cfg.rollouts_per_step // cfg.group_size
         self.requests = IdleClock()  # time with no request in flight on any server
-        self._requests = 0
+
+    def new_client(self, url: str) -> InferenceClient:
+        """A client of an embedded server (scale adds only those: supervisor/scale.py)."""
+        cfg = self.cfg
+        return InferenceClient.from_env(url, cfg.served_model_name, retry_seconds=cfg.retry_seconds,
+                                        max_requests=cfg.max_requests_per_endpoint)
 
     # --- policy versions -------------------------------------------------------------------------
 
     async def wait_for_version(self, at_least: int) -> int:
         while True:
-            version = await self.weights.latest(self.clients)
+            version = await self.weights.latest(self.servers.active())
             if version >= at_least:
                 return version
             if self.stop_requested():
@@ -94,17 +103,34 @@ class Orchestrator:
             await self._sync_servers()
 
     async def _sync_servers(self) -> None:
-        version = await self.weights.latest(self.clients)
-        versions = await asyncio.gather(*(c.version() for c in self.clients))
-        stale = [c for c, v in zip(self.clients, versions, strict=True) if v != version]
-        if version > 0 and stale:
-            await asyncio.gather(*(self.weights.load(c, version) for c in stale))
+        version = await self.weights.latest(self.servers.active())
+        active = [s for s in self.servers.servers.values() if s.state == "active"]
+
+        async def bring(server) -> None:
+            try:
+                if version > 0 and await server.client.version() != version:
+                    await self.weights.load(server.client, version)
+            except ServerGone as err:  # revived later, on the version current then
+                self.servers.gone(server, err)
+
+        await asyncio.gather(*(bring(s) for s in active))
         self.server_version = version
         self.weights.retire(version)
 
     async def sync_if_newer(self) -> None:
-        if await self.weights.latest(self.clients) > self.server_version:
+        if await self.weights.latest(self.servers.active()) > self.server_version:
             await self.sync_servers()
+
+    async def tend_servers(self) -> None:
+        """All run long: follow the supervisor's server list, drain, and bring joining or restarted
+        servers to the current weights before they get requests."""
+        while True:
+            self.servers.reconcile()
+            self.servers.settle_drains()
+            async with self.sync_lock:
+                await self.servers.revive(self.server_version, self.weights.load)
+            self.servers.write_state()
+            await asyncio.sleep(STATE_SECONDS)
 
     def stop_requested(self) -> bool:
         return self.run_dir.stop_requested()
@@ -113,19 +139,26 @@ class Orchestrator:
 
     async def sample(self, prompt_ids: list[int], *, n: int, temperature: float, max_tokens: int,
                      seed: int | None = None) -> CompletionResult:
-        """One request, to the servers in turn; a server that restarted on the base weights answers with an
-        older policy than the one it was given: it is re-synced and asked again."""
-        client = self.clients[self._requests % len(self.clients)]
-        self._requests += 1
+        """One request, to the active servers in turn; one that is gone passes it on to another. A server
+        that restarted on the base weights answers with an older policy than the one it was given: it is
+        re-synced and asked again."""
         while True:
+            server = await self.servers.pick()
             self.requests.enter()
+            server.in_flight += 1
             try:
-                response = await client.complete(prompt_ids, n=n, temperature=temperature, top_p=self.cfg.top_p,
-                                                  max_tokens=max_tokens, seed=seed,
-                                                  routed_experts=self.cfg.router_replay)
+                response = await server.client.complete(prompt_ids, n=n, temperature=temperature,
+                                                         top_p=self.cfg.top_p, max_tokens=max_tokens, seed=seed,
+                                                         routed_experts=self.cfg.router_replay)
+            except ServerGone as err:
+                self.servers.gone(server, err)
+                continue
             finally:
+                server.in_flight -= 1
                 self.requests.leave()
-            if min(c.policy_version for c in response.choices) >= self.server_version:
+            oldest = min(c.policy_version for c in response.choices)
+            if oldest >= self.server_version:
+                server.answered(oldest)
                 return response
             log.info("a server answered with an older policy than v%d: re-syncing it", self.server_version)
             await self.sync_servers()
@@ -185,6 +218,7 @@ class Orchestrator:
         if cfg.weight_broadcast:  # vLLM servers join the trainer's weight group when asked
             await asyncio.gather(*(self.clients[j.endpoint].join_weight_broadcast(j) for j in cfg.weight_broadcast))
         await self.sync_servers()
+        tending = asyncio.ensure_future(self.tend_servers())
         summary_path = self.run_dir.orchestrator_state
         summary = self.run_dir.read_json(summary_path)
         if "eval_reward_before" not in summary:
@@ -226,17 +260,19 @@ class Orchestrator:
 
         final = await self.wait_for_version(cfg.max_steps)
         await self.sync_servers()
-        served = await asyncio.gather(*(c.version() for c in self.clients))
+        served = await asyncio.gather(*(c.version() for c in self.servers.active()))
         if set(served) != {final}:  # the final eval must see the weights of the last trained step
             raise RuntimeError(f"servers serve policy versions {sorted(set(served))} after syncing to {final}")
         summary["eval_reward_after"] = await self.evaluate()
         summary["eval_reward_after_step"] = final  # the trained step whose weights the eval used
-        summary["inference_engine"] = await self.clients[0].engine()
+        summary["inference_engine"] = await self.servers.active()[0].engine()
         summary["orchestrator_seconds"] = round(time.monotonic() - started, 2)
         self.metrics.write(cfg.max_steps, {"eval_reward": summary["eval_reward_after"], "eval_policy_version": final})
         write_json_atomic(summary_path, summary)
         log.info("eval reward after RL: %.4f (weights of step %d)", summary["eval_reward_after"], final)
-        for c in self.clients:
+        tending.cancel()
+        self.servers.write_state()
+        for c in self.servers.all_clients():
             await c.close()
         return summary
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.run_dir import LOOPBACK, LaunchRecord, Rendezvous, RunDir, write_json_atomic
@@ -16,8 +17,8 @@ from primebuild.runtime.targets.processes import ProcessHandle, belongs_to, end_
 from primebuild.runtime.worker import SUPERVISOR_PID_ENV
 
 
-def worker_argv(python: str, run: RunDir, name: str) -> list[str]:
-    return [python, "-m", "primebuild.cli", "worker", "--plan", str(run.plan), "--process", name,
+def worker_argv(python: str, run: RunDir, name: str, plan_path: Path | None = None) -> list[str]:
+    return [python, "-m", "primebuild.cli", "worker", "--plan", str(plan_path or run.plan), "--process", name,
             "--run-dir", str(run.root)]
 
 
@@ -30,13 +31,16 @@ def write_rendezvous(run: RunDir, hosts: list[str]) -> None:
 
 
 class LocalLauncher:
+    kind = "local"
+
     def __init__(self, run: RunDir):
         self.run = run
 
-    def start(self, spec: ProcessSpec, env: dict[str, str]) -> ProcessHandle:
+    def start(self, spec: ProcessSpec, env: dict[str, str], plan_path: Path | None = None) -> ProcessHandle:
+        """`plan_path`: where the process is described when not in the run's plan (a replica `scale` added)."""
         # The worker asks the kernel for SIGTERM when this process dies (runtime/worker.py).
         full = {**os.environ, **env, SUPERVISOR_PID_ENV: str(os.getpid())}
-        return ProcessHandle(worker_argv(sys.executable, self.run, spec.name), full)
+        return ProcessHandle(worker_argv(sys.executable, self.run, spec.name, plan_path), full)
 
 
 class LocalTarget(Target):

@@ -1,0 +1,190 @@
+"""The elastic inference pool, end to end on the local target (real processes, the embedded engine):
+a killed replica degrades the run instead of ending it, and `primebuild scale` adds and retires a
+replica mid-run (runtime/elastic.py, runtime/orchestrator/servers.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import test_run_local
+from test_run_local import _env, _logs, _start, _trained_steps, _wait_for_trained
+
+workspace = test_run_local.workspace  # the same fixture: reverse-text manifests with a short SFT, a private store
+
+pytestmark = pytest.mark.timeout(900)  # the first run builds the SFT model; the machine is shared
+FIRST_STEPS_S = 600
+
+
+def _pool_state(run_dir: Path) -> dict:
+    path = run_dir / "inference_pool_state.json"
+    return json.loads(path.read_text())["servers"] if path.is_file() else {}
+
+
+def _url_of(run_dir: Path, name: str) -> str:
+    pool = json.loads((run_dir / "inference_pool.json").read_text())
+    (url,) = [s["url"] for s in pool["servers"] if s["name"] == name]
+    return url
+
+
+def _wait_until(proc: subprocess.Popen, runs: Path, what: str, check, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert proc.poll() is None, f"the run ended before {what}: " + _logs(runs)
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}\n" + _logs(runs)
+        time.sleep(0.2)
+
+
+def _stop_and_wait(proc: subprocess.Popen, run_dir: Path, workspace: Path) -> str:
+    """`primebuild stop`: the run ends normally after the step it is on (the runs are long enough that the
+    pool changes happen while they go, however loaded the machine is)."""
+    stop = subprocess.run([sys.executable, "-m", "primebuild.cli", "stop", str(run_dir)], capture_output=True,
+                          text=True, env=_env(workspace), timeout=200)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    out, _ = proc.communicate(timeout=200)
+    return out
+
+
+def _assert_each_step_trained_once(run_dir: Path) -> int:
+    steps = _trained_steps(run_dir)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3, steps
+    return len(steps)
+
+
+def _scale(run_dir: Path, delta: str, workspace: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "primebuild.cli", "scale", str(run_dir), "--inference", delta],
+                          capture_output=True, text=True, env=_env(workspace), timeout=200)
+
+
+def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weights(workspace: Path, tmp_path: Path):
+    runs = tmp_path / "runs"
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=400", "--set", "inference.replicas=2")
+    try:
+        run_dir = _wait_for_trained(runs, 2, proc, timeout=FIRST_STEPS_S)
+        victim = json.loads((run_dir / "pids" / "inference-1.json").read_text())["pid"]
+        os.kill(victim, signal.SIGKILL)
+        url = _url_of(run_dir, "inference-1")
+        orchestrator_log = run_dir / "logs" / "orchestrator.log"
+        _wait_until(proc, runs, "the orchestrator set inference-1 aside",
+                    lambda: f"{url} is gone" in orchestrator_log.read_text())
+        served_before = _pool_state(run_dir)[url]["requests"]
+        _wait_until(proc, runs, "the restarted inference-1 took requests again",
+                    lambda: _pool_state(run_dir).get(url, {}).get("requests", 0) > served_before)
+        out = _stop_and_wait(proc, run_dir, workspace)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + _logs(runs)
+    assert "inference-1" in out and "restarting" in out and "stopped at step" in out
+    _assert_each_step_trained_once(run_dir)
+    assert "restart 1" in (run_dir / "logs" / "inference-1.log").read_text()
+    back = _pool_state(run_dir)[url]
+    # it was brought to the newest weights before its first request: not the base model it restarted on
+    assert back["state"] == "active" and back["joined_version"] >= 2, back
+    assert back["answered_versions"][0] >= back["joined_version"], back
+
+
+def test_scale_adds_a_replica_at_the_current_weights_then_drains_it(workspace: Path, tmp_path: Path):
+    runs = tmp_path / "runs"
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=400")
+    try:
+        run_dir = _wait_for_trained(runs, 2, proc, timeout=FIRST_STEPS_S)
+        added = _scale(run_dir, "+1", workspace)
+        assert added.returncode == 0, added.stdout + added.stderr + _logs(runs)
+        assert "added inference-1" in added.stdout
+        url = _url_of(run_dir, "inference-1")
+        _wait_until(proc, runs, "inference-1 served requests",
+                    lambda: _pool_state(run_dir).get(url, {}).get("requests", 0) >= 4)
+        joined = _pool_state(run_dir)[url]
+        retired = _scale(run_dir, "-1", workspace)
+        assert retired.returncode == 0, retired.stdout + retired.stderr + _logs(runs)
+        last = _scale(run_dir, "-1", workspace)  # the run keeps one server
+        out = _stop_and_wait(proc, run_dir, workspace)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + _logs(runs)
+    assert "stopped at step" in out
+    _assert_each_step_trained_once(run_dir)
+    # it joined mid-run on the weights then current (step 2 or later), and answered with them or newer
+    assert joined["joined_version"] >= 2 and joined["answered_versions"][0] >= joined["joined_version"], joined
+    # its own /metrics: the sequences it finished, read before it was stopped
+    assert "retired inference-1, drained; it served " in retired.stdout, retired.stdout
+    sequences = int(retired.stdout.split("it served ")[1].split(" sequences")[0])
+    assert sequences >= joined["requests"] > 0
+    assert last.returncode == 2 and "at least one inference server" in last.stderr
+    assert url not in json.dumps(json.loads((run_dir / "inference_pool.json").read_text()))
+    assert "inference-1" in (run_dir / "scale" / "plan.json").read_text()
+    assert "inference-1" not in (run_dir / "plan.json").read_text()  # the compiled plan stays what ran
+
+
+def test_scale_is_refused_where_it_is_not_built(workspace: Path, tmp_path: Path):
+    """Broadcast weight sync (a fixed-size process group) and the cluster targets: exit 2, with the reason."""
+    env = _env(workspace)
+    manifest = workspace / "manifests" / "reverse-text.yaml"
+    for sets, target, expected in ((["weight_sync.mode=broadcast"], "local", "broadcast weight sync"),
+                                   ([], "slurm", "local target only")):
+        run_dir = tmp_path / f"run-{target}-{len(sets)}"
+        run_dir.mkdir()
+        flags = [x for s in sets for x in ("--set", s)]
+        plan = subprocess.run([sys.executable, "-m", "primebuild.cli", "plan", str(manifest), *flags, "-o", "json"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert plan.returncode == 0, plan.stderr
+        (run_dir / "plan.json").write_text(plan.stdout)
+        (run_dir / "launch.json").write_text(json.dumps({"target": target}))
+        refused = _scale(run_dir, "+1", workspace)
+        assert refused.returncode == 2 and expected in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+
+
+def test_the_orchestrator_follows_the_supervisors_list_and_samples_only_active_servers(tmp_path: Path):
+    """Without processes: joining and draining servers get no request, a drained one the list drops is
+    forgotten, and a stale list from an earlier session cannot make a server active."""
+    import asyncio
+
+    from primebuild.contracts.run_dir import InferencePool, PoolServer, RunDir, write_json_atomic
+    from primebuild.runtime.orchestrator.client import InferenceClient
+    from primebuild.runtime.orchestrator.servers import ServerSet
+
+    run = RunDir(tmp_path)
+    a, b, c = (f"http://127.0.0.1:{port}/v1" for port in (9, 10, 11))
+
+    def listing(urls, draining=()):
+        pool = InferencePool(servers=[PoolServer(name=u[-5:], url=u) for u in urls], draining=list(draining))
+        write_json_atomic(run.inference_pool, pool.model_dump(mode="json"))
+        os.utime(run.inference_pool, ns=(time.time_ns(), time.time_ns()))
+
+    async def scenario():
+        servers = ServerSet([InferenceClient(a, "m"), InferenceClient(b, "m")], run,
+                            lambda url: InferenceClient(url, "m"), retry_seconds=1)
+        listing([a, b, c])
+        servers.reconcile()
+        assert {u: s.state for u, s in servers.servers.items()} == {a: "active", b: "active", c: "joining"}
+        picked = {(await servers.pick()).url for _ in range(6)}
+        assert picked == {a, b}  # the joining one gets nothing before it serves the current weights
+        await servers.revive(3, load=None)  # nothing listens on port 11: it stays joining
+        assert servers.servers[c].state == "joining"
+        servers.servers[b].in_flight = 1
+        listing([a, b, c], draining=[b[-5:]])
+        servers.reconcile()
+        servers.settle_drains()
+        assert servers.servers[b].state == "draining"  # its request in flight finishes first
+        assert {(await servers.pick()).url for _ in range(4)} == {a}
+        servers.servers[b].in_flight = 0
+        servers.settle_drains()
+        listing([a])
+        servers.reconcile()
+        assert set(servers.servers) == {a}  # b drained and dropped, c never joined and is no longer listed
+        servers.write_state()
+        state = json.loads(run.inference_pool_state.read_text())["servers"]
+        assert state[a]["state"] == "active"
+        for s in servers.all_clients():
+            await s.close()
+
+    asyncio.run(scenario())
