@@ -335,7 +335,7 @@ def _no_effect(m: Manifest) -> Iterator[Refusal]:
         ("hardware.storage_bandwidth_gb_s", cpu or (m.weight_sync.mode != "filesystem" and m.target.kind != "slurm"),
          measured if cpu else "it times the filesystem weight sync and, on Slurm, the checkpoint before the time "
          "limit only"),
-        ("trainer.nodes", cpu, "CPU-only hardware runs every process on its one node"),
+        ("trainer.nodes", cpu and m.hardware.nodes == 1, "one CPU node runs every process"),
     ]
     for field, unused, why in candidates:
         if unused and is_set(m, field):
@@ -344,7 +344,7 @@ def _no_effect(m: Manifest) -> Iterator[Refusal]:
 
 def _multi_node_trainer(m: Manifest) -> bool:
     if m.hardware.gpu == "cpu":
-        return False
+        return (m.trainer.nodes or 1) > 1
     if m.trainer.nodes is not None:
         return m.trainer.nodes > 1
     return m.trainer.world_size > m.hardware.gpus_per_node

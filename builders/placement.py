@@ -98,7 +98,7 @@ def place(m: Manifest) -> tuple[Placement | None, list[Problem]]:
             return None, [Problem(f"{replicas} inference replicas on one CPU node with {hw.cpus_per_node} CPUs",
                                   field="inference.replicas",
                                   hint=f"use at most {hw.cpus_per_node} replicas, or raise hardware.cpus_per_node")]
-        return _place_cpu(m), []
+        return _place_cpu(m)
     problems: list[Problem] = []
     section = "inference.disaggregation" if m.inference.disaggregation else "inference"
     for name, group in m.inference.groups.items():
@@ -167,13 +167,25 @@ def _inference_nodes(m: Manifest) -> int:
     return total
 
 
-def _place_cpu(m: Manifest) -> Placement:
+def _place_cpu(m: Manifest) -> tuple[Placement | None, list[Problem]]:
     """CPU-only hardware, no GPUs to hand out. One node: every process on it. Several (a cluster target):
-    the trainer and the orchestrator share the last node — the orchestrator's rollouts go to the trainer
-    through the run folder — and the inference replicas take the others in turn, so that sampling and
-    training never compete for the same cores."""
-    last = m.hardware.nodes - 1
-    inference_nodes = max(1, last)
+    the trainer takes the last `trainer.nodes` nodes (default 1; one torchrun per node, its ranks split
+    evenly over them), the orchestrator shares the last one — its rollouts go to the trainer through
+    the run folder — and the inference replicas take the others in turn, so that sampling and training
+    never compete for the same cores."""
+    nodes = m.hardware.nodes
+    trainer_nodes = m.trainer.nodes or 1
+    ranks = m.trainer.ranks or m.trainer.world_size
+    if trainer_nodes > 1 and trainer_nodes >= nodes:
+        return None, [Problem(f"trainer wants {trainer_nodes} nodes but the cluster has {nodes}, and inference "
+                              "needs one of its own", field="trainer.nodes",
+                              hint=f"set hardware.nodes: {trainer_nodes + 1}, or trainer.nodes lower")]
+    if ranks % trainer_nodes:
+        return None, [Problem(f"trainer: {ranks} ranks do not split evenly over {trainer_nodes} nodes",
+                              field="trainer.nodes", hint=f"use a multiple of {trainer_nodes} ranks (dp_shard)")]
+    first_trainer = nodes - trainer_nodes
+    inference_nodes = max(1, first_trainer)
     flat = [(name, r) for name, group in m.inference.groups.items() for r in range(group.replicas)]
     replicas = tuple(ReplicaPlacement(name, r, (Slot(i % inference_nodes, ()),)) for i, (name, r) in enumerate(flat))
-    return Placement(replicas, (Slot(last, ()),), orchestrator_node=last, idle_gpus=())
+    trainer = tuple(Slot(max(0, first_trainer) + i, ()) for i in range(trainer_nodes))
+    return Placement(replicas, trainer, orchestrator_node=nodes - 1, idle_gpus=()), []

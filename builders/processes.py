@@ -271,7 +271,7 @@ def _vllm_router_process(m: Manifest, servers: list[ProcessSpec], replicas: int)
 def _trainer_processes(m: Manifest, slots: tuple[Slot, ...], sync) -> list[ProcessSpec]:
     t = m.trainer
     cpu = m.hardware.gpu == "cpu"
-    nproc = (t.ranks or t.world_size) if cpu else len(slots[0].gpus)
+    nproc = (t.ranks or t.world_size) // len(slots) if cpu else len(slots[0].gpus)  # per node
     config = trainer_config(m, sync)
     out = []
     for rank, slot in enumerate(slots):

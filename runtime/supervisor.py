@@ -217,13 +217,14 @@ class Supervisor:
                 why = f"is up but dead: {running.probe.cause}"
             elif code == 0 and role in ("orchestrator", "trainer"):
                 continue
-            else:
-                why = describe_exit(code)[0]  # a server that exits, even with 0, failed: it has no end of its own
+            else:  # a server that exits, even with 0, failed: it has no end of its own
+                why = running.handle.lost_contact() or describe_exit(code)[0]
             cause = first_error_line(self.run.log(name))
             if cause:
                 why += f" ({cause})"
             policy = running.spec.restart
-            if policy.policy == "on-failure" and running.restarts < policy.max_restarts:
+            if policy.policy == "on-failure" and running.restarts < policy.max_restarts \
+                    and running.handle.lost_contact() is None:  # no restart on a host nothing reaches
                 self.echo(f"{name} {why}: restarting ({running.restarts + 1}/{policy.max_restarts})")
                 self._reap(running)
                 replacement = self._spawn(running.spec, running.restarts + 1)
@@ -278,7 +279,9 @@ class Supervisor:
         write_json_atomic(self.run.failure, record.model_dump(mode="json"))
         self.echo(f"error: {message}; stopping every other process")
         self.run.stop_file.touch()  # the trainer saves the step it finished, the orchestrator stops
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        # a trainer rank that lost contact takes the trainer's collectives with it: no checkpoint to wait for
+        lost_trainer = running.spec.role == "trainer" and running.handle.lost_contact() is not None
+        deadline = time.monotonic() + (0 if lost_trainer else STOP_GRACE_SECONDS)
         survivors = [r for r in self.running.values() if r.spec.role in ("trainer", "orchestrator")]
         while time.monotonic() < deadline and any(r.handle.poll() is None for r in survivors):
             time.sleep(0.2)

@@ -10,8 +10,11 @@ Two start-up duties depend on who started the worker:
 - a local supervisor passes its pid in PRIMEBUILD_SUPERVISOR_PID: the worker asks the kernel to send
   it SIGTERM when that parent dies (PR_SET_PDEATHSIG survives exec), so even a SIGKILLed
   `primebuild run` leaves no process behind (runtime/watchdog.py then ends the rest of the group);
-- over ssh (`--session`) it starts its own process group, so `stop` ends everything it started, and
-  reads secret values from stdin (`NAME=value` lines up to an empty line), never from a command line.
+- over ssh (`--session`) it starts its own process group, so `stop` ends everything it started,
+  reads secret values from stdin (`NAME=value` lines up to an empty line), never from a command line,
+  and gets SIGTERM when its parent, the sshd of its session, ends (the command execs the worker): a
+  host whose link was cut, or whose supervisor vanished, ends the run's processes once sshd drops the
+  session (ClientAliveInterval), instead of leaving them to hang in a collective.
 """
 
 from __future__ import annotations
@@ -120,16 +123,22 @@ def prepare(plan: Plan, name: str, run: RunDir, extra_env: dict[str, str] | None
     return resolve(process.argv), env
 
 
-def die_with_supervisor() -> None:
-    """SIGTERM this process (and, after exec, what it becomes) when the supervisor that started it dies."""
-    expected = os.environ.get(SUPERVISOR_PID_ENV)
-    if not expected or not sys.platform.startswith("linux"):
+def die_with_parent(expected_parent: int) -> None:
+    """SIGTERM this process (and, after exec, what it becomes) when its parent dies."""
+    if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != int(expected):  # it died before prctl took effect
+    if os.getppid() != expected_parent:  # it died before prctl took effect
         sys.exit(143)
+
+
+def die_with_supervisor() -> None:
+    """SIGTERM this process when the local supervisor that started it dies."""
+    expected = os.environ.get(SUPERVISOR_PID_ENV)
+    if expected:
+        die_with_parent(int(expected))
 
 
 def env_from_stdin() -> dict[str, str]:
@@ -153,8 +162,10 @@ def record_process(run: RunDir, name: str) -> None:
 def exec_process(plan_path: Path, name: str, run_dir: Path, *, session: bool = False, stdin_env: bool = False
                  ) -> None:
     die_with_supervisor()
-    if session and os.getpgid(0) != os.getpid():
-        os.setsid()
+    if session:
+        die_with_parent(os.getppid())  # the sshd of its session
+        if os.getpgid(0) != os.getpid():
+            os.setsid()
     extra = env_from_stdin() if stdin_env else {}
     run = RunDir(run_dir)
     argv, env = prepare(read_plan(plan_path), name, run, extra)

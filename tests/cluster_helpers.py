@@ -21,6 +21,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 SSH_DIR = Path(os.environ.get("PRIMEBUILD_CI_SSH_DIR", "/var/lib/primebuild-ci/ssh"))
 SSH_HOSTS = ("127.0.0.2", "127.0.0.3")
+# Three hosts as network namespaces pbhost1-3 (scripts/ci-hosts): own addresses, one shared filesystem.
+NETNS_HOSTS = ("10.77.0.1", "10.77.0.2", "10.77.0.3")
+NAMESPACES = ("pbhost1", "pbhost2", "pbhost3")  # also the names of their root-side veth ends
 # A run folder path full of what a shell would interpret: every artifact must quote it.
 NASTY = "runs it's $(touch PWNED) `touch PWNED2`; x"
 
@@ -53,6 +56,27 @@ def require_sshd() -> Path:
         if probe.returncode != 0:
             missing(f"sshd on {host}:2222 does not answer: {probe.stderr.strip()}")
     return config
+
+
+def require_netns_hosts() -> Path:
+    """The three namespace hosts, each answering over ssh from here."""
+    config = SSH_DIR / "config"
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
+    absent = [ns for ns in NAMESPACES if ns not in listed.split()]
+    if absent or not config.is_file():
+        missing(f"no network namespace host(s) {', '.join(absent) or '(no ssh config)'}")
+    for host in NETNS_HOSTS:
+        probe = subprocess.run(["ssh", "-F", str(config), "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host,
+                                "true"], capture_output=True, text=True, timeout=30)
+        if probe.returncode != 0:
+            missing(f"sshd on {host}:2222 (its network namespace) does not answer: {probe.stderr.strip()}")
+    return config
+
+
+def namespace_pids(namespace: str) -> set[int]:
+    """Processes whose network is that of `namespace` (`ip netns pids`)."""
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=20)
+    return {int(pid) for pid in listed.stdout.split()}
 
 
 def workspace(root: Path, *, short_sft: bool = True) -> Path:
@@ -169,15 +193,22 @@ def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
         except OSError:
             continue
     out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            address, port = local.split(":")
-            raw = bytes.fromhex(address)
-            # /proc prints each 32-bit word in host (little-endian) order
-            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            out.append((inodes[inode], str(ipaddress.ip_address(words)), int(port, 16)))
+    # each pid's own tables: a process in another network namespace lists its sockets only there
+    tables = {f"/proc/{pid}/net/{name}" for pid in set(inodes.values()) for name in ("tcp", "tcp6")}
+    rows = set()
+    for table in tables:
+        try:
+            rows |= set(Path(table).read_text().splitlines()[1:])
+        except OSError:
+            continue
+    for line in rows:
+        fields = line.split()
+        local, state, inode = fields[1], fields[3], fields[9]
+        if state != "0A" or inode not in inodes:  # 0A: LISTEN
+            continue
+        address, port = local.split(":")
+        raw = bytes.fromhex(address)
+        # /proc prints each 32-bit word in host (little-endian) order
+        words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        out.append((inodes[inode], str(ipaddress.ip_address(words)), int(port, 16)))
     return out

@@ -440,7 +440,11 @@ FIELDS: dict[str, list] = {
     "sft.warmup_steps": [Builds(build_config("warmup_steps"), ("sft.warmup_steps=10",), 10)],
     "trainer.nodes": [Shapes(("hardware.nodes=3", "trainer.nodes=2", "trainer.dp_shard=16"), "processes",
                              base_sets=("hardware.nodes=3", "trainer.nodes=1")),
-                      Refused(("trainer.nodes=1",))],
+                      Refused(("trainer.nodes=1",)),
+                      # CPU nodes (tests/test_cluster_netns.py runs it): a torchrun per trainer node
+                      Shapes(("trainer.nodes=2", "trainer.ranks=2", "trainer.dp_shard=2"), "processes", base=RL,
+                             base_sets=("hardware.nodes=3", "target={kind: ssh, hosts: [a, b, c]}")),
+                      Refused(("hardware.nodes=2", "trainer.nodes=2", "target={kind: ssh, hosts: [a, b]}"))],
     "trainer.ranks": [Shapes(("trainer.ranks=2", "trainer.dp_shard=2"), "processes", base=RL),
                       Refused(("trainer.ranks=8",), base=GPU)],
     "trainer.dp_shard": [Reaches(config_of(T, "parallel.dp_shard"), ("trainer.ranks=2", "trainer.dp_shard=2"), 2)],

@@ -1,8 +1,9 @@
 """Render a plan for the ssh target: the exact command each inventory host runs, per process. Pure.
 
 Plan node N runs on `target.hosts[N]`. Each process is one ssh session running
-`cd RUN_DIR && PY -m primebuild.cli worker … --session --env-from-stdin; exit $?`: the worker starts its
-own process group (what `stop` ends) and reads the run's admin token and the manifest's secrets from
+`cd RUN_DIR && exec PY -m primebuild.cli worker … --session --env-from-stdin`: the worker starts its
+own process group (what `stop` ends), ends with its ssh session (a host cut off the network leaves
+nothing running once its sshd drops the session), and reads the run's admin token and the manifest's secrets from
 stdin, so no secret is ever part of a command line or of this artifact. PY is the interpreter of the
 primebuild installation at `target.workdir` on the hosts (`<workdir>/.venv/bin/python`, what
 scripts/bootstrap makes); the run folder must be on a filesystem every host sees, at the same path.
@@ -46,7 +47,7 @@ def remote_command(plan: Plan, run_dir: str, process: ProcessSpec) -> str:
     worker = [shell_path(remote_python(plan)), "-m", "primebuild.cli", "worker", "--plan",
               shlex.quote(f"{run_dir}/plan.json"), "--process", shlex.quote(process.name), "--run-dir", run,
               "--session", "--env-from-stdin"]
-    return f"cd {run} && {' '.join(worker)}; exit $?"
+    return f"cd {run} && exec {' '.join(worker)}"  # exec: the worker's parent is the session's sshd
 
 
 def ssh_argv(plan: Plan, process: ProcessSpec) -> list[str]:

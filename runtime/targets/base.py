@@ -39,6 +39,8 @@ class Handle(Protocol):
 
     def lines(self) -> Iterator[str]: ...  # its output, line by line, until it exits
 
+    def lost_contact(self) -> str | None: ...  # why its host cannot be reached any more (ssh), or None
+
 
 class Launcher(Protocol):
     def start(self, spec: ProcessSpec, env: dict[str, str]) -> Handle: ...

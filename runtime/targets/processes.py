@@ -25,6 +25,9 @@ class ProcessHandle:
     def poll(self) -> int | None:
         return self.popen.poll()
 
+    def lost_contact(self) -> str | None:
+        return None  # a child of this very process
+
     def wait(self, timeout: float) -> int | None:
         try:
             return self.popen.wait(timeout=timeout)

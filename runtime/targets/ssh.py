@@ -7,6 +7,13 @@ Each process runs in one ssh session (builders/render/ssh.py has the command); i
 into logs/NAME.log; its exit status is the session's. Stopping a process is `kill -TERM -- -PGID` on its
 host, the process group the worker recorded in pids/NAME.json (the run folder is on a filesystem every
 host sees), checked to still belong to this run.
+
+A host can drop off the network without closing anything. Each connection sends an SSH keepalive every
+KEEPALIVE_S and its socket gives up on data the host does not acknowledge for LOST_AFTER_S
+(TCP_USER_TIMEOUT), so a cut link ends the connection within about KEEPALIVE_S + LOST_AFTER_S: each of
+that host's processes then reads as exited with 255 (what ssh(1) returns on a lost connection) and
+`lost_contact()` names the host. It is not signalled any more (nothing gets through); its processes
+end by themselves once its sshd drops their session (the worker dies with its session: runtime/worker.py).
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from primebuild.runtime.targets.local import write_rendezvous
 
 CONFIG_ENV = "PRIMEBUILD_SSH_CONFIG"
 CONNECT_TIMEOUT_S = 15
+KEEPALIVE_S = 2
+LOST_AFTER_S = 10
+LOST_EXIT = 255  # ssh(1)'s exit status when the connection is lost
 RECORD_WAIT_S = 10.0  # how long a just-started worker may take to record its process group
 
 
@@ -57,6 +67,9 @@ def _open(conn):
 
     try:
         conn.open()
+        transport = conn.client.get_transport()
+        transport.set_keepalive(KEEPALIVE_S)  # traffic that a dead link leaves unacknowledged
+        transport.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LOST_AFTER_S * 1000)
     except SSHException as err:
         raise UserError(f"ssh {conn.user}@{conn.host}:{conn.port}: {err}",
                         hint="its host key must be in known_hosts (ssh-keyscan, then check it); primebuild "
@@ -79,17 +92,32 @@ class SshHandle:
         self.started = time.monotonic()
 
     def poll(self) -> int | None:
+        if self.lost_contact() is not None:
+            return LOST_EXIT
         return self.channel.recv_exit_status() if self.channel.exit_status_ready() else None
+
+    def lost_contact(self) -> str | None:
+        """Why the process's host cannot be reached any more, or None: its connection died before the
+        process's exit status came back."""
+        host = host_of(self.launcher.plan, self.spec)
+        if self.channel.exit_status_ready() and self.channel.exit_status != -1:
+            return None
+        if not self.launcher.lost(host):
+            return None
+        return f"lost contact with host {host} (its ssh connection went unanswered for {LOST_AFTER_S} s)"
 
     def wait(self, timeout: float) -> int | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.channel.exit_status_ready():
-                return self.channel.recv_exit_status()
+            code = self.poll()
+            if code is not None:
+                return code
             time.sleep(0.1)
         return self.poll()
 
     def _signal(self, sig: str) -> None:
+        if self.launcher.lost(host_of(self.launcher.plan, self.spec)):
+            return  # nothing reaches it; its sshd ends the session, and the worker with it
         record = self.launcher.record_of(self.spec.name, since=self.started)
         if record is None:
             self.channel.close()
@@ -128,6 +156,13 @@ class SshLauncher:
         stdin = "".join(f"{k}={v}\n" for k, v in passed.items() if "\n" not in v) + "\n"
         return SshHandle(self, spec, stdin)
 
+    def lost(self, host: str) -> bool:
+        """Whether the connection to `host` died (a process's exit status never arrives over it)."""
+        with self.lock:
+            conn = self.connections.get(host)
+        transport = conn.client.get_transport() if conn is not None else None
+        return transport is not None and not transport.is_active()
+
     def record_of(self, name: str, since: float):
         deadline = since + RECORD_WAIT_S
         while True:
@@ -137,6 +172,8 @@ class SshLauncher:
             time.sleep(0.2)
 
     def signal_group(self, spec: ProcessSpec, pgid: int, sig: str) -> None:
+        if self.lost(host_of(self.plan, spec)):
+            return
         command = signal_command(str(self.run.root), str(pgid), sig)
         self.connection(host_of(self.plan, spec)).run(command, hide=True, warn=True, timeout=30)
 

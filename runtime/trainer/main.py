@@ -12,8 +12,8 @@ Loop for k = 1, 2, ... (steps are 1-based; see batch.py for the file contract):
   3. clip the gradient norm, AdamW step (linear warm-up of the lr);
   4. publish the weights: ``weights/step_{k:06d}/`` in HF layout (filesystem) or a broadcast to the
      inference workers (broadcast);
-  5. append metrics to ``<run_dir>/metrics.jsonl``; every ``checkpoint_every`` steps, and when the run
-     ends, save ``checkpoints/step_{k:06d}/``; with ``resume`` the run continues after the newest one.
+  5. every ``checkpoint_every`` steps, and when the run ends, save ``checkpoints/step_{k:06d}/``; then
+     append metrics to ``<run_dir>/metrics.jsonl``; with ``resume`` the run continues after the newest one.
 
 Metrics (one JSON line each, see metrics.py), means are over trained tokens of the whole step:
   loss, behaviour_kl (KL(inference ‖ trainer) over all tokens, see losses.py), mismatch_kl (the same over
@@ -390,6 +390,11 @@ def run_trainer(config: TrainerConfig) -> None:
             t2 = time.monotonic()
             publisher.publish(model, step)
             stats.update(wait_s=t1 - t0, step_s=t2 - t1, publish_s=time.monotonic() - t2)
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                save_checkpoint(ckpt_dir, step, model, optimizer, env, config.keep_checkpoints)
+                last_saved = step
+            # after its checkpoint: a crash in between (a host cut off mid-save) leaves no row of a step
+            # that `--resume` trains again, so every step is in metrics.jsonl once
             metrics.write(step, stats)
             last_done = step
             if env.is_main:
@@ -403,9 +408,6 @@ def run_trainer(config: TrainerConfig) -> None:
                     f" (no replay: behaviour_kl {stats['behaviour_kl_no_replay']:.3g} mismatch_kl "
                     f"{stats['mismatch_kl_no_replay']:.3g})" if "behaviour_kl_no_replay" in stats else "",
                 )
-            if config.checkpoint_every and step % config.checkpoint_every == 0:
-                save_checkpoint(ckpt_dir, step, model, optimizer, env, config.keep_checkpoints)
-                last_saved = step
         if last_done > last_saved:  # the end of a run is always resumable
             save_checkpoint(ckpt_dir, last_done, model, optimizer, env, config.keep_checkpoints)
     finally:

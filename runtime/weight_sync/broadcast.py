@@ -19,6 +19,7 @@ Wire protocol for one update, all as broadcasts from rank 0:
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Mapping
 from datetime import timedelta
 from urllib.parse import urlparse
@@ -41,7 +42,15 @@ def _parse_init_method(init_method: str) -> tuple[str, int]:
 def _make_group(init_method: str, rank: int, world_size: int, backend: str, timeout_s: float):
     host, port = _parse_init_method(init_method)
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+    if rank == 0:
+        # A TCPStore server listens on every interface unless handed its socket: listen on the
+        # init_method's address only (the sender's node, loopback on one host), as the trainer's
+        # rendezvous does (runtime/trainer/launch.py). detach(): the socket is the store's from here on.
+        listener = socket.create_server((host, port), backlog=1024)
+        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                              master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     store = dist.PrefixStore("primebuild/weight-broadcast", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout), store

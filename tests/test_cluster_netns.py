@@ -1,0 +1,139 @@
+"""Multi-host for real: three hosts as network namespaces (scripts/ci-hosts: 10.77.0.1-3, sshd in each,
+one bridge), over the ssh target. Inference on hosts[0], a 2-node trainer on hosts[1] and hosts[2]
+(torchrun's rendezvous and gloo across hosts, bound to each node's own address), the orchestrator
+beside the last trainer node, weights by broadcast from the trainer's host to the server's. Only the
+network is separate: the run folder is on the one filesystem every "host" sees, as a cluster's shared
+/runs gives it. A link cut mid-run ends the run naming the host and the process, leaves nothing
+running in any namespace, and `--resume` trains every step once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cluster_helpers import (
+    NAMESPACES,
+    NETNS_HOSTS,
+    REPO,
+    cli,
+    listening_sockets,
+    logs_tail,
+    namespace_pids,
+    processes_of,
+    require_netns_hosts,
+    start,
+    trained_steps,
+    wait_gone,
+    wait_trained,
+    workspace,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+MANIFEST = "reverse-text-3hosts.yaml"
+SMALL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40"]
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    config = require_netns_hosts()
+    for veth in NAMESPACES:  # a link a failed test left cut
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True, timeout=20)
+    root = tmp_path_factory.mktemp("netns")
+    manifests = workspace(root)
+    shutil.copy(REPO / "tests" / "data" / MANIFEST, manifests / MANIFEST)
+    workdir = root / "primebuild"
+    workdir.symlink_to(REPO)  # the install every "host" runs, on the shared filesystem
+    env = {**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1",
+           "PRIMEBUILD_SSH_CONFIG": str(config)}
+    return manifests / MANIFEST, env, ["--set", f"target.workdir={workdir}"]
+
+
+def _namespace_of(pid: int) -> str:
+    found = [ns for ns in NAMESPACES if pid in namespace_pids(ns)]
+    return found[0] if len(found) == 1 else f"? {found}"
+
+
+def _run_pids(run_dir: Path) -> list[int]:
+    return [int(line.split(":")[0]) for line in processes_of(run_dir)]
+
+
+def test_a_run_spans_three_hosts_with_a_two_host_trainer(ws, tmp_path: Path):
+    manifest, env, workdir = ws
+    runs = tmp_path / "runs"
+    proc = start("run", manifest, "--runs-dir", runs, "--quiet", *SMALL, *workdir,
+                 "--set", "orchestrator.max_steps=4", env=env)
+    try:
+        run_dir = wait_trained(runs, 1, proc, timeout=600)
+        placed = {}
+        for record in (run_dir / "pids").glob("*.json"):
+            data = json.loads(record.read_text())
+            placed[data["process"]] = _namespace_of(data["pid"])
+        pids = _run_pids(run_dir)
+        sockets = listening_sockets(pids)
+        by_namespace = {pid: _namespace_of(pid) for pid in {pid for pid, _, _ in sockets}}
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + logs_tail(run_dir)
+    assert placed == {"inference-0": "pbhost1", "trainer-n0": "pbhost2", "trainer-n1": "pbhost3",
+                      "orchestrator": "pbhost3"}, placed
+    assert trained_steps(run_dir) == [1, 2, 3, 4]
+    assert json.loads((run_dir / "rendezvous.json").read_text())["hosts"] == list(NETNS_HOSTS)
+    # every socket of the run listens on its own host's address (loopback inside it at most), never `*`
+    own = {ns: host for ns, host in zip(NAMESPACES, NETNS_HOSTS, strict=True)}
+    wrong = [(pid, addr, port) for pid, addr, port in sockets
+             if addr not in (own.get(by_namespace[pid]), "127.0.0.1")]
+    assert wrong == [], sockets
+    listening = {(by_namespace[pid], addr, port) for pid, addr, port in sockets}
+    assert ("pbhost2", "10.77.0.2", 29500) in listening  # the trainer's rendezvous, on node 0 of the trainer
+    assert any(ns == "pbhost1" and addr == "10.77.0.1" for ns, addr, _ in listening)  # the server
+    # the weights went by broadcast from hosts[1] to hosts[0]: no weight folders, the server got step 4
+    assert "received weights of step 4 by broadcast" in (run_dir / "logs" / "inference-0.log").read_text()
+    assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())
+    print(f"3 hosts: listening sockets {sorted(listening)}")
+    assert wait_gone(run_dir, 30) == []
+
+
+def test_a_cut_link_ends_the_run_naming_the_host_and_resume_trains_each_step_once(ws, tmp_path: Path):
+    manifest, env, workdir = ws
+    runs = tmp_path / "runs"
+    proc = start("run", manifest, "--runs-dir", runs, "--quiet", *SMALL, *workdir,
+                 "--set", "orchestrator.max_steps=12", "--set", "trainer.checkpoint_every=1", env=env)
+    try:
+        run_dir = wait_trained(runs, 2, proc, timeout=600)
+        subprocess.run(["ip", "link", "set", "pbhost2", "down"], check=True, timeout=20)  # trainer-n0's host
+        cut = time.monotonic()
+        out, _ = proc.communicate(timeout=180)
+        ended = time.monotonic() - cut
+        # nothing of the run is left on any host: each namespace's processes, and the whole machine
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(set(_run_pids(run_dir)) & namespace_pids(ns) for ns in NAMESPACES):
+            time.sleep(0.5)
+        gone = time.monotonic() - cut
+        left = {ns: sorted(set(_run_pids(run_dir)) & namespace_pids(ns)) for ns in NAMESPACES}
+    finally:
+        subprocess.run(["ip", "link", "set", "pbhost2", "up"], check=True, timeout=20)
+        if proc.poll() is None:
+            proc.kill()
+    print(out[-3000:])
+    print(f"link cut: `primebuild run` ended {ended:.1f} s after the cut; the last process of the run on any "
+          f"host was gone {gone:.1f} s after it")
+    assert proc.returncode != 0 and ended < 60, (ended, out)
+    assert "lost contact with host 10.77.0.2" in out and "trainer-n0" in out, out
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["process"] == "trainer-n0" and "10.77.0.2" in failure["message"], failure
+    assert left == {ns: [] for ns in NAMESPACES}, (left, processes_of(run_dir))
+    assert wait_gone(run_dir, 10) == []
+    done = trained_steps(run_dir)
+    assert done == list(range(1, len(done) + 1)) and len(done) < 12, done
+
+    resumed = cli("run", "--resume", run_dir, "--quiet", env=env, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr + logs_tail(run_dir)
+    assert trained_steps(run_dir) == list(range(1, 13))  # each step exactly once, across two launches
