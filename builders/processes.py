@@ -24,6 +24,7 @@ from primebuild.contracts.trainer import (
     DppoKlLoss,
     FilesystemSync,
     GrpoLoss,
+    LoraConfig,
     ParallelDims,
     TrainerConfig,
 )
@@ -307,6 +308,7 @@ def trainer_config(m: Manifest, sync=None) -> TrainerConfig:
         router_replay=m.inference.router_replay,
         parallel=ParallelDims(dp_replicate=t.dp_replicate, dp_shard=t.dp_shard, cp=t.cp, tp=t.tp, ep=t.ep),
         optimizer_cpu_offload=t.optimizer.cpu_offload,
+        lora=LoraConfig(rank=t.lora.rank, alpha=t.lora.alpha, targets=list(t.lora.targets)) if t.lora else None,
         weight_sync=sync or FilesystemSync(), weight_dtype=m.model.dtype, checkpoint_every=t.checkpoint_every,
         keep_checkpoints=m.retention.keep_checkpoints, trackers=trackers_config(m))
 
