@@ -382,7 +382,7 @@ class Image(Strict):
     packages: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9+.-]+$", max_length=128)]] = Field(
         default_factory=list, description="Debian packages added to a deb: base (with their dependencies).")
     python: str = Field("3.11", pattern=r"^3\.\d+$", max_length=8)
-    extras: list[Literal["gpu", "test", "trackers"]] = Field(default_factory=list)
+    extras: list[Literal["gpu", "test", "trackers", "lora"]] = Field(default_factory=list)
 
 
 # --- experiment trackers --------------------------------------------------------------------------
