@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from primebuild.errors import Problem, UserError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+
+if TYPE_CHECKING:  # the orchestrator asks is_adapter_folder without importing torch
+    import torch
 
 
 def is_adapter_folder(path: str | Path) -> bool:
@@ -38,6 +40,7 @@ class AdapterMerger:
 
     def merged(self, adapter_folder: str | Path) -> dict[str, torch.Tensor]:
         """The base state dict with every adapted module's weight replaced by W0 + scale · B·A."""
+        import torch
         from safetensors.torch import load_file
 
         folder = Path(adapter_folder)
