@@ -123,3 +123,42 @@ def test_checkpoint_holds_adapters_and_resume_continues_identically(tmp_path, ti
     wa = load_file(step_folder(Path(straight.run_dir) / "weights", 4) / "adapter_model.safetensors")
     wb = load_file(step_folder(Path(first.run_dir) / "weights", 4) / "adapter_model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_fsdp_ranks_train_the_adapters_one_rank_does(tmp_path):
+    """Adapters injected before FSDP wraps the blocks: 2 ranks (gloo) match 1 rank, and their 2-rank
+    adapter-only checkpoint resumes on 1 rank."""
+    import os
+    import subprocess
+    import sys
+
+    from test_trainer_fsdp import free_port
+
+    model = make_tiny_model(tmp_path / "model")
+    common = dict(model_path=str(model), max_steps=3, lr=1e-2, micro_batch_tokens=48, loss="dppo-kl", lora=LORA)
+    runs = {name: tmp_path / name for name in ("one", "two")}
+    for run in runs.values():
+        write_rollouts(run, model, range(1, 5), num_prompts=5, group_size=3)
+    run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
+    cfg = tmp_path / "two.json"
+    cfg.write_text(trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2},
+                                  **common).model_dump_json())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config", str(cfg)],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=250)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
+    for step in (1, 2, 3):
+        for name in ("loss", "grad_norm", "behaviour_kl"):
+            assert two[step][name] == pytest.approx(one[step][name], rel=1e-5, abs=1e-7), (step, name)
+    a1 = load_file(step_folder(runs["one"] / "weights", 3) / "adapter_model.safetensors")
+    a2 = load_file(step_folder(runs["two"] / "weights", 3) / "adapter_model.safetensors")
+    assert a1.keys() == a2.keys() and any(v.abs().sum() > 0 for k, v in a1.items() if "lora_B" in k)
+    for k in a1:
+        torch.testing.assert_close(a2[k], a1[k], rtol=1e-5, atol=1e-6)
+    for name in ("one", "two"):  # the sharded adapter checkpoint re-shards onto 1 rank
+        run_trainer(trainer_config(run_dir=str(runs[name]), resume=True, **{**common, "max_steps": 4}))
+    one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
+    assert two[4]["loss"] == pytest.approx(one[4]["loss"], rel=1e-5, abs=1e-7)
