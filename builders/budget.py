@@ -10,6 +10,7 @@ import dataclasses
 
 from primebuild.builders.capabilities import applies
 from primebuild.builders.hardware import GIB, gpu_spec
+from primebuild.builders.lora import adapter_params
 from primebuild.builders.memory import (
     CPU_EAGER_ACTIVATION_FACTOR,
     HF_EAGER_ACTIVATION_FACTOR,
@@ -121,8 +122,9 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
 def _trainer_memory(m: Manifest, f: ModelFacts, capacity: int, dp_shard: int):
     t = m.trainer
     param = _DTYPE[t.precision]
+    adapters = adapter_params(f, t.lora.rank, t.lora.targets) if t.lora else None
     return trainer_memory_per_gpu(
-        f, param_dtype=param, master_dtype=None if param == "fp32" else "fp32", grad_dtype="fp32",
+        f, adapter_params=adapters, param_dtype=param, master_dtype=None if param == "fp32" else "fp32", grad_dtype="fp32",
         optimizer=t.optimizer.name, optimizer_cpu_offload=t.optimizer.cpu_offload, dp_shard=dp_shard,
         dp_replicate=t.dp_replicate, cp=t.cp, ep=t.ep, tp=t.tp,
         activation_checkpointing=t.activation_checkpointing, micro_batch_tokens=t.micro_batch_tokens,

@@ -63,8 +63,8 @@ def refusals(m: Manifest, facts: ModelFacts | None = None) -> list[Refusal]:
     environments = [Refusal(*problem) for problem in [*environment_problems(m), *sandbox_problems(m)]]
     if m.sft is not None:
         return list(_sft_only(m)) + environments
-    architecture = [*_model(m, facts), *_embedded_architecture(m, facts), *_sparse_attention_under_cp(m, facts)] \
-        if facts is not None else []
+    architecture = [*_model(m, facts), *_embedded_architecture(m, facts), *_sparse_attention_under_cp(m, facts),
+                    *_lora_targets(m, facts)] if facts is not None else []
     return list(_rl(m)) + architecture + environments
 
 
@@ -231,6 +231,7 @@ def _vllm_pd(m: Manifest) -> Iterator[Refusal]:
 
 def _trainer(m: Manifest) -> Iterator[Refusal]:
     t = m.trainer
+    yield from _lora(m)
     if t.tp != 1:
         yield Refusal("trainer.tp", f"tp={t.tp}: the fsdp2 trainer applies dp_replicate, dp_shard, cp and ep; "
                       "tensor parallelism is applied by no trainer backend yet", "set tp: 1 and shard with dp_shard "
@@ -242,6 +243,41 @@ def _trainer(m: Manifest) -> Iterator[Refusal]:
         yield Refusal("orchestrator.top_p", f"top_p={m.orchestrator.top_p:g}: the trainer scores the full "
                       "distribution at the sampling temperature, so log-probs of a nucleus-truncated sampler "
                       "would bias every importance ratio", "use top_p: 1 (and temperature to sharpen sampling)")
+
+
+def _lora(m: Manifest) -> Iterator[Refusal]:
+    """LoRA ships adapter folders (runtime/trainer/lora.py): what that path does not cover is refused."""
+    if m.trainer.lora is None:
+        return
+    if m.weight_sync.mode == "broadcast":
+        yield Refusal("trainer.lora", "LoRA with broadcast weight sync: the trainer publishes each step's adapter as "
+                      "a PEFT folder (adapter_config.json + adapter_model.safetensors), and the broadcast path sends "
+                      "full HF state dicts only", "use weight_sync.mode: filesystem (an adapter is small: "
+                      "bytes per step are rank-proportional)")
+    if m.trainer.precision == "fp8":
+        yield Refusal("trainer.lora", "LoRA with fp8 training: the FP8 linear layers are swapped in where the "
+                      "adapters would wrap the same modules", "use trainer.precision: bf16 or fp32")
+    if m.inference.disaggregation:
+        yield Refusal("trainer.lora", "LoRA under prefill/decode disaggregation: adapter loading is wired for "
+                      "unified servers only", "remove inference.disaggregation")
+
+
+def _lora_targets(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
+    """Each target must name a linear module of the model's decoder layers (builders/lora.py)."""
+    from primebuild.builders.lora import adaptable_modules
+
+    if m.trainer.lora is None:
+        return
+    known = adaptable_modules(f)
+    for i, name in enumerate(m.trainer.lora.targets):
+        if name not in known:
+            fused = " (a MoE's routed experts are fused 3-D parameters, not linear modules)" \
+                if f.is_moe and name in ("gate_proj", "up_proj", "down_proj") else ""
+            yield Refusal(f"trainer.lora.targets[{i}]", f"{name!r} is no linear module of {f.architecture}'s decoder "
+                          f"layers{fused}", f"use some of: {', '.join(sorted(known))}")
+    if f.is_moe and m.inference.engine == "embedded":
+        yield Refusal("trainer.lora", "LoRA on a MoE with the embedded engine: its adapter merge covers dense "
+                      "layers' modules only (runtime/inference/lora.py)", "use a dense model")
 
 
 # model_type -> how the fsdp2 trainer replays its router (runtime/trainer/router_replay.py): the router

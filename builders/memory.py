@@ -202,6 +202,7 @@ def trainer_memory_per_gpu(
     logits_chunk_tokens: int | None = None,
     overhead_bytes: int | None = None,
     activation_factor: float = HF_EAGER_ACTIVATION_FACTOR,
+    adapter_params: int | None = None,
 ) -> TrainerMemory:
     """Peak bytes on one trainer GPU.
 
@@ -229,6 +230,9 @@ def trainer_memory_per_gpu(
                         cp > 1: chosen + visible bools + SDPA's additive copy (2 + act_bytes);
                         cp = 1: causal, index and combined bools + SDPA's additive copy (3 + act_bytes)
     overhead          = CUDA context (1 GiB) + NCCL (2 GiB) + 5% of everything else
+
+    With LoRA (`adapter_params` = A: builders/lora.py) the base is frozen: params and master weights count
+    total + A, but grads and optimizer state only A, and a gathered layer brings no full-size grads.
     """
     _positive(dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, ep=ep, tp=tp,
               micro_batch_tokens=micro_batch_tokens, seq_len=seq_len)
@@ -259,11 +263,12 @@ def trainer_memory_per_gpu(
     state_bytes = m_bytes or 4
     a_bytes = dtype_bytes(activation_dtype, field="activation_dtype")
 
-    params_per_gpu = _ceil_div(facts.total_params(), shards)
+    params_per_gpu = _ceil_div(facts.total_params() + (adapter_params or 0), shards)
+    trained_per_gpu = params_per_gpu if adapter_params is None else _ceil_div(adapter_params, shards)
     params = math.ceil(params_per_gpu * p_bytes)
-    grads = math.ceil(params_per_gpu * g_bytes)
+    grads = math.ceil(trained_per_gpu * g_bytes)
     master = math.ceil(params_per_gpu * m_bytes) if has_master else 0
-    optimizer_state = math.ceil(OPTIMIZER_STATES[optimizer] * params_per_gpu * state_bytes)
+    optimizer_state = math.ceil(OPTIMIZER_STATES[optimizer] * trained_per_gpu * state_bytes)
     host_bytes = 0
     if optimizer_cpu_offload:  # FSDP2's CPUOffloadPolicy: every shard lives on the host, the optimizer steps there
         host_bytes = params + grads + master + optimizer_state
@@ -271,7 +276,8 @@ def trainer_memory_per_gpu(
 
     fsdp_buffers = 0
     if shards * dp_replicate > 1:
-        fsdp_buffers = math.ceil(_largest_layer_params(facts, tp=tp, ep=ep) * (2 * p_bytes + g_bytes))
+        layer_grad_bytes = 0 if adapter_params is not None else g_bytes  # frozen base: no full-size grads
+        fsdp_buffers = math.ceil(_largest_layer_params(facts, tp=tp, ep=ep) * (2 * p_bytes + layer_grad_bytes))
 
     tokens = _ceil_div(micro_batch_tokens, cp)
     dense_act = layer_activation_bytes(facts, moe_layer=False, act_bytes=a_bytes)

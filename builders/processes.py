@@ -24,6 +24,7 @@ from primebuild.contracts.trainer import (
     DppoKlLoss,
     FilesystemSync,
     GrpoLoss,
+    LoraConfig,
     ParallelDims,
     TrainerConfig,
 )
@@ -141,7 +142,7 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                 argv = _vllm_argv(m, rp, group, node_rank, port, broadcast=init_method is not None,
                                   checkpoint_quantized=checkpoint_quantized)
                 env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB if m.hardware.gpu == "cpu" else None,
-                                      routed_experts=inf.router_replay))
+                                      routed_experts=inf.router_replay, lora=m.trainer.lora is not None))
                 if m.hardware.gpu == "cpu":
                     workers = receiving_workers(m, rp)
                     env["OMP_NUM_THREADS"] = str(max(1, (inf.threads or _threads(m, 2)) // workers))
@@ -195,7 +196,8 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_ra
         gpu_memory_utilization=None if cpu else inf.gpu_memory_utilization, tensor_parallel=group.tp,
         expert_parallel=group.ep > 1,
         quantization=vllm_fp8_option(checkpoint_quantized) if inf.precision == "fp8" else None,
-        kv_cache_dtype=None if inf.kv_cache_dtype == "auto" else inf.kv_cache_dtype)
+        kv_cache_dtype=None if inf.kv_cache_dtype == "auto" else inf.kv_cache_dtype,
+        max_lora_rank=m.trainer.lora.rank if m.trainer.lora else None)
     if group.dp > 1:
         local = group.dp // len(rp.slots)
         multi = len(rp.slots) > 1
@@ -307,6 +309,7 @@ def trainer_config(m: Manifest, sync=None) -> TrainerConfig:
         router_replay=m.inference.router_replay,
         parallel=ParallelDims(dp_replicate=t.dp_replicate, dp_shard=t.dp_shard, cp=t.cp, tp=t.tp, ep=t.ep),
         optimizer_cpu_offload=t.optimizer.cpu_offload,
+        lora=LoraConfig(rank=t.lora.rank, alpha=t.lora.alpha, targets=list(t.lora.targets)) if t.lora else None,
         weight_sync=sync or FilesystemSync(), weight_dtype=m.model.dtype, checkpoint_every=t.checkpoint_every,
         keep_checkpoints=m.retention.keep_checkpoints, trackers=trackers_config(m))
 

@@ -71,6 +71,22 @@ class VllmServer:
     kv_cache_dtype: str | None = None
     kv_transfer: dict = field(default_factory=dict)  # P/D: {"kv_connector", "kv_role", ...}
     block_size: int | None = None  # tokens per KV block (ExampleConnector moves whole blocks and names them)
+    max_lora_rank: int | None = None  # LoRA RL: serve one runtime-loaded adapter of up to this rank
+
+
+# vLLM 0.32's LoRAConfig.max_lora_rank takes one of these (vllm/config/lora.py)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The adapter's name in vLLM: /v1/load_lora_adapter loads each step under it (in place), and requests
+# sample the adapted policy with "model": LORA_ADAPTER_NAME (runtime/inference/vllm/admin.py)
+LORA_ADAPTER_NAME = "policy-lora"
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds an adapter of `rank`."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
 
 
 # The KV connectors vLLM 0.32 registers (vllm/distributed/kv_transfer/kv_connector/factory.py); any other
@@ -124,10 +140,13 @@ def server_argv(s: VllmServer) -> list[str]:
         argv += ["--weight-transfer-config", json.dumps({"backend": BROADCAST_BACKEND})]
     if s.return_routed_experts:
         argv += ["--enable-return-routed-experts"]
+    if s.max_lora_rank is not None:
+        argv += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(vllm_lora_rank(s.max_lora_rank))]
     return argv
 
 
-def server_env(*, cpu_kv_cache_gib: int | None = None, routed_experts: bool = False) -> dict[str, str]:
+def server_env(*, cpu_kv_cache_gib: int | None = None, routed_experts: bool = False,
+               lora: bool = False) -> dict[str, str]:
     """What vLLM and our modules inside it need in the environment, beyond the process's own. The admin
     token travels by name (PRIMEBUILD_ADMIN_TOKEN) from the supervisor; it is never on the command line."""
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # mounts the RL endpoints (/pause, /update_weights …) and /collective_rpc
@@ -135,6 +154,8 @@ def server_env(*, cpu_kv_cache_gib: int | None = None, routed_experts: bool = Fa
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
     if routed_experts:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # routed-experts return needs model runner v2
+    if lora:  # mounts /v1/load_lora_adapter, which loads each step's adapter folder
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     return env
 
 

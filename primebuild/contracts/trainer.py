@@ -77,6 +77,14 @@ class ParallelDims(Contract):
         return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
 
+class LoraConfig(Contract):
+    """Low-rank adapters on the named linear modules (runtime/trainer/lora.py); the base stays frozen."""
+
+    rank: int = Field(ge=1)
+    alpha: float = Field(gt=0)
+    targets: list[str] = Field(min_length=1)
+
+
 class TrainerConfig(Contract):
     kind: Literal["trainer"] = "trainer"
     model_path: str  # HF folder (config.json, safetensors, tokenizer files)
@@ -113,6 +121,7 @@ class TrainerConfig(Contract):
     activation_checkpointing: bool = False
     parallel: ParallelDims = ParallelDims()
     optimizer_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: shards, grads, optimizer state on the host
+    lora: LoraConfig | None = None  # train adapters only; checkpoints and published weights hold only them
     pad_token_id: int = 0  # any id works: padded positions are masked out of attention and loss
 
     # Rollout intake

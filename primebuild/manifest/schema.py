@@ -185,6 +185,23 @@ class Optimizer(Strict):
                               "RAM (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU). Needs >= 2 trainer ranks.")
 
 
+class Lora(Strict):
+    """Low-rank adapters (LoRA): train `W + (alpha / rank) · B·A` on the `targets` linear modules of every
+    decoder layer, the base weights frozen. The plan checks the targets against the model's modules."""
+
+    rank: PositiveInt = Field(le=1024, description="Inner dimension r of each adapter (A: r x in, B: out x r).")
+    alpha: float = Field(gt=0, description="Scale numerator: the adapter's output is multiplied by alpha / rank.")
+    targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                                     min_length=1, description="Names of the decoder layers' linear modules to adapt.")
+
+    @field_validator("targets")
+    @classmethod
+    def _distinct(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(targets)) != len(targets):
+            raise ValueError("lists a module twice")
+        return targets
+
+
 class Trainer(Strict):
     nodes: PositiveInt | None = Field(None, description="Nodes for the trainer; default: all not used by inference.")
     ranks: PositiveInt | None = Field(None, le=64, description="Processes on CPU-only hardware.")
@@ -202,6 +219,8 @@ class Trainer(Strict):
         8192, le=1 << 24, description="Tokens per chunk when computing log-probs: bounds the fp32 logits held.")
     checkpoint_every: PositiveInt = 50
     rendezvous_port: Port = 29500
+    lora: Lora | None = Field(None, description="Train low-rank adapters only (the base model frozen); weight "
+                              "sync then ships only the adapters.")
 
     @property
     def world_size(self) -> int:
@@ -363,7 +382,7 @@ class Image(Strict):
     packages: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9+.-]+$", max_length=128)]] = Field(
         default_factory=list, description="Debian packages added to a deb: base (with their dependencies).")
     python: str = Field("3.11", pattern=r"^3\.\d+$", max_length=8)
-    extras: list[Literal["gpu", "test", "trackers"]] = Field(default_factory=list)
+    extras: list[Literal["gpu", "test", "trackers", "lora"]] = Field(default_factory=list)
 
 
 # --- experiment trackers --------------------------------------------------------------------------

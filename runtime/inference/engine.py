@@ -46,6 +46,7 @@ from primebuild.kernels.routing import encode_routes, routes_dtype
 from primebuild.runtime.weight_sync.filesystem import STABLE, verify
 
 from .kv_cache import KVCache
+from .lora import AdapterMerger, is_adapter_folder
 from .model import ModelConfig, Qwen3Forward, RotaryTable, load_weights
 from .sampling import SamplingParams, make_generator, sample, sample_greedy
 
@@ -242,6 +243,7 @@ class Engine:
         self.detokenize = detokenize
         self.version = policy_version
         self.fp8 = fp8  # FP8 block-quantised matmul weights, at load and at every update (model.py)
+        self._adapters: AdapterMerger | None = None  # LoRA: the base weights adapters merge into (lora.py)
         weights = load_weights(model_path, self.config, self.dtype, self.device, fp8=fp8)
         rope = RotaryTable(self.config, self.max_model_len, self.dtype, self.device)
         self.forward = Qwen3Forward(self.config, weights, rope)
@@ -342,14 +344,19 @@ class Engine:
         in_flight: str = "resume",
         timeout: float = 600,
     ) -> None:
-        """Swap in new weights between two steps (blocks until swapped): an HF step folder, or a state
-        dict in HF naming (a weight broadcast), whose every tensor shape is checked on load."""
+        """Swap in new weights between two steps (blocks until swapped): an HF step folder, a LoRA adapter
+        folder (merged into the served base: lora.py), or a state dict in HF naming (a weight broadcast),
+        whose every tensor shape is checked on load."""
         if in_flight not in ("resume", "finish"):
             raise UserError(f"in_flight must be 'resume' or 'finish', not {in_flight!r}")
         with self._update_lock:
+            if not isinstance(path, Mapping) and (Path(path) / STABLE).is_file():
+                verify(path)  # a published step folder: its files must be what it lists
+            if not isinstance(path, Mapping) and is_adapter_folder(path):
+                if self._adapters is None:
+                    self._adapters = AdapterMerger(self.model_path)
+                path = self._adapters.merged(path)
             if not isinstance(path, Mapping):
-                if (Path(path) / STABLE).is_file():  # a published step folder: its files must be what it lists
-                    verify(path)
                 config = ModelConfig.from_folder(path)
                 if config.shape_signature() != self.config.shape_signature():
                     raise UserError(

@@ -21,8 +21,10 @@ from pathlib import Path
 import httpx
 from pydantic import ValidationError
 
+from primebuild.builders.vllm_command import LORA_ADAPTER_NAME
 from primebuild.contracts.completion import CompletionResult
 from primebuild.contracts.orchestrator import ServerJoin
+from primebuild.runtime.inference.lora import is_adapter_folder
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
 from primebuild.runtime.inference.vllm.completions import adapt_response
 from primebuild.runtime.orchestrator.client import InferenceClient, Outage
@@ -37,6 +39,7 @@ class VllmClient(InferenceClient):
         super().__init__(base_url, model, admin_token=admin_token, **kw)
         self.admin = VllmAdmin(self.root, admin_token=admin_token, members=members)
         self.admin_token = admin_token
+        self.adapter_model: str | None = None  # LoRA: the adapter's name once the server has loaded one
 
     async def close(self) -> None:
         await self.admin.close()
@@ -46,12 +49,14 @@ class VllmClient(InferenceClient):
                        max_tokens: int, seed: int | None = None, routed_experts: bool = False) -> CompletionResult:
         """As the embedded client's; vLLM returns routes when started with --enable-return-routed-experts
         (the plan adds it with router_replay), not per request."""
-        body = {"model": self.model, "prompt": prompt, "n": n, "temperature": temperature, "top_p": top_p,
+        errors = self.transport_errors
+        before = await self.version()  # an update during the request re-prefills it on the new weights
+        # LoRA: version 0 is the base model (also after a restart, before the adapter is loaded again)
+        model = self.adapter_model if self.adapter_model and before > 0 else self.model
+        body = {"model": model, "prompt": prompt, "n": n, "temperature": temperature, "top_p": top_p,
                 "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
-        errors = self.transport_errors
-        before = await self.version()  # an update during the request re-prefills it on the new weights
         answer = await self._sample(body)
         version = await self.version()
         resumed = before if before != version else None
@@ -105,6 +110,8 @@ class VllmClient(InferenceClient):
             try:
                 await self.admin.update_weights(version=int(body["version"]), path=body.get("path"),
                                                 source=body.get("source", "folder"), in_flight="resume")
+                if body.get("path") and is_adapter_folder(body["path"]):
+                    self.adapter_model = LORA_ADAPTER_NAME
                 return
             # The server died during the update (or its engine did: 5xx); its restart comes back on the
             # base weights, so the whole update is done again once it answers.

@@ -15,13 +15,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from primebuild.runtime.weight_sync import filesystem as fs
 
 from .model import DistEnv
 
 STATE_FILE = "trainer_state.json"
+
+
+def _options(model: nn.Module) -> StateDictOptions:
+    """A frozen base (LoRA) is not checkpointed: it is the run's model_path, read again on resume."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def _barrier(env: DistEnv) -> None:
@@ -41,7 +47,7 @@ def save_checkpoint(
     if env.is_main:
         fs.begin(final)
     _barrier(env)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(fs.staging_dir(final)))
     _barrier(env)
     if env.is_main:
@@ -57,8 +63,9 @@ def save_checkpoint(
 def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Restore model and optimizer in place; returns the step the checkpoint was taken after."""
     folder = Path(folder)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _options(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     return int(json.loads((folder / STATE_FILE).read_text())["step"])

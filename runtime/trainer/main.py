@@ -51,6 +51,8 @@ from . import finite
 from .batch import load_batch, loss_normalizer, pack, pad_columns
 from .checkpoint import load_checkpoint, save_checkpoint
 from .context_parallel import make_shard, padded_length
+from .lora import trainable_parameters
+from .lora_publish import AdapterPublisher
 from .losses import kl_per_token, resolve_loss
 from .metrics import MetricsWriter
 from .model import (
@@ -295,6 +297,7 @@ class WeightPublisher:
         self.weights_dir = RunDir(config.run_dir).weights
         self.sender = None
         self.weights: PublishedWeights | None = None
+        self.adapter = AdapterPublisher(config, env) if config.lora is not None else None
         sync = config.weight_sync
         if sync.mode == "broadcast" and env.is_main:
             from primebuild.runtime.weight_sync.broadcast import BroadcastSender
@@ -308,8 +311,11 @@ class WeightPublisher:
             )
 
     def publish(self, model, step: int) -> None:
-        """Stream the full weights a layer at a time (weight_stream.py): every rank takes part in the
+        """With LoRA only the adapter is published (lora_publish.py). Otherwise: stream the full weights a layer at a time (weight_stream.py): every rank takes part in the
         gathers, rank 0 writes or sends each layer as it comes, so no rank holds the whole model."""
+        if self.adapter is not None:
+            self.adapter.publish(model, step)
+            return
         if self.weights is None:  # names and shapes do not change from step to step
             self.weights = PublishedWeights(model.hf, DTYPES[self.config.weight_dtype])
         if not self.env.is_main:
@@ -333,6 +339,8 @@ def compute_dtype(config: TrainerConfig, device: torch.device | None = None) -> 
 def check_launch(config: TrainerConfig, env: DistEnv) -> None:
     """What the plan's capability check refuses, refused again here: a hand-written config is no way round."""
     check_dims(config.parallel, env.world_size)
+    if config.lora is not None and config.weight_sync.mode != "filesystem":
+        raise UserError("LoRA publishes adapter folders: it needs filesystem weight sync")
     if config.optimizer_cpu_offload and env.world_size < 2:
         raise UserError("optimizer_cpu_offload needs FSDP: at least 2 trainer ranks")
     compute_dtype(config)
@@ -366,9 +374,10 @@ def run_trainer(config: TrainerConfig) -> None:
     meshes = build_meshes(config.parallel, env.world_size, env.rank, env.device.type)
     model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,
                        config.logprob_chunk_tokens, config.router_replay, fp8=config.precision == "fp8",
-                       meshes=meshes, cpu_offload=config.optimizer_cpu_offload)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+                       meshes=meshes, cpu_offload=config.optimizer_cpu_offload, lora=config.lora,
+                       seed=config.seed)
+    optimizer = torch.optim.AdamW(  # with LoRA the adapters only: the frozen base has no optimizer state
+        trainable_parameters(model), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
     ckpt_dir = run.checkpoints
     start = 1

@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from primebuild.contracts.trainer import ParallelDims
+from primebuild.contracts.trainer import LoraConfig, ParallelDims
 
 from . import context_parallel
 from .context_parallel import ContextShard
 from .expert_parallel import apply_expert_parallel
+from .lora import apply_lora, init_adapters
 from .parallel_dims import Meshes, build_meshes
 from .router_replay import RouterReplay
 from .sparse_attention import apply_chunked_indexer, apply_sparse_attention_cp
@@ -125,7 +126,8 @@ class Policy(nn.Module):
 
 def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
                logprob_chunk_tokens: int, router_replay: bool = False, fp8: bool = False,
-               meshes: Meshes | None = None, cpu_offload: bool = False) -> Policy:
+               meshes: Meshes | None = None, cpu_offload: bool = False, lora: LoraConfig | None = None,
+               seed: int = 0) -> Policy:
     """Build the HF causal LM on the meta device with fp32 master weights, switch its matmuls to FP8 if
     asked, apply the parallel dimensions of `meshes` (`parallelize`), and only then allocate each rank's
     shards and read them from the checkpoint (sharded_load.py): no rank ever holds the full model.
@@ -133,7 +135,7 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
     the sharded parameters, gradients and with them the optimizer state in host memory (FSDP2's
     CPUOffloadPolicy): only the gathered layers, the activations and the logits occupy the device, and
     the optimizer steps on the CPU (FSDP only: one rank has no shards; the trainer's check_launch
-    refuses it there)."""
+    refuses it there). With `lora`, adapters are injected before any of that and only they train (lora.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .sharded_load import init_computed_buffers, load_shards
@@ -142,6 +144,8 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     hf.config.use_cache = False
+    if lora is not None:  # on the meta model, before FSDP wraps the blocks (lora.py)
+        apply_lora(hf, lora)
     apply_chunked_indexer(hf)  # DSA models: bounded index scores, with or without CP (sparse_attention.py)
     if fp8:  # before FSDP wraps the blocks: the switched modules keep their parameters (fp8.py)
         from .fp8 import apply_fp8_training
@@ -164,6 +168,8 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
         hf.tie_weights()  # to_empty gave each module its own tensor; FSDP2 keeps shared parameters shared
     load_shards(hf, model_path)
     init_computed_buffers(hf)
+    if lora is not None:
+        init_adapters(hf, seed)
     if cpu_offload:  # buffers (rotary frequencies) are not FSDP's: they stay where the compute is
         for module in hf.modules():
             for name, buffer in module.named_buffers(recurse=False):

@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from primebuild.errors import UserError
 
+from .lora import checkpoint_name
+
 Ranges = list[tuple[int, int]]  # one [start, stop) per dimension
 LAYER = re.compile(r"^(.*\.layers\.\d+)\.")  # a decoder layer's names: loaded, published, as one group
 
@@ -166,12 +168,13 @@ def load_shards(hf: nn.Module, folder: str | Path) -> None:
         if (m := LAYER.match(name)) is None or m.group(1) != layer:
             ckpt.release()
             layer = m and m.group(1)
+        source = checkpoint_name(name)  # an adapted module's base weight; None: a LoRA adapter (lora.py)
         local, ranges = _local_block(tensor)
-        if local.numel() == 0:
+        if source is None or local.numel() == 0:
             continue
-        block = _reader(name, ckpt, fusions)(ranges)
+        block = _reader(source, ckpt, fusions)(ranges)
         if tuple(block.shape) != tuple(local.shape):
-            raise UserError(f"{ckpt.folder}: {name} has shape {tuple(block.shape)} where the model needs "
+            raise UserError(f"{ckpt.folder}: {source} has shape {tuple(block.shape)} where the model needs "
                             f"{tuple(local.shape)} (block {ranges})")
         local.copy_(block)
     ckpt.release()

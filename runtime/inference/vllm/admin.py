@@ -10,6 +10,8 @@ Same choreography as for our embedded engine (pause -> update -> resume), on vLL
      step folder: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
         -- every worker re-reads the HF folder in place (vLLM's own reload; no RL endpoint loads a
         path, and /collective_rpc passes only string kwargs, which a path is);
+     adapter folder (LoRA): ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}``
+        -- requests then sample the adapted policy as ``"model": LORA_ADAPTER_NAME`` (vllm_client.py);
      broadcast:   ``/start_weight_update``, ``/update_weights {"update_info": {"version": v}}``,
         ``/finish_weight_update`` -- vLLM's weight-transfer lifecycle over our engine
         (broadcast_engine.py), which loads the step it staged from the trainer's group; every worker
@@ -37,6 +39,8 @@ from typing import Any, Literal
 
 import httpx
 
+from primebuild.builders.vllm_command import LORA_ADAPTER_NAME
+from primebuild.runtime.inference.lora import is_adapter_folder
 from primebuild.runtime.inference.vllm.broadcast_status import STATUS_PATH as BROADCAST_STATUS_PATH
 from primebuild.runtime.weight_sync.filesystem import is_stable
 
@@ -148,6 +152,16 @@ class VllmAdmin:
         await self._call("POST", "/collective_rpc",
                          json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
 
+    async def load_adapter(self, path: str | os.PathLike) -> None:
+        """Step 2, LoRA: load the step's adapter folder under LORA_ADAPTER_NAME, in place of the previous
+        step's (vLLM's /v1/load_lora_adapter with load_inplace; the server runs with --enable-lora)."""
+        response = await self.http.post("/v1/load_lora_adapter", json={
+            "lora_name": LORA_ADAPTER_NAME, "lora_path": str(path), "load_inplace": True})
+        if response.status_code >= 400:  # a success is a line of text, not JSON
+            raise (VllmUnavailable if response.status_code == 503 else VllmAdminError)(
+                f"POST /v1/load_lora_adapter answered {response.status_code}: {response.text[:500]}",
+                response.status_code)
+
     async def init_broadcast(self, init_method: str, rank_offset: int, world_size: int) -> None:
         """Join the trainer's weight group (needs a server started with ``weight_broadcast=True``)."""
         await self._call("POST", "/init_weight_transfer_engine", json={"init_info": {
@@ -222,7 +236,9 @@ class VllmAdmin:
         start = time.monotonic()
         await self.pause(in_flight)
         try:
-            if source == "folder":
+            if source == "folder" and is_adapter_folder(path):
+                await self.load_adapter(Path(path).resolve())
+            elif source == "folder":
                 await self.reload_from_folder(Path(path).resolve())
             else:
                 version = await self.load_from_broadcast(version)

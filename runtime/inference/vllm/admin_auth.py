@@ -25,9 +25,13 @@ TOKEN_ENV = "PRIMEBUILD_ADMIN_TOKEN"
 PUBLIC_PREFIXES = ("/v1/", "/inference/v1/")
 PUBLIC_PATHS = frozenset({"/tokenize", "/detokenize"})
 PUBLIC_READS = frozenset({"/health", "/ping", "/version", "/metrics", "/load", "/is_paused", "/weight_info"})
+# Under /v1 but changing what the server serves (mounted with VLLM_ALLOW_RUNTIME_LORA_UPDATING): admin calls.
+ADMIN_UNDER_V1 = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def is_public(method: str, path: str) -> bool:
+    if path.rstrip("/") in ADMIN_UNDER_V1 or path.rstrip("/").removeprefix("/inference") in ADMIN_UNDER_V1:
+        return False
     if path.startswith(PUBLIC_PREFIXES) or path in PUBLIC_PATHS:
         return True
     return method in ("GET", "HEAD") and path in PUBLIC_READS
