@@ -248,10 +248,10 @@ def resolve_model(loaded: LoadedManifest, *, offline: bool = False, _depth: int 
     if kind == "hf":
         return {"request": request, **_resolve_hf(request["repo"], request["revision"], offline)}
     if kind == "path":
-        folder = loaded.resolve(request["path"])
+        folder = loaded.resolve(request["path"], ("model", "path"))
         if not folder.is_dir():
             raise UserError(loaded.source.problem(("model", "path"), f"model folder not found: {folder}",
-                                                  hint="model.path is relative to the manifest"))
+                                                  hint="model.path is relative to the manifest file that writes it"))
         files = folder_files(folder)
         return {"request": request, "pinned": True, "content_hash": content_hash(files), "files": files}
     if kind == "init":
@@ -272,10 +272,10 @@ def resolve_model(loaded: LoadedManifest, *, offline: bool = False, _depth: int 
 
 
 def _load_parent(loaded: LoadedManifest) -> LoadedManifest:
-    path = loaded.resolve(loaded.manifest.model.from_manifest)  # type: ignore[arg-type]
+    path = loaded.resolve(loaded.manifest.model.from_manifest, ("model", "from_manifest"))  # type: ignore[arg-type]
     if not path.is_file():
         raise UserError(loaded.source.problem(("model", "from_manifest"), f"manifest not found: {path}",
-                                              hint="the path is relative to this manifest"))
+                                              hint="the path is relative to the manifest file that writes it"))
     return load_manifest(path)
 
 
@@ -294,7 +294,7 @@ def sft_output_key(parent: LoadedManifest, base: dict) -> tuple[str | None, str 
         base_ref = base["store_key"]
     elif source == "path":
         # a folder outside the store is named by its absolute path: machine-dependent.
-        base_ref = str(parent.resolve(base["request"]["path"]))
+        base_ref = str(parent.resolve(base["request"]["path"], ("model", "path")))
     else:
         return None, ("the output of a manifest built on an hf: model is keyed by the local snapshot path, "
                       "known only after downloading it")

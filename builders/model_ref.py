@@ -33,24 +33,24 @@ def model_reference(loaded: LoadedManifest) -> dict:
 def facts_file(loaded: LoadedManifest, _depth: int = 0) -> tuple[Path, str]:
     """The HF config.json-style file holding the architecture, and how to show it to a person."""
     model = loaded.manifest.model
-    if model.from_manifest is not None and loaded.resolve(model.from_manifest) == loaded.path.resolve():
+    if model.from_manifest is not None and loaded.resolve(model.from_manifest, ("model", "from_manifest")) == loaded.path.resolve():
         raise UserError(loaded.source.problem(("model", "from_manifest"), "a manifest cannot start from its own output",
                                               hint="name the manifest that builds the model (e.g. an SFT manifest)"))
     if model.facts is not None:  # `facts: ""` is given (and not found), not absent
-        return loaded.resolve(model.facts), model.facts
+        return loaded.resolve(model.facts, ("model", "facts")), model.facts
     kind = model.source_kind
     if kind == "hf":
         name = model.hf.rsplit("/", 1)[-1].lower()  # type: ignore[union-attr]
         return loaded.path.parent.resolve() / "models" / f"{name}.json", f"models/{name}.json"
     if kind == "path":
-        return loaded.resolve(model.path) / "config.json", f"{model.path}/config.json"  # type: ignore[operator]
+        return loaded.resolve(model.path, ("model", "path")) / "config.json", f"{model.path}/config.json"  # type: ignore[operator]
     if _depth > 8:
         raise UserError(Problem("model.from_manifest chain is longer than 8", file=str(loaded.path),
                                 field="model.from_manifest"))
-    parent_path = loaded.resolve(model.from_manifest)  # type: ignore[arg-type]
+    parent_path = loaded.resolve(model.from_manifest, ("model", "from_manifest"))  # type: ignore[arg-type]
     if not parent_path.is_file():
         raise UserError(loaded.source.problem(("model", "from_manifest"), f"manifest not found: {parent_path}",
-                                              hint="the path is relative to this manifest"))
+                                              hint="the path is relative to the manifest file that writes it"))
     return facts_file(load_manifest(parent_path), _depth + 1)
 
 

@@ -33,7 +33,7 @@ def resolve_model(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
     m = loaded.manifest.model
     kind = m.source_kind
     if kind == "path":
-        path = loaded.resolve(m.path)  # type: ignore[arg-type]
+        path = loaded.resolve(m.path, ("model", "path"))  # type: ignore[arg-type]
         if not (path / "config.json").is_file():
             raise UserError(loaded.source.problem(("model", "path"), f"{path} has no config.json",
                                                   hint="point model.path at an HF-layout folder"))
@@ -54,7 +54,7 @@ def resolve_model(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
         return Resolved(path, False, time.perf_counter() - started, {"source": "hf", "repo": m.hf})
     if kind == "init":
         return _random_init(loaded, store)
-    parent = load_manifest(loaded.resolve(m.from_manifest))  # type: ignore[arg-type]
+    parent = load_manifest(loaded.resolve(m.from_manifest, ("model", "from_manifest")))  # type: ignore[arg-type]
     return output_of(parent, store, echo)
 
 

@@ -9,7 +9,7 @@ from conftest import MANIFESTS, call_cli
 def _manifest(tmp_path, body: str):
     path = tmp_path / "m.yaml"
     path.write_text(f"apiVersion: primebuild/v1\nkind: Experiment\nextends: [{MANIFESTS / 'reverse-text-lora.yaml'}]\n"
-                    f"name: m\nmodel:\n  from_manifest: {MANIFESTS / 'reverse-text-sft.yaml'}\n{body}")
+                    f"name: m\n{body}")
     return path
 
 
@@ -17,7 +17,7 @@ def test_a_target_the_model_lacks_is_a_located_error(tmp_path, capsys):
     path = _manifest(tmp_path, "trainer:\n  lora:\n    rank: 4\n    alpha: 8\n    targets: [q_proj, qkv_proj]\n")
     r = call_cli(capsys, "plan", path)
     assert r.code == 2
-    assert f"{path}:11:" in r.err and "trainer.lora.targets[1]" in r.err and "'qkv_proj'" in r.err
+    assert f"{path}:9:" in r.err and "trainer.lora.targets[1]" in r.err and "'qkv_proj'" in r.err
     assert "q_proj" in r.err.split("hint:")[1]  # the hint names the modules there are
 
 

@@ -168,3 +168,18 @@ def test_set_through_the_real_cli(workdir: Path):
                      cwd=workdir)
     assert result.code == 0, result.err
     assert '"--nproc-per-node","2"' in result.out
+
+
+def test_a_path_in_an_extended_file_is_relative_to_that_file(workdir: Path):
+    # a parent in another folder names its model relative to itself, as its own `extends:` would
+    (workdir / "family").mkdir()
+    write(workdir, "family/base.yaml", CPU_MANIFEST.replace("init: random", "from_manifest: sft.yaml"))
+    write(workdir, "child.yaml", "extends: family/base.yaml\nname: child\n")
+    loaded = load_manifest(workdir / "child.yaml")
+    assert loaded.resolve("sft.yaml", ("model", "from_manifest")) == (workdir / "family" / "sft.yaml").resolve()
+    # the child's own paths, and --set ones, stay relative to the child
+    write(workdir, "own.yaml", "extends: family/base.yaml\nname: own\nmodel: {from_manifest: sft.yaml}\n")
+    assert load_manifest(workdir / "own.yaml").resolve("sft.yaml", ("model", "from_manifest")) == \
+        (workdir / "sft.yaml").resolve()
+    overridden = load_manifest(workdir / "child.yaml", ["model.from_manifest=other.yaml"])
+    assert overridden.resolve("other.yaml", ("model", "from_manifest")) == (workdir / "other.yaml").resolve()

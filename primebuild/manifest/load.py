@@ -31,9 +31,12 @@ class LoadedManifest:
         """sha256 of the validated manifest with defaults filled in: formatting and comments don't count."""
         return sha256_json(self.manifest.model_dump(mode="json"))
 
-    def resolve(self, relative: str) -> Path:
-        """A path written in the manifest, relative to the manifest's folder."""
-        return (self.path.parent / relative).resolve()
+    def resolve(self, relative: str, field: Path_ = ()) -> Path:
+        """A path written at `field`, relative to the folder of the file that writes it: a path in an
+        `extends:` parent is relative to that parent, as `extends:` itself is; a `--set` one, to the manifest's."""
+        written_in, _, _ = self.source.locate(field) if field else (None, None, None)
+        folder = Path(written_in).parent if written_in and Path(written_in).is_file() else self.path.parent
+        return (folder / relative).resolve()
 
 
 def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> LoadedManifest:
