@@ -34,11 +34,11 @@ def shell_path(path: str) -> str:
 
 
 def remote_python(plan: Plan) -> str:
-    return plan.target.get("workdir", "~/primebuild").rstrip("/") + "/.venv/bin/python"
+    return plan.target.workdir.rstrip("/") + "/.venv/bin/python"
 
 
 def host_of(plan: Plan, process: ProcessSpec) -> str:
-    return plan.target["hosts"][process.node]
+    return plan.target.hosts[process.node]
 
 
 def remote_command(plan: Plan, run_dir: str, process: ProcessSpec) -> str:
@@ -52,8 +52,8 @@ def remote_command(plan: Plan, run_dir: str, process: ProcessSpec) -> str:
 def ssh_argv(plan: Plan, process: ProcessSpec) -> list[str]:
     target = plan.target
     host = host_of(plan, process)
-    dest = f"{target['user']}@{host}" if target.get("user") else host
-    return ["ssh", "-p", str(target.get("port", 22)), "-o", "BatchMode=yes", dest]
+    dest = f"{target.user}@{host}" if target.user else host
+    return ["ssh", "-p", str(target.port), "-o", "BatchMode=yes", dest]
 
 
 def signal_command(run_dir: str, pgid: str, sig: str) -> str:
@@ -71,7 +71,7 @@ def _health_url(plan: Plan, process: ProcessSpec) -> str:
     if process.health.kind != "http":
         return ""
     url = process.health.url or ""
-    for node, host in enumerate(plan.target["hosts"]):
+    for node, host in enumerate(plan.target.hosts):
         url = url.replace("{host:" + str(node) + "}", host)
     return url
 

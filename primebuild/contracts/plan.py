@@ -29,6 +29,8 @@ from primebuild.contracts.sft import SFTConfig
 from primebuild.contracts.trainer import TrainerConfig
 from primebuild.errors import UserError
 from primebuild.hashing import canonical_json, sha256_json
+from primebuild.json_file import read_json
+from primebuild.manifest.schema import Hardware, Target, WeightSync
 
 PLAN_VERSION = 2  # 2: typed process configs (no `extra` bags), `runnable`/`unsupported`, typed loss
 
@@ -118,9 +120,10 @@ class Plan(Contract):
     manifest_hash: str
     lock_hash: str | None
     model: dict[str, Any]
-    hardware: dict[str, Any]
-    target: dict[str, Any]
-    weight_sync: dict[str, Any]
+    # The manifest's own sections, carried unchanged: readers get its types and its defaults.
+    hardware: Hardware
+    target: Target
+    weight_sync: WeightSync
     nodes: list[NodeMap]
     processes: list[ProcessSpec]
     memory: dict[str, Any]
@@ -166,13 +169,7 @@ def render_json(plan: Plan, *, compact: bool = False) -> str:
 
 
 def read_plan(path: str | Path) -> Plan:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as err:
-        raise UserError(f"cannot read the plan {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON ({err})") from None
+    data = read_json(path, what="the plan")
     if isinstance(data, dict) and data.get("plan_version") != PLAN_VERSION:
         raise UserError(f"{path}: plan_version {data.get('plan_version')!r}, this primebuild reads "
                         f"{PLAN_VERSION}", hint="recompile it from its manifest with `primebuild plan`")
