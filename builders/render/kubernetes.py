@@ -53,6 +53,7 @@ from primebuild.builders.render.groups import (
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 from primebuild.contracts.plan import Plan, ProcessSpec, render_json
 from primebuild.contracts.render import RenderContext
+from primebuild.manifest.schema import KubernetesTarget
 
 FILE_NAME = "kubernetes.yaml"
 PVC_NAME = "primebuild-runs"
@@ -76,7 +77,8 @@ class _Renderer:
     def __init__(self, plan: Plan, ctx: RenderContext):
         self.plan, self.ctx = plan, ctx
         self.name = plan.name.lower().replace("_", "-").replace(".", "-")
-        self.namespace = plan.target.namespace
+        self.target = plan.target_settings(KubernetesTarget)
+        self.namespace = self.target.namespace
         self.image = image_reference(ctx.image, plan) or DEFAULT_IMAGE
         self.comps = components(plan)
 
@@ -124,7 +126,7 @@ class _Renderer:
         resources: dict = {"requests": self.requests(p)}
         if p.gpus:
             resources["limits"] = {"nvidia.com/gpu": str(len(p.gpus))}
-            rdma = self.plan.target.rdma_resource
+            rdma = self.target.rdma_resource
             if rdma:
                 resources["limits"][rdma] = "1"
                 container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
@@ -147,9 +149,9 @@ class _Renderer:
             {"name": "runs", "persistentVolumeClaim": {"claimName": PVC_NAME}},
             {"name": "plan", "configMap": {"name": f"{self.name}-plan"}},
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gb}Gi"}}]}
-        if self.plan.target.service_account:
-            spec["serviceAccountName"] = self.plan.target.service_account
-        if self.plan.target.host_network:
+        if self.target.service_account:
+            spec["serviceAccountName"] = self.target.service_account
+        if self.target.host_network:
             spec["hostNetwork"] = True
             spec["dnsPolicy"] = "ClusterFirstWithHostNet"  # the pods still resolve each other's DNS names
         copy = f"mkdir -p {shlex.quote(self.ctx.run_dir)} && cp {PLAN_MOUNT}/rendezvous.json " \

@@ -53,6 +53,7 @@ from primebuild.builders.render.groups import (
 )
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.render import RenderContext
+from primebuild.manifest.schema import SlurmTarget
 
 SCRIPT_NAME = "job.sbatch"
 MAX_REQUEUES = 3  # preemptions / node failures the job rides out (each resumes from the last checkpoint)
@@ -122,7 +123,7 @@ def _share(a: Allocation, p: ProcessSpec) -> float:
 
 
 def _sbatch(plan: Plan, a: Allocation) -> str:
-    target, hw, c = plan.target, plan.hardware, a.component
+    target, hw, c = plan.target_settings(SlurmTarget), plan.hardware, a.component
     tasks = max(len(a.on_node(n)) for n in c.nodes)
     opts = [f"--nodes={len(c.nodes)}", f"--ntasks-per-node={tasks}"]
     if c.gpus_per_node:

@@ -19,6 +19,7 @@ from primebuild import __version__
 from primebuild.builders.render.groups import not_runnable_notes
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.render import RenderContext
+from primebuild.manifest.schema import SshTarget
 
 SCRIPT_NAME = "ssh.sh"
 _BASH_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # process names that are also bash function names
@@ -34,7 +35,7 @@ def shell_path(path: str) -> str:
 
 
 def remote_python(plan: Plan) -> str:
-    return plan.target.workdir.rstrip("/") + "/.venv/bin/python"
+    return plan.target_settings(SshTarget).workdir.rstrip("/") + "/.venv/bin/python"
 
 
 def host_of(plan: Plan, process: ProcessSpec) -> str:
@@ -50,7 +51,7 @@ def remote_command(plan: Plan, run_dir: str, process: ProcessSpec) -> str:
 
 
 def ssh_argv(plan: Plan, process: ProcessSpec) -> list[str]:
-    target = plan.target
+    target = plan.target_settings(SshTarget)
     host = host_of(plan, process)
     dest = f"{target.user}@{host}" if target.user else host
     return ["ssh", "-p", str(target.port), "-o", "BatchMode=yes", dest]

@@ -152,4 +152,4 @@ def stage_manifest(run_dir: Path, base_dir: Path, scratch: Path) -> Path:
 
 def _read_json(path: Path) -> dict:
     return read_json(path, what=f"the run record {path.name}", want_object=True,
-                     hint=f"is {path.parent} a run folder (runs/<name>-<time>)?")
+                     hint=f"{path.parent} is not a run folder (runs/<name>-<time>)?")

@@ -16,10 +16,11 @@ file, so one plan (and one hash) serves every host:
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from primebuild.contracts.base import Contract, parse_contract
 from primebuild.contracts.inference import InferenceServerConfig
@@ -33,6 +34,8 @@ from primebuild.json_file import read_json
 from primebuild.manifest.schema import Hardware, Target, WeightSync
 
 PLAN_VERSION = 2  # 2: typed process configs (no `extra` bags), `runnable`/`unsupported`, typed loss
+
+T = TypeVar("T", bound=BaseModel)
 
 Role = Literal["inference", "prefill", "decode", "router", "trainer", "orchestrator"]
 # Roles start in this order; each waits for the health of everything before it.
@@ -144,6 +147,13 @@ class Plan(Contract):
                 return p
         known = ", ".join(p.name for p in self.processes)
         raise UserError(f"process {name!r} is not in plan {self.name!r}", hint=f"known processes: {known}")
+
+    def target_settings(self, cls: type[T]) -> T:
+        """The target settings as `cls` (SlurmTarget, SshTarget, ...): the plan's own when it was made for
+        that kind, the kind's defaults when it is rendered for another (`render --target`)."""
+        if isinstance(self.target, cls):
+            return self.target
+        return cls.model_construct(kind=typing.get_args(cls.model_fields["kind"].annotation)[0])
 
     def by_role(self, *roles: str) -> list[ProcessSpec]:
         return [p for p in self.processes if p.role in roles]
