@@ -484,7 +484,7 @@ def section_engine_fp8(sizes: Sizes, workdir: Path, report: Report) -> dict:
 
 def synthetic_batch(step: int, sizes: Sizes, vocab: int):
     """Fixed-length samples (no padding), a quarter prompt, random ids and +-1 advantages."""
-    from primebuild.runtime.trainer.batch import Sample, TrainBatch
+    from primebuild.contracts.rollout import RolloutBatch, Sample
 
     g = torch.Generator().manual_seed(step)
     prompt_len = sizes.seq_len // 4
@@ -499,11 +499,11 @@ def synthetic_batch(step: int, sizes: Sizes, vocab: int):
             advantage=1.0 if i % 2 else -1.0, reward=float(i % 2), policy_version=step - 1,
             env_id="synthetic",
         ))
-    return TrainBatch(step=step, samples=samples, metadata={"temperature": 1.0})
+    return RolloutBatch(step=step, samples=samples, temperature=1.0)
 
 
 def train_one(sizes: Sizes, shape: str, workdir: Path) -> dict:
-    from primebuild.contracts.trainer import TrainerConfig, loss_params
+    from primebuild.contracts.trainer import TrainerConfig
     from primebuild.runtime.trainer.losses import resolve_loss
     from primebuild.runtime.trainer.main import train_step
     from primebuild.runtime.trainer.model import init_distributed, load_model
@@ -519,7 +519,7 @@ def train_one(sizes: Sizes, shape: str, workdir: Path) -> dict:
                        config.logprob_chunk_tokens)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
                                   weight_decay=config.weight_decay)
-    loss_fn = resolve_loss(config.loss.name, loss_params(config.loss))
+    loss_fn = resolve_loss(config.loss)
     load_s = time.monotonic() - t0
     if sizes.device == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -36,10 +36,10 @@ def model_folder() -> Path:
 
 def rollouts(folder: Path, precision: str, prompts: list[list[int]], group: int, eos: int):
     """Samples drawn by the embedded engine at `precision`, with their routes, and the wire bytes."""
+    from primebuild.contracts.rollout import Sample
     from primebuild.kernels.routing import sample_routes
     from primebuild.runtime.inference.engine import Engine
     from primebuild.runtime.inference.sampling import SamplingParams
-    from primebuild.runtime.trainer.batch import Sample
 
     dtype, fp8 = ENGINE[precision]
     engine = Engine(folder, max_num_seqs=256, max_model_len=64, dtype=dtype, fp8=fp8, device="cpu", eos_token_ids=[eos])

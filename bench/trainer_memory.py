@@ -65,9 +65,9 @@ def run_rank(folder: str, parallel: dict, out: str) -> None:
     import torch
     from torch.autograd.graph import saved_tensors_hooks
 
+    from primebuild.contracts.rollout import RolloutBatch, Sample
     from primebuild.contracts.trainer import TrainerConfig
     from primebuild.runtime.trainer import main as trainer
-    from primebuild.runtime.trainer.batch import Sample, TrainBatch
     from primebuild.runtime.trainer.finite import local
     from primebuild.runtime.trainer.losses import resolve_loss
     from primebuild.runtime.trainer.model import init_distributed, load_model
@@ -108,7 +108,7 @@ def run_rank(folder: str, parallel: dict, out: str) -> None:
 
     loss_fn = resolve_loss("grpo", {})
     with saved_tensors_hooks(pack, lambda t: t):
-        trainer.train_step(model, optimizer, TrainBatch(step=1, samples=samples, metadata={"temperature": 1.0}),
+        trainer.train_step(model, optimizer, RolloutBatch(step=1, samples=samples, temperature=1.0),
                            config, loss_fn, env, 1, meshes)
     # train_step frees the gradients (zero_grad(set_to_none)); FSDP's reduced gradients are shaped like
     # the sharded parameters, so allocate them that way to count them

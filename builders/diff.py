@@ -1,7 +1,7 @@
 """Field-by-field differences between two JSON-like values, named by dotted paths.
 
 `diff_values(a, b)` walks both values together and returns one `Change` per leaf that differs:
-`orchestrator.lr: 0.0002 -> 0.001`, `+ environments.math` (added), `- model.path` (removed).
+`trainer.optimizer.lr: 0.0002 -> 0.001`, `+ environments.math` (added), `- model.path` (removed).
 Lists whose items are all mappings with a unique `name` (or `id`) are matched by that key, so that
 inserting one process does not report every later process as changed (`processes[trainer-0].argv`);
 other lists are compared item by item, and lists of plain values as one value.

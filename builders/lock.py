@@ -44,6 +44,7 @@ from primebuild.contracts.environments import BUILTIN_VERSIONS, VERIFIERS_PREFIX
 from primebuild.contracts.plan import ImageRef, Plan
 from primebuild.errors import Problem, UserError
 from primebuild.hashing import canonical_json, sha256_file, sha256_json
+from primebuild.json_file import read_json
 from primebuild.manifest.load import LoadedManifest, load_manifest
 
 LOCK_VERSION = 1
@@ -65,13 +66,7 @@ def render_lock(lock: dict) -> str:
 
 
 def read_lock(path: Path) -> dict:
-    try:
-        lock = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise UserError(f"cannot read the lock {path}: {err.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(Problem(f"not a valid lock (JSON): {err}", file=str(path),
-                                hint="regenerate it with `primebuild lock --update MANIFEST`")) from None
+    lock = read_json(path, what="the lock", hint="regenerate it with `primebuild lock --update MANIFEST`")
     if not isinstance(lock, dict) or lock.get("lock_version") != LOCK_VERSION:
         raise UserError(Problem(f"lock_version {lock.get('lock_version') if isinstance(lock, dict) else None!r} "
                                 f"is not {LOCK_VERSION}", file=str(path),
@@ -141,7 +136,7 @@ def vllm_environment_request(m) -> dict:
     beside the variants; on GPUs the gpu variant holds the `vllm` wheel (builders/vllm_env.py)."""
     from primebuild.builders import vllm_env
 
-    environment = vllm_env.for_hardware(m.hardware.model_dump())
+    environment = vllm_env.for_hardware(m.hardware)
     if m.inference.engine != "vllm" or environment.device != "cpu":
         return {}
     return {environment.distribution: python_env.environment_request(environment, m.image.python)}

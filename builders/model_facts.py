@@ -14,13 +14,13 @@ Pure Python on purpose: `primebuild plan` imports this and must never pull in to
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from primebuild.errors import Problem, UserError
+from primebuild.json_file import read_json
 
 # Committed architecture facts of known models (HF config.json form).
 KNOWN_MODELS_DIR = Path(__file__).resolve().parent.parent / "manifests" / "models"
@@ -335,15 +335,7 @@ def facts_from_hf_config(cfg: dict[str, Any], source: str) -> ModelFacts:
 
 def load_model_facts(path: str | Path) -> ModelFacts:
     """Read a config.json file into `ModelFacts`."""
-    path = Path(path)
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(Problem("model config file not found", file=str(path))) from None
-    except json.JSONDecodeError as err:
-        raise UserError(Problem(f"not valid JSON: {err.msg}", file=str(path), line=err.lineno,
-                                column=err.colno)) from None
-    return facts_from_hf_config(cfg, str(path))
+    return facts_from_hf_config(read_json(path, what="model config file"), str(path))
 
 
 def known_model_facts(name: str) -> ModelFacts:

@@ -6,10 +6,10 @@ Pure: reads only the files the manifest names. The reference uses paths as writt
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from primebuild.errors import Problem, UserError
+from primebuild.json_file import read_json
 from primebuild.manifest.load import LoadedManifest, load_manifest
 
 
@@ -61,10 +61,4 @@ def read_facts_json(loaded: LoadedManifest) -> tuple[dict, str]:
         raise UserError(loaded.source.problem(
             field, f"architecture facts not found: {shown}",
             hint="add the model's config.json under manifests/models/, or set model.facts"))
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(Problem(f"not valid JSON: {err}", file=str(path))) from None
-    if not isinstance(data, dict):
-        raise UserError(Problem("config must be a JSON object", file=str(path)))
-    return data, shown
+    return read_json(path, what="config", want_object=True), shown

@@ -81,8 +81,7 @@ def _plan(loaded: LoadedManifest, facts: ModelFacts, lock: dict | None, processe
         lock_hash=sha256_json(lock) if lock is not None else None,
         model={**model_reference(loaded), "total_params": facts.total_params(),
                "active_params": facts.active_params(), "architecture": facts.architecture},
-        hardware=m.hardware.model_dump(mode="json"), target=m.target.model_dump(mode="json"),
-        weight_sync=m.weight_sync.model_dump(mode="json"), nodes=nodes, processes=processes, memory=memory,
+        hardware=m.hardware, target=m.target, weight_sync=m.weight_sync, nodes=nodes, processes=processes, memory=memory,
         estimates=estimates, warnings=warnings, fits=True, runnable=not refused,
         unsupported=[Unsupported(field=r.field, message=r.message, hint=r.hint) for r in refused],
         build=build).hashed()

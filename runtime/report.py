@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from primebuild.contracts.run_dir import RunDir, write_json_atomic
+from primebuild.contracts.base import parse_contract
+from primebuild.contracts.run_dir import RunDir
+from primebuild.contracts.run_summary import OrchestratorSummary, RunSummary
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -70,9 +72,9 @@ def write_report(run: RunDir) -> Path | None:
     return out
 
 
-def write_summary(run: RunDir, extra: dict) -> dict:
-    summary = run.read_json(run.orchestrator_state)
-    summary.update(extra)
+def write_summary(run: RunDir, extra: dict) -> RunSummary:
+    """The orchestrator's record with `extra` (outcome, times) and the KL figures over the metrics."""
+    summary = dict(OrchestratorSummary.read(run.orchestrator_state).model_dump(exclude_none=True), **extra)
     rows = read_metrics(run.metrics)
     # Over every step where each was measured; the *_no_replay ones (router replay: the same tokens
     # scored without it) and the routing figures only exist in router-replay runs.
@@ -84,7 +86,8 @@ def write_summary(run: RunDir, extra: dict) -> dict:
             summary[f"{name}_max"] = max(kl)
             summary[f"{name}_mean"] = sum(kl) / len(kl)
             summary[f"{name}_steps"] = len(steps)
-    if "eval_reward_before" in summary and "eval_reward_after" in summary:
+    if summary.get("eval_reward_before") is not None and summary.get("eval_reward_after") is not None:
         summary["eval_reward_gain"] = summary["eval_reward_after"] - summary["eval_reward_before"]
-    write_json_atomic(run.summary, summary)
-    return summary
+    typed = parse_contract(RunSummary, summary, where=str(run.summary))
+    typed.write(run.summary)
+    return typed

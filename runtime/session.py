@@ -8,15 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from primebuild.contracts.run_dir import OutcomeRecord, RunDir, write_json_atomic
+from primebuild.contracts.run_summary import RunSummary
 
 
-def finish(run: RunDir, outcome, session_seconds: float) -> tuple[dict, Path | None]:
+def finish(run: RunDir, outcome, session_seconds: float) -> tuple[RunSummary, Path | None]:
     from primebuild.runtime.report import write_report, write_summary
 
     record = run.read_json(run.run_record)
-    previous = run.read_json(run.summary)
+    previous = RunSummary.read(run.summary)
     extra = {"sft": record.get("model_info", {}), "model_seconds": record.get("model_seconds"),
-             "wall_seconds": round(previous.get("wall_seconds", 0) + session_seconds, 2),
+             "wall_seconds": round(previous.wall_seconds + session_seconds, 2),
              "outcome": outcome.message}
     summary = write_summary(run, extra)
     write_json_atomic(run.outcome, OutcomeRecord(ok=outcome.ok, message=outcome.message,

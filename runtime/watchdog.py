@@ -56,7 +56,7 @@ def teardown(run: RunDir) -> str:
     if record is None:  # killed before launch finished: only local workers can exist, and they record pids
         from primebuild.contracts.run_dir import LaunchRecord
 
-        record = LaunchRecord(target=read_plan(run.plan).target["kind"])
+        record = LaunchRecord(target=read_plan(run.plan).target.kind)
     return target_for(record.target).stop(run, record)
 
 

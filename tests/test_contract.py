@@ -59,8 +59,8 @@ def check_configs(m: Manifest, plan: dict) -> None:
     t, o, inf = m.trainer, m.orchestrator, m.inference
     for p in by_role["trainer"]:
         c = TrainerConfig.model_validate(p["config"])
-        assert (c.temperature, c.lr, c.warmup_steps, c.max_steps) == (o.temperature, o.lr, o.warmup_steps,
-                                                                      o.max_steps)
+        assert (c.temperature, c.lr, c.warmup_steps, c.max_steps) == (o.temperature, t.optimizer.lr,
+                                                                      t.optimizer.warmup_steps, o.max_steps)
         assert c.max_completion_tokens == o.max_completion_tokens and c.seed == m.seed
         assert c.loss.model_dump() == expected_loss(o.loss)
         assert c.precision == t.precision and c.weight_dtype == m.model.dtype
@@ -119,10 +119,10 @@ def check_configs(m: Manifest, plan: dict) -> None:
 def expected_loss(loss) -> dict:
     """The loss parameters the trainer must get, written out independently of builders/processes.py."""
     d = loss.model_dump()
-    return {"dppo-kl": lambda: {"name": "dppo-kl", "delta": d["mask_bound"], "kl_tau": d["kl_tau"]},
-            "aipo": lambda: {"name": "aipo", "rho": d["is_cap"]},
-            "grpo": lambda: {"name": "grpo", "eps_low": d["clip_low"], "eps_high": d["clip_high"]},
-            "cispo": lambda: {"name": "cispo", "eps_high": d["is_cap"]}}[d["name"]]()
+    return {"dppo-kl": lambda: {"name": "dppo-kl", "mask_bound": d["mask_bound"], "kl_tau": d["kl_tau"]},
+            "aipo": lambda: {"name": "aipo", "is_cap": d["is_cap"]},
+            "grpo": lambda: {"name": "grpo", "clip_low": d["clip_low"], "clip_high": d["clip_high"]},
+            "cispo": lambda: {"name": "cispo", "clip_high": d["clip_high"]}}[d["name"]]()
 
 
 @pytest.mark.parametrize("path", [p for p in SHIPPED if "sft" not in p.name], ids=lambda p: p.name)
@@ -416,19 +416,18 @@ FIELDS: dict[str, list] = {
     "orchestrator.temperature": [Reaches(config_of(O, "temperature"), ("orchestrator.temperature=0.7",), 0.7),
                                  Reaches(config_of(T, "temperature"), ("orchestrator.temperature=0.7",), 0.7)],
     "orchestrator.top_p": [Refused(("orchestrator.top_p=0.9",))],
-    "orchestrator.lr": [Reaches(config_of(T, "lr"), ("orchestrator.lr=0.001",), 0.001)],
-    "orchestrator.warmup_steps": [Reaches(config_of(T, "warmup_steps"), ("orchestrator.warmup_steps=5",), 5)],
+    "trainer.optimizer.lr": [Reaches(config_of(T, "lr"), ("trainer.optimizer.lr=0.001",), 0.001)],
+    "trainer.optimizer.warmup_steps": [Reaches(config_of(T, "warmup_steps"), ("trainer.optimizer.warmup_steps=5",), 5)],
     "orchestrator.loss.name": [Reaches(config_of(T, "loss.name"), ("orchestrator.loss={name: aipo}",), "aipo")],
-    "orchestrator.loss.mask_bound": [Reaches(config_of(T, "loss.delta"),
+    "orchestrator.loss.mask_bound": [Reaches(config_of(T, "loss.mask_bound"),
                                              ("orchestrator.loss={name: dppo-kl, mask_bound: 0.3}",), 0.3)],
     "orchestrator.loss.kl_tau": [Reaches(config_of(T, "loss.kl_tau"), ("orchestrator.loss={name: dppo-kl, kl_tau: 0.01}",),
                                          0.01)],
-    "orchestrator.loss.clip_low": [Reaches(config_of(T, "loss.eps_low"), ("orchestrator.loss.clip_low=0.1",), 0.1)],
-    "orchestrator.loss.clip_high": [Reaches(config_of(T, "loss.eps_high"), ("orchestrator.loss.clip_high=0.4",),
-                                            0.4)],
-    "orchestrator.loss.is_cap": [Reaches(config_of(T, "loss.rho"), ("orchestrator.loss={name: aipo, is_cap: 3}",), 3.0),
-                                 Reaches(config_of(T, "loss.eps_high"), ("orchestrator.loss={name: cispo, is_cap: 3}",),
-                                         3.0)],
+    "orchestrator.loss.clip_low": [Reaches(config_of(T, "loss.clip_low"), ("orchestrator.loss.clip_low=0.1",), 0.1)],
+    "orchestrator.loss.clip_high": [Reaches(config_of(T, "loss.clip_high"), ("orchestrator.loss.clip_high=0.4",), 0.4),
+                                    Reaches(config_of(T, "loss.clip_high"),
+                                            ("orchestrator.loss={name: cispo, clip_high: 3}",), 3.0)],
+    "orchestrator.loss.is_cap": [Reaches(config_of(T, "loss.is_cap"), ("orchestrator.loss={name: aipo, is_cap: 3}",), 3.0)],
     "orchestrator.normalize_advantage_std": [Reaches(config_of(O, "normalize_advantage_std"),
                                                      ("orchestrator.normalize_advantage_std=true",), True)],
     "orchestrator.eval_every": [Reaches(config_of(O, "eval_every"), ("orchestrator.eval_every=10",), 10)],

@@ -45,7 +45,7 @@ def test_diff_two_manifests(workdir: Path, capsys):
 def test_diff_two_plans(workdir: Path, capsys):
     manifest = write(workdir, "m.yaml", CPU_MANIFEST)
     plans = []
-    for extra in ([], ["--set", "orchestrator.lr=0.001"]):
+    for extra in ([], ["--set", "trainer.optimizer.lr=0.001"]):
         result = call_cli(capsys, "plan", "-o", "json", manifest, *extra)
         assert result.code == 0, result.text
         plans.append(write(workdir, f"plan{len(plans)}.json", result.out))

@@ -95,7 +95,7 @@ def test_plan_locked_refuses_stale_lock_and_includes_lock_hash_when_fresh(projec
     assert json.loads(fresh.out)["lock_hash"] == lockmod.lock_hash(lock)
     assert "lock entry not pinned: base_image" in fresh.err
 
-    changed = call_cli(capsys, "plan", "--locked", "--set", "orchestrator.lr=0.001", manifest)
+    changed = call_cli(capsys, "plan", "--locked", "--set", "trainer.optimizer.lr=0.001", manifest)
     assert changed.code == 2
     assert "stale lock: the manifest changed" in changed.err and f"primebuild lock {manifest}" in changed.err
 

@@ -46,14 +46,14 @@ def test_grpo_by_hand():
     # token1 A<0 with r=0.607<0.8 -> clipped value -0.8*A = 0.8, no gradient;
     # token2 A>0, r=0.368 < 0.8: min picks the unclipped r*A -> value -r, gradient -A*r;
     # token3 r=1 -> value 1, gradient -A*r = 1.
-    loss, grad, metrics = run("grpo", eps_low=0.2, eps_high=0.2)
+    loss, grad, metrics = run("grpo", clip_low=0.2, clip_high=0.2)
     assert loss == pytest.approx(-1.2 + 0.8 - RATIO[2] + 1.0, rel=1e-12)
     assert grad == pytest.approx([0.0, 0.0, -RATIO[2], 1.0, 0.0], abs=1e-12)
     check_common(metrics, masked=2)
 
 
 def test_dppo_kl_by_hand():
-    # delta 0.05 in probability. p - q per token:
+    # mask_bound 0.05 in probability. p - q per token:
     #   t0: e^-1 - e^-1.2 = 0.0667 > 0.05 with A>0 -> masked;
     #   t1: e^-1 - e^-0.5 = -0.2387, A<0 and q - p > 0.05 -> masked;
     #   t2: e^-2 - e^-1 = -0.2325, A>0: moving back, kept; t3: gap 0, kept.
@@ -61,7 +61,7 @@ def test_dppo_kl_by_hand():
     q = [math.exp(x) for x in ILP]
     assert p[0] - q[0] > 0.05 and q[1] - p[1] > 0.05
     tau = 0.5
-    loss, grad, metrics = run("dppo-kl", delta=0.05, kl_tau=tau)
+    loss, grad, metrics = run("dppo-kl", mask_bound=0.05, kl_tau=tau)
     pg = -RATIO[2] * 1.0 + -RATIO[3] * -1.0
     kl = tau * (0.2**2 + 0.5**2 + 1.0**2 + 0.0)
     assert loss == pytest.approx(pg + kl, rel=1e-12)
@@ -73,8 +73,8 @@ def test_dppo_kl_by_hand():
 
 
 def test_aipo_by_hand():
-    # rho 1.1: t0 weight truncated to 1.1; others keep r. Value -A*w, gradient -A*w.
-    loss, grad, metrics = run("aipo", rho=1.1)
+    # is_cap 1.1: t0 weight truncated to 1.1; others keep r. Value -A*w, gradient -A*w.
+    loss, grad, metrics = run("aipo", is_cap=1.1)
     w = [1.1, RATIO[1], RATIO[2], 1.0]
     assert loss == pytest.approx(-1.1 + w[1] - w[2] + 1.0, rel=1e-12)
     assert grad == pytest.approx([-1.1, w[1], -w[2], 1.0, 0.0], abs=1e-12)
@@ -82,13 +82,22 @@ def test_aipo_by_hand():
 
 
 def test_cispo_by_hand():
-    # weight clipped to [0.5, 1.1]: t0 1.221 -> 1.1, t1 0.607 stays, t2 0.368 -> 0.5, t3 1.
+    # weight clipped above at 1.1: t0 1.221 -> 1.1, t1 0.607, t2 0.368 and t3 1 stay (no lower clip).
     # The gradient keeps flowing on clipped tokens (unlike grpo): -A*w everywhere.
-    loss, grad, metrics = run("cispo", eps_low=0.5, eps_high=0.1)
-    w = [1.1, RATIO[1], 0.5, 1.0]
-    assert loss == pytest.approx(-1.1 + w[1] - 0.5 + 1.0, rel=1e-12)
-    assert grad == pytest.approx([-1.1, w[1], -0.5, 1.0, 0.0], abs=1e-12)
-    check_common(metrics, masked=2)
+    loss, grad, metrics = run("cispo", clip_high=0.1)
+    w = [1.1, RATIO[1], RATIO[2], 1.0]
+    assert loss == pytest.approx(-1.1 + w[1] - w[2] + 1.0, rel=1e-12)
+    assert grad == pytest.approx([-1.1, w[1], -w[2], 1.0, 0.0], abs=1e-12)
+    check_common(metrics, masked=1)
+
+
+def test_defaults_are_the_manifest_defaults():
+    # one default per parameter: the manifest's loss classes are the trainer's (contracts/loss.py)
+    from primebuild.contracts.loss import Grpo
+    from primebuild.manifest.schema import Orchestrator
+
+    assert Orchestrator(loss={"name": "grpo"}).loss == Grpo(name="grpo")
+    assert resolve_loss("grpo").__name__ == "grpo_bound"
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -97,7 +106,7 @@ def test_on_policy_all_losses_reduce_to_reinforce(name):
     lp = torch.tensor([-0.3, -1.7, -0.9], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([0.5, -2.0, 1.5], dtype=torch.float64)
     mask = torch.tensor([True, True, False])
-    loss, m = LOSSES[name](lp, lp.detach().clone(), adv, mask)
+    loss, m = resolve_loss(name)(lp, lp.detach().clone(), adv, mask)
     loss.backward()
     assert lp.grad.tolist() == pytest.approx([-0.5, 2.0, 0.0], abs=1e-12)
     assert loss.item() == pytest.approx(-0.5 + 2.0, abs=1e-12)
@@ -108,6 +117,6 @@ def test_resolve_loss_rejects_unknown_name_and_param():
     with pytest.raises(UserError, match="unknown loss"):
         resolve_loss("ppo2")
     with pytest.raises(UserError, match="no parameter"):
-        resolve_loss("grpo", {"rho": 2.0})
-    with pytest.raises(UserError, match="non-negative"):
-        resolve_loss("aipo", {"rho": -1})
+        resolve_loss("grpo", {"is_cap": 2.0})
+    with pytest.raises(UserError, match="greater than 0"):
+        resolve_loss("aipo", {"is_cap": -1})

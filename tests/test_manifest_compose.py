@@ -125,13 +125,13 @@ def test_problems_in_a_parent_file_are_reported(workdir: Path):
 
 def test_set_is_typed_by_the_schema(workdir: Path):
     path = write(workdir, "m.yaml", CPU_MANIFEST)
-    loaded = load_manifest(path, ["trainer.dp_shard=16", "inference.router_replay=false", "orchestrator.lr=3e-4",
+    loaded = load_manifest(path, ["trainer.dp_shard=16", "inference.router_replay=false", "trainer.optimizer.lr=3e-4",
                                   "image.python=3.12", "description=123", "model.revision=2024-01-01",
                                   "secrets=[A, B_2]", "trainer.nodes=null", "trainer.ranks=16"])
     m = loaded.manifest
     assert m.trainer.dp_shard == 16 and type(m.trainer.dp_shard) is int
     assert m.inference.router_replay is False
-    assert m.orchestrator.lr == 3e-4
+    assert m.trainer.optimizer.lr == 3e-4
     assert m.image.python == "3.12"  # text fields stay text, even when the value reads as a number
     assert m.description == "123" and m.model.revision == "2024-01-01"
     assert m.secrets == ["A", "B_2"] and m.trainer.nodes is None

@@ -288,6 +288,33 @@ def test_v1alpha1_with_old_and_new_name_is_refused(workdir: Path, capsys, monkey
     assert result.code == 2 and "both 'fsdp' (v1alpha1) and 'dp_shard' (v1) are set" in result.err
 
 
+def test_v1_moved_fields_migrate_with_a_note(workdir: Path):
+    # lr and warmup_steps moved from orchestrator: to trainer.optimizer: (only the trainer reads them), and
+    # cispo's is_cap became clip_high (grpo's name for the same bound); an old manifest still loads.
+    text = CPU_MANIFEST.replace("  group_size: 8", "  group_size: 8\n  lr: 3.0e-4\n  warmup_steps: 7\n"
+                                "  loss: {name: cispo, is_cap: 3.0}")
+    write(workdir, "m.yaml", text)
+    result = run_cli("plan", "m.yaml", "-o", "json", "--set", "orchestrator.max_steps=5", cwd=workdir)
+    assert result.code == 0, result.err
+    assert "orchestrator.lr is now trainer.optimizer.lr" in result.err
+    assert "orchestrator.warmup_steps is now trainer.optimizer.warmup_steps" in result.err
+    assert "orchestrator.loss.is_cap of cispo is now orchestrator.loss.clip_high" in result.err
+    import json
+
+    config = next(p for p in json.loads(result.out)["processes"] if p["role"] == "trainer")["config"]
+    assert (config["lr"], config["warmup_steps"], config["loss"]) == (3e-4, 7, {"name": "cispo", "clip_high": 3.0})
+
+
+def test_v1_moved_field_set_twice_is_refused(workdir: Path, capsys, monkeypatch):
+    text = CPU_MANIFEST.replace("  group_size: 8", "  group_size: 8\n  lr: 3.0e-4")
+    write(workdir, "m.yaml", text)
+    monkeypatch.chdir(workdir)
+    result = call_cli(capsys, "validate", "m.yaml", "--set", "trainer.optimizer.lr=0.001")
+    assert result.code == 2
+    assert f"m.yaml:{line_of(text, '  lr:')}:3: orchestrator.lr: both orchestrator.lr and trainer.optimizer.lr " \
+        "are set" in result.err
+
+
 @pytest.mark.parametrize(("sets", "message"), [
     (["trainer.nosuch=3"], r"--set: trainer\.nosuch: unknown field 'nosuch'"),
     (["trainer.dp_shrd=3"], r"--set: trainer\.dp_shrd: unknown field 'dp_shrd'\n    hint: did you mean 'dp_shard'"),

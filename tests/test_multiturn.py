@@ -79,7 +79,7 @@ def test_a_rollout_is_one_sequence_of_model_turns_and_environment_replies(rollou
         assert all(lp < 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m)
         assert t.turn_versions == [0] * TURNS
         sample = rollout.sample(env.id)
-        sample.validate("rollout")
+        sample.validate_shapes("rollout")
         assert sample.num_loss_tokens == t.model_tokens and sample.policy_versions == [0] * TURNS
     assert len({tuple(r.transcript.completion_ids) for r in group}) > 1  # sampled, not copies
 

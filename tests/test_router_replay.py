@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from trainer_fixtures import make_tiny_model
 
+from primebuild.contracts.rollout import Sample
 from primebuild.kernels.routing import sample_routes
 from primebuild.runtime.inference.engine import Engine
 from primebuild.runtime.inference.sampling import SamplingParams
-from primebuild.runtime.trainer.batch import Sample, pack
+from primebuild.runtime.trainer.batch import pack
 from primebuild.runtime.trainer.model import Policy
 from primebuild.runtime.trainer.router_replay import RouterReplay
 

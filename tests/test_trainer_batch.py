@@ -4,10 +4,9 @@ import threading
 import pytest
 import torch
 
+from primebuild.contracts.rollout import RolloutBatch, Sample
 from primebuild.errors import UserError
 from primebuild.runtime.trainer.batch import (
-    Sample,
-    TrainBatch,
     load_batch,
     loss_normalizer,
     pack,
@@ -29,7 +28,7 @@ def sample(p, c, adv=1.0, mask=None):
 
 
 def test_save_load_roundtrip_plain_data(tmp_path):
-    b = TrainBatch(step=3, samples=[sample(2, 3), sample(1, 1, mask=[0])], metadata={"temperature": 1.0})
+    b = RolloutBatch(step=3, samples=[sample(2, 3), sample(1, 1, mask=[0])], temperature=1.0, next_group=4)
     path = tmp_path / "rollouts" / "step_000003.pt"
     save_batch(path, b)
     assert os.listdir(path.parent) == ["step_000003.pt"]  # no temp file left behind
@@ -39,9 +38,18 @@ def test_save_load_roundtrip_plain_data(tmp_path):
     assert got == b
 
 
+def test_a_batch_of_the_older_writer_still_loads(tmp_path):
+    # format 1 before the typed RolloutBatch also carried metadata keys nothing reads
+    path = tmp_path / "step_000001.pt"
+    torch.save({"format": 1, "step": 1, "samples": [sample(2, 3).model_dump()],
+                "metadata": {"max_completion_tokens": 16, "temperature": 0.7, "groups": [0], "next_group": 1}}, path)
+    got = load_batch(path)
+    assert (got.temperature, got.next_group, got.samples) == (0.7, 1, [sample(2, 3)])
+
+
 def test_concurrent_reader_never_sees_partial_file(tmp_path):
     path = tmp_path / "step.pt"
-    big = TrainBatch(step=1, samples=[sample(50, 400) for _ in range(40)])
+    big = RolloutBatch(step=1, samples=[sample(50, 400) for _ in range(40)])
     stop = threading.Event()
     seen = []
 
@@ -62,7 +70,7 @@ def test_concurrent_reader_never_sees_partial_file(tmp_path):
 def test_load_rejects_mismatched_logprobs(tmp_path):
     bad = sample(2, 3)
     bad.inference_logprobs = [-1.0]
-    save_batch(tmp_path / "b.pt", TrainBatch(step=1, samples=[bad]))
+    save_batch(tmp_path / "b.pt", RolloutBatch(step=1, samples=[bad]))
     with pytest.raises(UserError, match="inference_logprobs"):
         load_batch(tmp_path / "b.pt")
 

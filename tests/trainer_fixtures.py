@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from primebuild.contracts.rollout import RolloutBatch, Sample
 from primebuild.contracts.trainer import TrainerConfig
 from primebuild.runtime.trainer.advantages import group_relative_advantages
-from primebuild.runtime.trainer.batch import Sample, TrainBatch, save_batch
+from primebuild.runtime.trainer.batch import save_batch
 
 # What the plan compiler always sets and tests rarely care about.
 CONFIG_DEFAULTS = {"max_completion_tokens": 16, "temperature": 1.0, "lr": 1e-3, "max_steps": 3,
@@ -64,7 +65,7 @@ def hf_completion_logprobs(model, prompt_ids: list[int], completion_ids: list[in
 
 def make_batch(
     model, step: int, num_prompts: int = 4, group_size: int = 4, seed: int = 0, policy_version: int = 0
-) -> TrainBatch:
+) -> RolloutBatch:
     """Random prompts and completions of varied length, rewards in {0, 1}, group-relative advantages."""
     g = torch.Generator().manual_seed(seed * 1000 + step)
     vocab = model.config.vocab_size
@@ -87,7 +88,7 @@ def make_batch(
                     env_id="synthetic",
                 )
             )
-    return TrainBatch(step=step, samples=samples, metadata={"temperature": 1.0})
+    return RolloutBatch(step=step, samples=samples, temperature=1.0)
 
 
 def write_rollouts(run_dir: str | Path, model_path: str | Path, steps: range, **kwargs) -> None:

@@ -54,7 +54,7 @@ def node_owners(plan: Plan, comps: list[Component]) -> list[tuple[int, int] | No
     """For every plan node: (component index, node rank in it) of the component that gives its address,
     or None for a node no process uses."""
     owners: list[tuple[int, int] | None] = []
-    for node in range(plan.hardware["nodes"]):
+    for node in range(plan.hardware.nodes):
         present = [c for c in comps if node in c.nodes]
         listening = [c for c in present if any(p.ports for p in c.processes if p.node == node)]
         chosen = (listening or present or [None])[0]

@@ -53,6 +53,7 @@ from primebuild.builders.render.groups import (
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 from primebuild.contracts.plan import Plan, ProcessSpec, render_json
 from primebuild.contracts.render import RenderContext
+from primebuild.manifest.schema import KubernetesTarget
 
 FILE_NAME = "kubernetes.yaml"
 PVC_NAME = "primebuild-runs"
@@ -76,7 +77,8 @@ class _Renderer:
     def __init__(self, plan: Plan, ctx: RenderContext):
         self.plan, self.ctx = plan, ctx
         self.name = plan.name.lower().replace("_", "-").replace(".", "-")
-        self.namespace = plan.target.get("namespace", "default")
+        self.target = plan.target_settings(KubernetesTarget)
+        self.namespace = self.target.namespace
         self.image = image_reference(ctx.image, plan) or DEFAULT_IMAGE
         self.comps = components(plan)
 
@@ -90,7 +92,7 @@ class _Renderer:
                 host = f"{self.name}-{c.group}-0-{c.node_rank(p.node)}.{self.name}"
                 if p.node not in owner or (p.ports and not owner[p.node][0]):
                     owner[p.node] = (bool(p.ports), host)
-        return [owner[n][1] if n in owner else f"unallocated-node-{n}" for n in range(self.plan.hardware["nodes"])]
+        return [owner[n][1] if n in owner else f"unallocated-node-{n}" for n in range(self.plan.hardware.nodes)]
 
     def rendezvous(self) -> dict:
         return {"hosts": self.hosts(), "model_path": self.ctx.model_path,
@@ -102,8 +104,8 @@ class _Renderer:
         """CPU and memory of the process's node, split evenly over the processes the plan puts there."""
         hw = self.plan.hardware
         sharing = sum(1 for q in self.plan.processes if q.node == p.node)
-        cpus = max(1, int(hw["cpus_per_node"] * REQUESTABLE / sharing))
-        memory = max(1, int(hw["host_memory_gb"] * REQUESTABLE / sharing))
+        cpus = max(1, int(hw.cpus_per_node * REQUESTABLE / sharing))
+        memory = max(1, int(hw.host_memory_gb * REQUESTABLE / sharing))
         return {"cpu": str(cpus), "memory": f"{memory}Gi"}
 
     def container(self, p: ProcessSpec, index: int) -> dict:
@@ -124,7 +126,7 @@ class _Renderer:
         resources: dict = {"requests": self.requests(p)}
         if p.gpus:
             resources["limits"] = {"nvidia.com/gpu": str(len(p.gpus))}
-            rdma = self.plan.target.get("rdma_resource")
+            rdma = self.target.rdma_resource
             if rdma:
                 resources["limits"][rdma] = "1"
                 container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
@@ -142,14 +144,14 @@ class _Renderer:
     def pod_spec(self, processes: list[ProcessSpec], restart: str) -> dict:
         """One container per process of a node; the pod picks its node by JOB_COMPLETION_INDEX (all
         pods of a job share one template)."""
-        shm_gb = max(1, int(self.plan.hardware["host_memory_gb"] / SHM_FRACTION))
+        shm_gb = max(1, int(self.plan.hardware.host_memory_gb / SHM_FRACTION))
         spec: dict = {"restartPolicy": restart, "volumes": [
             {"name": "runs", "persistentVolumeClaim": {"claimName": PVC_NAME}},
             {"name": "plan", "configMap": {"name": f"{self.name}-plan"}},
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gb}Gi"}}]}
-        if self.plan.target.get("service_account"):
-            spec["serviceAccountName"] = self.plan.target["service_account"]
-        if self.plan.target.get("host_network"):
+        if self.target.service_account:
+            spec["serviceAccountName"] = self.target.service_account
+        if self.target.host_network:
             spec["hostNetwork"] = True
             spec["dnsPolicy"] = "ClusterFirstWithHostNet"  # the pods still resolve each other's DNS names
         copy = f"mkdir -p {shlex.quote(self.ctx.run_dir)} && cp {PLAN_MOUNT}/rendezvous.json " \
@@ -220,7 +222,3 @@ def render_kubernetes(plan: Plan, ctx: RenderContext) -> dict[str, str]:
     text = "\n".join(header) + "\n" + "".join(
         "---\n" + yaml.safe_dump(o, sort_keys=False, default_flow_style=False, width=120) for o in objects)
     return {FILE_NAME: text}
-
-
-def kubernetes_objects(plan: Plan, ctx: RenderContext) -> list[dict]:
-    return _Renderer(plan, ctx).objects()

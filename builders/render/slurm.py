@@ -53,6 +53,7 @@ from primebuild.builders.render.groups import (
 )
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.render import RenderContext
+from primebuild.manifest.schema import SlurmTarget
 
 SCRIPT_NAME = "job.sbatch"
 MAX_REQUEUES = 3  # preemptions / node failures the job rides out (each resumes from the last checkpoint)
@@ -122,19 +123,19 @@ def _share(a: Allocation, p: ProcessSpec) -> float:
 
 
 def _sbatch(plan: Plan, a: Allocation) -> str:
-    target, hw, c = plan.target, plan.hardware, a.component
+    target, hw, c = plan.target_settings(SlurmTarget), plan.hardware, a.component
     tasks = max(len(a.on_node(n)) for n in c.nodes)
     opts = [f"--nodes={len(c.nodes)}", f"--ntasks-per-node={tasks}"]
     if c.gpus_per_node:
-        opts += [f"--gres=gpu:{c.gpus_per_node}", "--exclusive", f"--mem={_megabytes(hw['host_memory_gb'])}"]
-    elif hw.get("gpu") == "cpu":
+        opts += [f"--gres=gpu:{c.gpus_per_node}", "--exclusive", f"--mem={_megabytes(hw.host_memory_gb)}"]
+    elif hw.gpu == "cpu":
         opts.append(f"--cpus-per-task={max(_threads(p) for p in c.processes)}")
     else:  # a CPU-only group on a node of its own (no GPU group there): the whole node
-        opts += [f"--cpus-per-task={hw['cpus_per_node']}", "--exclusive", f"--mem={_megabytes(hw['host_memory_gb'])}"]
-    opts.append(f"--time={target.get('time', '24:00:00')}")
+        opts += [f"--cpus-per-task={hw.cpus_per_node}", "--exclusive", f"--mem={_megabytes(hw.host_memory_gb)}"]
+    opts.append(f"--time={target.time}")
     for key in ("partition", "account", "qos"):
-        if target.get(key):
-            opts.append(f"--{key}={target[key]}")
+        if getattr(target, key):
+            opts.append(f"--{key}={getattr(target, key)}")
     return " ".join(shlex.quote(o) for o in opts)
 
 
@@ -148,12 +149,12 @@ def _srun(plan: Plan, a: Allocation, p: ProcessSpec) -> str:
     node = f'--nodelist="${{NODES_{c.index}[{c.node_rank(p.node)}]}}"'
     opts = [f"--het-group={c.index}", "--nodes=1", "--ntasks=1", "--kill-on-bad-exit=1", "--unbuffered",
             f"--job-name={p.name}"]
-    if hw.get("gpu") == "cpu":
+    if hw.gpu == "cpu":
         opts.append(f"--cpus-per-task={_threads(p)}")
     else:
         share = _share(a, p)
-        opts += [f"--cpus-per-task={max(1, int(hw['cpus_per_node'] * share))}",
-                 f"--mem={_megabytes(hw['host_memory_gb'] * share)}"]
+        opts += [f"--cpus-per-task={max(1, int(hw.cpus_per_node * share))}",
+                 f"--mem={_megabytes(hw.host_memory_gb * share)}"]
         if not p.gpus:
             opts.append("--gres=none")  # a guest on a GPU node: the GPUs are its neighbours'
     if p.gpus:
@@ -167,8 +168,8 @@ def _srun(plan: Plan, a: Allocation, p: ProcessSpec) -> str:
 def signal_seconds(plan: Plan) -> int:
     """Warning before the time limit: the trainer's step in flight, its weight sync and a checkpoint."""
     trainer = plan.memory.get("trainer")
-    bandwidth = plan.hardware.get("storage_bandwidth_gb_s")
-    if plan.hardware.get("gpu") == "cpu" or not trainer or not bandwidth:
+    bandwidth = plan.hardware.storage_bandwidth_gb_s
+    if plan.hardware.gpu == "cpu" or not trainer or not bandwidth:
         return MIN_SIGNAL_SECONDS
     breakdown = trainer.get("breakdown", {})
     per_gpu = trainer.get("host_offload_bytes_per_gpu") or sum(
@@ -236,7 +237,7 @@ def render_slurm(plan: Plan, ctx: RenderContext) -> dict[str, str]:
         version=__version__, name=plan.name, plan_hash=plan.plan_hash, notes=not_runnable_notes(plan),
         job_name=shlex.quote(plan.name), output_header=_output_header(ctx.run_dir),
         signal_seconds=signal_seconds(plan), max_requeues=MAX_REQUEUES, run_dir=_run_dir(ctx.run_dir),
-        python=shlex.quote(ctx.python or DEFAULT_PYTHON), nodes=plan.hardware["nodes"],
+        python=shlex.quote(ctx.python or DEFAULT_PYTHON), nodes=plan.hardware.nodes,
         job_nodes=sum(len(a.component.nodes) for a in allocs),
         network=sorted({k for p in plan.processes for k in p.env if k.startswith(("NCCL_", "UCX_", "GLOO_"))}),
         secrets=", ".join(sorted({s for p in plan.processes for s in p.secrets})),

@@ -20,6 +20,7 @@ from primebuild import __version__
 from primebuild.builders.render.groups import not_runnable_notes
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.render import RenderContext
+from primebuild.manifest.schema import SshTarget
 
 SCRIPT_NAME = "ssh.sh"
 _BASH_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # process names that are also bash function names
@@ -35,11 +36,11 @@ def shell_path(path: str) -> str:
 
 
 def remote_python(plan: Plan) -> str:
-    return plan.target.get("workdir", "~/primebuild").rstrip("/") + "/.venv/bin/python"
+    return plan.target_settings(SshTarget).workdir.rstrip("/") + "/.venv/bin/python"
 
 
 def host_of(plan: Plan, process: ProcessSpec) -> str:
-    return plan.target["hosts"][process.node]
+    return plan.target.hosts[process.node]
 
 
 def remote_command(plan: Plan, run_dir: str, process: ProcessSpec) -> str:
@@ -51,10 +52,10 @@ def remote_command(plan: Plan, run_dir: str, process: ProcessSpec) -> str:
 
 
 def ssh_argv(plan: Plan, process: ProcessSpec) -> list[str]:
-    target = plan.target
+    target = plan.target_settings(SshTarget)
     host = host_of(plan, process)
-    dest = f"{target['user']}@{host}" if target.get("user") else host
-    return ["ssh", "-p", str(target.get("port", 22)), "-o", "BatchMode=yes", dest]
+    dest = f"{target.user}@{host}" if target.user else host
+    return ["ssh", "-p", str(target.port), "-o", "BatchMode=yes", dest]
 
 
 def signal_command(run_dir: str, pgid: str, sig: str) -> str:
@@ -72,7 +73,7 @@ def _health_url(plan: Plan, process: ProcessSpec) -> str:
     if process.health.kind != "http":
         return ""
     url = process.health.url or ""
-    for node, host in enumerate(plan.target["hosts"]):
+    for node, host in enumerate(plan.target.hosts):
         url = url.replace("{host:" + str(node) + "}", host)
     return url
 

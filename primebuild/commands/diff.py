@@ -15,6 +15,7 @@ import click
 
 from primebuild.commands.options import output_option
 from primebuild.errors import UserError
+from primebuild.json_file import read_json
 
 _RUN_FIELDS_COMPARED = ("code_version", "manifest_hash", "plan_hash")  # not paths, clocks or cache hits
 
@@ -93,12 +94,4 @@ def _run_folder(path: Path) -> dict[str, dict]:
 
 
 def _json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"cannot read {path}: {err}") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return value
+    return read_json(path, want_object=True)

@@ -25,6 +25,7 @@ from primebuild.commands.options import output_option
 from primebuild.contracts.plan import PLAN_VERSION, Plan, read_plan
 from primebuild.contracts.run_dir import RunDir
 from primebuild.errors import UserError
+from primebuild.json_file import read_json
 
 
 @click.command("replay")
@@ -150,12 +151,5 @@ def stage_manifest(run_dir: Path, base_dir: Path, scratch: Path) -> Path:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except OSError as err:
-        raise UserError(f"{path.parent} is not a run folder: cannot read {path.name} ({err.strerror})") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return value
+    return read_json(path, what=f"the run record {path.name}", want_object=True,
+                     hint=f"{path.parent} is not a run folder (runs/<name>-<time>)?")

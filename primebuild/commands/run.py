@@ -14,6 +14,7 @@ from primebuild.code_version import code_version
 from primebuild.commands.options import print_notes, set_option
 from primebuild.contracts.plan import Plan, read_plan, render_json
 from primebuild.contracts.run_dir import RunDir, write_json_atomic
+from primebuild.contracts.run_summary import RunSummary
 from primebuild.errors import UserError
 
 
@@ -61,7 +62,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
             raise UserError("--resume takes the run folder only: its plan, manifest and image are already recorded")
         run = RunDir(resume_dir.resolve()).require(resumable=False)
         plan = read_plan(run.plan)
-        target = target_for(plan.target["kind"])
+        target = target_for(plan.target.kind)
         target.provision(plan)
         _record_supervision(run, hang_timeout, max_restarts)
         _prepare_resume(run, target)
@@ -83,7 +84,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
                    f"held-out reward {built.info.get('eval_reward')}")
         return
 
-    target = target_for(plan.target["kind"])
+    target = target_for(plan.target.kind)
     if image is not None and target.kind != "kubernetes":
         raise UserError(f"--image: the {target.kind} target runs the nodes' own installation, not an image",
                         hint="give --image with target.kind: kubernetes")
@@ -113,7 +114,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         {"plan_hash": plan.plan_hash, "manifest_hash": loaded.manifest_hash, "code_version": code_version(),
          "manifest_path": str(loaded.path.resolve()), "model_path": str(model.path),
          "model_cache_hit": model.cache_hit, "model_info": model.info, "model_seconds": round(model.seconds, 2),
-         "target": plan.target["kind"], "environments": environments, "image": image}, indent=2, sort_keys=True))
+         "target": plan.target.kind, "environments": environments, "image": image}, indent=2, sort_keys=True))
     from primebuild.builders.lock import record_lock
 
     record_lock(run.lock, loaded)  # the lock as it was, when the manifest has one
@@ -184,19 +185,19 @@ def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, de
                 return
             outcome = target.follow(run, record, echo=echo, verbosity=verbosity)
         if target.finishes_in_job:  # the in-job supervisor wrote summary and outcome
-            summary, report = run.read_json(run.summary), run.report if run.report.is_file() else None
+            summary, report = RunSummary.read(run.summary), run.report if run.report.is_file() else None
         else:
             summary, report = finish(run, outcome, time.monotonic() - started)
     finally:
         if watchdog is not None:
             watchdog.done()
-    if "eval_reward_before" in summary:
-        click.echo(f"eval reward before RL (SFT model): {summary['eval_reward_before']:.4f}")
-    if "eval_reward_after" in summary:
-        click.echo(f"eval reward after RL:              {summary['eval_reward_after']:.4f} "
-                   f"(gain {summary['eval_reward_gain']:+.4f})")
-    wall = summary.get("wall_seconds")
-    click.echo((f"wall time {wall:.1f} s; " if isinstance(wall, int | float) else "") + f"summary {run.summary}"
+    if summary.eval_reward_before is not None:
+        click.echo(f"eval reward before RL (SFT model): {summary.eval_reward_before:.4f}")
+    if summary.eval_reward_after is not None and summary.eval_reward_gain is not None:
+        click.echo(f"eval reward after RL:              {summary.eval_reward_after:.4f} "
+                   f"(gain {summary.eval_reward_gain:+.4f})")
+    wall = summary.wall_seconds
+    click.echo((f"wall time {wall:.1f} s; " if wall else "") + f"summary {run.summary}"
                + (f"; report {report}" if report else ""))
     if not outcome.ok:
         if run.failure.is_file():

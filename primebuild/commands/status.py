@@ -10,6 +10,7 @@ import click
 from primebuild.commands.options import output_option, run_dir_argument, runs_dir_option
 from primebuild.contracts.plan import read_plan
 from primebuild.contracts.run_dir import find_run
+from primebuild.contracts.run_summary import RunSummary
 
 
 @click.command("status")
@@ -25,15 +26,15 @@ def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
     rows = read_metrics(run.metrics)
     trained, _ = series(rows, "trainer", "loss")
     sampled, rewards = series(rows, "orchestrator", "reward_mean")
-    summary = run.read_json(run.summary)
+    summary = RunSummary.read(run.summary)
     orchestrator = plan.by_role("orchestrator")
     state = {
         "run_dir": str(run.root), "name": plan.name, "plan_hash": plan.plan_hash,
         "max_steps": orchestrator[0].config.max_steps if orchestrator else None,
         "steps_sampled": max(sampled, default=0), "steps_trained": max(trained, default=0),
         "last_reward": rewards[-1] if rewards else None, "stop_requested": run.stop_requested(),
-        "outcome": summary.get("outcome"), "eval_reward_before": summary.get("eval_reward_before"),
-        "eval_reward_after": summary.get("eval_reward_after"),
+        "outcome": summary.outcome, "eval_reward_before": summary.eval_reward_before,
+        "eval_reward_after": summary.eval_reward_after,
         "target": _target_state(run, plan),
     }
     failure = run.read_json(run.failure)
@@ -54,7 +55,7 @@ def _target_state(run, plan) -> str:
 
     record = run.read_launch()
     if record is None:
-        return f"{plan.target['kind']}: never launched"
+        return f"{plan.target.kind}: never launched"
     try:
         return target_for(record.target).state(run, record)
     except UserError as err:  # e.g. an ssh host that does not answer now: the folder still says the rest

@@ -12,6 +12,10 @@ Every class here is one contract between two sides that must not drift apart:
 | `plan`          | builders/plan.py                   | worker, supervisor, run/status/replay/diff |
 | `run_dir`       | every process of a run, targets    | every process of a run, and the CLI      |
 | `render`        | the CLI (`render`), the targets    | builders/render/ (the cluster artifacts) |
+| `loss`          | the manifest (`orchestrator.loss`) | runtime/trainer/losses.py (via `trainer`) |
+| `rollout`       | runtime/orchestrator/main.py       | runtime/trainer/main.py (file: trainer/batch.py) |
+| `run_summary`   | orchestrator, runtime/report.py    | `run`, `status`, the tests               |
+| `dtypes`        | builders/processes.py              | the trainer and the inference server     |
 
 They live in this one light package (pydantic only, no torch) because both sides import them and
 `builders/` never imports `runtime/`. Unknown keys are refused on read, so a field that the compiler

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from primebuild.errors import Problem, UserError
+from primebuild.json_file import read_json
 
 C = TypeVar("C", bound="Contract")
 
@@ -21,15 +21,7 @@ class Contract(BaseModel):
 
 def load_contract(cls: type[C], path: str | Path) -> C:
     """Parse a config file written by the worker; every problem names the file and the field."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: config file not found") from None
-    except json.JSONDecodeError as err:
-        raise UserError(Problem(f"not valid JSON: {err.msg}", file=str(path), line=err.lineno,
-                                column=err.colno)) from None
-    return parse_contract(cls, data, where=str(path))
+    return parse_contract(cls, read_json(path, what="config file"), where=str(path))
 
 
 def parse_contract(cls: type[C], data: object, *, where: str) -> C:

@@ -16,10 +16,11 @@ file, so one plan (and one hash) serves every host:
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from primebuild.contracts.base import Contract, parse_contract
 from primebuild.contracts.inference import InferenceServerConfig
@@ -29,8 +30,12 @@ from primebuild.contracts.sft import SFTConfig
 from primebuild.contracts.trainer import TrainerConfig
 from primebuild.errors import UserError
 from primebuild.hashing import canonical_json, sha256_json
+from primebuild.json_file import read_json
+from primebuild.manifest.schema import Hardware, Target, WeightSync
 
 PLAN_VERSION = 2  # 2: typed process configs (no `extra` bags), `runnable`/`unsupported`, typed loss
+
+T = TypeVar("T", bound=BaseModel)
 
 Role = Literal["inference", "prefill", "decode", "router", "trainer", "orchestrator"]
 # Roles start in this order; each waits for the health of everything before it.
@@ -118,9 +123,10 @@ class Plan(Contract):
     manifest_hash: str
     lock_hash: str | None
     model: dict[str, Any]
-    hardware: dict[str, Any]
-    target: dict[str, Any]
-    weight_sync: dict[str, Any]
+    # The manifest's own sections, carried unchanged: readers get its types and its defaults.
+    hardware: Hardware
+    target: Target
+    weight_sync: WeightSync
     nodes: list[NodeMap]
     processes: list[ProcessSpec]
     memory: dict[str, Any]
@@ -141,6 +147,13 @@ class Plan(Contract):
                 return p
         known = ", ".join(p.name for p in self.processes)
         raise UserError(f"process {name!r} is not in plan {self.name!r}", hint=f"known processes: {known}")
+
+    def target_settings(self, cls: type[T]) -> T:
+        """The target settings as `cls` (SlurmTarget, SshTarget, ...): the plan's own when it was made for
+        that kind, the kind's defaults when it is rendered for another (`render --target`)."""
+        if isinstance(self.target, cls):
+            return self.target
+        return cls.model_construct(kind=typing.get_args(cls.model_fields["kind"].annotation)[0])
 
     def by_role(self, *roles: str) -> list[ProcessSpec]:
         return [p for p in self.processes if p.role in roles]
@@ -166,13 +179,7 @@ def render_json(plan: Plan, *, compact: bool = False) -> str:
 
 
 def read_plan(path: str | Path) -> Plan:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as err:
-        raise UserError(f"cannot read the plan {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON ({err})") from None
+    data = read_json(path, what="the plan")
     if isinstance(data, dict) and data.get("plan_version") != PLAN_VERSION:
         raise UserError(f"{path}: plan_version {data.get('plan_version')!r}, this primebuild reads "
                         f"{PLAN_VERSION}", hint="recompile it from its manifest with `primebuild plan`")

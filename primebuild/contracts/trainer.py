@@ -8,41 +8,10 @@ from pydantic import Field
 
 from primebuild.contracts.base import Contract
 from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
+from primebuild.contracts.loss import DppoKl, LossConfig
 from primebuild.contracts.trackers import TrackersConfig
 
 Precision = Literal["fp32", "bf16", "fp8"]
-
-
-# One class per loss: each carries exactly the keyword parameters of its function in
-# runtime/trainer/losses.py, so a parameter the chosen loss does not use cannot be passed.
-class DppoKlLoss(Contract):
-    name: Literal["dppo-kl"] = "dppo-kl"
-    delta: float = Field(0.2, gt=0)  # mask tokens whose probability gap exceeds this
-    kl_tau: float = Field(1e-3, ge=0)
-
-
-class AipoLoss(Contract):
-    name: Literal["aipo"] = "aipo"
-    rho: float = Field(2.0, gt=0)  # importance-weight cap
-
-
-class GrpoLoss(Contract):
-    name: Literal["grpo"] = "grpo"
-    eps_low: float = Field(0.2, ge=0)
-    eps_high: float = Field(0.28, ge=0)
-
-
-class CispoLoss(Contract):
-    name: Literal["cispo"] = "cispo"
-    eps_high: float = Field(2.0, gt=0)
-
-
-LossConfig = Annotated[DppoKlLoss | AipoLoss | GrpoLoss | CispoLoss, Field(discriminator="name")]
-
-
-def loss_params(loss: DppoKlLoss | AipoLoss | GrpoLoss | CispoLoss) -> dict[str, float]:
-    """The loss function's keyword parameters."""
-    return loss.model_dump(exclude={"name"})
 
 
 class FilesystemSync(Contract):
@@ -94,7 +63,7 @@ class TrainerConfig(Contract):
     trackers: TrackersConfig = TrackersConfig()  # metric sinks besides metrics.jsonl
 
     # Objective
-    loss: LossConfig = DppoKlLoss()
+    loss: LossConfig = DppoKl()  # the manifest's orchestrator.loss, unchanged (contracts/loss.py)
     loss_normalizer: Literal["step_tokens", "samples_x_max_tokens"] = "step_tokens"
     max_completion_tokens: int = Field(ge=1)  # for samples_x_max_tokens
     temperature: float = Field(ge=MIN_SAMPLING_TEMPERATURE)  # the sampling temperature: logits are divided by it

@@ -13,7 +13,7 @@ from primebuild.errors import Problem, UserError
 from primebuild.hashing import sha256_json
 from primebuild.manifest.compose import apply_sets, load_composed
 from primebuild.manifest.schema import LOSS_NAMES, Manifest
-from primebuild.manifest.versions import check_and_migrate
+from primebuild.manifest.versions import check_and_migrate, move_fields
 from primebuild.manifest.yaml_source import Path_, SourceMap
 
 
@@ -46,6 +46,8 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
     doc, notes = check_and_migrate(doc, source, shown)
     if sets:
         doc = apply_sets(doc, list(sets), source)
+    doc, moved = move_fields(doc, source, shown)  # after --set, so `--set orchestrator.lr=...` moves too
+    notes += moved
     try:
         manifest = Manifest.model_validate(doc)
     except ValidationError as err:

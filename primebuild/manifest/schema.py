@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
+from primebuild.contracts.loss import LOSS_NAMES, Aipo, Cispo, DppoKl, Grpo, LossConfig  # noqa: F401  (re-export)
 
 API_VERSION = "primebuild/v1"
 
@@ -178,6 +179,8 @@ class Inference(Strict):
 
 class Optimizer(Strict):
     name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-6, gt=0, le=1, description="Peak learning rate, reached after `warmup_steps` (then constant).")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up: step k uses lr * min(1, k / warmup_steps).")
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -230,34 +233,8 @@ class Trainer(Strict):
 # --- orchestrator and algorithm --------------------------------------------------------------------
 
 
-class DppoKl(Strict):
-    """DPPO with a KL penalty: tokens whose probability moved more than `mask_bound` are masked."""
-
-    name: Literal["dppo-kl"] = "dppo-kl"
-    mask_bound: float = Field(0.2, gt=0, description="Mask tokens whose probability gap exceeds this.")
-    kl_tau: float = Field(1e-3, ge=0, description="Weight of the KL(inference || trainer) penalty.")
-
-
-class Aipo(Strict):
-    name: Literal["aipo"]
-    is_cap: float = Field(2.0, gt=0, description="Importance-weight cap.")
-
-
-class Grpo(Strict):
-    name: Literal["grpo"]
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.28, ge=0)
-
-
-class Cispo(Strict):
-    name: Literal["cispo"]
-    is_cap: float = Field(2.0, gt=0, description="Importance-weight cap.")
-
-
-# Each loss has only its own parameters: `loss: {name: grpo, kl_tau: 0.1}` is an unknown-field error,
-# not a value silently ignored.
-Loss = Annotated[DppoKl | Aipo | Grpo | Cispo, Field(discriminator="name")]
-LOSS_NAMES = ("dppo-kl", "aipo", "grpo", "cispo")
+# The loss classes are the trainer's contract itself: one name and one default per parameter.
+Loss = LossConfig
 
 
 class Quantiles(Strict):
@@ -305,8 +282,6 @@ class Orchestrator(Strict):
         description="Sampling temperature of rollouts (> 0: RL needs samples that differ; the trainer divides "
         "its logits by it). Evaluation is always greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
-    lr: float = Field(1e-6, gt=0, le=1)
-    warmup_steps: int = Field(0, ge=0)
     loss: Loss = DppoKl()
     normalize_advantage_std: bool = False
     eval_every: int = Field(0, ge=0, description="0 = evaluate only before and after.")

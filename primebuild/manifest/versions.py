@@ -18,6 +18,57 @@ _V1ALPHA1_RENAMES = {
 }
 
 
+# v1 fields that moved to where their one reader's settings live (old path -> new path). A manifest that
+# still sets the old path loads, with a note naming the move; setting both is an error.
+V1_MOVES = {
+    ("orchestrator", "lr"): ("trainer", "optimizer", "lr"),  # only the trainer reads them
+    ("orchestrator", "warmup_steps"): ("trainer", "optimizer", "warmup_steps"),
+}
+# cispo's bound is the same ε as grpo's clip_high (the weight is clipped at 1 + ε), not an absolute cap
+# as aipo's is_cap: one name per concept.
+_CISPO_RENAMES = {"is_cap": "clip_high"}
+
+
+def move_fields(doc: dict, source: SourceMap, file: str) -> tuple[dict, list[str]]:
+    """The document with moved v1 fields at their new paths, and a note for each move."""
+    notes: list[str] = []
+    for old, new in V1_MOVES.items():
+        parent = _block(doc, old[:-1])
+        if parent is None or old[-1] not in parent:
+            continue
+        target = _block(doc, new[:-1], create=True)
+        if new[-1] in target:
+            raise UserError(source.problem(old, f"both {'.'.join(old)} and {'.'.join(new)} are set",
+                                           hint=f"keep only {'.'.join(new)}"))
+        target[new[-1]] = parent.pop(old[-1])
+        notes.append(f"{file}: {'.'.join(old)} is now {'.'.join(new)} (moved in memory; update the file to "
+                     "silence this)")
+    loss = _block(doc, ("orchestrator", "loss"))
+    if loss is not None and loss.get("name") == "cispo":
+        for old, new in _CISPO_RENAMES.items():
+            if old in loss:
+                if new in loss:
+                    raise UserError(source.problem(("orchestrator", "loss", old), f"both {old!r} and {new!r} are set",
+                                                   hint=f"keep only {new!r}"))
+                loss[new] = loss.pop(old)
+                notes.append(f"{file}: orchestrator.loss.{old} of cispo is now orchestrator.loss.{new} (renamed in "
+                             "memory; update the file to silence this)")
+    return doc, notes
+
+
+def _block(doc: dict, path: tuple[str, ...], *, create: bool = False) -> dict | None:
+    """The mapping at `path` (created empty along the way with `create`), None where there is none."""
+    block = doc
+    for key in path:
+        child = block.get(key)
+        if not isinstance(child, dict):
+            if not create or child is not None:
+                return None
+            child = block[key] = {}
+        block = child
+    return block
+
+
 def check_and_migrate(doc: dict, source: SourceMap, file: str) -> tuple[dict, list[str]]:
     """Return the document in the current schema version plus human-readable migration notes."""
     version = doc.get("apiVersion")

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from primebuild.errors import Problem, UserError
+from primebuild.kernels.dtypes import DTYPES
 from primebuild.kernels.routing import encode_routes, routes_dtype
 from primebuild.runtime.weight_sync.filesystem import STABLE, verify
 
@@ -52,7 +53,6 @@ from .sampling import SamplingParams, make_generator, sample, sample_greedy
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_FAILED_STEPS = 3
 

@@ -33,12 +33,13 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from primebuild.kernels.dtypes import DTYPES
+
 from .engine import Prefilled
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "uint8": torch.uint8, "int32": torch.int32}
+_DTYPES = {**DTYPES, "uint8": torch.uint8, "int32": torch.int32}  # KV caches, and the integer tables beside them
 # numpy has no bf16: 16-bit floats cross as int16
 _WIRE = {torch.float32: torch.float32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
          torch.uint8: torch.uint8, torch.int32: torch.int32}

@@ -24,7 +24,6 @@ DeepSeek-V3's FP8 recipe keeps both, and vLLM's fp8 leaves the router gate and l
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from safetensors import safe_open
 
 from primebuild.contracts.inference import EMBEDDED_MODEL_TYPES
 from primebuild.errors import Problem, UserError
+from primebuild.json_file import read_json
 from primebuild.kernels.fp8 import BlockFp8Weight, fake_quantize_activation
 
 SUPPORTED_MODEL_TYPES = EMBEDDED_MODEL_TYPES
@@ -152,11 +152,7 @@ class ModelConfig:
                     hint="point --model at a folder holding config.json, *.safetensors and tokenizer.json",
                 )
             )
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise UserError(Problem(f"invalid JSON: {err.msg}", file=str(path), line=err.lineno)) from None
-        return cls.from_hf(raw, str(path))
+        return cls.from_hf(read_json(path, what="config.json"), str(path))
 
     def shape_signature(self) -> tuple:
         """Everything that fixes tensor shapes: two folders with equal signatures can swap weights."""

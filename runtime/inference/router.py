@@ -29,8 +29,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from primebuild.contracts.router import RouterConfig
+from primebuild.runtime.config_main import config_main
 
-from .entrypoint import serve_main
 from .protocol import ApiError
 from .router_base import Pool, authorize, json_object, pass_through, router_app
 
@@ -184,8 +184,8 @@ def serve(config: RouterConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve_main(argv, prog="python -m primebuild.runtime.inference.router", config_class=RouterConfig, serve=serve,
-                      description="Route OpenAI requests through prefill then decode servers.")
+    return config_main(argv, prog="python -m primebuild.runtime.inference.router", config_class=RouterConfig, run=serve,
+                       description="Route OpenAI requests through prefill then decode servers.")
 
 
 if __name__ == "__main__":

@@ -25,13 +25,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.inference import InferenceServerConfig
 from primebuild.errors import UserError
+from primebuild.runtime.config_main import config_main
 
 from .body_parser import BodyParser, PromptBounds
 from .disaggregation import Disaggregation
 from .engine import Engine
-from .entrypoint import serve_main
 from .protocol import ApiError
 from .routes_admin import admin_router
 from .routes_openai import openai_router
@@ -40,7 +41,6 @@ from .weight_receiver import BroadcastStage
 
 log = logging.getLogger(__name__)
 
-PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # fp8: FP8 weights over one of these (serve)
 ENGINE_WATCH_SECONDS = 1.0
 
 
@@ -149,8 +149,8 @@ def run_http(app: FastAPI, engine: Engine, host: str, port: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve_main(argv, prog="python -m primebuild.runtime.inference.server", config_class=InferenceServerConfig, serve=serve,
-                      description="Serve an HF Qwen3 / Qwen3-MoE folder over an OpenAI-compatible API.")
+    return config_main(argv, prog="python -m primebuild.runtime.inference.server", config_class=InferenceServerConfig,
+                       run=serve, description="Serve an HF Qwen3 / Qwen3-MoE folder over an OpenAI-compatible API.")
 
 
 if __name__ == "__main__":

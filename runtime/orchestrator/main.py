@@ -13,7 +13,7 @@ groups, all sampled by the weights that batch trains.
 
 Resume: the next batch is the first not on disk, so a restarted orchestrator neither loses nor repeats
 a step; groups that were running when it stopped are simply not in any batch, and the group stream
-continues after the last one written (recorded in each batch's metadata). A restarted inference server
+continues after the last one written (recorded in each batch: RolloutBatch.next_group). A restarted inference server
 comes back on version 0 and gets the latest weights pushed.
 
 Elastic inference (servers.py): a server that stops answering is set aside and its in-flight requests go
@@ -23,20 +23,19 @@ supervisor adds (`primebuild scale --inference +1`) join the same way; retired o
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import sys
 import time
 
 import numpy as np
 
-from primebuild.contracts.base import load_contract
 from primebuild.contracts.completion import CompletionResult, SampledChoice
 from primebuild.contracts.orchestrator import OrchestratorConfig
-from primebuild.contracts.run_dir import RunDir, write_json_atomic
-from primebuild.errors import UserError
+from primebuild.contracts.rollout import RolloutBatch
+from primebuild.contracts.run_dir import RunDir
+from primebuild.contracts.run_summary import OrchestratorSummary
 from primebuild.kernels.routing import sample_routes
+from primebuild.runtime.config_main import config_main
 from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.pool import Group, IdleClock, RolloutPool
@@ -46,7 +45,7 @@ from primebuild.runtime.orchestrator.vllm_client import VllmClient
 from primebuild.runtime.orchestrator.weights import weight_source
 from primebuild.runtime.trackers import open_sinks
 from primebuild.runtime.trainer.advantages import advantages_by_group
-from primebuild.runtime.trainer.batch import TrainBatch, load_batch, routing_bytes, save_batch
+from primebuild.runtime.trainer.batch import load_batch, routing_bytes, save_batch
 from primebuild.runtime.trainer.metrics import MetricsWriter
 
 log = logging.getLogger("primebuild.orchestrator")
@@ -76,7 +75,7 @@ class Orchestrator:
         self.weights = weight_source(cfg.weight_sync, self.run_dir, cfg.keep_weights)
         self.runner = RolloutRunner(AutoTokenizer.from_pretrained(cfg.model_path),
                                     max_tokens_per_turn=cfg.max_completion_tokens, seq_len=cfg.seq_len,
-                                    top_p=cfg.top_p, routes_of=self.routes_of if cfg.router_replay else None)
+                                    routes_of=self.routes_of if cfg.router_replay else None)
         self.groups_per_step = cfg.rollouts_per_step // cfg.group_size
         self.requests = IdleClock()  # time with no request in flight on any server
 
@@ -176,15 +175,13 @@ class Orchestrator:
                                  seed=cfg.seed * 1_000_003 + seq * 10_007, is_useful=pool.is_useful)
         pool.start(Group(seq=seq, env=env, task=task, started_version=self.server_version), work)
 
-    def make_batch(self, step: int, groups: list[Group], next_group: int) -> TrainBatch:
+    def make_batch(self, step: int, groups: list[Group], next_group: int) -> RolloutBatch:
         samples = [r.sample(g.env.id) for g in groups for r in g.rollouts]
         group_ids = [g.seq for g in groups for _ in g.rollouts]
         advantages = advantages_by_group([s.reward for s in samples], group_ids, self.cfg.normalize_advantage_std)
         for s, a in zip(samples, advantages, strict=True):
             s.advantage = a
-        return TrainBatch(step=step, samples=samples, metadata={
-            "max_completion_tokens": self.cfg.max_completion_tokens, "temperature": self.cfg.temperature,
-            "groups": [g.seq for g in groups], "next_group": next_group})
+        return RolloutBatch(step=step, samples=samples, temperature=self.cfg.temperature, next_group=next_group)
 
     async def evaluate(self) -> float:
         tasks = self.mix.eval_tasks(self.cfg.eval_prompts)
@@ -208,10 +205,10 @@ class Orchestrator:
         """Where the group stream continues when batch `step` is the next one to write."""
         if step == 1:
             return 0
-        metadata = load_batch(self.run_dir.rollout(step - 1)).metadata
-        return int(metadata.get("next_group", (step - 1) * self.groups_per_step))
+        last = load_batch(self.run_dir.rollout(step - 1))
+        return last.next_group if last.next_group is not None else (step - 1) * self.groups_per_step
 
-    async def run(self) -> dict:
+    async def run(self) -> OrchestratorSummary:
         cfg = self.cfg
         started = time.monotonic()
         start = self.first_missing_step()
@@ -220,13 +217,13 @@ class Orchestrator:
         await self.sync_servers()
         tending = asyncio.ensure_future(self.tend_servers())
         summary_path = self.run_dir.orchestrator_state
-        summary = self.run_dir.read_json(summary_path)
-        if "eval_reward_before" not in summary:
-            summary["eval_reward_before"] = await self.evaluate()
-            self.metrics.write(0, {"eval_reward": summary["eval_reward_before"],
+        summary = OrchestratorSummary.read(summary_path)
+        if summary.eval_reward_before is None:
+            summary = summary.model_copy(update={"eval_reward_before": await self.evaluate()})
+            self.metrics.write(0, {"eval_reward": summary.eval_reward_before,
                                    "eval_policy_version": self.server_version})
-            write_json_atomic(summary_path, summary)
-        log.info("eval reward before RL: %.4f; starting at step %d", summary["eval_reward_before"], start)
+            summary.write(summary_path)
+        log.info("eval reward before RL: %.4f; starting at step %d", summary.eval_reward_before, start)
 
         pool = RolloutPool(self.groups_per_step, cfg.max_off_policy_steps, next_step=start)
         seq = self.next_group_after(start)
@@ -263,20 +260,20 @@ class Orchestrator:
         served = await asyncio.gather(*(c.version() for c in self.servers.active()))
         if set(served) != {final}:  # the final eval must see the weights of the last trained step
             raise RuntimeError(f"servers serve policy versions {sorted(set(served))} after syncing to {final}")
-        summary["eval_reward_after"] = await self.evaluate()
-        summary["eval_reward_after_step"] = final  # the trained step whose weights the eval used
-        summary["inference_engine"] = await self.servers.active()[0].engine()
-        summary["orchestrator_seconds"] = round(time.monotonic() - started, 2)
-        self.metrics.write(cfg.max_steps, {"eval_reward": summary["eval_reward_after"], "eval_policy_version": final})
-        write_json_atomic(summary_path, summary)
-        log.info("eval reward after RL: %.4f (weights of step %d)", summary["eval_reward_after"], final)
+        summary = OrchestratorSummary.model_validate({
+            **summary.model_dump(), "eval_reward_after": await self.evaluate(), "eval_reward_after_step": final,
+            "inference_engine": await self.servers.active()[0].engine(),
+            "orchestrator_seconds": round(time.monotonic() - started, 2)})
+        self.metrics.write(cfg.max_steps, {"eval_reward": summary.eval_reward_after, "eval_policy_version": final})
+        summary.write(summary_path)
+        log.info("eval reward after RL: %.4f (weights of step %d)", summary.eval_reward_after, final)
         tending.cancel()
         self.servers.write_state()
         for c in self.servers.all_clients():
             await c.close()
         return summary
 
-    def step_metrics(self, step: int, groups: list[Group], batch: TrainBatch, pool: RolloutPool,
+    def step_metrics(self, step: int, groups: list[Group], batch: RolloutBatch, pool: RolloutPool,
                      interval: float, idle: list[float]) -> dict:
         rollouts = [r for g in groups for r in g.rollouts]
         rewards = [s.reward for s in batch.samples]
@@ -302,26 +299,20 @@ class Orchestrator:
         }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="primebuild-orchestrator")
-    parser.add_argument("--config", required=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+def run_orchestrator(config: OrchestratorConfig) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
-    orchestrator = None
+    orchestrator = Orchestrator(config)
     try:
-        orchestrator = Orchestrator(load_contract(OrchestratorConfig, args.config))
         asyncio.run(orchestrator.run())
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except asyncio.CancelledError:
         log.info("stopped before the last step")
-        return 0
     finally:
-        if orchestrator is not None:
-            orchestrator.metrics.close()
-    return 0
+        orchestrator.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return config_main(argv, prog="python -m primebuild.runtime.orchestrator.main", config_class=OrchestratorConfig,
+                       run=run_orchestrator, log_format="%(levelname)s %(message)s")
 
 
 if __name__ == "__main__":

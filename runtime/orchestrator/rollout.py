@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from primebuild.contracts.completion import CompletionResult, SampledChoice
+from primebuild.contracts.rollout import Sample
 from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Environment, Task, max_turns, start_episode
 from primebuild.runtime.envs.transcript import Transcript, encode_prompt, encode_reply
-from primebuild.runtime.trainer.batch import Sample
 
 # sample(prompt_ids, n=, temperature=, max_tokens=, seed=) -> CompletionResult: one request to a server
 SampleFn = Callable[..., Awaitable[CompletionResult]]
@@ -58,13 +58,12 @@ class Rollout:
 
 
 class RolloutRunner:
-    def __init__(self, tokenizer, *, max_tokens_per_turn: int, seq_len: int, top_p: float = 1.0,
+    def __init__(self, tokenizer, *, max_tokens_per_turn: int, seq_len: int,
                  routes_of: Callable[[SampledChoice], np.ndarray] | None = None):
         self.tokenizer = tokenizer
         self.routes_of = routes_of  # router replay: a choice's routes (None: not carried)
         self.max_tokens_per_turn = max_tokens_per_turn
         self.seq_len = seq_len
-        self.top_p = top_p
 
     async def group(self, sample: SampleFn, env: Environment, task: Task, *, n: int, temperature: float,
                     seed: int | None = None, is_useful: Callable[[int], bool] = lambda oldest: True) -> list[Rollout]:

@@ -60,7 +60,7 @@ class LocalTarget(Target):
     def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
         from primebuild.runtime.supervisor import Supervisor
 
-        write_rendezvous(run, [LOOPBACK] * plan.hardware["nodes"])
+        write_rendezvous(run, [LOOPBACK] * plan.hardware.nodes)
         self.supervisor = Supervisor(plan, run.root, LocalLauncher(run), echo=echo, verbosity=verbosity, live=live)
         try:
             self.start_failure = self.supervisor.start()

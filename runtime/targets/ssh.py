@@ -48,9 +48,9 @@ def connect(plan: Plan, host: str):
 
     config = fabric.Config(runtime_ssh_path=os.environ.get(CONFIG_ENV) or None)
     target = plan.target
-    kwargs = {"connect_timeout": CONNECT_TIMEOUT_S, "config": config, "port": target.get("port", 22)}
-    if target.get("user"):
-        kwargs["user"] = target["user"]
+    kwargs = {"connect_timeout": CONNECT_TIMEOUT_S, "config": config, "port": target.port}
+    if target.user:
+        kwargs["user"] = target.user
     conn = fabric.Connection(host, **kwargs)
     client = conn.client
     client.set_missing_host_key_policy(RejectPolicy())
@@ -187,7 +187,7 @@ class SshTarget(Target):
 
     def provision(self, plan: Plan) -> None:
         python = remote_python(plan)
-        for host in dict.fromkeys(plan.target["hosts"]):
+        for host in dict.fromkeys(plan.target.hosts):
             conn = _open(connect(plan, host))
             try:
                 found = conn.run(f"test -x {shell_path(python)}", hide=True, warn=True, timeout=30)
@@ -200,7 +200,7 @@ class SshTarget(Target):
     def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
         from primebuild.runtime.supervisor import Supervisor
 
-        write_rendezvous(run, single_host_or(list(plan.target["hosts"])))
+        write_rendezvous(run, single_host_or(list(plan.target.hosts)))
         self.launcher = SshLauncher(plan, run)
         self.supervisor = Supervisor(plan, run.root, self.launcher, echo=echo, verbosity=verbosity, live=live)
         try:

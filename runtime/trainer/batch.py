@@ -1,4 +1,4 @@
-"""The batch contract between the orchestrator and the trainer, and how a batch is cut into micro-batches.
+"""The rollout batch's file (records: primebuild/contracts/rollout.py), and how a batch is cut into micro-batches.
 
 Contract (files in the run folder; the orchestrator writes, the trainer reads):
 
@@ -27,98 +27,28 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
+from primebuild.contracts.base import parse_contract
+from primebuild.contracts.rollout import RolloutBatch, Sample
 from primebuild.errors import UserError
 
 BATCH_FORMAT_VERSION = 1
 
 
-@dataclass
-class Sample:
-    """One rollout: a prompt and everything after it, as one token sequence.
-
-    A single-turn rollout's completion is what the model sampled. A multi-turn rollout's completion is
-    every model turn and every environment reply in order, exactly the tokens the model saw (token in,
-    token out: nothing is re-tokenised); `completion_mask` is 1 on the model's tokens and 0 on the
-    environment's, whose `inference_logprobs` are 0.0 placeholders that no loss reads.
-
-    A typed record that grows fields (defaults keep older batch files loadable).
-    """
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    inference_logprobs: list[float]  # log-prob of each completion token under the sampling policy
-    advantage: float
-    reward: float
-    # The oldest weights step that sampled any of its tokens (0 = base model): the sample's staleness,
-    # which max_off_policy_steps bounds. A rollout may span weight updates; then later turns are newer.
-    policy_version: int
-    env_id: str = ""
-    # 1 = train on this completion token, 0 = do not (environment and tool tokens of a multi-turn rollout).
-    completion_mask: list[int] | None = None
-    # The oldest weights step that sampled a token of each model turn, in order (one entry per turn).
-    policy_versions: list[int] = field(default_factory=list)
-    # router replay: [num_tokens - 1, moe_layers, top_k] expert ids (uint8 / uint16), see the module doc
-    routed_experts: torch.Tensor | None = None
-
-    def validate(self, where: str) -> None:
-        if not self.prompt_ids:
-            raise UserError(f"{where}: prompt_ids is empty; every sample needs at least one prompt token")
-        n = len(self.completion_ids)
-        if len(self.inference_logprobs) != n:
-            raise UserError(
-                f"{where}: {len(self.inference_logprobs)} inference_logprobs for {n} completion tokens",
-                hint="send exactly one log-prob per sampled completion token",
-            )
-        if self.completion_mask is not None and len(self.completion_mask) != n:
-            raise UserError(
-                f"{where}: completion_mask has {len(self.completion_mask)} entries for {n} tokens"
-            )
-        routes = self.routed_experts
-        if routes is not None and (routes.dim() != 3 or routes.shape[0] != self.num_tokens - 1
-                                   or routes.is_floating_point()):
-            raise UserError(f"{where}: routed_experts {routes.dtype} {tuple(routes.shape)}: want integer "
-                            f"[{self.num_tokens - 1} fed positions, moe_layers, top_k]")
-        if self.policy_versions and min(self.policy_versions) != self.policy_version:
-            raise UserError(f"{where}: policy_version {self.policy_version} is not the oldest of the turns' "
-                            f"versions {self.policy_versions}")
-
-    @property
-    def num_turns(self) -> int:
-        return max(1, len(self.policy_versions))
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.completion_ids)
-
-    @property
-    def num_loss_tokens(self) -> int:
-        if self.completion_mask is None:
-            return len(self.completion_ids)
-        return int(sum(1 for m in self.completion_mask if m))
-
-
-@dataclass
-class TrainBatch:
-    step: int
-    samples: list[Sample]
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-def save_batch(path: str | os.PathLike, batch: TrainBatch) -> None:
+def save_batch(path: str | os.PathLike, batch: RolloutBatch) -> None:
     """Write atomically: a reader sees either no file or the whole file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": BATCH_FORMAT_VERSION,
         "step": int(batch.step),
-        "metadata": dict(batch.metadata),
-        "samples": [asdict(s) for s in batch.samples],
+        "metadata": batch.model_dump(include=set(_METADATA)),
+        "samples": [s.model_dump() for s in batch.samples],
     }
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -132,17 +62,24 @@ def save_batch(path: str | os.PathLike, batch: TrainBatch) -> None:
         raise
 
 
-def load_batch(path: str | os.PathLike) -> TrainBatch:
+# RolloutBatch fields kept under "metadata" in the file; keys of older writers that nothing reads
+# (max_completion_tokens, groups) are skipped, so their files still load.
+_METADATA = ("temperature", "next_group")
+
+
+def load_batch(path: str | os.PathLike) -> RolloutBatch:
     payload = torch.load(path, weights_only=True)
     if not isinstance(payload, dict) or payload.get("format") != BATCH_FORMAT_VERSION:
         raise UserError(
             f"{path}: not a primebuild rollout batch of format {BATCH_FORMAT_VERSION}",
             hint="write batches with primebuild.runtime.trainer.batch.save_batch",
         )
-    samples = [Sample(**s) for s in payload["samples"]]
-    for i, s in enumerate(samples):
-        s.validate(f"{path}: samples[{i}]")
-    return TrainBatch(step=payload["step"], samples=samples, metadata=payload["metadata"])
+    metadata = {k: v for k, v in payload["metadata"].items() if k in _METADATA}
+    batch = parse_contract(RolloutBatch, {"step": payload["step"], "samples": payload["samples"], **metadata},
+                           where=str(path))
+    for i, s in enumerate(batch.samples):
+        s.validate_shapes(f"{path}: samples[{i}]")
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -304,7 +241,7 @@ def loss_normalizer(samples: list[Sample], kind: NormalizerKind, max_completion_
         if not max_completion_tokens:
             raise UserError(
                 "loss_normalizer 'samples_x_max_tokens' needs max_completion_tokens",
-                hint="set trainer max_completion_tokens, or metadata.max_completion_tokens in the batch",
+                hint="set trainer max_completion_tokens",
             )
         return float(max(1, len(samples)) * int(max_completion_tokens))
     raise UserError(f"unknown loss_normalizer {kind!r}; use 'step_tokens' or 'samples_x_max_tokens'")

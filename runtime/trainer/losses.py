@@ -29,13 +29,14 @@ loss is written −A·w·exp(logπ − sg(logπ)): its value is the surrogate �
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from primebuild.contracts.base import parse_contract
+from primebuild.contracts.loss import LOSS_CLASSES, LossConfig, loss_params
 from primebuild.errors import UserError
 
 LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
@@ -75,14 +76,14 @@ def dppo_kl(
     advantages: Tensor,
     loss_mask: Tensor,
     *,
-    delta: float = 0.2,
-    kl_tau: float = 1e-3,
+    mask_bound: float,
+    kl_tau: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Divergence-masked PPO with a KL penalty.
 
-    A token's PG term −r·A is dropped when the trainer's probability already moved more than ``delta``
+    A token's PG term −r·A is dropped when the trainer's probability already moved more than ``mask_bound``
     (in probability, not ratio) from the inference probability *in the direction the advantage pushes*:
-    p − q > delta for A > 0, q − p > delta for A < 0. Pushing further there would leave the trust region;
+    p − q > mask_bound for A > 0, q − p > mask_bound for A < 0. Pushing further there would leave the trust region;
     moving back is still allowed. Unlike a ratio clip, a rare token (q tiny) may still move a lot in
     ratio terms while its probability mass moves little. Every trained token also pays
     kl_tau·Δ², which pulls the trainer towards the sampling policy.
@@ -91,7 +92,7 @@ def dppo_kl(
     ratio = torch.exp(delta_lp)
     with torch.no_grad():
         gap = torch.exp(logprobs.detach()) - torch.exp(inference_logprobs)
-        masked = ((advantages > 0) & (gap > delta)) | ((advantages < 0) & (-gap > delta))
+        masked = ((advantages > 0) & (gap > mask_bound)) | ((advantages < 0) & (-gap > mask_bound))
     keep = loss_mask & ~masked
     pg = torch.where(keep, -ratio * advantages, 0.0)
     kl = torch.where(loss_mask, kl_tau * delta_lp.pow(2), 0.0)
@@ -104,16 +105,16 @@ def aipo(
     advantages: Tensor,
     loss_mask: Tensor,
     *,
-    rho: float = 2.0,
+    is_cap: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Asynchronous importance-weighted policy optimisation (LlamaRL): the policy gradient of every token
-    is weighted by the truncated IS ratio min(r, rho), with no clipping of the gradient itself — a token
+    is weighted by the truncated IS ratio min(r, is_cap), with no clipping of the gradient itself — a token
     far off-policy still learns, its weight is only capped to bound the variance."""
     delta_lp = logprobs - inference_logprobs
     ratio = torch.exp(delta_lp)
-    weight = torch.clamp(ratio, max=rho)
+    weight = torch.clamp(ratio, max=is_cap)
     per_token = torch.where(loss_mask, _weighted_pg(logprobs, weight, advantages), 0.0)
-    return per_token.sum(), _common_metrics(delta_lp, loss_mask, ratio.detach() > rho)
+    return per_token.sum(), _common_metrics(delta_lp, loss_mask, ratio.detach() > is_cap)
 
 
 def grpo(
@@ -122,19 +123,19 @@ def grpo(
     advantages: Tensor,
     loss_mask: Tensor,
     *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
+    clip_low: float,
+    clip_high: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's clipped surrogate −min(r·A, clip(r, 1−eps_low, 1+eps_high)·A) with the inference policy as
+    """PPO's clipped surrogate −min(r·A, clip(r, 1−clip_low, 1+clip_high)·A) with the inference policy as
     the old policy. Advantages are expected group-normalised (advantages.group_relative_advantages with
     ``normalize_std=True``). ``masked`` counts tokens whose gradient the clip zeroes."""
     delta_lp = logprobs - inference_logprobs
     ratio = torch.exp(delta_lp)
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
     with torch.no_grad():
         r = ratio.detach()
-        masked = ((advantages > 0) & (r > 1 + eps_high)) | ((advantages < 0) & (r < 1 - eps_low))
+        masked = ((advantages > 0) & (r > 1 + clip_high)) | ((advantages < 0) & (r < 1 - clip_low))
     return torch.where(loss_mask, per_token, 0.0).sum(), _common_metrics(delta_lp, loss_mask, masked)
 
 
@@ -144,18 +145,17 @@ def cispo(
     advantages: Tensor,
     loss_mask: Tensor,
     *,
-    eps_low: float = 1.0,
-    eps_high: float = 4.0,
+    clip_high: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO (MiniMax-M1): clip the IS *weight* to [1−eps_low, 1+eps_high], stop its gradient, and let
-    the gradient flow through logπ of every token — unlike PPO, clipped tokens keep a gradient.
-    The default eps_low=1.0 means no lower clip, as in MiniMax-M1. ``masked`` counts clipped weights."""
+    """CISPO (MiniMax-M1): clip the IS *weight* above at 1+clip_high, stop its gradient, and let the
+    gradient flow through logπ of every token — unlike PPO, clipped tokens keep a gradient. No lower
+    clip, as in MiniMax-M1. ``masked`` counts clipped weights."""
     delta_lp = logprobs - inference_logprobs
     ratio = torch.exp(delta_lp)
-    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    weight = torch.clamp(ratio, max=1 + clip_high)
     per_token = torch.where(loss_mask, _weighted_pg(logprobs, weight, advantages), 0.0)
     r = ratio.detach()
-    masked = (r < 1 - eps_low) | (r > 1 + eps_high)
+    masked = r > 1 + clip_high
     return per_token.sum(), _common_metrics(delta_lp, loss_mask, masked)
 
 
@@ -167,25 +167,22 @@ LOSSES: dict[str, LossFn] = {
 }
 
 
-def resolve_loss(name: str, params: dict[str, Any] | None = None) -> Callable[..., tuple[Tensor, dict]]:
-    """The loss ``name`` with ``params`` bound, after checking that every param exists for that loss."""
-    if name not in LOSSES:
-        raise UserError(f"unknown loss {name!r}", hint=f"choose one of: {', '.join(sorted(LOSSES))}")
-    fn = LOSSES[name]
-    params = dict(params or {})
-    allowed = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise UserError(
-            f"loss {name!r} has no parameter(s) {', '.join(unknown)}",
-            hint=f"its parameters are: {', '.join(allowed)}",
-        )
-    for k, v in params.items():
-        if not isinstance(v, int | float) or v < 0:
-            raise UserError(f"loss {name!r} parameter {k} must be a non-negative number, got {v!r}")
+def resolve_loss(loss: str | LossConfig, params: dict[str, Any] | None = None) -> Callable[..., tuple[Tensor, dict]]:
+    """The loss with its parameters bound: a loss config, or a name and parameters checked by its config
+    class (contracts/loss.py), which also supplies the defaults."""
+    if isinstance(loss, str):
+        if loss not in LOSS_CLASSES:
+            raise UserError(f"unknown loss {loss!r}", hint=f"choose one of: {', '.join(sorted(LOSSES))}")
+        cls = LOSS_CLASSES[loss]
+        unknown = sorted(set(params or {}) - set(cls.model_fields))
+        if unknown:
+            raise UserError(f"loss {loss!r} has no parameter(s) {', '.join(unknown)}",
+                            hint=f"its parameters are: {', '.join(f for f in cls.model_fields if f != 'name')}")
+        loss = parse_contract(cls, {"name": loss, **(params or {})}, where=f"loss {loss!r}")
+    fn, bound_params = LOSSES[loss.name], loss_params(loss)
 
     def bound(logprobs, inference_logprobs, advantages, loss_mask):
-        return fn(logprobs, inference_logprobs, advantages, loss_mask, **params)
+        return fn(logprobs, inference_logprobs, advantages, loss_mask, **bound_params)
 
     bound.__name__ = f"{fn.__name__}_bound"
     return bound

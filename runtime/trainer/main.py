@@ -30,7 +30,6 @@ Metrics (one JSON line each, see metrics.py), means are over trained tokens of t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import sys
@@ -40,10 +39,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from primebuild.contracts.base import load_contract
+from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.run_dir import RunDir
-from primebuild.contracts.trainer import ParallelDims, TrainerConfig, loss_params
+from primebuild.contracts.trainer import ParallelDims, TrainerConfig
 from primebuild.errors import UserError
+from primebuild.kernels.dtypes import DTYPES
+from primebuild.runtime.config_main import config_main
 from primebuild.runtime.weight_sync import filesystem as fs
 
 from ..trackers import open_sinks
@@ -56,8 +57,6 @@ from .lora_publish import AdapterPublisher
 from .losses import kl_per_token, resolve_loss
 from .metrics import MetricsWriter
 from .model import (
-    DTYPES,
-    PRECISION_DTYPES,
     DistEnv,
     autocast_context,
     init_distributed,
@@ -65,6 +64,7 @@ from .model import (
     precision_dtype,
 )
 from .parallel_dims import Meshes, build_meshes, check_dims
+from .step_sums import StepSums
 from .weight_stream import PublishedWeights
 
 __all__ = ["TrainerConfig", "run_trainer", "main"]
@@ -175,19 +175,14 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
 
     Micro-batches are dealt over the dp ranks (dp_replicate * dp_shard); the CP ranks of a dp rank share its micro-batches and
     split each one's sequence (context_parallel.py), each scoring the tokens of its own positions."""
-    meta_temp = batch.metadata.get("temperature")
-    if meta_temp is not None and abs(float(meta_temp) - config.temperature) > 1e-9:
+    if batch.temperature is not None and abs(batch.temperature - config.temperature) > 1e-9:
         raise UserError(
-            f"rollouts for step {step} were sampled at temperature {meta_temp}, the trainer scores at "
+            f"rollouts for step {step} were sampled at temperature {batch.temperature}, the trainer scores at "
             f"{config.temperature}",
             hint="set trainer temperature to the sampling temperature, or log-probs will not match",
         )
     samples = batch.samples
-    normalizer = loss_normalizer(
-        samples,
-        config.loss_normalizer,
-        config.max_completion_tokens or batch.metadata.get("max_completion_tokens"),
-    )
+    normalizer = loss_normalizer(samples, config.loss_normalizer, config.max_completion_tokens)
     meshes = meshes or build_meshes(ParallelDims(dp_shard=env.world_size), env.world_size, env.rank,
                                     env.device.type)
     mine = [place(mb, config, env, meshes) for mb in
@@ -197,10 +192,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
     # The same on every rank (FSDP collectives must match): score the batch once more without replay.
     check = replayed and config.replay_check_every > 0 and step % config.replay_check_every == 0
 
-    # Sums over this rank's tokens: loss, tokens, kl, masked, ratio, entropy, real, padded, and the
-    # tokens and kl of "fresh" samples, drawn with exactly the weights being trained (version step-1);
-    # then router replay's: kl and fresh kl without replay, routes the trainer's router chose itself, routes.
-    totals = torch.zeros(14, dtype=torch.float64)
+    totals = torch.zeros(StepSums.size(), dtype=torch.float64)  # StepSums of this rank, packed
     bad_loss = None
     started = time.perf_counter()
     # Before any backward: under FSDP2 a forward between micro-batches' backwards corrupted the gradients
@@ -222,21 +214,16 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
             # FSDP2 averages gradients over ranks (HSDP: over the shard and the replicate dimension); scaling
             # by world_size turns that back into the sum that one rank holding every micro-batch would compute.
             (loss_sum * (env.world_size / normalizer)).backward()
-        agreed = torch.tensor(replay.take_agreement() if replay is not None else (0.0, 0.0), dtype=torch.float64)
-        totals += torch.cat([torch.stack(
-            [
-                loss_sum.detach().double().cpu(),
-                m["tokens"].double().cpu(),
-                m["mismatch_kl"].double().cpu(),
-                m["masked"].double().cpu(),
-                m["ratio"].double().cpu(),
-                torch.where(mask, entropy, 0.0).sum().double().cpu(),
-                torch.tensor(0.0 if mb.is_empty else float(mb.attention_mask[:, own].sum()), dtype=torch.float64),
-                torch.tensor(0.0 if mb.is_empty else float(mb.attention_mask[:, own].numel()), dtype=torch.float64),
-                fresh.sum().double().cpu(),
-                torch.where(fresh, kl_per_token(lp - inference_lp), 0.0).sum().double().cpu(),
-            ]
-        ), free_kl, agreed])
+        agreed, replayed_routes = replay.take_agreement() if replay is not None else (0.0, 0.0)
+        totals += StepSums(
+            loss=loss_sum, tokens=m["tokens"], kl=m["mismatch_kl"], masked=m["masked"], ratio=m["ratio"],
+            entropy=torch.where(mask, entropy, 0.0).sum(),
+            real=0.0 if mb.is_empty else float(mb.attention_mask[:, own].sum()),
+            padded=0.0 if mb.is_empty else float(mb.attention_mask[:, own].numel()),
+            fresh_tokens=fresh.sum(), fresh_kl=torch.where(fresh, kl_per_token(lp - inference_lp), 0.0).sum(),
+            kl_no_replay=free_kl[0], fresh_kl_no_replay=free_kl[1], agreed_routes=agreed,
+            replayed_routes=replayed_routes,
+        ).to_tensor()
     if env.distributed:
         t = totals.to(env.device)
         dist.all_reduce(t)
@@ -252,39 +239,39 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
     optimizer.zero_grad(set_to_none=True)
     finite.check(step, finite.first_non_finite(finite.weights(model)), "the updated weight", env.device)
 
-    loss, tokens, kl, masked, ratio, ent, real, padded, fresh_tokens, fresh_kl, kl_free, fresh_kl_free, agreed, \
-        replayed_routes = totals.tolist()
-    n_tok = max(tokens, 1.0)
+    sums = StepSums.from_tensor(totals)
+    n_tok = max(sums.tokens, 1.0)
     lags = [step - 1 - s.policy_version for s in samples]
     replay_metrics = {}
     if replayed:
         # KLs as if the trainer had not replayed the routes (NaN -> null when not measured this step), and
         # how many of the replayed routes the trainer's own router would have chosen
         replay_metrics = {
-            "behaviour_kl_no_replay": kl_free / n_tok if check else float("nan"),
-            "mismatch_kl_no_replay": fresh_kl_free / fresh_tokens if check and fresh_tokens else float("nan"),
-            "routing_agreement": agreed / replayed_routes if replayed_routes else float("nan"),
+            "behaviour_kl_no_replay": sums.kl_no_replay / n_tok if check else float("nan"),
+            "mismatch_kl_no_replay": sums.fresh_kl_no_replay / sums.fresh_tokens if check and sums.fresh_tokens
+            else float("nan"),
+            "routing_agreement": sums.agreed_routes / sums.replayed_routes if sums.replayed_routes else float("nan"),
             "replay_check_s": check_seconds,  # this rank's time in the forward without replay (in step_s)
         }
     return {
-        "loss": loss / normalizer,
+        "loss": sums.loss / normalizer,
         # KL(inference ‖ trainer) over every token: engine numerics plus the staleness of async samples
-        "behaviour_kl": kl / n_tok,
+        "behaviour_kl": sums.kl / n_tok,
         # the same over samples drawn with the very weights being trained: engine vs trainer numerics only
         # (NaN -> null in metrics.jsonl when the whole batch is stale, as in steady-state async RL)
-        "mismatch_kl": fresh_kl / fresh_tokens if fresh_tokens else float("nan"),
-        "masked_fraction": masked / n_tok,
-        "importance_ratio": ratio / n_tok,
-        "entropy": ent / n_tok,
+        "mismatch_kl": sums.fresh_kl / sums.fresh_tokens if sums.fresh_tokens else float("nan"),
+        "masked_fraction": sums.masked / n_tok,
+        "importance_ratio": sums.ratio / n_tok,
+        "entropy": sums.entropy / n_tok,
         "grad_norm": grad_norm.item(),
         "lr": lr,
-        "tokens": tokens,
+        "tokens": sums.tokens,
         "samples": len(samples),
         "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
         "advantage_abs_mean": sum(abs(s.advantage) for s in samples) / max(1, len(samples)),
         "async_lag_mean": sum(lags) / max(1, len(lags)),
         "async_lag_max": max(lags, default=0),
-        "padding_fraction": 1.0 - real / padded if padded else 0.0,
+        "padding_fraction": 1.0 - sums.real / sums.padded if sums.padded else 0.0,
         **replay_metrics,
     }
 
@@ -370,7 +357,7 @@ def run_trainer(config: TrainerConfig) -> None:
     run = RunDir(config.run_dir)
     if env.is_main:
         run.root.mkdir(parents=True, exist_ok=True)
-    loss_fn = resolve_loss(config.loss.name, loss_params(config.loss))
+    loss_fn = resolve_loss(config.loss)
     meshes = build_meshes(config.parallel, env.world_size, env.rank, env.device.type)
     model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,
                        config.logprob_chunk_tokens, config.router_replay, fp8=config.precision == "fp8",
@@ -427,18 +414,9 @@ def run_trainer(config: TrainerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m primebuild.runtime.trainer.main")
-    parser.add_argument("--config", required=True, help="TrainerConfig as JSON")
-    args = parser.parse_args(argv)
-    try:
-        run_trainer(load_contract(TrainerConfig, args.config))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except finite.NonFiniteStep as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    # run_trainer sets up logging: its lines name the rank, known only once the process group is up
+    return config_main(argv, prog="python -m primebuild.runtime.trainer.main", config_class=TrainerConfig,
+                       run=run_trainer, log_format=None, failures=(finite.NonFiniteStep,))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.trainer import LoraConfig, ParallelDims
+from primebuild.kernels.dtypes import DTYPES
 
 from . import context_parallel
 from .context_parallel import ContextShard
@@ -19,9 +21,6 @@ from .lora import apply_lora, init_adapters
 from .parallel_dims import Meshes, build_meshes
 from .router_replay import RouterReplay
 from .sparse_attention import apply_chunked_indexer, apply_sparse_attention_cp
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 log = logging.getLogger("primebuild.trainer")
 

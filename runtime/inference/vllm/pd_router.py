@@ -44,7 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from primebuild.contracts.router import VllmRouterConfig
-from primebuild.runtime.inference.entrypoint import serve_main
+from primebuild.runtime.config_main import config_main
 from primebuild.runtime.inference.protocol import ApiError
 from primebuild.runtime.inference.router_base import Pool, authorize, json_object, pass_through, router_app
 from primebuild.runtime.inference.vllm.admin import parse_policy_version
@@ -353,9 +353,9 @@ def serve(config: VllmRouterConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve_main(argv, prog="python -m primebuild.runtime.inference.vllm.pd_router",
-                      config_class=VllmRouterConfig, serve=serve,
-                      description="Route vLLM requests through prefill then decode servers.")
+    return config_main(argv, prog="python -m primebuild.runtime.inference.vllm.pd_router",
+                       config_class=VllmRouterConfig, run=serve,
+                       description="Route vLLM requests through prefill then decode servers.")
 
 
 if __name__ == "__main__":

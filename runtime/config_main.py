@@ -1,0 +1,40 @@
+"""The command line of every process the plan starts with a typed config (trainer, orchestrator,
+inference server, P/D routers): `--config FILE`, parsed into its contract (primebuild/contracts/) and
+run; a bad config or any other user error is one located message and exit 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+from primebuild.contracts.base import Contract, load_contract
+from primebuild.errors import UserError
+
+C = TypeVar("C", bound=Contract)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def config_main(argv: list[str] | None, *, prog: str, config_class: type[C], run: Callable[[C], object],
+                description: str | None = None, log_format: str | None = LOG_FORMAT,
+                failures: tuple[type[Exception], ...] = ()) -> int:
+    """Parse `--config`, run, and map the outcome to an exit code: 0 done, 2 user error, 1 for one of
+    `failures` (a run that went wrong, e.g. a non-finite step), reported without a traceback too.
+    `log_format` None: `run` configures logging itself."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", required=True, help=f"a {config_class.__name__} as JSON")
+    args = parser.parse_args(argv)
+    if log_format is not None:
+        logging.basicConfig(level=logging.INFO, format=log_format)
+    try:
+        run(load_contract(config_class, args.config))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except failures as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
