@@ -18,7 +18,13 @@ from primebuild.contracts.plan import HEALTH_TIMEOUT_S, START_ORDER, HealthCheck
 from primebuild.contracts.router import DecodeServer, RouterConfig, VllmPool, VllmRouterConfig
 from primebuild.contracts.run_dir import RunDir
 from primebuild.contracts.trackers import TensorboardConfig, TrackersConfig, WandbConfig
-from primebuild.contracts.trainer import BroadcastSync, FilesystemSync, LoraConfig, ParallelDims, TrainerConfig
+from primebuild.contracts.trainer import (
+    BroadcastSync,
+    FilesystemSync,
+    LoraConfig,
+    ParallelDims,
+    TrainerConfig,
+)
 from primebuild.manifest.schema import InferenceGroup, Manifest
 
 VLLM_CPU_KV_CACHE_GIB = 1  # vLLM on CPU sizes its KV cache in GiB (its default, 4, is for big models)
