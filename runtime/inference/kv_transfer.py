@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from .engine import Prefilled
+from .prefilled import Prefilled
 
 log = logging.getLogger(__name__)
 
