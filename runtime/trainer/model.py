@@ -3,7 +3,6 @@ publishing."""
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -22,7 +21,6 @@ from .sparse_attention import apply_chunked_indexer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
-log = logging.getLogger("primebuild.trainer")
 
 
 def precision_dtype(precision: str, device: torch.device) -> str:
