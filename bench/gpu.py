@@ -26,7 +26,7 @@ rewritten after every section, so a run killed by its time limit keeps what it m
    `repeats` runs after one warm-up each, the two interleaved. Batch sizes not started by
    `engine_cutoff_s` are skipped (and listed).
 6. trainer_large: section 4 for the Qwen3-1.7B shape, only if it starts within `budget_s`.
-7. engine_fp8: the embedded engine with FP8 block-scaled weights (`precision: fp8`, runtime/inference/model.py)
+7. engine_fp8: the embedded engine with FP8 block-scaled weights (`precision: fp8`, runtime/inference/weights.py)
    vs bf16 on a random ~1B Qwen3-MoE (32 experts, top-4), greedy, same prompts and token counts as section
    5, the two interleaved: decode tokens/s of each, their ratio, and how many greedy tokens agree.
 

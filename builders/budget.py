@@ -53,7 +53,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
     inference_section = "inference.disaggregation" if m.inference.disaggregation else "inference"
 
     # The embedded engine's FP8 on a CPU multiplies in fp32 by a dequantised copy of each FP8 weight
-    # (runtime/inference/model.py): fp32 weights plus the 1-byte ones, not less memory.
+    # (runtime/inference/weights.py): fp32 weights plus the 1-byte ones, not less memory.
     cpu_fp8 = cpu and m.inference.precision == "fp8"
     for name, g in m.inference.groups.items():
         mem = inference_memory_per_gpu(

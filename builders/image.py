@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from primebuild.builders import debian_rootfs, python_layer
+from primebuild.builders.image_inputs import project_entries, read_file, read_requirements
 from primebuild.builders.oci import (
     MEDIA_CONFIG,
     MEDIA_MANIFEST,
@@ -53,7 +53,7 @@ from primebuild.builders.oci import (
     rfc3339,
 )
 from primebuild.builders.store import Store
-from primebuild.errors import Problem, UserError
+from primebuild.errors import UserError
 from primebuild.hashing import canonical_bytes
 
 log = logging.getLogger(__name__)
@@ -329,15 +329,15 @@ def _resolve(spec: ImageSpec) -> _Inputs:
         raise UserError("installing Python packages needs a base with Python in it: a deb:<release> base")
     if spec.install and debian.get("python") != spec.python:  # type: ignore[union-attr]
         raise UserError(f"the Debian base has Python {debian.get('python')}, the image asks for {spec.python}")  # type: ignore[union-attr]
-    requirements = _read_requirements(spec.requirements) if spec.requirements is not None else None
-    project = _project_entries(spec, warnings) if spec.project_dir is not None else []
+    requirements = read_requirements(spec.requirements) if spec.requirements is not None else None
+    project = project_entries(spec.project_dir, spec.files, warnings) if spec.project_dir is not None else []
     if spec.files is not None and spec.project_dir is None:
         raise UserError("ImageSpec.files needs project_dir (the files are relative to it)")
     run_files = []
     for role, path in (("manifest", spec.manifest), ("lock", spec.lock), ("plan", spec.plan)):
         if path is not None:
             run_files.append(
-                TarEntry(f"{role}{Path(path).suffix}", "file", 0o644, _read_file(Path(path), role))
+                TarEntry(f"{role}{Path(path).suffix}", "file", 0o644, read_file(Path(path), role))
             )
     for warning in warnings:
         log.warning(warning)
@@ -357,131 +357,53 @@ def _epoch(spec: ImageSpec) -> int:
     return value
 
 
-def _read_file(path: Path, role: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as err:
-        raise UserError(f"cannot read the {role} file {path}: {err.strerror}") from err
-
-
-def _read_requirements(source: Path | str) -> bytes:
-    if isinstance(source, Path):
-        data, origin = _read_file(source, "requirements"), str(source)
-    elif "\n" not in source.strip() and source.strip().endswith(".txt") and Path(source.strip()).exists():
-        raise UserError(f"requirements {source!r} looks like a file name: pass Path({source!r}) to read it")
-    else:
-        data, origin = source.encode(), "<requirements text>"
-    check_requirements(data.decode(), origin)
-    return data
-
-
-def check_requirements(text: str, origin: str = "<requirements>") -> None:
-    """Every requirement must be pinned (`==`) or a direct URL, and carry `--hash=`: pip's hash-checking
-    mode then installs exactly the locked artifacts or nothing."""
-    problems = []
-    logical: list[tuple[int, str]] = []
-    pending, start = "", 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = re.sub(r"(^|\s)#.*$", "", raw).rstrip()
-        if not pending:
-            start = number
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        logical.append((start, pending + line))
-        pending = ""
-    if pending:
-        logical.append((start, pending))
-    for number, line in logical:
-        body = line.strip()
-        if not body or (
-            body.startswith("-")
-            and not body.startswith(("-e", "--editable", "-r", "--requirement", "-c", "--constraint"))
-        ):
-            continue  # blank, or an option such as --index-url
-        requirement = body.split()[0]
-        if requirement in ("-r", "--requirement", "-c", "--constraint") or body.startswith(("-r", "-c")):
-            problems.append(
-                Problem(
-                    f"{body!r} refers to another file, which the image would not hold: inline it",
-                    file=origin,
-                    line=number,
-                )
-            )
-        elif body.startswith(("-e", "--editable")):
-            problems.append(
-                Problem(f"editable requirement {body!r} cannot be locked", file=origin, line=number)
-            )
-        elif "--hash=" not in body:
-            problems.append(Problem(f"requirement {requirement!r} has no --hash", file=origin, line=number))
-        elif "==" not in requirement and " @ " not in body and "@" not in requirement:
-            problems.append(
-                Problem(f"requirement {requirement!r} is not pinned with ==", file=origin, line=number)
-            )
-    if problems:
-        hint = "generate locked requirements with `uv pip compile --generate-hashes`"
-        problems[-1] = Problem(problems[-1].message, file=origin, line=problems[-1].line, hint=hint)
-        raise UserError(problems)
-
-
-def _project_entries(spec: ImageSpec, warnings: list[str]) -> list[TarEntry]:
-    root = Path(spec.project_dir).resolve()  # type: ignore[arg-type]
-    if not root.is_dir():
-        raise UserError(f"project directory {root} does not exist")
-    listed = _git_files(root) if spec.files is None else [(f, None) for f in spec.files]
-    entries = []
-    for rel, git_mode in listed:
-        path = root / rel
-        if ".." in Path(rel).parts or Path(rel).is_absolute():
-            raise UserError(f"project file {rel!r} must be a relative path inside {root}")
-        if git_mode == "160000":
-            warnings.append(f"git submodule {rel} is not included in the image")
-            continue
-        if path.is_symlink():
-            entries.append(TarEntry(Path(rel).as_posix(), "symlink", 0o777, target=os.readlink(path)))
-        elif path.is_file():
-            executable = git_mode == "100755" if git_mode else bool(path.stat().st_mode & 0o111)
-            entries.append(
-                TarEntry(Path(rel).as_posix(), "file", 0o755 if executable else 0o644, path.read_bytes())
-            )
-        elif not path.exists() and git_mode:
-            warnings.append(f"tracked file {rel} is missing from the working tree and was left out")
-        else:
-            raise UserError(f"project file {path} is not a regular file or symlink")
-    return sorted(entries, key=lambda e: e.path)
-
-
-def _git_files(root: Path) -> list[tuple[str, str]]:
-    """(path, git mode) of every tracked file: modes come from git, so the checkout's umask is irrelevant."""
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(root), "ls-files", "-s", "-z"], capture_output=True, timeout=60
-        )
-    except FileNotFoundError as err:
-        raise UserError("git is not installed: pass ImageSpec.files to list the project files") from err
-    if done.returncode != 0:
-        raise UserError(
-            f"{root} is not a git checkout ({done.stderr.decode().strip()}); pass ImageSpec.files instead"
-        )
-    files = []
-    for record in done.stdout.decode().split("\0"):
-        if record:
-            meta, _, path = record.partition("\t")
-            files.append((path, meta.split()[0]))
-    return sorted(set(files))
-
-
 # ---- writing the image --------------------------------------------------------------------------------------
 
 
 def _write(inputs: _Inputs, out_dir: Path, heavy: list[BuiltLayer]) -> ImageResult:
-    spec, epoch = inputs.spec, inputs.epoch
+    """The OCI layout (base layers, our layers, config, manifest, index), the Docker build context beside
+    it and image.json, all from `inputs` alone: the same inputs give the same digests."""
+    spec = inputs.spec
     layout = OciLayout(out_dir / "oci")
     base_config: dict[str, Any] = inputs.base.config if inputs.base else {}
     if inputs.base:
         for descriptor in inputs.base.layers:
             layout.copy_blob(inputs.base.layout, descriptor)
+    layers = _write_layers(layout, inputs, heavy)
+    created = rfc3339(inputs.epoch)
+    labels = {**base_config.get("config", {}).get("Labels", {}), **_labels(inputs, created)}
+    env = _env(inputs, base_config.get("config", {}).get("Env", []))
+    image_config: dict[str, Any] = {
+        "Env": env,
+        "Entrypoint": ["primebuild"],
+        "WorkingDir": SRC_DIR,
+        "Labels": labels,
+    }
+    if spec.cmd:
+        image_config["Cmd"] = list(spec.cmd)
+    config = _config(inputs, base_config, image_config, layers, created)
+    config_descriptor = layout.write_json(config, MEDIA_CONFIG)
+    manifest_descriptor = _write_manifest(layout, inputs, config, config_descriptor, layers, created)
+    dockerfile = _write_docker_context(
+        inputs, out_dir / "docker", manifest_descriptor.digest, labels, env, image_config
+    )
+    result = ImageResult(
+        digest=manifest_descriptor.digest,
+        layout_path=layout.root,
+        config_digest=config_descriptor.digest,
+        layers=_layer_infos(inputs, base_config, layers),
+        tag=spec.tag,
+        dockerfile=dockerfile,
+        warnings=tuple(inputs.warnings),
+    )
+    _write_summary(result, out_dir / "image.json")
+    return result
 
+
+def _write_layers(layout: OciLayout, inputs: _Inputs, heavy: list[BuiltLayer]) -> list[Layer]:
+    """Our layers, in image order: the heavy ones (built or from the store), the locked requirements
+    (when not installed), the project code (installed or as source) and the run's files."""
+    spec, epoch = inputs.spec, inputs.epoch
     home = IMAGE_HOME.lstrip("/")
     layers: list[Layer] = []
     for built in heavy:
@@ -496,36 +418,36 @@ def _write(inputs: _Inputs, out_dir: Path, heavy: list[BuiltLayer]) -> ImageResu
             layout.write_layer(entries, mtime=epoch, created_by="primebuild: locked Python requirements")
         )
     if inputs.project:
-        moved = [_under(f"{home}/src", e) for e in inputs.project]
-        if spec.install:
-            with tempfile.TemporaryDirectory(prefix="primebuild-project-") as work:
-                moved += python_layer.install_project(inputs.project, spec.python, Path(work) / "image")
-                for i, (prefix, _) in enumerate(spec.environments):  # our modules run inside those processes
-                    moved += python_layer.install_project(inputs.project, spec.python, Path(work) / f"env{i}",
-                                                          root=prefix.strip("/"))
-                layers.append(layout.write_layer(moved, mtime=epoch, created_by="primebuild: project code, installed"))
-        else:
-            layers.append(layout.write_layer(moved, mtime=epoch, created_by="primebuild: project code"))
+        layers.append(_project_layer(layout, inputs, [_under(f"{home}/src", e) for e in inputs.project]))
     if inputs.run_files:
         moved = [_under(f"{home}/run", e) for e in inputs.run_files]
         layers.append(
             layout.write_layer(moved, mtime=epoch, created_by="primebuild: manifest, lock and plan")
         )
+    return layers
 
-    created = rfc3339(epoch)
-    labels = {**base_config.get("config", {}).get("Labels", {}), **_labels(inputs, created)}
-    env = _env(inputs, base_config.get("config", {}).get("Env", []))
-    image_config: dict[str, Any] = {
-        "Env": env,
-        "Entrypoint": ["primebuild"],
-        "WorkingDir": SRC_DIR,
-        "Labels": labels,
-    }
-    if spec.cmd:
-        image_config["Cmd"] = list(spec.cmd)
+
+def _project_layer(layout: OciLayout, inputs: _Inputs, moved: list[TarEntry]) -> Layer:
+    """The project's source under the image's home; with `install`, also installed into the image's
+    Python and into every environment beside it (our modules run inside those processes)."""
+    spec, epoch = inputs.spec, inputs.epoch
+    if not spec.install:
+        return layout.write_layer(moved, mtime=epoch, created_by="primebuild: project code")
+    with tempfile.TemporaryDirectory(prefix="primebuild-project-") as work:
+        moved += python_layer.install_project(inputs.project, spec.python, Path(work) / "image")
+        for i, (prefix, _) in enumerate(spec.environments):
+            moved += python_layer.install_project(inputs.project, spec.python, Path(work) / f"env{i}",
+                                                  root=prefix.strip("/"))
+        return layout.write_layer(moved, mtime=epoch, created_by="primebuild: project code, installed")
+
+
+def _config(inputs: _Inputs, base_config: dict[str, Any], image_config: dict[str, Any], layers: list[Layer],
+            created: str) -> dict[str, Any]:
+    """The OCI image config: the base's history and diff_ids first, ours after."""
+    spec = inputs.spec
     history = list(base_config.get("history", []))
     history += [{"created": created, "created_by": layer.created_by} for layer in layers]
-    config = {
+    return {
         "created": created,
         "architecture": base_config.get("architecture", spec.architecture),
         "os": base_config.get("os", spec.os),
@@ -537,7 +459,12 @@ def _write(inputs: _Inputs, out_dir: Path, heavy: list[BuiltLayer]) -> ImageResu
         },
         "history": history,
     }
-    config_descriptor = layout.write_json(config, MEDIA_CONFIG)
+
+
+def _write_manifest(layout: OciLayout, inputs: _Inputs, config: dict[str, Any], config_descriptor: Descriptor,
+                    layers: list[Layer], created: str) -> Descriptor:
+    """The image manifest and the index that names it by the spec's tag."""
+    spec = inputs.spec
     all_layers = (inputs.base.layers if inputs.base else []) + [la.descriptor for la in layers]
     annotations = {"org.opencontainers.image.created": created, "org.opencontainers.image.title": spec.name}
     if inputs.base:
@@ -563,12 +490,12 @@ def _write(inputs: _Inputs, out_dir: Path, heavy: list[BuiltLayer]) -> ImageResu
             )
         ]
     )
+    return manifest_descriptor
 
-    dockerfile = _write_docker_context(
-        inputs, out_dir / "docker", manifest_descriptor.digest, labels, env, image_config
-    )
+
+def _layer_infos(inputs: _Inputs, base_config: dict[str, Any], layers: list[Layer]) -> tuple[LayerInfo, ...]:
     base_diff_ids = base_config.get("rootfs", {}).get("diff_ids", [])
-    layer_infos = tuple(
+    return tuple(
         LayerInfo(d.digest, diff_id, d.size, d.media_type, "base image")
         for d, diff_id in zip(inputs.base.layers if inputs.base else [], base_diff_ids, strict=True)
     ) + tuple(
@@ -577,26 +504,19 @@ def _write(inputs: _Inputs, out_dir: Path, heavy: list[BuiltLayer]) -> ImageResu
         )
         for la in layers
     )
-    result = ImageResult(
-        digest=manifest_descriptor.digest,
-        layout_path=layout.root,
-        config_digest=config_descriptor.digest,
-        layers=layer_infos,
-        tag=spec.tag,
-        dockerfile=dockerfile,
-        warnings=tuple(inputs.warnings),
-    )
+
+
+def _write_summary(result: ImageResult, path: Path) -> None:
     summary = {
         "digest": result.digest,
         "config_digest": result.config_digest,
         "tag": result.tag,
         "layout": "oci",
         "dockerfile": "docker/Dockerfile",
-        "layers": [layer.__dict__ for layer in layer_infos],
+        "layers": [layer.__dict__ for layer in result.layers],
         "warnings": list(result.warnings),
     }
-    (out_dir / "image.json").write_bytes(canonical_bytes(summary) + b"\n")
-    return result
+    path.write_bytes(canonical_bytes(summary) + b"\n")
 
 
 def _under(prefix: str, entry: TarEntry) -> TarEntry:

@@ -234,28 +234,9 @@ def trainer_memory_per_gpu(
     With LoRA (`adapter_params` = A: builders/lora.py) the base is frozen: params and master weights count
     total + A, but grads and optimizer state only A, and a gathered layer brings no full-size grads.
     """
-    _positive(dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, ep=ep, tp=tp,
-              micro_batch_tokens=micro_batch_tokens, seq_len=seq_len)
-    if optimizer not in OPTIMIZER_STATES:
-        raise UserError(f"trainer.optimizer: unknown optimizer '{optimizer}'",
-                        hint=f"use one of: {', '.join(sorted(OPTIMIZER_STATES))}")
+    _check_trainer_layout(facts, optimizer=optimizer, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, ep=ep,
+                          tp=tp, micro_batch_tokens=micro_batch_tokens, seq_len=seq_len)
     shards = dp_shard * cp * tp
-    if ep > 1:
-        if not facts.is_moe:
-            raise UserError(f"ep={ep} needs a mixture-of-experts model; {facts.architecture} is dense",
-                            hint="set ep: 1")
-        if facts.num_experts % ep:
-            raise UserError(f"ep={ep} must divide the number of experts ({facts.num_experts})")
-        if shards % ep:
-            raise UserError(f"ep={ep} must divide dp_shard·cp·tp = {shards}: expert parallelism borrows "
-                            "its ranks from the FSDP, CP and TP ranks")
-    if facts.num_attention_heads % tp:
-        raise UserError(f"tp={tp} must divide num_attention_heads ({facts.num_attention_heads})")
-    if micro_batch_tokens < seq_len:
-        raise UserError(f"micro_batch_tokens ({micro_batch_tokens}) is smaller than seq_len ({seq_len})",
-                        hint="a micro-batch must hold one whole sequence; context parallelism (cp) "
-                        "splits it across GPUs")
-
     p_bytes = dtype_bytes(param_dtype, field="param_dtype")
     g_bytes = dtype_bytes(grad_dtype, field="grad_dtype")
     has_master = master_dtype is not None and dtype_bytes(master_dtype, field="master_dtype") != p_bytes
@@ -280,28 +261,15 @@ def trainer_memory_per_gpu(
         fsdp_buffers = math.ceil(_largest_layer_params(facts, tp=tp, ep=ep) * (2 * p_bytes + layer_grad_bytes))
 
     tokens = _ceil_div(micro_batch_tokens, cp)
-    dense_act = layer_activation_bytes(facts, moe_layer=False, act_bytes=a_bytes)
-    moe_act = layer_activation_bytes(facts, moe_layer=True, act_bytes=a_bytes) if facts.num_moe_layers else 0
-    # measured (bench/trainer_memory.py): EP=2 keeps 1.0 extra routed-token copy per MoE layer on average
-    ep_dispatch = facts.experts_per_token * facts.hidden_size * a_bytes if ep > 1 and facts.num_moe_layers else 0
-    if activation_checkpointing:
-        per_token = facts.num_layers * facts.hidden_size * a_bytes + max(
-            activation_factor * dense_act if facts.num_dense_layers else 0, activation_factor * moe_act + ep_dispatch)
-    else:
-        per_token = (activation_factor * (facts.num_dense_layers * dense_act + facts.num_moe_layers * moe_act)
-                     + facts.num_moe_layers * ep_dispatch)
-    activations = math.ceil(tokens * per_token / tp)
+    activations = _activation_bytes(facts, tokens, tp=tp, ep=ep, act_bytes=a_bytes,
+                                    activation_checkpointing=activation_checkpointing,
+                                    activation_factor=activation_factor)
 
     logit_tokens = min(tokens, logits_chunk_tokens) if logits_chunk_tokens else tokens
     logits = logit_tokens * _ceil_div(facts.vocab_size, tp) * LOGITS_BYTES_PER_ELEMENT
 
-    sparse_index = 0
-    if facts.index_topk:
-        batch, queries = _ceil_div(micro_batch_tokens, seq_len), _ceil_div(seq_len, cp)
-        chunk = min(queries, index_query_chunk(batch, facts.index_n_heads, seq_len))
-        masks_per_pair = (2 if cp > 1 else 3) + a_bytes
-        sparse_index = math.ceil(batch * chunk * facts.index_n_heads * seq_len * 4
-                                 + batch * queries * seq_len * masks_per_pair)
+    sparse_index = _sparse_index_bytes(facts, micro_batch_tokens=micro_batch_tokens, seq_len=seq_len, cp=cp,
+                                       act_bytes=a_bytes)
 
     allocated = params + grads + master + optimizer_state + fsdp_buffers + activations + logits + sparse_index
     fixed = CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES if overhead_bytes is None else overhead_bytes
@@ -314,6 +282,59 @@ def trainer_memory_per_gpu(
         total=total, free=gpu_memory_bytes - total, fits=total <= gpu_memory_bytes,
         host_bytes=host_bytes, tokens_per_gpu=tokens,
     )
+
+
+def _check_trainer_layout(facts: ModelFacts, *, optimizer: str, dp_shard: int, dp_replicate: int, cp: int, ep: int,
+                          tp: int, micro_batch_tokens: int, seq_len: int) -> None:
+    """The degrees and sizes the trainer model can count: a located message for each that it cannot."""
+    _positive(dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, ep=ep, tp=tp,
+              micro_batch_tokens=micro_batch_tokens, seq_len=seq_len)
+    if optimizer not in OPTIMIZER_STATES:
+        raise UserError(f"trainer.optimizer: unknown optimizer '{optimizer}'",
+                        hint=f"use one of: {', '.join(sorted(OPTIMIZER_STATES))}")
+    shards = dp_shard * cp * tp
+    if ep > 1:
+        if not facts.is_moe:
+            raise UserError(f"ep={ep} needs a mixture-of-experts model; {facts.architecture} is dense",
+                            hint="set ep: 1")
+        if facts.num_experts % ep:
+            raise UserError(f"ep={ep} must divide the number of experts ({facts.num_experts})")
+        if shards % ep:
+            raise UserError(f"ep={ep} must divide dp_shard·cp·tp = {shards}: expert parallelism borrows "
+                            "its ranks from the FSDP, CP and TP ranks")
+    if facts.num_attention_heads % tp:
+        raise UserError(f"tp={tp} must divide num_attention_heads ({facts.num_attention_heads})")
+    if micro_batch_tokens < seq_len:
+        raise UserError(f"micro_batch_tokens ({micro_batch_tokens}) is smaller than seq_len ({seq_len})",
+                        hint="a micro-batch must hold one whole sequence; context parallelism (cp) "
+                        "splits it across GPUs")
+
+
+def _activation_bytes(facts: ModelFacts, tokens: int, *, tp: int, ep: int, act_bytes: int,
+                      activation_checkpointing: bool, activation_factor: float) -> int:
+    """Activations kept for backward by `tokens` tokens on one GPU (see trainer_memory_per_gpu)."""
+    dense_act = layer_activation_bytes(facts, moe_layer=False, act_bytes=act_bytes)
+    moe_act = layer_activation_bytes(facts, moe_layer=True, act_bytes=act_bytes) if facts.num_moe_layers else 0
+    # measured (bench/trainer_memory.py): EP=2 keeps 1.0 extra routed-token copy per MoE layer on average
+    ep_dispatch = facts.experts_per_token * facts.hidden_size * act_bytes if ep > 1 and facts.num_moe_layers else 0
+    if activation_checkpointing:
+        per_token = facts.num_layers * facts.hidden_size * act_bytes + max(
+            activation_factor * dense_act if facts.num_dense_layers else 0, activation_factor * moe_act + ep_dispatch)
+    else:
+        per_token = (activation_factor * (facts.num_dense_layers * dense_act + facts.num_moe_layers * moe_act)
+                     + facts.num_moe_layers * ep_dispatch)
+    return math.ceil(tokens * per_token / tp)
+
+
+def _sparse_index_bytes(facts: ModelFacts, *, micro_batch_tokens: int, seq_len: int, cp: int, act_bytes: int) -> int:
+    """DSA models: one query chunk's index scores and the selection masks (see trainer_memory_per_gpu)."""
+    if not facts.index_topk:
+        return 0
+    batch, queries = _ceil_div(micro_batch_tokens, seq_len), _ceil_div(seq_len, cp)
+    chunk = min(queries, index_query_chunk(batch, facts.index_n_heads, seq_len))
+    masks_per_pair = (2 if cp > 1 else 3) + act_bytes
+    return math.ceil(batch * chunk * facts.index_n_heads * seq_len * 4
+                     + batch * queries * seq_len * masks_per_pair)
 
 
 # ---- inference ----------------------------------------------------------------------------------

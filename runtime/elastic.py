@@ -48,7 +48,7 @@ def scale_refusal(plan: Plan, target: str) -> str | None:
     if target not in SCALE_TARGETS:
         return (f"`scale` is built for the local target only; this run's target is {target} (its processes "
                 "are started by the cluster's scheduler, whose allocation does not grow here)")
-    if plan.weight_sync.get("mode") == "broadcast":
+    if plan.weight_sync.mode == "broadcast":
         return ("`scale` is refused under broadcast weight sync: the trainer's weight group has a size fixed "
                 "at its init, so a replica can neither join nor leave it mid-run; use weight_sync.mode: filesystem")
     if plan.by_role("prefill", "decode", "router"):
@@ -103,8 +103,8 @@ def new_replica(plan: Plan, index: int) -> ProcessSpec:
 
 
 def _free_gpus(plan: Plan, count: int) -> tuple[int, list[int]]:
-    per_node = int(plan.hardware.get("gpus_per_node", 0))
-    for node in range(int(plan.hardware.get("nodes", 1))):
+    per_node = plan.hardware.gpus_per_node
+    for node in range(plan.hardware.nodes):
         used = {g for p in plan.processes if p.node == node for g in p.gpus}
         free = [g for g in range(per_node) if g not in used]
         if len(free) >= count:

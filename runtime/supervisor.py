@@ -43,9 +43,9 @@ from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.run_dir import FailureRecord, RunDir, write_json_atomic
 from primebuild.runtime.elastic import ElasticInference
 from primebuild.runtime.hang_watchdog import HangWatchdog, end_leftovers
+from primebuild.runtime.launcher import Handle, Launcher
 from primebuild.runtime.liveness import START_MARKER, LivenessProbe, first_error_line
 from primebuild.runtime.progress import Progress
-from primebuild.runtime.targets.base import Handle, Launcher
 
 GRACE_SECONDS = 60  # a requested stop: how long the trainer may take to finish its step and checkpoint
 STOP_GRACE_SECONDS = 8.0  # a failure: how long the survivors may take to checkpoint before SIGTERM

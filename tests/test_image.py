@@ -21,8 +21,8 @@ from primebuild.builders.image import (
     ImageSpec,
     build_image,
     build_image_in_store,
-    check_requirements,
 )
+from primebuild.builders.image_inputs import check_requirements
 from primebuild.builders.oci import MEDIA_CONFIG, Descriptor, OciLayout, TarEntry
 from primebuild.builders.store import Store
 from primebuild.errors import UserError

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from inference_helpers import load_hf, save_model, teacher_forced_logprobs
 
-from primebuild.runtime.inference import model as model_module
+from primebuild.runtime.inference import linear as linear_module
 from primebuild.runtime.inference.engine import ChoiceResult, Engine
-from primebuild.runtime.inference.model import Linear, _unit, onednn_packing_available
+from primebuild.runtime.inference.linear import Linear, onednn_packing_available
+from primebuild.runtime.inference.model import _unit
 from primebuild.runtime.inference.sampling import SamplingParams, sample, sample_greedy
 
 torch.set_num_threads(1)
@@ -56,7 +57,7 @@ def test_only_calls_with_enough_work_take_the_packed_path():
     assert linear.packed_from_rows == 16
     small = Linear(torch.randn(8, 8))
     small.pack()
-    assert small.packed_from_rows == model_module.ONEDNN_MIN_MACS // 64
+    assert small.packed_from_rows == linear_module.ONEDNN_MIN_MACS // 64
 
 
 def test_greedy_fast_path_matches_general_sampler():
@@ -79,7 +80,7 @@ def test_ragged_batch_decodes_like_hf_on_both_backends(dense_folder, monkeypatch
     two or more rows goes through oneDNN. Tokens equal HF's greedy ones, log-probs HF's teacher-forced."""
     if packed and not ONEDNN:
         pytest.skip("oneDNN packing needs an x86 CPU build of torch with mkldnn")
-    monkeypatch.setattr(model_module, "ONEDNN_MIN_MACS", 1 if packed else 1 << 62)
+    monkeypatch.setattr(linear_module, "ONEDNN_MIN_MACS", 1 if packed else 1 << 62)
     engine = Engine(dense_folder, max_num_seqs=12, max_model_len=64, device="cpu")
     try:
         layer = engine.forward.weights.layers[0]
@@ -143,7 +144,7 @@ def test_flat_kv_row_index_tracks_cache_growth():
     """The decode step writes new K/V rows through flat views and `row_index`; after the time axis
     grows (and the tensors are replaced) the index must still address (slot, head, position)."""
     from primebuild.runtime.inference.kv_cache import KVCache
-    from primebuild.runtime.inference.model import ModelConfig
+    from primebuild.runtime.inference.model_config import ModelConfig
 
     config = ModelConfig(
         model_type="qwen3", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=2,

@@ -12,7 +12,7 @@ from conftest import CPU_MANIFEST, MANIFESTS, REPO, call_cli, run_cli, write
 
 from primebuild.builders import lock as lockmod
 from primebuild.builders import python_env
-from primebuild.builders.image import check_requirements
+from primebuild.builders.image_inputs import check_requirements
 from primebuild.builders.lock_check import check_lock, load_lock_for
 from primebuild.contracts.run_dir import RunDir
 from primebuild.errors import UserError

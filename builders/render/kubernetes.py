@@ -73,7 +73,10 @@ def image_environments(plan: Plan, python: str) -> dict[str, str]:
     return {"vllm": python if vllm.device == "cuda" else vllm.image_python}
 
 
-class _Renderer:
+class KubernetesObjects:
+    """One plan's objects on Kubernetes, with the names, namespace and rendezvous they use: the renderer
+    writes them to a file, the kubernetes target (runtime/targets/kubernetes.py) applies them."""
+
     def __init__(self, plan: Plan, ctx: RenderContext):
         self.plan, self.ctx = plan, ctx
         self.name = plan.name.lower().replace("_", "-").replace(".", "-")
@@ -216,7 +219,7 @@ class _Renderer:
 
 
 def render_kubernetes(plan: Plan, ctx: RenderContext) -> dict[str, str]:
-    objects = _Renderer(plan, ctx).objects()
+    objects = KubernetesObjects(plan, ctx).objects()
     header = [f"# primebuild {__version__}: {plan.name}, plan {plan.plan_hash}, target kubernetes "
               "(rendered; do not edit)"] + [f"# {n}" for n in not_runnable_notes(plan)]
     text = "\n".join(header) + "\n" + "".join(

@@ -23,8 +23,9 @@ import asyncio
 import logging
 import time
 
-from .engine import Engine, Prefilled
+from .engine import Engine
 from .kv_transfer import KvInbox, KvSender
+from .prefilled import Prefilled
 from .protocol import ApiError, KvTransfer
 from .sampling import SamplingParams
 

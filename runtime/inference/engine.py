@@ -48,8 +48,11 @@ from primebuild.runtime.weight_sync.filesystem import STABLE, verify
 
 from .kv_cache import KVCache
 from .lora import AdapterMerger, is_adapter_folder
-from .model import ModelConfig, Qwen3Forward, RotaryTable, load_weights
+from .model import Qwen3Forward, RotaryTable
+from .model_config import ModelConfig
+from .prefilled import Prefilled, export_slot, install_slot
 from .sampling import SamplingParams, make_generator, sample, sample_greedy
+from .weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +76,6 @@ class SeqUpdate(NamedTuple):
     stop_text: str | None = None  # the stop string that ended it, if any
     routed_experts: str | None = None  # on the final update only: kernels/routing.py's wire form
     error: str | None = None
-
-
-@dataclass
-class Prefilled:
-    """A prompt prefilled elsewhere (P/D): what a decode server needs to continue it."""
-
-    prompt_ids: list[int]
-    k: torch.Tensor  # [layers, kv_heads, T, head_dim]
-    v: torch.Tensor
-    logits: torch.Tensor  # [vocab] fp32, at the prompt's last position
-    version: int  # policy version of the weights that computed k, v and logits
-    routed: torch.Tensor | None = None  # [T, moe_layer, top_k] the prompt's experts, when asked for
 
 
 @dataclass
@@ -528,11 +519,7 @@ class Engine:
                 self._place(seq)
                 group.append(seq)
             first = group[0].slot
-            for layer in range(self.config.num_layers):
-                self.cache.k[layer][first, :, :length] = shipped.k[layer].to(self.device, self.dtype)
-                self.cache.v[layer][first, :, :length] = shipped.v[layer].to(self.device, self.dtype)
-            if shipped.routed is not None and self.cache.routes is not None:
-                self.cache.routes[first, :length] = shipped.routed.to(self.device, self.cache.routes.dtype)
+            install_slot(self.cache, first, shipped, self.device, self.dtype)
             for seq in group:
                 if seq.slot != first:
                     self.cache.copy_slot(first, seq.slot, length)
@@ -603,13 +590,9 @@ class Engine:
     def _export(self, seq: Sequence, logits: torch.Tensor, length: int) -> None:
         """P/D prefill: hand the prompt's KV (copied out of its slot) and last logits to the request's sink."""
         request = seq.request
-        k = torch.stack([layer[seq.slot, :, :length] for layer in self.cache.k])
-        v = torch.stack([layer[seq.slot, :, :length] for layer in self.cache.v])
-        routes = None  # [T, moe_layer, top_k]: the slot's rows, as the decode server stores them
-        if request.params.return_routed_experts and self.cache.routes is not None:
-            routes = self.cache.routes[seq.slot, :length].clone()
+        shipped = export_slot(self.cache, seq.slot, length, logits, request.prompt_ids, self.version,
+                              request.params.return_routed_experts)
         self.metrics.kv_exported += 1
-        shipped = Prefilled(list(request.prompt_ids), k, v, logits.float().clone(), self.version, routes)
         try:
             request.sink(shipped)
         except Exception:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import ModelConfig
+from .model_config import ModelConfig
 
 
 class KVCache:

@@ -35,7 +35,7 @@ import zmq
 
 from primebuild.kernels.dtypes import DTYPES
 
-from .engine import Prefilled
+from .prefilled import Prefilled
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from primebuild.errors import UserError
 
-from .engine import ChoiceResult, Engine, EngineDead, Prefilled, SeqUpdate
+from .engine import ChoiceResult, Engine, EngineDead, SeqUpdate
+from .prefilled import Prefilled
 from .protocol import ApiError
 from .sampling import SamplingParams
 from .tokenizer import ServedTokenizer

@@ -43,31 +43,60 @@ class Counters:
         self.requests = self.failed = self.prompts = self.kv_bytes = self.kv_tokens = 0
         self.prefill_seconds = self.decode_seconds = 0.0
 
+    def metrics_text(self) -> str:
+        """The Prometheus text of the counters."""
+        lines = []
+        for name, kind, text, value in (
+                ("requests_total", "counter", "Requests routed through prefill then decode.", self.requests),
+                ("requests_failed_total", "counter", "Requests a prefill or decode server failed.", self.failed),
+                ("prompts_total", "counter", "Prompts prefilled and shipped.", self.prompts),
+                ("kv_transfer_bytes_total", "counter", "Bytes of K and V shipped from prefill to decode.",
+                 self.kv_bytes),
+                ("kv_transfer_tokens_total", "counter", "Prompt tokens whose K and V were shipped.", self.kv_tokens),
+                ("prefill_seconds_total", "counter", "Seconds in prefill requests (prefill + KV send).",
+                 self.prefill_seconds),
+                ("decode_seconds_total", "counter", "Seconds in decode requests.", self.decode_seconds)):
+            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} {kind}", f"{PREFIX}_{name} {value}"]
+        return "\n".join(lines) + "\n"
 
-def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
-    prefill = Pool([u.rstrip("/") for u in config.prefill])
-    decode = Pool([d.url.rstrip("/") for d in config.decode])
-    inbox = {d.url.rstrip("/"): d.kv_address for d in config.decode}
-    every = prefill.urls + decode.urls
-    counters = Counters()
-    app, http = router_app("primebuild P/D router")
 
-    async def disaggregated(request: Request, path: str):
+class PdRouter:
+    """The router's state (pools, counters, the httpx client) and its three jobs: route one request through
+    prefill then decode, fan admin calls out to every server, and report the fleet's health."""
+
+    def __init__(self, config: RouterConfig, http: httpx.AsyncClient):
+        self.config, self.http = config, http
+        self.prefill = Pool([u.rstrip("/") for u in config.prefill])
+        self.decode = Pool([d.url.rstrip("/") for d in config.decode])
+        self.inbox = {d.url.rstrip("/"): d.kv_address for d in config.decode}
+        self.every = self.prefill.urls + self.decode.urls
+        self.counters = Counters()
+
+    async def disaggregated(self, request: Request, path: str) -> Response:
         body = await json_object(request, "kv_transfer")
         transfer = uuid.uuid4().hex
-        p, d = prefill.pick(), decode.pick()
-        prefill_url, decode_url = prefill.urls[p], decode.urls[d]
-        counters.requests += 1
-        prefill.busy[p] += 1
+        self.counters.requests += 1
+        d = self.decode.pick()
+        failed = await self._prefill(path, body, transfer, self.decode.urls[d])
+        if failed is not None:
+            return failed
+        return await self._decode(path, {**body, "kv_transfer": {"id": transfer}}, d, bool(body.get("stream")))
+
+    async def _prefill(self, path: str, body: dict, transfer: str, decode_url: str) -> Response | None:
+        """The first half: the prompts prefilled and their KV pushed to the decode server's inbox; returns
+        the prefill server's own answer when it is an error, to pass on."""
+        counters, p = self.counters, self.prefill.pick()
+        prefill_url = self.prefill.urls[p]
+        self.prefill.busy[p] += 1
         started = time.monotonic()
         try:
-            answer = await http.post(prefill_url + path, json={**body, "stream": False,
-                                                               "kv_transfer": {"id": transfer, "to": inbox[decode_url]}})
+            answer = await self.http.post(prefill_url + path, json={
+                **body, "stream": False, "kv_transfer": {"id": transfer, "to": self.inbox[decode_url]}})
         except httpx.TransportError as err:
             counters.failed += 1
             raise ApiError(503, f"prefill server {prefill_url} unreachable: {err}") from None
         finally:
-            prefill.busy[p] -= 1
+            self.prefill.busy[p] -= 1
         counters.prefill_seconds += time.monotonic() - started
         if answer.status_code != 200:  # the prefill server's own answer (a 400 for a bad request ...)
             counters.failed += 1
@@ -76,45 +105,35 @@ def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
         counters.prompts += int(sent.get("prompts", 0))
         counters.kv_bytes += int(sent.get("kv_bytes", 0))
         counters.kv_tokens += int(sent.get("tokens", 0))
+        return None
 
-        decode_body = {**body, "kv_transfer": {"id": transfer}}
-        decode.busy[d] += 1
+    async def _decode(self, path: str, body: dict, d: int, stream: bool) -> Response:
+        """The second half: the decode server continues from the shipped KV; its answer passes through."""
+        decode_url = self.decode.urls[d]
+        self.decode.busy[d] += 1
         started = time.monotonic()
         try:
-            upstream = await http.send(http.build_request("POST", decode_url + path, json=decode_body), stream=True)
+            upstream = await self.http.send(self.http.build_request("POST", decode_url + path, json=body),
+                                            stream=True)
         except httpx.TransportError as err:
-            decode.busy[d] -= 1
-            counters.failed += 1
+            self.decode.busy[d] -= 1
+            self.counters.failed += 1
             raise ApiError(503, f"decode server {decode_url} unreachable: {err}") from None
 
         async def done() -> None:
             await upstream.aclose()
-            decode.busy[d] -= 1
-            counters.decode_seconds += time.monotonic() - started
+            self.decode.busy[d] -= 1
+            self.counters.decode_seconds += time.monotonic() - started
 
-        return await pass_through(upstream, bool(body.get("stream")), done)
+        return await pass_through(upstream, stream, done)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await disaggregated(request, "/v1/completions")
+    async def _fan_out(self, method: str, path: str, headers: dict, body: bytes | None = None) -> list[httpx.Response]:
+        return await asyncio.gather(*(self.http.request(method, url + path, headers=headers, content=body)
+                                      for url in self.every))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await disaggregated(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models():
-        answer = await http.get(decode.urls[0] + "/v1/models")
-        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
-
-    async def fan_out(method: str, path: str, headers: dict, body: bytes | None = None) -> list[httpx.Response]:
-        return await asyncio.gather(*(http.request(method, url + path, headers=headers, content=body)
-                                      for url in every))
-
-    @app.get("/health")
-    async def health():
+    async def health(self):
         try:
-            answers = await fan_out("GET", "/health", {})
+            answers = await self._fan_out("GET", "/health", {})
         except httpx.TransportError as err:
             return JSONResponse({"status": "unavailable", "error": str(err)}, status_code=503)
         if any(a.status_code != 200 for a in answers):
@@ -122,54 +141,64 @@ def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
                                 status_code=503)
         states = [a.json() for a in answers]
         versions = [s["policy_version"] for s in states]
-        return {"status": "ok", "model": config.served_model_name, "policy_version": min(versions),
-                "policy_versions": dict(zip(every, versions, strict=True)),
+        return {"status": "ok", "model": self.config.served_model_name, "policy_version": min(versions),
+                "policy_versions": dict(zip(self.every, versions, strict=True)),
                 "received_version": min(s.get("received_version", s["policy_version"]) for s in states),
                 "paused": any(s.get("paused") for s in states)}
 
-    async def admin(request: Request, path: str):
+    async def admin(self, request: Request, path: str, admin_token: str | None):
         header = authorize(request, admin_token)
         body = await request.body()
         try:
-            answers = await fan_out("POST", path, {"authorization": header, "content-type": "application/json"},
-                                    body or b"{}")
+            answers = await self._fan_out("POST", path, {"authorization": header, "content-type": "application/json"},
+                                          body or b"{}")
         except httpx.TransportError as err:
             raise ApiError(503, f"{path}: a server is unreachable: {err}") from None
-        failed = [(url, a) for url, a in zip(every, answers, strict=True) if a.status_code != 200]
+        failed = [(url, a) for url, a in zip(self.every, answers, strict=True) if a.status_code != 200]
         if failed:
             url, worst = failed[0]
-            message = f"{path} failed on {len(failed)} of {len(every)} servers; {url}: {worst.text[:300]}"
+            message = f"{path} failed on {len(failed)} of {len(self.every)} servers; {url}: {worst.text[:300]}"
             raise ApiError(worst.status_code, message)
         versions = {a.json().get("policy_version") for a in answers}
-        return {"status": "ok", "servers": len(every), "policy_version": min(v for v in versions if v is not None)}
+        return {"status": "ok", "servers": len(self.every), "policy_version": min(v for v in versions if v is not None)}
+
+
+def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
+    app, http = router_app("primebuild P/D router")
+    router = PdRouter(config, http)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.disaggregated(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await router.disaggregated(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models():
+        answer = await http.get(router.decode.urls[0] + "/v1/models")
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health():
+        return await router.health()
 
     @app.post("/pause")
     async def pause(request: Request):
-        return await admin(request, "/pause")
+        return await router.admin(request, "/pause", admin_token)
 
     @app.post("/resume")
     async def resume(request: Request):
-        return await admin(request, "/resume")
+        return await router.admin(request, "/resume", admin_token)
 
     @app.post("/update_weights")
     async def update_weights(request: Request):
-        return await admin(request, "/update_weights")
+        return await router.admin(request, "/update_weights", admin_token)
 
     @app.get("/metrics")
     async def metrics():
-        lines = []
-        for name, kind, text, value in (
-                ("requests_total", "counter", "Requests routed through prefill then decode.", counters.requests),
-                ("requests_failed_total", "counter", "Requests a prefill or decode server failed.", counters.failed),
-                ("prompts_total", "counter", "Prompts prefilled and shipped.", counters.prompts),
-                ("kv_transfer_bytes_total", "counter", "Bytes of K and V shipped from prefill to decode.",
-                 counters.kv_bytes),
-                ("kv_transfer_tokens_total", "counter", "Prompt tokens whose K and V were shipped.", counters.kv_tokens),
-                ("prefill_seconds_total", "counter", "Seconds in prefill requests (prefill + KV send).",
-                 counters.prefill_seconds),
-                ("decode_seconds_total", "counter", "Seconds in decode requests.", counters.decode_seconds)):
-            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} {kind}", f"{PREFIX}_{name} {value}"]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(router.counters.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 

@@ -12,38 +12,18 @@ Like SkyPilot's backends (provision, setup, execute, teardown), a target has fou
 - `stop(run, record)`  end whatever of the run still runs (scancel, killing process groups);
 - `state(run, record)`  one line for `status` (e.g. "slurm job 12: RUNNING").
 
-Targets whose processes the supervisor (runtime/supervisor.py) starts hand it a `Launcher`; each
-started process is a `Handle`.
+Targets whose processes the supervisor (runtime/supervisor.py) starts hand it a `Launcher`
+(runtime/launcher.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Protocol
 
-from primebuild.contracts.plan import Plan, ProcessSpec
+from primebuild.contracts.plan import Plan
 from primebuild.contracts.run_dir import LaunchRecord, RunDir
-
-
-class Handle(Protocol):
-    """One started process (with everything it started)."""
-
-    def poll(self) -> int | None: ...  # exit code, None while it runs
-
-    def wait(self, timeout: float) -> int | None: ...  # exit code, None if still running after `timeout`
-
-    def terminate(self) -> None: ...  # SIGTERM to its process group
-
-    def kill(self) -> None: ...  # SIGKILL to its process group
-
-    def lines(self) -> Iterator[str]: ...  # its output, line by line, until it exits
-
-    def lost_contact(self) -> str | None: ...  # why its host cannot be reached any more (ssh), or None
-
-
-class Launcher(Protocol):
-    def start(self, spec: ProcessSpec, env: dict[str, str]) -> Handle: ...
 
 
 class Outcome(Protocol):

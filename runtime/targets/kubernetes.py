@@ -21,7 +21,7 @@ import secrets
 import sys
 import time
 
-from primebuild.builders.render.kubernetes import JOBSET_API, _Renderer
+from primebuild.builders.render.kubernetes import JOBSET_API, KubernetesObjects
 from primebuild.contracts.plan import Plan, read_plan
 from primebuild.contracts.render import RenderContext
 from primebuild.contracts.run_dir import LaunchRecord, Rendezvous, RunDir, write_json_atomic
@@ -63,9 +63,9 @@ class KubernetesTarget(Target):
     def provision(self, plan: Plan) -> None:
         _client()
 
-    def _renderer(self, run: RunDir, plan: Plan) -> _Renderer:
+    def _renderer(self, run: RunDir, plan: Plan) -> KubernetesObjects:
         record = run.read_json(run.run_record)
-        return _Renderer(plan, RenderContext(run_dir=str(run.root), python="python3", image=record.get("image"),
+        return KubernetesObjects(plan, RenderContext(run_dir=str(run.root), python="python3", image=record.get("image"),
                                              model_path=record.get("model_path", "{model_path}")))
 
     def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:

@@ -9,8 +9,9 @@ Attention: each rank computes q, k, v for its own positions (RoPE at their globa
 by global position. The all-gather is autograd-aware: its backward sums the key/value gradients of
 every rank and returns each rank its own part. It runs as an attention function registered with
 transformers' attention interface, so the HF decoder layers are untouched; on one rank, or without an
-active split, it is plain SDPA. A sparse attention's top-k `indices` (global positions, from an indexer made
-global by sparse_attention.py) further restrict each query to those keys.
+active split, it is plain SDPA. The split in flight is the model's `ContextSplit`, handed to its
+attention modules, not a module global. A sparse attention's top-k `indices` (global positions, from an
+indexer made global by sparse_attention.py) further restrict each query to those keys.
 
 Right padding means causal attention alone keeps real tokens from seeing padding, so no padding mask
 travels: a padded position's output is garbage that no loss reads.
@@ -66,19 +67,16 @@ def make_shard(length: int, cp: int, rank: int, group, device) -> ContextShard:
     return ContextShard(length, every[rank].to(device), torch.cat(every).to(device), group)
 
 
-# The split of the micro-batch being computed. A module-level value, not a context manager: with
-# activation checkpointing the backward recomputes each layer's forward after Policy.forward has
-# returned, and that recomputation must gather over the same split (the next forward replaces it).
-_current: ContextShard | None = None
+class ContextSplit:
+    """The split of the micro-batch being computed, shared by the attention modules and sparse indexers of
+    one model (parallelize.apply_context_parallel hands it to them; Policy.forward sets it).
 
+    Set, not entered as a context manager: with activation checkpointing the backward recomputes each
+    layer's forward after Policy.forward has returned, and that recomputation must gather over the same
+    split (the next forward replaces it)."""
 
-def use_shard(shard: ContextShard | None) -> None:
-    global _current
-    _current = shard
-
-
-def current_shard() -> ContextShard | None:
-    return _current
+    def __init__(self):
+        self.shard: ContextShard | None = None
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -107,8 +105,10 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
     """transformers attention function: [B, H, Tq, D] queries -> [B, Tq, H, D] outputs.
 
     `indices` ([B, Tq, k] global key positions, from a sparse-attention indexer: sparse_attention.py)
-    restricts each query to those keys."""
-    shard = _current
+    restricts each query to those keys. The split comes from `module.context_split`
+    (apply_context_parallel); a module without one attends unsplit."""
+    split = getattr(module, "context_split", None)
+    shard = None if split is None else split.shard
     groups = query.shape[1] // key.shape[1]
     if shard is None:
         if indices is not None:

@@ -1,8 +1,8 @@
-"""The policy model: loading, FSDP2 sharding, per-token log-probs, and the full weights for publishing."""
+"""The policy model: loading (parallelized by parallelize.py), per-token log-probs, and the full weights for
+publishing."""
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -14,15 +14,12 @@ from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.trainer import LoraConfig, ParallelDims
 from primebuild.kernels.dtypes import DTYPES
 
-from . import context_parallel
-from .context_parallel import ContextShard
-from .expert_parallel import apply_expert_parallel
+from .context_parallel import ContextShard, ContextSplit
 from .lora import apply_lora, init_adapters
 from .parallel_dims import Meshes, build_meshes
+from .parallelize import Parallelism, parallelize
 from .router_replay import RouterReplay
-from .sparse_attention import apply_chunked_indexer, apply_sparse_attention_cp
-
-log = logging.getLogger("primebuild.trainer")
+from .sparse_attention import apply_chunked_indexer
 
 
 def precision_dtype(precision: str, device: torch.device) -> str:
@@ -88,6 +85,8 @@ class Policy(nn.Module):
         self.chunk_tokens = chunk_tokens
         # hooks on the routers, inert outside `replay.replaying(routes)` (router_replay.py)
         self.replay = RouterReplay(hf) if router_replay else None
+        # the micro-batch's split under CP, read by the attention modules (parallelize.py); None without CP
+        self.context_split: ContextSplit | None = None
 
     @property
     def config(self):
@@ -106,7 +105,8 @@ class Policy(nn.Module):
         from primebuild.kernels.logprobs import chunked_token_logprobs
 
         b, t = input_ids.shape
-        context_parallel.use_shard(shard)
+        if self.context_split is not None:
+            self.context_split.shard = shard
         if shard is None:
             hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             sources, targets = hidden[:, :-1], torch.arange(1, t, device=input_ids.device)
@@ -127,9 +127,9 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
                logprob_chunk_tokens: int, router_replay: bool = False, fp8: bool = False,
                meshes: Meshes | None = None, cpu_offload: bool = False, lora: LoraConfig | None = None,
                seed: int = 0) -> Policy:
-    """Build the HF causal LM on the meta device with fp32 master weights, switch its matmuls to FP8 if
-    asked, apply the parallel dimensions of `meshes` (`parallelize`), and only then allocate each rank's
-    shards and read them from the checkpoint (sharded_load.py): no rank ever holds the full model.
+    """Build the HF causal LM on the meta device with fp32 master weights, apply FP8, activation
+    checkpointing and the parallel dimensions of `meshes` (parallelize.py), and only then allocate each
+    rank's shards and read them from the checkpoint (sharded_load.py): no rank ever holds the full model.
     Parameters are computed in ``compute_dtype``; gradients are reduced in fp32. `cpu_offload` keeps
     the sharded parameters, gradients and with them the optimizer state in host memory (FSDP2's
     CPUOffloadPolicy): only the gathered layers, the activations and the logits occupy the device, and
@@ -146,21 +146,12 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
     if lora is not None:  # on the meta model, before FSDP wraps the blocks (lora.py)
         apply_lora(hf, lora)
     apply_chunked_indexer(hf)  # DSA models: bounded index scores, with or without CP (sparse_attention.py)
-    if fp8:  # before FSDP wraps the blocks: the switched modules keep their parameters (fp8.py)
-        from .fp8 import apply_fp8_training
-
-        apply_fp8_training(hf, decoder_layers(hf))
-    if activation_checkpointing:
-        # Non-reentrant checkpointing composes with FSDP2's hooks; blocks recompute in backward.
-        kwargs = {"use_reentrant": False}
-        if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model = Policy(hf, logprob_chunk_tokens, router_replay)
     if env.distributed:
-        parallelize(model, meshes or build_meshes(ParallelDims(dp_shard=env.world_size), env.world_size, env.rank,
-                                                  env.device.type), compute_dtype, fp8=fp8, cpu_offload=cpu_offload)
+        meshes = meshes or build_meshes(ParallelDims(dp_shard=env.world_size), env.world_size, env.rank,
+                                        env.device.type)
+    parallelize(model, decoder_layers(hf), Parallelism(DTYPES[compute_dtype], meshes if env.distributed else None,
+                                                       fp8, activation_checkpointing, cpu_offload))
     # offloaded shards live in host memory; FSDP2 moves what it gathers to the device
     model.to_empty(device="cpu" if cpu_offload else env.device)
     if not env.distributed:
@@ -175,40 +166,6 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
                 module._buffers[name] = buffer.to(env.device)
     model.train()
     return model
-
-
-def parallelize(model: Policy, meshes: Meshes, compute_dtype: str, fp8: bool = False, cpu_offload: bool = False) -> None:
-    """Apply every parallel dimension, in a fixed order (torchtitan's parallelize, for our dims):
-
-    1. EP: every MoE layer's experts become ExpertParallelExperts over meshes.ep_mesh (expert_parallel.py);
-    2. CP: attention runs through the context-parallel attention function (context_parallel.py), and
-       sparse attention indexers score all keys of the sequence (sparse_attention.py);
-       the split itself happens per micro-batch (Policy.forward);
-    3. FSDP: each decoder block and the root over meshes.fsdp (dp_shard * cp ranks); with EP, each
-       block's experts first, over meshes.efsdp, sharded on dim 1 (dim 0 is already EP's); their
-       gradient ends up divided by the whole FSDP degree like every other one (expert_parallel.py);
-       with `cpu_offload` every unit keeps its shards in host memory (CPUOffloadPolicy);
-    4. HSDP: with dp_replicate > 1 both meshes are 2-D (dp_replicate, shard), so the same fully_shard
-       calls shard inside a replica and all-reduce the gradient shards across replicas."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    from torch.distributed.tensor import Shard
-
-    hf = model.hf
-    expert_modules = apply_expert_parallel(hf, meshes.ep_mesh, fp8=fp8) if meshes.ep_mesh is not None else []
-    if meshes.cp_mesh is not None:
-        hf.config._attn_implementation = context_parallel.register()
-        apply_sparse_attention_cp(hf)
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
-    # pinned host memory makes the copies to and from a GPU asynchronous; a CPU run has nothing to pin
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    if cpu_offload:
-        log.info("FSDP2 CPUOffloadPolicy: parameter shards, gradients and optimizer state in host memory")
-    for experts in expert_modules:
-        fully_shard(experts, mesh=meshes.efsdp, mp_policy=mp, offload_policy=offload,
-                    shard_placement_fn=lambda _: Shard(1))
-    for layer in decoder_layers(hf):
-        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, offload_policy=offload)
 
 
 def autocast_context(env: DistEnv, compute_dtype: str):

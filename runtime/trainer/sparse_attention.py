@@ -48,9 +48,9 @@ class _GlobalIndexerKeys:
         return torch.empty_like(gathered).index_copy_(1, self.shard.all_positions, gathered)
 
 
-def _global_indexer_inputs(module, args, kwargs):
+def _global_indexer_inputs(split: context_parallel.ContextSplit, module, args, kwargs):
     """Forward pre-hook on an indexer: under an active split, global keys and a global causal mask."""
-    shard = context_parallel.current_shard()
+    shard = split.shard
     if shard is None:
         return None
     hidden_states, q_resid, position_embeddings, _, position_ids = args
@@ -110,14 +110,15 @@ def apply_chunked_indexer(hf: nn.Module, query_chunk: int | None = None) -> int:
     return len(indexers)
 
 
-def apply_sparse_attention_cp(hf: nn.Module) -> int:
-    """Hook every DSA indexer of `hf` for CP; returns how many were hooked (0: not a sparse model)."""
+def apply_sparse_attention_cp(hf: nn.Module, split: context_parallel.ContextSplit) -> int:
+    """Hook every DSA indexer of `hf` for CP over `split`; returns how many were hooked (0: not a sparse
+    model)."""
     name = SPARSE_INDEXERS.get(getattr(hf.config, "model_type", None))
     if name is None:
         return 0
     indexers = [m for m in hf.modules() if type(m).__name__ == name]
     for indexer in indexers:
-        indexer.register_forward_pre_hook(_global_indexer_inputs, with_kwargs=True)
+        indexer.register_forward_pre_hook(functools.partial(_global_indexer_inputs, split), with_kwargs=True)
     # The DSA attention slices the model's mask before calling the indexer, so the model must build one
     # (for an attention function transformers does not know, it builds none): the local causal mask,
     # which the hook then replaces by the global one and context_parallel_attention ignores.
