@@ -136,11 +136,12 @@ def sft_workspace(root: Path, copies: tuple[str, ...] = ("reverse-text.yaml",), 
     `seed_store` (so a derivation built there once is a cache hit here). Returns root/manifests."""
     manifests = root / "manifests"
     shutil.copytree(MANIFESTS / "models", manifests / "models")
-    doc = yaml.safe_load((MANIFESTS / sft).read_text())
-    doc["sft"].update(sft_changes or {})
-    (manifests / sft).write_text(yaml.safe_dump(doc))
-    for name in copies:
+    for name in (*copies, sft):
         shutil.copy(MANIFESTS / name, manifests / name)
+    if sft_changes is not None:  # after the copies: `copies` may name the SFT manifest too
+        doc = yaml.safe_load((MANIFESTS / sft).read_text())
+        doc["sft"].update(sft_changes)
+        (manifests / sft).write_text(yaml.safe_dump(doc))
     if seed_store is None:
         (root / "store").mkdir()
     else:  # entries only: fingerprints and locks belong to a store's own files
