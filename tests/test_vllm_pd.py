@@ -5,10 +5,6 @@ the session's unified server (conftest `vllm_tiny`, seed-0 weights) as the refer
 Prompts are 44 and 70 tokens long, so one and two whole blocks of KV move (the last prompt token is always
 computed by the consumer); the consumer's `vllm:external_prefix_cache_hits` counts the tokens it loaded
 instead of computing, so a transfer that silently fell back to recomputation fails these tests.
-
-The same pair (started with weight broadcast on) also joins a trainer's weight group: both servers load one
-broadcast step and the consumer continues KV the producer computed on it. A test that changes the pair's
-weights or leaves KV files behind restores both before it ends, so the tests pass in any order.
 """
 
 from __future__ import annotations
@@ -16,9 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,12 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import free_port
-from inference_helpers import hf_greedy, load_hf
 from vllm_helpers import START_TIMEOUT_S, VLLM_ADMIN_TOKEN, VllmServer, save_tiny_model
 
 from primebuild.contracts.router import VllmPool, VllmRouterConfig
 from primebuild.runtime.inference.vllm.admin import VllmAdmin
-from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
+from primebuild.runtime.inference.vllm.completions import completion_request
 from primebuild.runtime.inference.vllm.pd_router import create_router
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # three vLLM starts: minutes each under load
@@ -40,7 +32,6 @@ BLOCK = 32
 rng = random.Random(0)
 PROMPTS = [[rng.randrange(3, 32) for _ in range(n)] for n in (44, 70, 44, 50)]
 MOVED = [32, 64, 32, 32]  # whole blocks of prompt[:-1]
-SENDER = Path(__file__).parent / "vllm_broadcast_sender.py"
 
 
 def greedy(ids: list[int]) -> dict:
@@ -104,7 +95,7 @@ def pd(vllm_tiny, tmp_path_factory):
         transfer = {"kv_connector": "ExampleConnector", "kv_role": role,
                     "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
         servers[role] = VllmServer(vllm_tiny.model_path, root / f"{role}.log", admin_token=VLLM_ADMIN_TOKEN,
-                                   kv_transfer=transfer, block_size=BLOCK, weight_broadcast=True)
+                                   kv_transfer=transfer, block_size=BLOCK)
     router = None
     try:
         for server in servers.values():
@@ -198,83 +189,3 @@ def test_kv_of_an_older_policy_is_prefilled_again_not_continued(pd, vllm_tiny):
     assert split["token_ids"] == unified["token_ids"]
     assert split["logprobs"]["token_logprobs"] == pytest.approx(unified["logprobs"]["token_logprobs"], abs=1e-4)
     assert not any(storage.iterdir())
-
-
-def admin_call(url: str, fn, members=()):
-    async def call():
-        async with VllmAdmin(url, admin_token=VLLM_ADMIN_TOKEN, members=members) as admin:
-            return await fn(admin)
-    return asyncio.run(call())
-
-
-def server_greedy(server: VllmServer, prompts, new_tokens: int = 8) -> list[list[int]]:
-    body = completion_request(server.model_name, prompts, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return [c["token_ids"] for c in adapt_response(server.complete(body), policy_version=0)]
-
-
-def test_prefill_and_decode_servers_both_receive_a_broadcast(pd, vllm_tiny, tmp_path):
-    """Without the router, as the plan wires a vLLM P/D split to the trainer: both servers join the weight
-    group (ranks 1 and 2 of 3), load the same broadcast step, and the consumer continues from the KV the
-    producer computed with the new weights."""
-    _, producer, consumer, storage, _ = pd
-    prompts = [[5, 6, 7, 8], [20, 11, 9], [4, 4, 30, 12, 13, 14, 15]]
-    long_prompt = [(7 * i + 3) % 30 + 1 for i in range(40)]  # > one 32-token KV block: the connector moves one
-    b = save_tiny_model(tmp_path / "model-b", seed=1)
-    hf_b = load_hf(b)
-    assert server_greedy(consumer, prompts) != [hf_greedy(hf_b, p, 8) for p in prompts]
-
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    sender = subprocess.Popen([sys.executable, str(SENDER), init_method, "3", "3", str(b)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        time.sleep(2)  # the sender hosts the group's store
-        for rank, server in ((1, producer), (2, consumer)):  # the plan's layout: prefill servers, then decode
-            admin_call(server.url, lambda adm, r=rank: adm.init_broadcast(init_method, rank_offset=r, world_size=3))
-        # what the orchestrator reads behind a P/D router: the workers of both servers
-        both = (producer.url, consumer.url)
-        deadline = time.monotonic() + 180
-        while admin_call(producer.url, VllmAdmin.received_version, members=both) != 3:
-            assert time.monotonic() < deadline, admin_call(producer.url, VllmAdmin.broadcast_status, members=both)
-            time.sleep(0.25)
-        status = admin_call(producer.url, VllmAdmin.broadcast_status, members=both)
-        assert [s["rank"] for s in status] == [1, 2] and all(s["error"] is None for s in status), status
-        assert sender.wait(60) == 0, sender.communicate()[0]
-
-        for server in (producer, consumer):
-            assert admin_call(server.url, lambda adm: adm.update_weights(version=3, source="broadcast")) == 3
-            assert admin_call(server.url, VllmAdmin.policy_version) == 3
-            assert server_greedy(server, prompts) == [hf_greedy(hf_b, p, 8) for p in prompts]
-
-        # P/D on the new weights: the producer prefills (its KV goes to the shared store), the consumer
-        # injects that KV and decodes; the tokens are B's
-        log_before = consumer.log_path.stat().st_size
-        server_greedy(producer, [long_prompt], new_tokens=1)
-        assert server_greedy(consumer, [long_prompt]) == [hf_greedy(hf_b, long_prompt, 8)]
-        with open(consumer.log_path, "rb") as log:  # this hand-off's hit, not an earlier test's
-            log.seek(log_before)
-            assert b"External Cache Hit" in log.read()
-    finally:
-        if sender.poll() is None:
-            sender.kill()
-            sender.wait(10)
-        restore_seed_zero(pd, vllm_tiny.model_path)
-
-
-def restore_seed_zero(pd, model: Path) -> None:
-    """Back to the session model's weights on both servers, straight (the router's weight epoch is not
-    this test's), and no KV files left: without a router nobody removes them."""
-    _, producer, consumer, storage, _ = pd
-
-    async def reload(admin: VllmAdmin) -> None:
-        await admin.pause("resume")
-        try:
-            await admin.reload_from_folder(model)
-            await admin.drop_stale_kv()
-            await admin.set_policy_version(0)
-        finally:
-            await admin.resume()
-
-    for server in (producer, consumer):
-        admin_call(server.url, reload)
-    for entry in storage.iterdir():
-        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
