@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SSH_DIR = Path(os.environ.get("PRIMEBUILD_CI_SSH_DIR", "/var/lib/primebuild-ci/ssh"))
@@ -77,20 +76,6 @@ def namespace_pids(namespace: str) -> set[int]:
     """Processes whose network is that of `namespace` (`ip netns pids`)."""
     listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=20)
     return {int(pid) for pid in listed.stdout.split()}
-
-
-def workspace(root: Path, *, short_sft: bool = True) -> Path:
-    """Copies of the shipped manifests, by default with a short SFT (the store is private to the test module)."""
-    manifests = root / "manifests"
-    shutil.copytree(REPO / "manifests", manifests)
-    (root / "store").mkdir()
-    if not short_sft:
-        return manifests
-    sft = yaml.safe_load((manifests / "reverse-text-sft.yaml").read_text())
-    sft["sft"]["steps"] = 40
-    sft["sft"]["warmup_steps"] = 10
-    (manifests / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
-    return manifests
 
 
 def cli(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:

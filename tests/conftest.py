@@ -1,19 +1,23 @@
-"""Shared fixtures: the repo's paths, a scratch manifest folder, and the real CLI in a subprocess."""
+"""Shared fixtures and helpers: the repo's paths, a scratch manifest folder, the real CLI in a subprocess, free
+ports, and workspaces whose short SFT is built once per session."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 SHIPPED = sorted(MANIFESTS.glob("*.yaml"))
+SHIPPED_NAMES = tuple(p.name for p in SHIPPED)
 
 
 @dataclass
@@ -43,6 +47,13 @@ def call_cli(capsys: pytest.CaptureFixture, *args: str) -> CliResult:
     code = main([str(a) for a in args])
     captured = capsys.readouterr()
     return CliResult(code, captured.out, captured.err)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody on `host` holds right now (the kernel picks it; the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -112,6 +123,42 @@ def make_locked(tmp_path: Path) -> Path:
         result = run_cli("lock", "--offline", tmp_path / "manifests" / f"{name}.yaml", timeout=300)
         assert result.code == 0, result.text
     return tmp_path / "manifests"
+
+
+# A warm start that trains in seconds: the tests that use it are about the run, not the SFT's quality.
+SHORT_SFT = {"steps": 40, "warmup_steps": 10}
+
+
+def sft_workspace(root: Path, copies: tuple[str, ...] = ("reverse-text.yaml",), *, sft: str = "reverse-text-sft.yaml",
+                  sft_changes: dict | None = SHORT_SFT, seed_store: Path | None = None) -> Path:
+    """root/manifests: the model facts, the SFT manifest `sft` with `sft_changes` (None: as shipped) and
+    copies of the shipped `copies`; root/store: a store private to the caller, holding the entries of
+    `seed_store` (so a derivation built there once is a cache hit here). Returns root/manifests."""
+    manifests = root / "manifests"
+    shutil.copytree(MANIFESTS / "models", manifests / "models")
+    for name in (*copies, sft):
+        shutil.copy(MANIFESTS / name, manifests / name)
+    if sft_changes is not None:  # after the copies: `copies` may name the SFT manifest too
+        doc = yaml.safe_load((MANIFESTS / sft).read_text())
+        doc["sft"].update(sft_changes)
+        (manifests / sft).write_text(yaml.safe_dump(doc))
+    if seed_store is None:
+        (root / "store").mkdir()
+    else:  # entries only: fingerprints and locks belong to a store's own files
+        shutil.copytree(seed_store, root / "store", ignore=shutil.ignore_patterns(".meta", ".locks", ".tmp-*"))
+    return manifests
+
+
+@pytest.fixture(scope="session")
+def short_sft_store(tmp_path_factory) -> Path:
+    """A store holding the short reverse-text SFT (SHORT_SFT) and its random init, built once per session:
+    every module that runs reverse-text seeds its private store with it instead of training it again."""
+    root = tmp_path_factory.mktemp("short-sft")
+    manifests = sft_workspace(root, ())
+    built = run_cli("run", manifests / "reverse-text-sft.yaml", timeout=900,
+                    env={"PRIMEBUILD_STORE": str(root / "store")})
+    assert built.code == 0, built.text
+    return root / "store"
 
 
 def plan_json(path: Path | str, sets: tuple[str, ...] | list[str] = (), *, design: bool = True) -> dict:

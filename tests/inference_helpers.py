@@ -8,12 +8,12 @@ the same code path as a downloaded model.
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from pathlib import Path
 
 import torch
+from conftest import free_port
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz") + [" ", "\n"]
@@ -108,12 +108,6 @@ def teacher_forced_logprobs(
     step_logits = logits[start : start + len(completion_ids)] / (temperature or 1.0)
     logprobs = torch.log_softmax(step_logits, dim=-1)
     return logprobs.gather(1, torch.tensor(completion_ids)[:, None]).squeeze(1).tolist()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -31,8 +31,8 @@ from cluster_helpers import (
     trained_steps,
     wait_gone,
     wait_trained,
-    workspace,
 )
+from conftest import SHIPPED_NAMES, sft_workspace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 MANIFEST = "reverse-text-3hosts.yaml"
@@ -40,12 +40,12 @@ SMALL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.ev
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory):
+def ws(tmp_path_factory, short_sft_store):
     config = require_netns_hosts()
     for veth in NAMESPACES:  # a link a failed test left cut
         subprocess.run(["ip", "link", "set", veth, "up"], check=True, timeout=20)
     root = tmp_path_factory.mktemp("netns")
-    manifests = workspace(root)
+    manifests = sft_workspace(root, SHIPPED_NAMES, seed_store=short_sft_store)
     shutil.copy(REPO / "tests" / "data" / MANIFEST, manifests / MANIFEST)
     workdir = root / "primebuild"
     workdir.symlink_to(REPO)  # the install every "host" runs, on the shared filesystem

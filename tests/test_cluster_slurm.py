@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -30,24 +29,18 @@ from cluster_helpers import (
     trained_steps,
     wait_gone,
     wait_trained,
-    workspace,
 )
+from conftest import SHIPPED_NAMES, free_port, sft_workspace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 SMALL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
     require_slurm()
     root = tmp_path_factory.mktemp("slurm")
-    manifests = workspace(root, short_sft=False)  # RL from the default's own start (held-out ~0.77)
+    manifests = sft_workspace(root, SHIPPED_NAMES, sft_changes=None)  # RL from the default's own start (held-out ~0.77)
     env = {**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1"}
     built = cli("run", manifests / "reverse-text-sft.yaml", env=env)  # the store entry every job reads
     assert built.returncode == 0, built.stderr
@@ -65,7 +58,7 @@ def test_a_het_job_runs_the_embedded_default_and_learns(ws, tmp_path: Path):
     runs = tmp_path / NASTY
     started = time.monotonic()
     result = cli("run", manifests / "reverse-text-slurm.yaml", "--runs-dir", runs, "--quiet",
-                 "--set", "orchestrator.max_steps=40", "--set", f"inference.port={_port()}", env=env, timeout=400)
+                 "--set", "orchestrator.max_steps=40", "--set", f"inference.port={free_port()}", env=env, timeout=400)
     wall = time.monotonic() - started
     run_dir = run_dir_of(runs)
     assert result.returncode == 0, result.stdout + result.stderr + logs_tail(run_dir)
@@ -110,7 +103,7 @@ def test_a_killed_component_ends_the_job_within_30_s_and_resume_loses_no_step(ws
     manifests, env = ws
     runs = tmp_path / "runs"
     proc = start("run", manifests / "reverse-text-slurm.yaml", "--runs-dir", runs, "--quiet", *SMALL,
-                 "--set", "orchestrator.max_steps=12", "--set", f"inference.port={_port()}", env=env)
+                 "--set", "orchestrator.max_steps=12", "--set", f"inference.port={free_port()}", env=env)
     try:
         run_dir = wait_trained(runs, 2, proc)
         os.kill(pid_of(run_dir, "primebuild.runtime.orchestrator.main"), signal.SIGKILL)
@@ -143,7 +136,7 @@ def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path
     manifests, env = ws
     runs = tmp_path / "runs"
     submitted = cli("run", manifests / "reverse-text-slurm.yaml", "--runs-dir", runs, "--detach", *SMALL,
-                    "--set", "orchestrator.max_steps=200", "--set", f"inference.port={_port()}", env=env)
+                    "--set", "orchestrator.max_steps=200", "--set", f"inference.port={free_port()}", env=env)
     assert submitted.returncode == 0 and "submitted" in submitted.stdout, submitted.stdout + submitted.stderr
     run_dir = wait_trained(runs, 2, None)
     assert "RUNNING" in json.loads(cli("status", run_dir, "-o", "json", env=env).stdout)["target"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 from pathlib import Path
 
@@ -24,23 +23,17 @@ from cluster_helpers import (
     trained_steps,
     wait_gone,
     wait_trained,
-    workspace,
 )
+from conftest import SHIPPED_NAMES, free_port, sft_workspace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory):
+def ws(tmp_path_factory, short_sft_store):
     config = require_sshd()
     root = tmp_path_factory.mktemp("ssh")
-    manifests = workspace(root)
+    manifests = sft_workspace(root, SHIPPED_NAMES, seed_store=short_sft_store)
     workdir = root / "primebuild $(touch PWNED) ;x"
     workdir.symlink_to(REPO)  # the install on every "host", under a name a shell would love to run
     env = {**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1",
@@ -58,7 +51,7 @@ def test_a_run_spans_two_ssh_hosts(ws, tmp_path: Path):
     runs = tmp_path / NASTY
     proc = start("run", manifests / "reverse-text-ssh.yaml", "--runs-dir", runs, "--quiet",
                  "--set", "orchestrator.max_steps=4", "--set", "orchestrator.rollouts_per_step=32",
-                 "--set", "orchestrator.eval_prompts=40", "--set", f"inference.port={_port()}",
+                 "--set", "orchestrator.eval_prompts=40", "--set", f"inference.port={free_port()}",
                  "--set", f"target.workdir={workdir}", env=env)
     try:
         run_dir = wait_trained(runs, 1, proc)

@@ -10,14 +10,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from cluster_helpers import listening_sockets, processes_of, workspace
+from cluster_helpers import listening_sockets, processes_of
+from conftest import free_port, sft_workspace
 
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.hang_watchdog import FIRST_STEP_FACTOR, HangWatchdog, run_processes
@@ -144,25 +144,19 @@ def test_stacks_of_a_blocked_process_name_its_frame_and_a_stopped_one_is_named_f
 
 
 @pytest.fixture(scope="module")
-def manifests(tmp_path_factory) -> Path:
-    return workspace(tmp_path_factory.mktemp("hang"))
+def manifests(tmp_path_factory, short_sft_store) -> Path:
+    return sft_workspace(tmp_path_factory.mktemp("hang"), seed_store=short_sft_store)
 
 
 def _env(manifests: Path) -> dict:
     return {**os.environ, "PRIMEBUILD_STORE": str(manifests.parent / "store"), "PYTHONUNBUFFERED": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(manifests: Path, runs: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "reverse-text.yaml"), "--runs-dir", str(runs),
          "--quiet", "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
-         "--set", f"inference.port={_free_port()}", "--hang-timeout", str(HANG_FLOOR), *args],
+         "--set", f"inference.port={free_port()}", "--hang-timeout", str(HANG_FLOOR), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(manifests))
 
 

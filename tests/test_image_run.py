@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from cluster_helpers import missing
-from conftest import REPO, call_cli, run_cli
+from conftest import REPO, SHIPPED_NAMES, call_cli, run_cli, sft_workspace
 
 from primebuild.builders import debian_index
 from primebuild.builders.image import LABEL_DEBIAN_BASE, LABEL_PLAN_HASH, ImageSpec, build_image_in_store
@@ -216,11 +215,7 @@ def test_podman_runs_the_plan_and_the_main_job(images, podman, tmp_path):
     print(f"podman pull: {time.perf_counter() - started:.1f} s")
     # a workspace for the main job: the default's manifests with a short SFT (as test_run_local does)
     work = tmp_path / "work"
-    shutil.copytree(REPO / "manifests", work / "manifests", ignore=shutil.ignore_patterns("*.json"))
-    shutil.copytree(REPO / "manifests" / "models", work / "manifests" / "models", dirs_exist_ok=True)
-    sft = yaml.safe_load((work / "manifests" / "reverse-text-sft.yaml").read_text())
-    sft["sft"].update(steps=40, warmup_steps=10)
-    (work / "manifests" / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
+    sft_workspace(work, SHIPPED_NAMES)  # an empty store: the container trains the SFT itself
     script = ("primebuild plan manifests/glm5.yaml --design -o json > /work/glm5.json && "
               "primebuild run /work/manifests/reverse-text.yaml --runs-dir /work/runs --quiet"
               " --set orchestrator.max_steps=3 --set orchestrator.rollouts_per_step=32"

@@ -9,10 +9,10 @@ import threading
 import httpx
 import pytest
 import torch
+from conftest import free_port
 from inference_helpers import (
     ADMIN_TOKEN,
     Served,
-    free_port,
     load_hf,
     running_server,
     save_model,

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 import torch
+from conftest import free_port
 from inference_helpers import save_model, serve_folder
 
 from primebuild.runtime.inference.engine import MAX_FAILED_STEPS
@@ -56,8 +57,6 @@ def test_one_failed_batch_is_an_error_a_broken_engine_is_dead(folder):
 
 
 def test_the_server_leaves_when_its_engine_dies(folder):
-    from inference_helpers import free_port
-
     from primebuild.runtime.inference.engine import Engine
     from primebuild.runtime.inference.server import create_app, run_http
     from primebuild.runtime.inference.tokenizer import ServedTokenizer

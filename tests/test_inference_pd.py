@@ -12,7 +12,8 @@ import re
 import httpx
 import pytest
 import torch
-from inference_helpers import ADMIN_TOKEN, VOCAB, free_port, running_server, save_model
+from conftest import free_port
+from inference_helpers import ADMIN_TOKEN, VOCAB, running_server, save_model
 
 from primebuild.contracts.router import DecodeServer, RouterConfig
 from primebuild.runtime.inference.disaggregation import Disaggregation

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,37 +18,24 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster_helpers import processes_of
+from conftest import free_port, sft_workspace
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_RL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _small(*args: str) -> list[str]:
     """Shrunk RL settings on a port nobody else on this machine holds."""
-    return [*SMALL_RL, "--set", f"inference.port={_free_port()}", *args]
+    return [*SMALL_RL, "--set", f"inference.port={free_port()}", *args]
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
-    """A copy of the reverse-text manifests with a short SFT, and a private store."""
+def workspace(tmp_path_factory, short_sft_store) -> Path:
+    """A copy of the reverse-text manifests with a short SFT, and a private store that already holds it."""
     root = tmp_path_factory.mktemp("run")
-    manifests = root / "manifests"
-    shutil.copytree(REPO / "manifests" / "models", manifests / "models")
-    sft = yaml.safe_load((REPO / "manifests" / "reverse-text-sft.yaml").read_text())
-    sft["sft"]["steps"] = 40
-    sft["sft"]["warmup_steps"] = 10
-    (manifests / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
-    shutil.copy(REPO / "manifests" / "reverse-text.yaml", manifests / "reverse-text.yaml")
-    shutil.copy(REPO / "manifests" / "reverse-text-pd.yaml", manifests / "reverse-text-pd.yaml")
-    (root / "store").mkdir()
+    sft_workspace(root, ("reverse-text.yaml", "reverse-text-pd.yaml"), seed_store=short_sft_store)
     return root
 
 
@@ -196,7 +182,7 @@ def test_broadcast_weight_sync_delivers_exactly_the_trained_weights(workspace: P
     so the trainer scores exactly the weights that sampled: the mismatch stays at float noise."""
     runs = tmp_path / "runs"
     result = _run(workspace, runs, "--set", "orchestrator.max_steps=3", "--set", "weight_sync.mode=broadcast",
-                  "--set", "orchestrator.max_off_policy_steps=0", "--set", f"weight_sync.port={_free_port()}")
+                  "--set", "orchestrator.max_off_policy_steps=0", "--set", f"weight_sync.port={free_port()}")
     assert result.returncode == 0, result.stdout + result.stderr + _logs(runs)
     run_dir = _run_dir(runs)
     assert not (run_dir / "weights").exists()

@@ -16,35 +16,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from conftest import free_port, sft_workspace
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("moe")
-    manifests = root / "manifests"
-    shutil.copytree(REPO / "manifests" / "models", manifests / "models")
-    sft = yaml.safe_load((REPO / "manifests" / "reverse-text-moe-sft.yaml").read_text())
-    sft["sft"].update(steps=20, warmup_steps=5)
-    (manifests / "reverse-text-moe-sft.yaml").write_text(yaml.safe_dump(sft))
-    for name in ("reverse-text.yaml", "reverse-text-moe.yaml", "reverse-text-moe-pd.yaml"):
-        shutil.copy(REPO / "manifests" / name, manifests / name)
+    sft_workspace(root, ("reverse-text.yaml", "reverse-text-moe.yaml", "reverse-text-moe-pd.yaml"),
+                  sft="reverse-text-moe-sft.yaml", sft_changes={"steps": 20, "warmup_steps": 5})
     return root
 
 
@@ -64,7 +51,7 @@ def _run(workspace: Path, runs: Path, manifest: str, sets: dict) -> tuple[subpro
 def test_a_router_replay_run_with_fp8_on_both_sides_shows_both_kls(workspace: Path, tmp_path: Path):
     sets = {"orchestrator.max_steps": 3, "orchestrator.max_off_policy_steps": 0, "inference.precision": "fp8",
             "trainer.precision": "fp8", "orchestrator.rollouts_per_step": 32, "orchestrator.eval_prompts": 20,
-            "inference.port": _free_port()}
+            "inference.port": free_port()}
     result, run_dir = _run(workspace, tmp_path / "runs", "reverse-text-moe.yaml", sets)
     number = r"\d\.\d\de[-+]\d\d"
     lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
@@ -89,7 +76,7 @@ def test_replayed_routes_give_fp32_noise_mismatch_unified_and_disaggregated(work
     the samples as the inference side did -- the mismatch KL at fp32 noise, the same bound as unified."""
     sets = {"orchestrator.max_steps": 3, "orchestrator.max_off_policy_steps": 0,
             "orchestrator.rollouts_per_step": 32, "orchestrator.eval_prompts": 20,
-            "inference.port": _free_port()}
+            "inference.port": free_port()}
     _, run_dir = _run(workspace, tmp_path / "runs", manifest, sets)
     configs = {p["name"]: p["config"] for p in json.loads((run_dir / "plan.json").read_text())["processes"]}
     assert configs["trainer"]["router_replay"] and configs["orchestrator"]["router_replay"]
@@ -111,7 +98,7 @@ def test_replay_lowers_the_mismatch_of_fp8_samples_under_prefill_decode(workspac
     differ from the trainer's own at some tokens (measured: 96% agree), and replaying them lowers the
     mismatch KL (measured over 5 steps: 2.0e-4 with replay, 3.8e-4 without; unified: 2.1e-4 / 3.9e-4)."""
     sets = {"orchestrator.max_steps": 3, "orchestrator.max_off_policy_steps": 0, "inference.precision": "fp8",
-            "orchestrator.rollouts_per_step": 64, "orchestrator.eval_prompts": 20, "inference.port": _free_port()}
+            "orchestrator.rollouts_per_step": 64, "orchestrator.eval_prompts": 20, "inference.port": free_port()}
     _, run_dir = _run(workspace, tmp_path / "runs", "reverse-text-moe-pd.yaml", sets)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mismatch_kl_steps"] == summary["mismatch_kl_no_replay_steps"] == 3

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_run_local import REPO, _env, _free_port, _logs, _run_dir, _trained_steps
+from conftest import free_port, sft_workspace
+from test_run_local import REPO, _env, _logs, _run_dir, _trained_steps
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(shutil.which("bwrap") is None and os.environ.get("CI") != "true",
@@ -23,15 +24,11 @@ ESCAPED = Path("/var/tmp/primebuild-swe-tiny-escaped")
 
 
 def test_swe_tiny_runs_in_sandboxes_with_real_rewards_and_survives_hostile_code(tmp_path: Path):
-    manifests = tmp_path / "manifests"
-    shutil.copytree(REPO / "manifests" / "models", manifests / "models")
-    sft = yaml.safe_load((REPO / "manifests" / "swe-tiny-sft.yaml").read_text())
-    sft["sft"].update(steps=40, warmup_steps=10, batch_size=16)  # short: this test is about the run
-    (manifests / "swe-tiny-sft.yaml").write_text(yaml.safe_dump(sft))
+    manifests = sft_workspace(tmp_path, (), sft="swe-tiny-sft.yaml",  # short: this test is about the run
+                              sft_changes={"steps": 40, "warmup_steps": 10, "batch_size": 16})
     rl = yaml.safe_load((REPO / "manifests" / "swe-tiny.yaml").read_text())
     rl["environments"][0]["args"].update(hostile=True, cpu_seconds=1, wall_seconds=4)
     (manifests / "swe-tiny.yaml").write_text(yaml.safe_dump(rl))
-    (tmp_path / "store").mkdir()
     ESCAPED.unlink(missing_ok=True)
     before = {p.name for p in Path("/tmp").glob("primebuild-swe-tiny-*")}
 
@@ -39,7 +36,7 @@ def test_swe_tiny_runs_in_sandboxes_with_real_rewards_and_survives_hostile_code(
     result = subprocess.run(
         [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "swe-tiny.yaml"), "--runs-dir", str(runs),
          "--quiet", "--set", "orchestrator.max_steps=3", "--set", "orchestrator.rollouts_per_step=8",
-         "--set", f"inference.port={_free_port()}"],
+         "--set", f"inference.port={free_port()}"],
         capture_output=True, text=True, env={**_env(tmp_path), "TMPDIR": "/tmp"}, timeout=560)
     assert result.returncode == 0, result.stdout + result.stderr + _logs(runs)
     run_dir = _run_dir(runs)

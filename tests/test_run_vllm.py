@@ -5,33 +5,26 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from test_run_local import REPO, _env, _free_port, _logs, _metrics, _pid_of, _trained_steps, _wait_for_trained
+from conftest import free_port, sft_workspace
+from test_run_local import _env, _logs, _metrics, _pid_of, _trained_steps, _wait_for_trained
 from vllm_helpers import vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
-    """The vLLM manifest beside a short SFT, and a private store."""
+def workspace(tmp_path_factory, short_sft_store) -> Path:
+    """The vLLM manifest beside a short SFT, and a private store that already holds it."""
     vllm_python()  # skips (or fails under CI=true) without the vLLM environment
     root = tmp_path_factory.mktemp("run-vllm")
-    manifests = root / "manifests"
-    shutil.copytree(REPO / "manifests" / "models", manifests / "models")
-    sft = yaml.safe_load((REPO / "manifests" / "reverse-text-sft.yaml").read_text())
-    sft["sft"]["steps"], sft["sft"]["warmup_steps"] = 40, 10
-    (manifests / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
-    for name in ("reverse-text.yaml", "reverse-text-vllm.yaml", "reverse-text-vllm-pd.yaml"):
-        shutil.copy(REPO / "manifests" / name, manifests / name)
-    (root / "store").mkdir()
+    sft_workspace(root, ("reverse-text.yaml", "reverse-text-vllm.yaml", "reverse-text-vllm-pd.yaml"),
+                  seed_store=short_sft_store)
     return root
 
 
@@ -43,7 +36,7 @@ def test_a_run_on_vllm_survives_a_killed_server_and_updates_its_weights_every_st
          "--runs-dir", str(runs), "--set", f"orchestrator.max_steps={steps}", "--set", "orchestrator.eval_every=0",
          "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
          "--set", "orchestrator.max_off_policy_steps=0",  # synchronous: every step measures the mismatch
-         "--set", f"inference.port={_free_port()}"],
+         "--set", f"inference.port={free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(workspace))
     try:
         run_dir = _wait_for_trained(runs, 2, proc, timeout=600)
@@ -82,7 +75,7 @@ def test_a_run_on_vllm_restarts_a_server_whose_engine_core_died(workspace: Path,
         [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text-vllm.yaml"),
          "--runs-dir", str(runs), "--set", f"orchestrator.max_steps={steps}", "--set", "orchestrator.eval_every=0",
          "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
-         "--set", f"inference.port={_free_port()}"],
+         "--set", f"inference.port={free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(workspace))
     try:
         run_dir = _wait_for_trained(runs, 2, proc, timeout=1500)  # SFT first
@@ -110,8 +103,8 @@ def test_weights_reach_vllm_by_broadcast_every_step(workspace: Path, tmp_path: P
          "--runs-dir", str(runs), "--quiet", "--set", f"orchestrator.max_steps={steps}",
          "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=32",
          "--set", "orchestrator.eval_prompts=40", "--set", "orchestrator.max_off_policy_steps=0",
-         "--set", "weight_sync.mode=broadcast", "--set", f"weight_sync.port={_free_port()}",
-         "--set", f"inference.port={_free_port()}"],
+         "--set", "weight_sync.mode=broadcast", "--set", f"weight_sync.port={free_port()}",
+         "--set", f"inference.port={free_port()}"],
         capture_output=True, text=True, env=_env(workspace), timeout=800)
     (run_dir,) = list(runs.iterdir())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + _logs(runs)
@@ -139,7 +132,7 @@ def test_a_pd_run_on_vllm_routes_every_request_and_updates_both_pools(workspace:
          "--runs-dir", str(runs), "--quiet", "--set", f"orchestrator.max_steps={steps}",
          "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=16",
          "--set", "orchestrator.eval_prompts=16", "--set", "orchestrator.max_off_policy_steps=0",
-         "--set", f"inference.port={_free_port()}"],
+         "--set", f"inference.port={free_port()}"],
         capture_output=True, text=True, env=_env(workspace), timeout=1400)
     (run_dir,) = list(runs.iterdir())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + _logs(runs)
@@ -166,7 +159,7 @@ def test_weights_reach_every_worker_of_a_data_parallel_vllm_server(workspace: Pa
          "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=32",
          "--set", "orchestrator.eval_prompts=40", "--set", "orchestrator.max_off_policy_steps=0",
          "--set", "inference.dp=2", "--set", "weight_sync.mode=broadcast",
-         "--set", f"weight_sync.port={_free_port()}", "--set", f"inference.port={_free_port()}"],
+         "--set", f"weight_sync.port={free_port()}", "--set", f"inference.port={free_port()}"],
         capture_output=True, text=True, env=_env(workspace), timeout=850)
     (run_dir,) = list(runs.iterdir())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + _logs(runs)

@@ -5,15 +5,13 @@ name as a secret, is in no file of the run folder."""
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import free_port, sft_workspace
 from tracker_helpers import jsonl_metrics, tensorboard_scalars, wandb_history
 
 for _package in ("wandb", "tensorboard"):  # both come with the test extra: under CI=true a missing one fails
@@ -27,21 +25,10 @@ pytestmark = pytest.mark.timeout(400)
 CANARY = "pb-canary-4c1d9a7e0b1f"  # a fake API key: it must not appear in any file
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def run_dir(tmp_path_factory, short_sft_store) -> Path:
     root = tmp_path_factory.mktemp("trackers")
-    manifests = root / "manifests"
-    shutil.copytree(REPO / "manifests" / "models", manifests / "models")
-    sft = yaml.safe_load((REPO / "manifests" / "reverse-text-sft.yaml").read_text())
-    sft["sft"].update(steps=40, warmup_steps=10)
-    (manifests / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
-    shutil.copy(REPO / "manifests" / "reverse-text.yaml", manifests / "reverse-text.yaml")
+    manifests = sft_workspace(root, seed_store=short_sft_store)
     (manifests / "tracked.yaml").write_text(yaml.safe_dump({
         "extends": ["reverse-text.yaml"], "name": "tracked", "secrets": ["PB_WANDB_KEY"],
         "trackers": {"wandb": {"project": "reverse-text", "mode": "offline", "api_key_secret": "PB_WANDB_KEY",
@@ -53,7 +40,7 @@ def run_dir(tmp_path_factory) -> Path:
         [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "tracked.yaml"), "--runs-dir",
          str(root / "runs"), "--quiet", "--set", "orchestrator.max_steps=3", "--set",
          "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40", "--set",
-         f"inference.port={_free_port()}"], capture_output=True, text=True, env=env, timeout=360)
+         f"inference.port={free_port()}"], capture_output=True, text=True, env=env, timeout=360)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (run,) = (root / "runs").iterdir()
     return run

@@ -1,12 +1,12 @@
 """FSDP2 over gloo with 2 ranks (torchrun) gives the same trajectory as 1 rank, fp32."""
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import free_port
 from safetensors.torch import load_file
 from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 
@@ -15,12 +15,6 @@ from primebuild.runtime.trainer.metrics import read_metrics
 from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 
 torch.set_num_threads(2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

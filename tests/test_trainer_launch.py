@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from cluster_helpers import listening_sockets
+from conftest import free_port
 
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.hang_watchdog import run_processes
@@ -36,18 +37,10 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.2", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_rendezvous_on_their_own_addresses(tmp_path: Path):
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
-    port = _free_port()
+    port = free_port("127.0.0.2")
     env = {**os.environ, RUN_DIR_ENV: str(tmp_path), PROCESS_ENV: "trainer", "OMP_NUM_THREADS": "1"}
     env.pop("GLOO_SOCKET_IFNAME", None)
     nodes = [subprocess.Popen(

@@ -10,12 +10,12 @@ recomputation in backward gathers again). HSDP: dp_replicate 2 alone on 2 proces
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import free_port
 from safetensors.torch import load_file
 from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 
@@ -25,12 +25,6 @@ from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 
 torch.set_num_threads(2)
 STEPS = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(config, tmp_path, name: str) -> None:

@@ -7,13 +7,13 @@ process (tests/sharded_load_worker.py), on a ~47 MB fp32 model where the tensors
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 from safetensors.torch import load_file
 from trainer_fixtures import make_tiny_model
 
@@ -21,12 +21,6 @@ from primebuild.runtime.weight_sync.filesystem import step_folder, verify
 
 MB = 2**20
 WORKER = Path(__file__).parent / "sharded_load_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(path: Path) -> Path:

@@ -11,11 +11,11 @@ selection could not pass.
 import json
 import multiprocessing as mp
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 from primebuild.contracts.trainer import ParallelDims
 from primebuild.runtime.trainer.context_parallel import make_shard
@@ -85,12 +85,6 @@ def cp_rank(rank: int, port: int, path: str, out: str) -> None:
     if rank == 0:
         torch.save({"lp": lp, "loss": loss, "grads": grads}, out)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from inference_helpers import free_port
+from conftest import free_port
 from vllm_helpers import START_TIMEOUT_S, VLLM_ADMIN_TOKEN, VllmServer, save_tiny_model
 
 from primebuild.contracts.router import VllmPool, VllmRouterConfig

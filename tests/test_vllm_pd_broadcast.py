@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from inference_helpers import free_port, hf_greedy, load_hf
+from conftest import free_port
+from inference_helpers import hf_greedy, load_hf
 from vllm_helpers import START_TIMEOUT_S, VLLM_ADMIN_TOKEN, VllmServer, save_tiny_model, vllm_python
 
 from primebuild.runtime.inference.vllm.admin import VllmAdmin

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from inference_helpers import free_port, hf_greedy, load_hf, teacher_forced_logprobs
+from conftest import free_port
+from inference_helpers import hf_greedy, load_hf, teacher_forced_logprobs
 from vllm_helpers import VLLM_ADMIN_TOKEN, save_tiny_model, vllm_python
 
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError

@@ -2,20 +2,14 @@
 
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import free_port
 
 from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender, _buckets
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_state(step: int) -> dict[str, torch.Tensor]:

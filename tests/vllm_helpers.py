@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from inference_helpers import EOS_ID, free_port, save_tokenizer
+from conftest import free_port
+from inference_helpers import EOS_ID, save_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 FACTS = REPO / "manifests" / "models" / "reverse-text-tiny.json"
