@@ -4,14 +4,13 @@ samples it by name; synchronous steps measure the trainer-vs-vLLM mismatch on th
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from test_run_local import REPO, _env, _free_port, _logs, _metrics
+from conftest import free_port, sft_workspace
+from test_run_local import _env, _logs, _metrics
 from vllm_helpers import vllm_python
 
 from primebuild.runtime.inference.vllm.admin_auth import is_public
@@ -24,23 +23,16 @@ def test_adapter_loading_needs_the_admin_token():
     assert is_public("POST", "/v1/completions")
 
 
-def test_lora_run_on_vllm_samples_the_adapted_policy(tmp_path: Path):
+def test_lora_run_on_vllm_samples_the_adapted_policy(tmp_path: Path, short_sft_store: Path):
     vllm_python()  # skips (or fails under CI=true) without the vLLM environment
-    manifests = tmp_path / "manifests"
-    shutil.copytree(REPO / "manifests" / "models", manifests / "models")
-    sft = yaml.safe_load((REPO / "manifests" / "reverse-text-sft.yaml").read_text())
-    sft["sft"]["steps"], sft["sft"]["warmup_steps"] = 40, 10
-    (manifests / "reverse-text-sft.yaml").write_text(yaml.safe_dump(sft))
-    for name in ("reverse-text.yaml", "reverse-text-lora.yaml"):
-        shutil.copy(REPO / "manifests" / name, manifests / name)
-    (tmp_path / "store").mkdir()
+    manifests = sft_workspace(tmp_path, ("reverse-text.yaml", "reverse-text-lora.yaml"), seed_store=short_sft_store)
     runs, steps = tmp_path / "runs", 4
     proc = subprocess.run(
         [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "reverse-text-lora.yaml"), "--runs-dir", str(runs),
          "--set", "inference.engine=vllm", "--set", f"orchestrator.max_steps={steps}", "--set", "orchestrator.eval_every=0",
          "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
          "--set", "orchestrator.max_off_policy_steps=0",  # synchronous: every step measures the mismatch
-         "--set", f"inference.port={_free_port()}"],
+         "--set", f"inference.port={free_port()}"],
         capture_output=True, text=True, env=_env(tmp_path), timeout=850)
     assert proc.returncode == 0, proc.stdout + proc.stderr + _logs(runs)
     run_dir = next(p for p in runs.iterdir() if p.is_dir())
