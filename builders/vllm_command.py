@@ -71,6 +71,7 @@ class VllmServer:
     kv_cache_dtype: str | None = None
     kv_transfer: dict = field(default_factory=dict)  # P/D: {"kv_connector", "kv_role", ...}
     block_size: int | None = None  # tokens per KV block (ExampleConnector moves whole blocks and names them)
+    tool_call_parser: str | None = None  # e.g. "hermes": `tools` in chat requests become OpenAI tool_calls
 
 
 # The KV connectors vLLM 0.32 registers (vllm/distributed/kv_transfer/kv_connector/factory.py); any other
@@ -124,6 +125,8 @@ def server_argv(s: VllmServer) -> list[str]:
         argv += ["--weight-transfer-config", json.dumps({"backend": BROADCAST_BACKEND})]
     if s.return_routed_experts:
         argv += ["--enable-return-routed-experts"]
+    if s.tool_call_parser:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
     return argv
 
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 8201815e51a2104bffad5de6a7844eb6e01a33d2dde929c90bd1c9f58da647e3, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 0362f2a32774c9feb671c944888be00ebeaa8799386321d50af713e96d1e7b72, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is
