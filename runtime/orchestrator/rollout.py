@@ -27,8 +27,8 @@ from primebuild.contracts.completion import CompletionResult, SampledChoice
 from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Environment, Task, max_turns, start_episode
 from primebuild.runtime.envs.framing import framing
-from primebuild.runtime.orchestrator.agent_rollouts import agent_group, plays_itself
 from primebuild.runtime.envs.transcript import Transcript
+from primebuild.runtime.orchestrator.agent_rollouts import agent_group, plays_itself
 from primebuild.runtime.trainer.batch import Sample
 
 # sample(prompt_ids, n=, temperature=, max_tokens=, seed=) -> CompletionResult: one request to a server
