@@ -73,8 +73,7 @@ ADAPTER_ARGS = {
     "prompt_format": ("a string holding {prompt}", lambda v: isinstance(v, str) and "{prompt}" in v),
     "reply_format": ("a string holding {message}", lambda v: isinstance(v, str) and "{message}" in v),
     "env": ("a mapping (the verifiers Env's config fields)", lambda v: isinstance(v, dict)),
-    "harness": ('"null" or "bash" (the verifiers harness that plays a taskset with tools)',
-                lambda v: v in ("null", "bash")),
+    "harness": ('"null" (the verifiers harness that plays a taskset with tools)', lambda v: v == "null"),
 }
 
 
@@ -134,7 +133,7 @@ def _tool_problems(i: int, env_id: str, args: dict) -> Iterator[tuple[str, str, 
     if tools and "harness" not in args:
         yield (f"environments[{i}].id", f"environment {env_id}: its tasks use tools ({', '.join(tools)}); verifiers "
                "runs MCP toolsets inside its harness programs, which primebuild's own turn loop does not drive",
-               'play it with a verifiers harness: args.harness: "null" (its chat program calls the tools) or "bash"')
+               'play it with a verifiers harness: args.harness: "null" (its chat program calls the tools)')
 
 
 # --- the sandbox of swe-tiny ---------------------------------------------------------------------------

@@ -2,14 +2,14 @@
 
 verifiers runs tool use itself: for each rollout its `Agent` starts the task's MCP toolsets, its own
 interception server and a harness program (`null`: a chat loop over the OpenAI API that calls the MCP
-tools the model asks for; `bash`: the same with a shell). Here that whole path runs unchanged, with one
+tools the model asks for). Here that whole path runs unchanged, with one
 difference: the program's model endpoint is primebuild's `ChatInterception` (chat_interception.py),
 which renders the conversation with the model's chat template token in / token out, samples every model
 turn through the orchestrator's inference client and records its ids, log-probs and policy version. The
 episode's token sequence is that recording; its reward is the trace's, scored by the task's own
 `@vf.reward`s when verifiers' rollout closes.
 
-Manifest args (besides the taskset's config fields): `num_eval`, `harness` ("null" or "bash"),
+Manifest args (besides the taskset's config fields): `num_eval`, `harness` ("null"),
 `max_turns` (model turns per episode, verifiers' agent limit). The program runs as a local subprocess
 (verifiers' SubprocessRuntime); verifiers installs its script's dependencies with uv on first use.
 """
@@ -22,7 +22,7 @@ from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Task
 from primebuild.runtime.envs.verifiers_adapter import VERIFIERS_TASK, VerifiersEnvironment, _import_verifiers
 
-HARNESSES = ("null", "bash")
+HARNESSES = ("null",)  # bash would run the model's shell commands on this host, unsandboxed: not offered
 INTERCEPTION_KEY_ENV = "PRIMEBUILD_INTERCEPTION_KEY"  # the program's API key; the interception checks none
 
 
