@@ -166,6 +166,8 @@ import verifiers.v1 as vf
 
 
 class Lookup(vf.Toolset):
+    TOOL_PREFIX = None  # the model calls `lookup`, not `lookup_lookup`
+
     @vf.tool
     async def lookup(self, key: str) -> str:
         """The value of a key."""
@@ -193,6 +195,9 @@ class LookupTaskset(vf.Taskset[LookupTask, vf.TasksetConfig]):
 
 
 __all__ = ["LookupTaskset"]
+
+if __name__ == "__main__":  # verifiers serves the toolset by running this module
+    Lookup.run()
 '''
 
 
