@@ -165,7 +165,7 @@ LOOKUP_TASKSET = '''
 import verifiers.v1 as vf
 
 
-class Lookup(vf.Toolset):
+class Lookup(vf.Toolset[vf.ToolsetConfig]):
     TOOL_PREFIX = None  # the model calls `lookup`, not `lookup_lookup`
 
     @vf.tool
