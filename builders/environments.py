@@ -73,6 +73,7 @@ ADAPTER_ARGS = {
     "prompt_format": ("a string holding {prompt}", lambda v: isinstance(v, str) and "{prompt}" in v),
     "reply_format": ("a string holding {message}", lambda v: isinstance(v, str) and "{message}" in v),
     "env": ("a mapping (the verifiers Env's config fields)", lambda v: isinstance(v, dict)),
+    "harness": ('"null" (the verifiers harness that plays a taskset with tools)', lambda v: v == "null"),
 }
 
 
@@ -129,10 +130,10 @@ def _declared_tools(taskset_id: str, args_json: str, path: tuple[str, ...]) -> d
 
 def _tool_problems(i: int, env_id: str, args: dict) -> Iterator[tuple[str, str, str]]:
     tools = declared_tools(env_id.removeprefix(VERIFIERS_PREFIX), args).get("tools")
-    if tools:
+    if tools and "harness" not in args:
         yield (f"environments[{i}].id", f"environment {env_id}: its tasks use tools ({', '.join(tools)}); verifiers "
-               "runs MCP toolsets inside its harness programs, which primebuild's rollout loop does not drive",
-               "use a taskset without toolsets (tool use is not built yet)")
+               "runs MCP toolsets inside its harness programs, which primebuild's own turn loop does not drive",
+               'play it with a verifiers harness: args.harness: "null" (its chat program calls the tools)')
 
 
 # --- the sandbox of swe-tiny ---------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                     model_path="{model_path}", served_model_name=m.name, host=bind_host(m, slot.node), port=port,
                     max_num_seqs=inf.max_num_seqs, max_model_len=m.orchestrator.seq_len,
                     precision=inf.precision, seed=m.seed + index, num_threads=threads, weight_broadcast=join,
-                    disaggregation=role)
+                    disaggregation=role, tool_call_parser=inf.tool_call_parser)
                 argv = ["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"]
             else:
                 argv = _vllm_argv(m, rp, group, node_rank, port, broadcast=init_method is not None,
@@ -193,7 +193,8 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_ra
         expert_parallel=group.ep > 1,
         quantization=vllm_fp8_option(checkpoint_quantized) if inf.precision == "fp8" else None,
         kv_cache_dtype=None if inf.kv_cache_dtype == "auto" else inf.kv_cache_dtype,
-        max_lora_rank=m.trainer.lora.rank if m.trainer.lora else None)
+        max_lora_rank=m.trainer.lora.rank if m.trainer.lora else None,
+        tool_call_parser=inf.tool_call_parser)
     if group.dp > 1:
         local = group.dp // len(rp.slots)
         multi = len(rp.slots) > 1

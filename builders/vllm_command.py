@@ -72,6 +72,7 @@ class VllmServer:
     kv_transfer: dict = field(default_factory=dict)  # P/D: {"kv_connector", "kv_role", ...}
     block_size: int | None = None  # tokens per KV block (ExampleConnector moves whole blocks and names them)
     max_lora_rank: int | None = None  # LoRA RL: serve one runtime-loaded adapter of up to this rank
+    tool_call_parser: str | None = None  # e.g. "hermes": `tools` in chat requests become OpenAI tool_calls
 
 
 # vLLM 0.32's LoRAConfig.max_lora_rank takes one of these (vllm/config/lora.py)
@@ -142,6 +143,8 @@ def server_argv(s: VllmServer) -> list[str]:
         argv += ["--enable-return-routed-experts"]
     if s.max_lora_rank is not None:
         argv += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(vllm_lora_rank(s.max_lora_rank))]
+    if s.tool_call_parser:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
     return argv
 
 

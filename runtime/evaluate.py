@@ -72,11 +72,13 @@ def play_greedy(model, tokenizer, env: Environment, tasks: list[Task], max_new_t
     """Rewards of greedy episodes (one turn for a single-turn environment): every active episode's
     next turn is decoded in one batch, token in / token out as the orchestrator does (transcript.py)."""
     from primebuild.runtime.envs.base import max_turns, start_episode
-    from primebuild.runtime.envs.transcript import Transcript, encode_prompt, encode_reply
+    from primebuild.runtime.envs.framing import framing
+    from primebuild.runtime.envs.transcript import Transcript
 
     async def play() -> list[float]:
         eos = tokenizer.eos_token_id
-        transcripts = [Transcript(encode_prompt(tokenizer, env.format_prompt(t))) for t in tasks]
+        framed = framing(env, tokenizer)
+        transcripts = [Transcript(framed.prompt_ids(t)) for t in tasks]
         episodes = [start_episode(env, t) for t in tasks]
         active = list(range(len(tasks)))
         try:
@@ -92,8 +94,7 @@ def play_greedy(model, tokenizer, env: Environment, tasks: list[Task], max_new_t
                     reply = await episodes[i].step(text)
                     if reply is None:
                         continue
-                    reply_ids = encode_reply(tokenizer, reply)
-                    transcripts[i].add_environment(reply_ids)
+                    transcripts[i].add_environment(framed.reply_ids(tasks[i], turn, reply))
                     if seq_len is None or len(transcripts[i]) + max_new_tokens <= seq_len:
                         still.append(i)
                 active = still

@@ -160,6 +160,11 @@ def process(plan: dict, role: str) -> dict:
     return next(p for p in plan["processes"] if p["role"] == role)
 
 
+def _vllm_flag(plan: dict, flag: str) -> str | None:
+    argv = process(plan, I)["argv"]
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
 def config_of(role: str, path: str) -> Callable[[dict], object]:
     def get(plan: dict) -> object:
         value: object = process(plan, role)["config"]
@@ -381,6 +386,10 @@ FIELDS: dict[str, list] = {
                             Refused(("inference.precision=fp8", "inference.engine=vllm"))],
     "inference.threads": [Reaches(config_of(I, "num_threads"), ("inference.threads=2",), 2),
                           Refused(("inference.threads=2",), base=GPU)],
+    "inference.tool_call_parser": [Reaches(config_of(I, "tool_call_parser"), ("inference.tool_call_parser=hermes",),
+                                           "hermes"),
+                                   Reaches(lambda plan: _vllm_flag(plan, "--tool-call-parser"),
+                                           ("inference.engine=vllm", "inference.tool_call_parser=hermes"), "hermes")],
     "inference.kv_cache_dtype": [Refused(("inference.kv_cache_dtype=fp8",)),
                                  Shapes(("inference.kv_cache_dtype=fp8",), "memory")],
     "inference.gpu_memory_utilization": [Refused(("inference.gpu_memory_utilization=0.5",)),

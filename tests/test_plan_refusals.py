@@ -129,7 +129,7 @@ assert TOOLSETS in TOOLS
 NO_TOOLS = TOOLS.replace(TOOLSETS, "    pass\n")
 
 
-def test_verifiers_tool_use_is_refused_at_plan_time(workdir: Path, capsys, monkeypatch):
+def test_verifiers_tool_use_is_refused_at_plan_time_unless_a_harness_plays_it(workdir: Path, capsys, monkeypatch):
     pytest.importorskip("verifiers")
     write(workdir, "pb_plan_tools.py", TOOLS)
     write(workdir, "pb_plan_plain.py", NO_TOOLS)
@@ -139,6 +139,13 @@ def test_verifiers_tool_use_is_refused_at_plan_time(workdir: Path, capsys, monke
     env_line = CPU_MANIFEST.splitlines().index("  - id: reverse-text") + 1
     assert any(f"tools.yaml:{env_line}:" in line and "environments[0].id" in line
                and "its tasks use tools (Calculator)" in line for line in lines), lines
+    # played by a verifiers harness (its chat program calls the tools): the plan takes it
+    def harness(name: str) -> Path:
+        return write(workdir, f"tools-{name}.yaml", CPU_MANIFEST.replace(
+            "  - id: reverse-text", f'  - id: verifiers:pb-plan-tools\n    args: {{harness: "{name}"}}'))
+
+    assert "environments[0].id" not in _fields(harness("null"))
+    assert "environments[0].args.harness" in _fields(harness("cursor"))
     plain = write(workdir, "plain.yaml", CPU_MANIFEST.replace("  - id: reverse-text", "  - id: verifiers:pb-plan-plain"))
     assert "environments[0].id" not in _fields(plain)
     # the planner itself imported neither verifiers' tasksets nor torch (the check ran in a child process)

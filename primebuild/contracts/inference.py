@@ -57,3 +57,4 @@ class InferenceServerConfig(Contract):
     admin_token_env: str = ADMIN_TOKEN_ENV
     weight_broadcast: BroadcastJoin | None = None
     disaggregation: DisaggregationRole | None = None
+    tool_call_parser: Literal["hermes"] | None = None  # reads tool calls from chat answers (runtime/inference/tool_parser.py)

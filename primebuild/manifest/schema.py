@@ -157,6 +157,10 @@ class Inference(Strict):
         "cluster networks.")
     port: Port = 8000
     threads: PositiveInt | None = Field(None, le=1024, description="CPU threads per process (CPU runs).")
+    tool_call_parser: Literal["hermes"] | None = Field(
+        None, description="Read tool calls from chat answers (`<tool_call>{json}</tool_call>`) into OpenAI `tool_calls` "
+        "when a /v1/chat/completions request gives `tools`: the embedded engine's parser, vLLM's "
+        "--enable-auto-tool-choice --tool-call-parser. Unset: such requests are refused.")
 
     @property
     def groups(self) -> dict[str, InferenceGroup]:

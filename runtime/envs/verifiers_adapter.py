@@ -15,9 +15,12 @@ Multi-turn: a taskset package that also exports a `vf.Env` subclass (verifiers' 
 `vf.environment_class`) is a multi-turn environment. Its `run(task, agents)` plays the user through
 `agents.<seat>.interaction(task).turn(message)`; primebuild's policy plays the one seat, every model turn
 sampled by the orchestrator's own rollout loop (verifiers_multiturn.py says exactly what is and is not
-driven). A package without an Env is single-turn and wrapped here. verifiers' harness programs,
-runtimes, interception server and `Client` are not used in either case: a model turn is plain text, so
-tool use (MCP `Toolset`s, run by those harness programs) is refused when the environment loads.
+driven). A package without an Env is single-turn and wrapped here; in both, verifiers' harness programs
+are not used and a model turn is plain text, so a multi-turn Env with tools is refused when it loads.
+
+Tool use: a single-agent taskset named with `args.harness` is played by that verifiers harness itself
+(its chat program calls the task's MCP tools), against primebuild's chat interception, which records
+every model turn token in / token out (verifiers_agents.py, chat_interception.py).
 
 verifiers is imported lazily (it pulls in a large dependency tree: anthropic, mcp, math-verify...): a
 run that never names a verifiers environment never imports it.
@@ -202,7 +205,8 @@ def load_verifiers_environment(taskset_id: str, args: Mapping[str, Any]) -> Veri
     """Load installed taskset package `taskset_id` with verifiers' loader. A package that exports a
     `vf.Env` subclass is multi-turn (verifiers_multiturn.py); else it is wrapped single-turn. `args` are
     the taskset's config fields, except `num_eval` (the held-out size) and, multi-turn only,
-    MULTI_TURN_ARGS (`env`: the Env's own config fields)."""
+    MULTI_TURN_ARGS (`env`: the Env's own config fields). With `harness` (and optionally `max_turns`), a
+    single-agent taskset is played by that verifiers harness, its tools included (verifiers_agents.py)."""
     vf = _import_verifiers()
     from pydantic import ValidationError
 
@@ -218,6 +222,20 @@ def load_verifiers_environment(taskset_id: str, args: Mapping[str, Any]) -> Veri
             f"verifiers taskset {taskset_id!r} could not be loaded: {e}",
             hint="install the taskset's package into the run's environment",
         ) from e
+    if env_class is vf.SingleAgentEnv and "harness" in args:  # played by verifiers' harness, tools included
+        from primebuild.runtime.envs.verifiers_agents import VerifiersAgentEnvironment
+
+        harness = args.pop("harness")
+        unknown = sorted(set(adapter_args) - {"max_turns"})
+        if unknown:
+            raise UserError(f"environment {env_id}: {unknown} apply to primebuild-driven multi-turn environments, "
+                            "not to one played by a verifiers harness (args: harness, max_turns, num_eval)")
+        try:
+            config = config_type.model_validate({**args, "id": taskset_id})
+        except ValidationError as e:
+            raise UserError(f"verifiers taskset {taskset_id!r}: invalid args: {e}") from e
+        return VerifiersAgentEnvironment(vf.load_taskset(config), env_id=env_id, version=_package_version(taskset_id),
+                                         num_eval=num_eval, harness=harness, **adapter_args)
     if env_class is vf.SingleAgentEnv:
         if adapter_args:
             raise UserError(f"environment {env_id}: {sorted(adapter_args)} apply to multi-turn environments only, "

@@ -6,8 +6,9 @@
 the taskset's package is imported into the planner. It prints one JSON object:
 
 - {"tools": [names]}: the toolsets of the taskset class and of the Task type it declares, read from their
-  `toolsets(config)` classmethods as verifiers' Env reads them before any rollout; primebuild's rollout
-  loop drives none of them (runtime/envs/verifiers_multiturn.py refuses them when it loads the tasks);
+  `toolsets(config)` classmethods as verifiers' Env reads them before any rollout; primebuild's own turn
+  loop drives none of them, so the plan refuses them unless `args.harness` names the verifiers harness that
+  plays the taskset (runtime/envs/verifiers_agents.py);
 - {"unknown": reason}: the package cannot be looked at here (it imports torch, which a plan never loads,
   or its config does not validate); the orchestrator still checks every task class when it loads.
 

@@ -15,7 +15,7 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,6 +27,7 @@ from .prefilled import Prefilled
 from .protocol import ApiError
 from .sampling import SamplingParams
 from .tokenizer import ServedTokenizer
+from .tool_parser import ParsedMessage
 
 Api = Literal["completion", "chat"]
 OBJECT = {("completion", False): "text_completion", ("completion", True): "text_completion",
@@ -163,9 +164,10 @@ def chat_logprobs(tok: ServedTokenizer, ids, logprobs, tops, want_top: bool) -> 
 
 
 def choice_item(c: Choice, api: Api, tokenizer: ServedTokenizer, *, logprobs: bool, top: int,
-                new: slice | None = None) -> dict:
+                new: slice | None = None, parse_tools: Callable[[str], ParsedMessage] | None = None) -> dict:
     """One choice: the whole of it (`new` None), or a streamed chunk carrying the tokens in `new` — and,
-    on the chunk that finishes it, the rest of the RL fields."""
+    on the chunk that finishes it, the rest of the RL fields. `parse_tools`: a whole chat answer's text
+    becomes content and OpenAI `tool_calls` (finish_reason "tool_calls" when it holds any, as vLLM's)."""
     r = c.result
     stream = new is not None
     window = new if stream else slice(None)
@@ -181,9 +183,12 @@ def choice_item(c: Choice, api: Api, tokenizer: ServedTokenizer, *, logprobs: bo
         if stream:
             content = {"delta": {"content": c.delta()}}
         else:
-            content = {"message": {"role": "assistant", "content": c.text()}}
+            content = {"message": _chat_message(c.text(), parse_tools)}
         shaped = chat_logprobs(tokenizer, ids, lps, tops, top > 0) if logprobs else None
-    item = {"index": r.index, **content, "finish_reason": r.finish_reason, "logprobs": shaped,
+    finish_reason = r.finish_reason
+    if not stream and api == "chat" and content["message"].get("tool_calls") and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    item = {"index": r.index, **content, "finish_reason": finish_reason, "logprobs": shaped,
             "token_ids": ids, "token_logprobs": lps, "policy_versions": r.versions[window]}
     if r.finish_reason is not None or not stream:
         item.update(stop_reason=c.stop_reason(), prompt_token_ids=r.prompt_token_ids,
@@ -191,6 +196,16 @@ def choice_item(c: Choice, api: Api, tokenizer: ServedTokenizer, *, logprobs: bo
         if r.routed_experts is not None:
             item["routed_experts"] = r.routed_experts
     return item
+
+
+def _chat_message(text: str, parse_tools: Callable[[str], ParsedMessage] | None) -> dict:
+    if parse_tools is None:
+        return {"role": "assistant", "content": text}
+    parsed = parse_tools(text)
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+    return message
 
 
 def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
@@ -206,7 +221,8 @@ def sse(data: dict | str) -> str:
 
 async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str, api: Api,
                  prompts: list[list[int]], params: SamplingParams, *, stream: bool, include_usage: bool,
-                 logprobs: bool, top: int, prefilled: list[Prefilled | None] | None = None):
+                 logprobs: bool, top: int, prefilled: list[Prefilled | None] | None = None,
+                 parse_tools: Callable[[str], ParsedMessage] | None = None):
     """Run one API call on the engine and answer it, whole or as server-sent events (P/D decode:
     continuing from `prefilled` KV caches, one per prompt, None where the prompt is prefilled here)."""
     generation = Generation(engine, prompts, params, prefilled)
@@ -225,7 +241,7 @@ async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: 
         errors = [c.result.error for c in choices if c.result.error]
         if errors:
             raise ApiError(500, errors[0])
-        items = [choice_item(c, api, tokenizer, logprobs=logprobs, top=top) for c in choices]
+        items = [choice_item(c, api, tokenizer, logprobs=logprobs, top=top, parse_tools=parse_tools) for c in choices]
         return JSONResponse({**meta, "choices": items, "usage": usage(prompts, choices)})
 
     async def events():

@@ -7,6 +7,7 @@ prompts are rendered and tokenised in a worker thread, so one huge request does 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 from fastapi import APIRouter, Request
@@ -17,11 +18,15 @@ from .engine import Engine
 from .protocol import ApiError, ChatRequest, CompletionRequest
 from .responses import answer
 from .tokenizer import ServedTokenizer
+from .tool_parser import parse_tool_calls
 from .validation import RequestChecks
 
 
 def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str,
-                  body_parser: BodyParser, pd: Disaggregation | None = None) -> APIRouter:
+                  body_parser: BodyParser, pd: Disaggregation | None = None,
+                  tool_call_parser: str | None = None) -> APIRouter:
+    """`tool_call_parser` (e.g. "hermes"): how tool calls are read from a chat answer's text when the
+    request gives `tools`; None refuses such requests (vLLM without --enable-auto-tool-choice)."""
     router = APIRouter()
     pd = pd or Disaggregation(None)  # P/D: a prefill server exports, a decode server continues
     check = RequestChecks(engine, tokenizer, served_model_name)
@@ -50,9 +55,9 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
                             logprobs=body.logprobs is not None, top=top, prefilled=prefilled)
 
     def chat_prompt(body: ChatRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_input() for m in body.messages]
         try:
-            prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+            prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools=body.template_tools())
         except Exception as err:  # a template may raise on inputs it does not accept
             raise ApiError(400, f"the chat template rejected the messages: {str(err)[:200]}",
                            param="messages") from None
@@ -66,6 +71,15 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
         if not tokenizer.has_chat_template:
             raise ApiError(400, "the served model's tokenizer has no chat template; use /v1/completions",
                            param="messages")
+        parse_tools = None
+        if body.parses_tool_calls:
+            if tool_call_parser is None:
+                raise ApiError(400, '"auto" tool choice needs a tool-call parser, which this server was not started '
+                               'with (inference.tool_call_parser)', param="tool_choice")
+            if body.stream:
+                raise ApiError(400, "tool calls are parsed from a whole answer: stream is not supported with tools",
+                               param="stream")
+            parse_tools = functools.partial(parse_tool_calls, tool_call_parser)
         prompt = await asyncio.to_thread(chat_prompt, body)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.max_model_len - len(prompt))
         top = (body.top_logprobs or 0) if body.logprobs else 0
@@ -76,7 +90,7 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
             return exported
         return await answer(engine, tokenizer, served_model_name, "chat", [prompt], params,
                             stream=bool(body.stream), include_usage=_include_usage(body),
-                            logprobs=bool(body.logprobs), top=top, prefilled=prefilled)
+                            logprobs=bool(body.logprobs), top=top, prefilled=prefilled, parse_tools=parse_tools)
 
     return router
 

@@ -53,6 +53,7 @@ def create_app(
     shutdown_engine_on_exit: bool = False,
     weight_stage: BroadcastStage | None = None,
     pd: Disaggregation | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app over an already-running engine. `admin_token=None` refuses every admin call."""
     tokenizer = tokenizer or ServedTokenizer(engine.model_path)
@@ -89,7 +90,7 @@ def create_app(
         log.exception("unhandled error")
         return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}").body(), status_code=500)
 
-    app.include_router(openai_router(engine, tokenizer, served_model_name, body_parser, pd))
+    app.include_router(openai_router(engine, tokenizer, served_model_name, body_parser, pd, tool_call_parser))
     app.include_router(admin_router(engine, served_model_name, admin_token, weight_stage, pd))
     return app
 
@@ -123,7 +124,8 @@ def serve(config: InferenceServerConfig) -> None:
         role = config.disaggregation.role
         pd = Disaggregation(role, f"tcp://{config.host}:{config.disaggregation.kv_port}" if role == "decode" else None)
     app = create_app(engine, tokenizer, served_model_name=config.served_model_name, admin_token=admin_token,
-                     shutdown_engine_on_exit=True, weight_stage=weight_stage, pd=pd)
+                     shutdown_engine_on_exit=True, weight_stage=weight_stage, pd=pd,
+                     tool_call_parser=config.tool_call_parser)
     if not run_http(app, engine, config.host, config.port):
         raise SystemExit(1)  # the supervisor restarts a server that failed
 

@@ -51,9 +51,10 @@ class ServedTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text)["input_ids"])
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         ids = self._tok.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
         return list(ids)
 

@@ -27,7 +27,9 @@ from primebuild.contracts.completion import CompletionResult, SampledChoice
 from primebuild.contracts.rollout import Sample
 from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Environment, Task, max_turns, start_episode
-from primebuild.runtime.envs.transcript import Transcript, encode_prompt, encode_reply
+from primebuild.runtime.envs.framing import framing
+from primebuild.runtime.envs.transcript import Transcript
+from primebuild.runtime.orchestrator.agent_rollouts import agent_group, plays_itself
 
 # sample(prompt_ids, n=, temperature=, max_tokens=, seed=) -> CompletionResult: one request to a server
 SampleFn = Callable[..., Awaitable[CompletionResult]]
@@ -67,7 +69,10 @@ class RolloutRunner:
 
     async def group(self, sample: SampleFn, env: Environment, task: Task, *, n: int, temperature: float,
                     seed: int | None = None, is_useful: Callable[[int], bool] = lambda oldest: True) -> list[Rollout]:
-        prompt_ids = encode_prompt(self.tokenizer, env.format_prompt(task))
+        if plays_itself(env):  # an agent program calls the policy (a verifiers harness with tools)
+            return await agent_group(self, sample, env, task, n=n, temperature=temperature, seed=seed)
+        framed = framing(env, self.tokenizer)  # plain text, or the model's chat template (envs/framing.py)
+        prompt_ids = framed.prompt_ids(task)
         room = self.seq_len - len(prompt_ids)
         if room < 1:
             raise UserError(f"environment {env.id}: a prompt of {len(prompt_ids)} tokens leaves no room in seq_len "
@@ -76,11 +81,11 @@ class RolloutRunner:
         first = await sample(prompt_ids, n=n, temperature=temperature, max_tokens=min(self.max_tokens_per_turn, room),
                              seed=seed)
         return await asyncio.gather(*(
-            self._episode(sample, env, task, prompt_ids, choice, started, temperature=temperature,
+            self._episode(sample, env, framed, task, prompt_ids, choice, started, temperature=temperature,
                           seed=None if seed is None else seed + 7919 * (j + 1), is_useful=is_useful)
             for j, choice in enumerate(first.choices)))
 
-    async def _episode(self, sample: SampleFn, env: Environment, task: Task, prompt_ids: list[int],
+    async def _episode(self, sample: SampleFn, env: Environment, framed, task: Task, prompt_ids: list[int],
                        choice: SampledChoice, started: float, *, temperature: float, seed: int | None,
                        is_useful: Callable[[int], bool]) -> Rollout:
         transcript = Transcript(list(prompt_ids))
@@ -97,7 +102,7 @@ class RolloutRunner:
                 if transcript.turns >= turn_limit:
                     finish = "turns"
                     break
-                reply_ids = encode_reply(self.tokenizer, reply)
+                reply_ids = framed.reply_ids(task, list(choice.token_ids), reply)
                 room = self.seq_len - len(transcript) - len(reply_ids)
                 if room < 1:
                     finish = "seq_len"

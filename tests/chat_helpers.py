@@ -1,0 +1,74 @@
+"""A tiny random Qwen3 folder whose tokenizer is the chat tokenizer (ChatML + hermes tool calls)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from primebuild.runtime.models.chat_tokenizer import END_OF_TEXT, IM_END, VOCAB, save_chat_tokenizer
+
+
+def save_chat_model(folder: Path, seed: int = 0, head_dim: int = 16) -> Path:
+    """head_dim 32 for vLLM (its CPU attention has none below 32)."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    heads = 64 // head_dim
+    config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
+                         max_position_embeddings=1024,
+                         initializer_range=0.1, eos_token_id=VOCAB.index(IM_END), tie_word_embeddings=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    GenerationConfig(eos_token_id=[VOCAB.index(IM_END), VOCAB.index(END_OF_TEXT)]).save_pretrained(folder)
+    save_chat_tokenizer(folder)
+    return folder
+
+
+def tool_use_sequence(template, tokenizer, rng, tools: list[dict], call: str, answer: str):
+    """(ids, loss mask) of one episode: a random user (and maybe system) message, the model's tool call,
+    the tool's result, the model's answer; built the way the orchestrator records it (chat_template.py)."""
+    def text(n):
+        return "".join(rng.choice("abcdefghij klmnop") for _ in range(n))
+
+    end = tokenizer.convert_tokens_to_ids(IM_END)
+    messages = ([{"role": "system", "content": text(rng.randint(5, 40))}] if rng.random() < 0.5 else [])
+    messages.append({"role": "user", "content": text(rng.randint(3, 30))})
+    ids = template.prompt_ids(messages, tools=tools)
+    mask = [0] * len(ids)
+    first = tokenizer.encode(call, add_special_tokens=False) + [end]
+    ids, mask = ids + first, mask + [1] * len(first)
+    reply = template.continuation_ids(first, [{"role": "tool", "content": text(rng.randint(1, 8))}], tools=tools)
+    ids, mask = ids + reply, mask + [0] * len(reply)
+    last = tokenizer.encode(answer, add_special_tokens=False) + [end]
+    return ids + last, mask + [1] * len(last)
+
+
+def train_tool_caller(folder: Path, tools: list[dict], call: str, answer: str, steps: int = 200, seed: int = 0):
+    """Teach the tiny chat model in `folder` (in place) to answer any user with the tool call `call` and any
+    tool result with `answer`: a real model that calls a tool, for the tests of the tool-call path."""
+    import random
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primebuild.runtime.inference.chat_template import ChatTemplate
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    template = ChatTemplate(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        rows = [tool_use_sequence(template, tokenizer, rng, tools, call, answer) for _ in range(6)]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r, _ in rows])
+        mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)
+        logits = model(input_ids=ids).logits[:, :-1]
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (losses * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(folder)
+    return loss.item()
