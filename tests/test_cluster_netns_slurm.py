@@ -20,6 +20,7 @@ from cluster_helpers import (
     REPO,
     listening_sockets,
     logs_tail,
+    missing,
     namespace_pids,
     processes_of,
     require_slurm,
@@ -42,8 +43,7 @@ def _require_hosts_partition() -> None:
     require_slurm()
     shown = subprocess.run(["sinfo", "-h", "-p", "hosts", "-o", "%D %T"], capture_output=True, text=True, timeout=20)
     if shown.stdout.split()[:1] != ["4"]:
-        pytest.fail(f"no Slurm partition `hosts` of 4 nodes (scripts/ci-services): {shown.stdout!r}") \
-            if os.environ.get("CI") == "true" else pytest.skip("no Slurm partition `hosts` (scripts/ci-services)")
+        missing(f"no Slurm partition `hosts` of 4 nodes (scripts/ci-services): {shown.stdout!r}")
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +73,7 @@ def test_a_slurm_run_spans_the_namespace_hosts_with_a_two_host_trainer(ws, tmp_p
         for record in (run_dir / "pids").glob("*.json"):
             data = json.loads(record.read_text())
             placed[data["process"]] = _namespace_of(data["pid"])
-        # the run's own processes; srun's I/O sockets listen on every interface (Slurm's, not the run's)
-        ours = [line for line in processes_of(run_dir) if not line.split(": ", 1)[1].startswith(SLURM_TOOLS)]
-        sockets = listening_sockets([int(line.split(":")[0]) for line in ours])
+        sockets = listening_sockets(_run_pids(run_dir))
         by_namespace = {pid: _namespace_of(pid) for pid in {pid for pid, _, _ in sockets}}
         out, _ = proc.communicate(timeout=600)
     finally:
@@ -102,3 +100,9 @@ def test_a_slurm_run_spans_the_namespace_hosts_with_a_two_host_trainer(ws, tmp_p
     assert "received weights of step 4 by broadcast" in (run_dir / "logs" / "inference-0.log").read_text()
     assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())
     assert wait_gone(run_dir, 30) == [], processes_of(run_dir)
+
+
+def _run_pids(run_dir: Path) -> list[int]:
+    """The run's own processes (not srun/slurmstepd, whose I/O sockets are Slurm's)."""
+    return [int(line.split(":")[0]) for line in processes_of(run_dir)
+            if not line.split(": ", 1)[1].startswith(SLURM_TOOLS)]
