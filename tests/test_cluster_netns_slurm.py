@@ -1,0 +1,108 @@
+"""Multi-host for real over the Slurm target: the namespace hosts of scripts/ci-hosts (pbhost1-4 at
+10.77.0.1-4) each run a slurmd (scripts/ci-services: partition `hosts`, slurmctld at the bridge's
+10.77.0.254). `primebuild run` submits one het job: inference, a 2-node trainer (torchrun's rendezvous
+and gloo across hosts) and the orchestrator, each component on its own node(s), which Slurm picks;
+weights go to the server by broadcast across hosts. Each process is found in its namespace with
+`ip netns pids`. The run folder is on the one filesystem every "host" sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from cluster_helpers import (
+    NAMESPACES,
+    REPO,
+    listening_sockets,
+    logs_tail,
+    missing,
+    namespace_pids,
+    processes_of,
+    require_slurm,
+    start,
+    trained_steps,
+    wait_gone,
+    wait_trained,
+    workspace,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+MANIFEST = "reverse-text-slurm-hosts.yaml"
+SMALL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40"]
+SLURM_NAMESPACES = (*NAMESPACES, "pbhost4")  # a het job gives each component whole nodes: four here
+SLURM_TOOLS = ("srun ", "/usr/bin/srun ", "slurmstepd")
+ADDRESS = {ns: f"10.77.0.{i + 1}" for i, ns in enumerate(SLURM_NAMESPACES)}
+
+
+def _require_hosts_partition() -> None:
+    require_slurm()
+    shown = subprocess.run(["sinfo", "-h", "-p", "hosts", "-o", "%D %T"], capture_output=True, text=True, timeout=20)
+    if shown.stdout.split()[:1] != ["4"]:
+        missing(f"no Slurm partition `hosts` of 4 nodes (scripts/ci-services): {shown.stdout!r}")
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    _require_hosts_partition()
+    for veth in SLURM_NAMESPACES:  # a link a failed test left cut
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True, timeout=20)
+    root = tmp_path_factory.mktemp("netns-slurm")
+    manifests = workspace(root)
+    shutil.copy(REPO / "tests" / "data" / MANIFEST, manifests / MANIFEST)
+    env = {**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1"}
+    return manifests / MANIFEST, env
+
+
+def _namespace_of(pid: int) -> str:
+    found = [ns for ns in SLURM_NAMESPACES if pid in namespace_pids(ns)]
+    return found[0] if len(found) == 1 else f"? {found}"
+
+
+def test_a_slurm_run_spans_the_namespace_hosts_with_a_two_host_trainer(ws, tmp_path: Path):
+    manifest, env = ws
+    runs = tmp_path / "runs"
+    proc = start("run", manifest, "--runs-dir", runs, "--quiet", *SMALL, "--set", "orchestrator.max_steps=4", env=env)
+    try:
+        run_dir = wait_trained(runs, 1, proc, timeout=600)
+        placed = {}
+        for record in (run_dir / "pids").glob("*.json"):
+            data = json.loads(record.read_text())
+            placed[data["process"]] = _namespace_of(data["pid"])
+        sockets = listening_sockets(_run_pids(run_dir))
+        by_namespace = {pid: _namespace_of(pid) for pid in {pid for pid, _, _ in sockets}}
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + logs_tail(run_dir)
+    assert set(placed) == {"inference-0", "trainer-n0", "trainer-n1", "orchestrator"}, placed
+    assert set(placed.values()) <= set(SLURM_NAMESPACES), placed
+    assert len(set(placed.values())) == 4, placed  # each het component on its own host, the trainer on two
+    assert trained_steps(run_dir) == [1, 2, 3, 4]
+    # the plan's nodes 0-2 (inference, the trainer's two) resolved to the addresses of the hosts Slurm gave
+    plan_hosts = [ADDRESS[placed[name]] for name in ("inference-0", "trainer-n0", "trainer-n1")]
+    assert json.loads((run_dir / "rendezvous.json").read_text())["hosts"] == plan_hosts
+    # every socket of the run listens on its own host's address (loopback inside it at most), never `*`
+    wrong = [(pid, addr, port) for pid, addr, port in sockets
+             if addr not in (ADDRESS.get(by_namespace[pid]), "127.0.0.1")]
+    assert wrong == [], sockets
+    listening = {(by_namespace[pid], addr, port) for pid, addr, port in sockets}
+    trainer0 = placed["trainer-n0"]
+    assert (trainer0, ADDRESS[trainer0], 29500) in listening  # torchrun's rendezvous, on the trainer's node 0
+    print(f"slurm over namespace hosts: placed {placed}, listening {sorted(listening)}")
+    assert any(ns == placed["inference-0"] and addr == ADDRESS[ns] for ns, addr, _ in listening)  # the server
+    # the weights crossed hosts by broadcast: no weight folders, and the server got step 4
+    assert "received weights of step 4 by broadcast" in (run_dir / "logs" / "inference-0.log").read_text()
+    assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())
+    assert wait_gone(run_dir, 30) == [], processes_of(run_dir)
+
+
+def _run_pids(run_dir: Path) -> list[int]:
+    """The run's own processes (not srun/slurmstepd, whose I/O sockets are Slurm's)."""
+    return [int(line.split(":")[0]) for line in processes_of(run_dir)
+            if not line.split(": ", 1)[1].startswith(SLURM_TOOLS)]
