@@ -28,8 +28,8 @@ from cluster_helpers import (
     trained_steps,
     wait_gone,
     wait_trained,
-    workspace,
 )
+from conftest import SHIPPED_NAMES, sft_workspace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 MANIFEST = "reverse-text-slurm-hosts.yaml"
@@ -47,12 +47,12 @@ def _require_hosts_partition() -> None:
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory):
+def ws(tmp_path_factory, short_sft_store):
     _require_hosts_partition()
     for veth in SLURM_NAMESPACES:  # a link a failed test left cut
         subprocess.run(["ip", "link", "set", veth, "up"], check=True, timeout=20)
     root = tmp_path_factory.mktemp("netns-slurm")
-    manifests = workspace(root)
+    manifests = sft_workspace(root, SHIPPED_NAMES, seed_store=short_sft_store)
     shutil.copy(REPO / "tests" / "data" / MANIFEST, manifests / MANIFEST)
     env = {**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1"}
     return manifests / MANIFEST, env
