@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import listening_sockets, processes_of
 from conftest import free_port, sft_workspace
+from vllm_helpers import vllm_python
 
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.hang_watchdog import FIRST_STEP_FACTOR, HangWatchdog, run_processes
@@ -250,3 +251,39 @@ def test_a_frozen_inference_server_is_named_and_max_restarts_finishes_every_step
     report = (run_dir / "stacks" / "hang.txt").read_text()
     assert f"inference-0 (pid {server}): stopped" in report and "orchestrator (pid" in report, report
     assert not (run_dir / "failure.json").exists()  # the resumed session ended well
+
+
+@pytest.mark.timeout(1200)
+def test_a_frozen_vllm_server_is_named_and_max_restarts_finishes_every_step_once(tmp_path: Path, short_sft_store: Path):
+    """The same hang in a vLLM server: its API server (the process the supervisor started; its EngineCore
+    child stays runnable) is frozen; the watchdog names it, the run resumes once and trains every step once."""
+    vllm_python()  # skips (or fails under CI=true) without the vLLM environment
+    manifests = sft_workspace(tmp_path / "ws", ("reverse-text.yaml", "reverse-text-vllm.yaml"), seed_store=short_sft_store)
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "reverse-text-vllm.yaml"), "--runs-dir", str(runs),
+         "--quiet", "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
+         "--set", "orchestrator.eval_every=0", "--set", "orchestrator.max_steps=6", "--set", f"inference.port={free_port()}",
+         "--hang-timeout", str(HANG_FLOOR), "--max-restarts", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(manifests))
+    try:
+        run_dir = _wait_for_trained(runs, 2, proc, timeout=900)
+        pids = set(_pids(run_dir, "inference-0"))
+        (server,) = [pid for pid in pids if _parent(pid) not in pids]  # the API server, not its engine core
+        os.kill(server, signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    print(next(line for line in out.splitlines() if line.startswith("error: hang")))
+    assert f"inference-0 (pid {server}) is stopped" in out and "restart 1/1" in out, out
+    assert "resuming" in out and "run complete" in out, out
+    assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # each step exactly once
+    report = (run_dir / "stacks" / "hang.txt").read_text()
+    assert f"inference-0 (pid {server}): stopped" in report, report
+    assert processes_of(run_dir) == []
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
