@@ -29,6 +29,9 @@ import sys
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
+from primebuild.contracts.estimates import ProfileTimes
+from primebuild.contracts.plan import Plan
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -72,10 +75,10 @@ def run(manifest: Path, off: int, steps: int, runs: Path, port: int) -> dict:
     }
 
 
-def predicted(manifest: Path, off: int) -> dict | None:
-    plan = json.loads(primebuild("plan", str(manifest), "-o", "json", "--set",
-                                 f"orchestrator.max_off_policy_steps={off}").stdout)
-    return (plan.get("estimates") or {}).get("profile")
+def predicted(manifest: Path, off: int) -> ProfileTimes | None:
+    plan = Plan.model_validate_json(primebuild("plan", str(manifest), "-o", "json", "--set",
+                                               f"orchestrator.max_off_policy_steps={off}").stdout)
+    return plan.estimates.profile
 
 
 def main() -> None:
@@ -97,7 +100,7 @@ def main() -> None:
         runs = args.keep or Path(tmp)
         sync = run(args.manifest, 0, args.steps, runs, args.port)
         asyn = run(args.manifest, args.off, args.async_steps or 5 * args.steps, runs, args.port + 1)
-    plan = predicted(args.manifest, args.off)
+    expected = predicted(args.manifest, args.off)
     print(f"{args.manifest.name}: {sync['steps']} synchronous and {asyn['steps']} asynchronous steps; load average "
           f"{load:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'mode':<16}{'step s':>8}{'loop s':>8}{'trainer idle':>14}{'no rollout':>12}{'no request':>12}"
@@ -113,20 +116,21 @@ def main() -> None:
     same = sum(asyn["loop_seconds_by_step"][:sync["steps"]])
     print(f"measured: async/sync speed-up {ratio:.2f}x in samples per second, {tokens_ratio:.2f}x in trained tokens "
           f"per second; over the same {sync['steps']} steps (the same samples) {sync['rl_loop_seconds'] / same:.2f}x")
-    if plan:
+    if expected:
         print(f"{'plan (predicted)':<16}{'sync step s':>12}{'async step s':>13}{'trainer idle':>20}{'inference idle':>22}"
               f"{'train s':>9}{'rollout s':>11}{'slowest s':>11}")
-        print(f"{'':<16}{plan['sync_step_seconds']:>12.2f}{plan['async_step_seconds']:>13.2f}"
-              f"{plan['sync_trainer_idle']:>10.0%} / {plan['async_trainer_idle']:<7.0%}"
-              f"{plan['sync_inference_idle']:>12.0%} / {plan['async_inference_idle']:<7.0%}"
-              f"{plan['train_seconds']:>9.2f}{plan['expected_rollout_seconds']:>11.2f}"
-              f"{plan['tail_rollout_seconds']:>11.2f}")
-        error = plan["async_sync_ratio"] / ratio - 1
-        print(f"predicted: {plan['async_sync_ratio']:.2f}x ({error:+.0%} vs measured); sync step "
-              f"{plan['sync_step_seconds']:.2f} s vs {sync['step_seconds']:.2f} s, async step "
-              f"{plan['async_step_seconds']:.2f} s vs {asyn['step_seconds']:.2f} s")
+        print(f"{'':<16}{expected.sync_step_seconds:>12.2f}{expected.async_step_seconds:>13.2f}"
+              f"{expected.sync_trainer_idle:>10.0%} / {expected.async_trainer_idle:<7.0%}"
+              f"{expected.sync_inference_idle:>12.0%} / {expected.async_inference_idle:<7.0%}"
+              f"{expected.train_seconds:>9.2f}{expected.expected_rollout_seconds:>11.2f}"
+              f"{expected.tail_rollout_seconds:>11.2f}")
+        error = expected.async_sync_ratio / ratio - 1
+        print(f"predicted: {expected.async_sync_ratio:.2f}x ({error:+.0%} vs measured); sync step "
+              f"{expected.sync_step_seconds:.2f} s vs {sync['step_seconds']:.2f} s, async step "
+              f"{expected.async_step_seconds:.2f} s vs {asyn['step_seconds']:.2f} s")
     if args.json:
-        args.json.write_text(json.dumps({"sync": sync, "async": asyn, "plan": plan, "ratio": ratio,
+        args.json.write_text(json.dumps({"sync": sync, "async": asyn, "plan": expected.model_dump() if expected else None,
+                                         "ratio": ratio,
                                          "tokens_ratio": tokens_ratio, "load_before": load}, indent=2))
 
 

@@ -19,13 +19,21 @@ from primebuild.builders.memory import (
 )
 from primebuild.builders.model_facts import ModelFacts
 from primebuild.builders.placement import Placement
-from primebuild.builders.rollout_time import Costs, Profile, ProfileTimes, profile_times
+from primebuild.builders.rollout_time import Costs, Profile, profile_times
 from primebuild.builders.timing import (
     cpu_costs,
     gpu_costs,
     step_time_estimate,
     suggest_split,
     weight_sync_estimate,
+)
+from primebuild.contracts.estimates import Estimates, ProfileTimes, SuggestedSplit
+from primebuild.contracts.memory import (
+    GroupMemory,
+    InferenceBreakdown,
+    InferenceGroupMemory,
+    TrainerBreakdown,
+    TrainerGroupMemory,
 )
 from primebuild.errors import Problem, UserError
 from primebuild.manifest.schema import Manifest
@@ -36,7 +44,7 @@ _DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16"}  # fp8 training keeps b
 
 
 def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = False
-            ) -> tuple[dict, dict, list[Problem], list[str]]:
+            ) -> tuple[dict[str, GroupMemory], Estimates, list[Problem], list[str]]:
     """Return (memory by group, estimates, problems, warnings). Suggested fixes are only ones the plan's
     backends apply (in a design study: any)."""
     def can(field: str, value: object) -> bool:
@@ -47,7 +55,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
     spec = gpu_spec(hw.gpu, host_memory_bytes=host_bytes)
     capacity = int(hw.gpu_memory_gb * GIB) if hw.gpu_memory_gb else spec.memory_bytes
     cpu = hw.gpu == "cpu"
-    memory: dict[str, dict] = {}
+    memory: dict[str, GroupMemory] = {}
     problems: list[Problem] = []
     warnings: list[str] = []
     inference_section = "inference.disaggregation" if m.inference.disaggregation else "inference"
@@ -68,15 +76,15 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
         if cpu:  # the embedded engine preallocates exactly max_num_seqs full-length slots
             kv_cache = m.inference.max_num_seqs * m.orchestrator.seq_len * mem.kv_bytes_per_token
         used = mem.weights + mem.activations + mem.overhead + kv_cache
-        memory[name] = {
-            "role": name, "capacity_bytes": capacity, "budget_bytes": mem.budget, "used_bytes": used,
-            "free_bytes": capacity - used, "fits": used <= capacity if cpu else mem.fits,
-            "breakdown": {"weights": mem.weights, "activations": mem.activations, "overhead": mem.overhead,
-                          "kv_cache": kv_cache},
-            "kv_bytes_per_token": mem.kv_bytes_per_token,
-            "kv_tokens_capacity": kv_cache // mem.kv_bytes_per_token if cpu else mem.kv_tokens_capacity,
-            "max_concurrent_seqs": m.inference.max_num_seqs if cpu else mem.max_concurrent_seqs_total,
-        }
+        memory[name] = InferenceGroupMemory(
+            role=name, capacity_bytes=capacity, budget_bytes=mem.budget, used_bytes=used,
+            free_bytes=capacity - used, fits=used <= capacity if cpu else mem.fits,
+            breakdown=InferenceBreakdown(weights=mem.weights, activations=mem.activations, overhead=mem.overhead,
+                                         kv_cache=kv_cache),
+            kv_bytes_per_token=mem.kv_bytes_per_token,
+            kv_tokens_capacity=kv_cache // mem.kv_bytes_per_token if cpu else mem.kv_tokens_capacity,
+            max_concurrent_seqs=m.inference.max_num_seqs if cpu else mem.max_concurrent_seqs_total,
+        )
         if not mem.fits:
             path = f"{inference_section}.{name}" if m.inference.disaggregation else inference_section
             short = mem.weights + mem.activations + mem.overhead - mem.budget
@@ -89,17 +97,15 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
 
     t = m.trainer
     tmem = _trainer_memory(m, f, capacity, t.dp_shard)
-    breakdown = {k: getattr(tmem, k) for k in ("params", "grads", "optimizer_state", "master_weights",
-                                                "fsdp_buffers", "activations", "logits", "sparse_index",
-                                                "overhead")}
-    memory["trainer"] = {"role": "trainer", "capacity_bytes": capacity, "budget_bytes": capacity,
-                         "used_bytes": tmem.total, "free_bytes": tmem.free, "fits": tmem.fits,
-                         "breakdown": breakdown, "host_offload_bytes_per_gpu": tmem.host_bytes,
-                         "tokens_per_gpu": tmem.tokens_per_gpu}
+    breakdown = TrainerBreakdown(**{k: getattr(tmem, k) for k in TrainerBreakdown.model_fields})
+    memory["trainer"] = TrainerGroupMemory(
+        role="trainer", capacity_bytes=capacity, budget_bytes=capacity, used_bytes=tmem.total, free_bytes=tmem.free,
+        fits=tmem.fits, breakdown=breakdown, host_offload_bytes_per_gpu=tmem.host_bytes,
+        tokens_per_gpu=tmem.tokens_per_gpu)
     if not tmem.fits:
         problems.append(Problem(
             f"trainer: {_g(tmem.total)} GiB per GPU needed, {_g(capacity)} GiB available (short by "
-            f"{_g(-tmem.free)} GiB): " + ", ".join(f"{k} {_g(v)}" for k, v in breakdown.items() if v),
+            f"{_g(-tmem.free)} GiB): " + ", ".join(f"{k} {_g(v)}" for k, v in breakdown if v),
             field="trainer.dp_shard", hint=_trainer_fixes(m, tmem, can)))
     need = _host_bytes_per_node(tmem, t.world_size, hw)
     if hw.gpu != "cpu" and need > host_bytes:
@@ -109,7 +115,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
             hint="shard over more GPUs (dp_shard) or keep the optimizer on the GPU"))
 
     if hw.gpu == "cpu":
-        total = sum(v["used_bytes"] * _process_count(m, k) for k, v in memory.items())
+        total = sum(v.used_bytes * _process_count(m, k) for k, v in memory.items())
         if total > host_bytes:
             problems.append(Problem(
                 f"all processes together need {_g(total)} GiB but the node has {hw.host_memory_gb:g} GiB",
@@ -139,22 +145,26 @@ def _host_bytes_per_node(tmem, trainer_gpus: int, hw) -> int:
     return tmem.host_bytes * min(trainer_gpus, hw.gpus_per_node)
 
 
-def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: dict, capacity: int) -> dict:
+def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: dict[str, GroupMemory],
+               capacity: int) -> Estimates:
     hw, o = m.hardware, m.orchestrator
     inference_gpus = sum(len(s.gpus) for rp in placement.inference for s in rp.slots)
     trainer_gpus = sum(len(s.gpus) for s in placement.trainer)
     groups = m.inference.groups
     decode_name = "decode" if "decode" in groups else "inference"
     decode_replicas = groups[decode_name].replicas
+    decode_memory = memory[decode_name]
+    assert isinstance(decode_memory, InferenceGroupMemory)
+    decode_seqs = max(1, decode_memory.max_concurrent_seqs)  # full-length sequences one decode replica runs
     prefill_gpus = (groups["prefill"].replicas * groups["prefill"].gpus_per_replica) if "prefill" in groups else 0
     if hw.gpu == "cpu":
         if o.rollout_profile is None:
-            return {"summary": ["CPU run: time estimates are measured by `primebuild run`, not predicted"]}
+            return Estimates(summary=["CPU run: time estimates are measured by `primebuild run`, not predicted"])
         profile = _profile_times(m, cpu_costs(f, m.hardware.cpus_per_node), replicas=decode_replicas,
                                  max_concurrent=m.inference.max_num_seqs)
-        return {"profile": dataclasses.asdict(profile),
-                "summary": ["CPU run (embedded engine; per-token and per-request costs calibrated on the 2-core CI "
-                            "machine, builders/timing.py)", *_profile_summary(profile)]}
+        return Estimates(profile=profile,
+                         summary=["CPU run (embedded engine; per-token and per-request costs calibrated on the 2-core "
+                                  "CI machine, builders/timing.py)", *_profile_summary(profile)])
 
     sync = weight_sync_estimate(
         f, dtype=_DTYPE[m.trainer.precision],
@@ -168,12 +178,12 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
         precision=m.inference.precision if m.inference.precision != "fp32" else "bf16",
         trainer_precision=_DTYPE[m.trainer.precision], kv_cache_dtype=m.inference.kv_cache_dtype,
         prefill_gpus=prefill_gpus,
-        max_concurrent_seqs_per_replica=max(1, memory[decode_name]["max_concurrent_seqs"]))
+        max_concurrent_seqs_per_replica=decode_seqs)
     try:
         times = step_time_estimate(f, inference_gpus=inference_gpus, inference_replicas=decode_replicas,
                                    trainer_gpus=trainer_gpus, gpu=spec, **step_kwargs)
     except UserError as err:
-        return {"summary": [f"no step-time estimate: {err.problems[0].message}"]}
+        return Estimates(summary=[f"no step-time estimate: {err.problems[0].message}"])
     per_replica = groups[decode_name].gpus_per_replica
     split = None
     if hw.nodes > 1:
@@ -196,7 +206,7 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
                                       trainer_precision=_DTYPE[m.trainer.precision], weight_sync_s=sync.seconds,
                                       seq_len=o.seq_len)
                     return _profile_times(m, costs, replicas=replicas, sync=False,
-                                          max_concurrent=max(1, memory[decode_name]["max_concurrent_seqs"])
+                                          max_concurrent=decode_seqs
                                           ).async_step_seconds
             split = suggest_split(f, total_nodes=hw.nodes, gpus_per_inference_replica=per_replica, gpu=spec,
                                   trainer_fits=trainer_fits, expected_step=expected, **step_kwargs)
@@ -211,13 +221,12 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
     ]
     profile = None
     if o.rollout_profile is not None:
-        memory_seqs = max(1, memory[decode_name]["max_concurrent_seqs"])
         costs = gpu_costs(f, spec, gpus_per_replica=(inference_gpus - prefill_gpus) / decode_replicas,
                           precision=step_kwargs["precision"], kv_cache_dtype=m.inference.kv_cache_dtype,
                           prefill_gpus=prefill_gpus or inference_gpus, trainer_gpus=trainer_gpus,
                           trainer_precision=_DTYPE[m.trainer.precision], weight_sync_s=sync.seconds,
                           seq_len=o.seq_len)
-        profile = _profile_times(m, costs, replicas=decode_replicas, max_concurrent=memory_seqs)
+        profile = _profile_times(m, costs, replicas=decode_replicas, max_concurrent=decode_seqs)
         summary += _profile_summary(profile)
     now = profile.async_step_seconds if profile else times.step_seconds
     if split and (split.inference_nodes, split.trainer_nodes) != (_inference_nodes(placement), len(placement.trainer)) \
@@ -225,14 +234,11 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
         case = "expected" if profile else "worst case"
         summary.append(f"suggestion ({case}): {split.inference_nodes} inference : {split.trainer_nodes} trainer nodes "
                        f"would take ~{split.step_seconds:,.0f} s per step (now ~{now:,.0f} s)")
-    return {
-        "weight_sync": dataclasses.asdict(sync),
-        "step": dataclasses.asdict(times),
-        "profile": dataclasses.asdict(profile) if profile else None,
-        "suggested_split": ({"inference_nodes": split.inference_nodes, "trainer_nodes": split.trainer_nodes,
-                             "step_seconds": split.step_seconds} if split else None),
-        "summary": summary,
-    }
+    return Estimates(
+        weight_sync=sync, step=times, profile=profile,
+        suggested_split=(SuggestedSplit(inference_nodes=split.inference_nodes, trainer_nodes=split.trainer_nodes,
+                                        step_seconds=split.step_seconds) if split else None),
+        summary=summary)
 
 
 def _profile_times(m: Manifest, costs: Costs, *, replicas: int, max_concurrent: int, sync: bool = True) -> ProfileTimes:

@@ -8,26 +8,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from primebuild.builders.model_facts import ModelFacts
+from primebuild.contracts.model_ref import ModelRef
 from primebuild.errors import Problem, UserError
 from primebuild.json_file import read_json
 from primebuild.manifest.load import LoadedManifest, load_manifest
 
 
-def model_reference(loaded: LoadedManifest) -> dict:
+def model_reference(loaded: LoadedManifest, facts: ModelFacts) -> ModelRef:
     model = loaded.manifest.model
     kind = model.source_kind
-    ref: dict = {"source": kind, "dtype": model.dtype}
-    if kind == "hf":
-        ref.update(repo=model.hf, revision=model.revision)
-    elif kind == "path":
-        ref.update(path=model.path)
-    elif kind == "from_manifest":
-        ref.update(manifest=model.from_manifest)
-    else:
-        ref.update(init=model.init, tokenizer=model.tokenizer)
-    if model.facts is not None:
-        ref["facts"] = model.facts
-    return ref
+    by_source = {"hf": dict(repo=model.hf, revision=model.revision), "path": dict(path=model.path),
+                 "from_manifest": dict(manifest=model.from_manifest),
+                 "init": dict(init=model.init, tokenizer=model.tokenizer)}[kind]
+    return ModelRef(source=kind, dtype=model.dtype, **by_source, facts=model.facts,
+                    total_params=facts.total_params(), active_params=facts.active_params(),
+                    architecture=facts.architecture)
 
 
 def facts_file(loaded: LoadedManifest, _depth: int = 0) -> tuple[Path, str]:

@@ -21,6 +21,8 @@ from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
 from primebuild.builders.processes import build_processes
 from primebuild.builders.vllm_command import CONNECTORS_WITHOUT_ROUTER_REPLAY, KV_CONNECTORS
+from primebuild.contracts.estimates import Estimates
+from primebuild.contracts.memory import GroupMemory
 from primebuild.contracts.plan import BuildSpec, GpuSlot, NodeMap, Plan, ProcessSpec, Unsupported, render_json
 from primebuild.errors import Problem, UserError
 from primebuild.hashing import sha256_json
@@ -73,14 +75,13 @@ def _raise_unless_design(loaded: LoadedManifest, refused: list[Refusal], problem
 
 
 def _plan(loaded: LoadedManifest, facts: ModelFacts, lock: dict | None, processes: list[ProcessSpec],
-          nodes: list[NodeMap], memory: dict, estimates: dict, warnings: list[str], refused: list[Refusal],
+          nodes: list[NodeMap], memory: dict[str, GroupMemory], estimates: Estimates, warnings: list[str], refused: list[Refusal],
           build: BuildSpec | None = None) -> Plan:
     m = loaded.manifest
     return Plan(
         primebuild_version=__version__, name=m.name, manifest_hash=loaded.manifest_hash,
         lock_hash=sha256_json(lock) if lock is not None else None,
-        model={**model_reference(loaded), "total_params": facts.total_params(),
-               "active_params": facts.active_params(), "architecture": facts.architecture},
+        model=model_reference(loaded, facts),
         hardware=m.hardware, target=m.target, weight_sync=m.weight_sync, nodes=nodes, processes=processes, memory=memory,
         estimates=estimates, warnings=warnings, fits=True, runnable=not refused,
         unsupported=[Unsupported(field=r.field, message=r.message, hint=r.hint) for r in refused],
@@ -92,7 +93,7 @@ def _sft_plan(loaded: LoadedManifest, facts: ModelFacts, lock: dict | None, refu
     (runtime/derivations.py); the plan shows what that build reads."""
     m = loaded.manifest
     build = BuildSpec(builder=derivations.SFT_BUILDER, output=m.name, config=derivations.sft_config(loaded))
-    estimates = {"summary": ["SFT trains in the primebuild process (a store build): measured, not modelled"]}
+    estimates = Estimates(summary=["SFT trains in the primebuild process (a store build): measured, not modelled"])
     return _plan(loaded, facts, lock, [], _node_map(m, []), {}, estimates, [], refused, build)
 
 

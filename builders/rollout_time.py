@@ -48,6 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 
+from primebuild.contracts.estimates import ProfileTimes
+
 Z99 = NormalDist().inv_cdf(0.99)
 SQRT2 = math.sqrt(2)
 GRID = 100  # quantile midpoints for expectations (400 moved the GLM-5 estimates by < 1%)
@@ -86,25 +88,6 @@ class Costs:
     request_s: float  # of that, server time that serializes on a replica (the embedded engine's one thread)
     train_s: Callable[[int, int], float]  # (sequences, tokens per sequence) -> seconds
     weight_sync_s: float
-
-
-@dataclass(frozen=True)
-class ProfileTimes:
-    expected_tokens: float  # of one rollout: prompt + completion + environment
-    expected_rollout_seconds: float  # E[r] at the async decode batch
-    tail_rollout_seconds: float  # r at the tail quantile, at the sync decode batch
-    tail_quantile: float
-    train_seconds: float
-    sync_step_seconds: float
-    async_step_seconds: float
-    async_sync_ratio: float
-    max_off_policy_steps: int  # m of the async estimate
-    sync_trainer_idle: float
-    sync_inference_idle: float
-    async_trainer_idle: float
-    async_inference_idle: float
-    stale_fraction: float  # groups with a rollout longer than the staleness window (the async pool drops them)
-    concurrency: int  # C
 
 
 class Durations:

@@ -20,6 +20,7 @@ from primebuild.builders.hardware import GpuSpec, gpu_spec
 from primebuild.builders.memory import kv_dtype_bytes, weight_bytes
 from primebuild.builders.model_facts import ModelFacts
 from primebuild.builders.rollout_time import Costs
+from primebuild.contracts.estimates import StepTimes, WeightSyncEstimate
 from primebuild.errors import UserError
 
 # Assumed efficiencies (fractions of the dense peak). MFU 0.35 is what well-tuned FSDP/EP trainers
@@ -37,15 +38,6 @@ def _gpu(gpu: GpuSpec | str) -> GpuSpec:
 # ---- weight sync --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WeightSync:
-    mode: str
-    bytes: int  # size of one full set of weights in the sync dtype
-    seconds: float
-    write_seconds: float  # filesystem: trainer writes; broadcast: gathering onto trainer rank 0
-    read_seconds: float  # filesystem: replicas read; broadcast: the broadcast itself
-
-
 def weight_sync_estimate(
     facts: ModelFacts,
     *,
@@ -55,7 +47,7 @@ def weight_sync_estimate(
     trainer_gpus: int,
     inference_gpus: int,
     inference_replicas: int = 1,
-) -> WeightSync:
+) -> WeightSyncEstimate:
     """Time to move one step's weights from the trainer to every inference replica.
 
     filesystem: the trainer ranks write one copy (their shards, in parallel) to shared storage, then
@@ -78,7 +70,7 @@ def weight_sync_estimate(
     else:
         write = size * (trainer_gpus - 1) / trainer_gpus / bandwidth_bytes_per_s
         read = size / bandwidth_bytes_per_s
-    return WeightSync(mode=mode, bytes=size, seconds=write + read, write_seconds=write, read_seconds=read)
+    return WeightSyncEstimate(mode=mode, bytes=size, seconds=write + read, write_seconds=write, read_seconds=read)
 
 
 # ---- flops and bytes per token ------------------------------------------------------------------
@@ -122,21 +114,6 @@ def kv_read_bytes(facts: ModelFacts, context: int, kv_bytes: float) -> float:
 
 
 # ---- step time ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepTimes:
-    prefill_seconds: float
-    decode_seconds: float
-    rollout_seconds: float  # prefill + decode (colocated) or the longer of the two (P/D split)
-    train_seconds: float
-    step_seconds: float  # max(rollout, train): the two sides overlap
-    idle_side: str  # "trainer" (waits for rollouts), "inference" (waits for the trainer) or "none"
-    idle_fraction: float  # share of the step the idle side waits
-    decode_batch_per_replica: int
-    decode_waves: int  # rounds of decoding when not all sequences fit in the KV cache at once
-    decode_step_seconds: float
-    tokens_per_step: int
 
 
 def step_time_estimate(
@@ -380,7 +357,7 @@ def suggest_split(
 
 
 __all__ = [
-    "StepTimes", "Split", "WeightSync", "attention_forward_flops", "cpu_costs", "gpu_costs", "decode_step_seconds", "distinct_experts",
+    "StepTimes", "Split", "WeightSyncEstimate", "attention_forward_flops", "cpu_costs", "gpu_costs", "decode_step_seconds", "distinct_experts",
     "kv_read_bytes", "prefill_seconds_per_token", "step_time_estimate", "suggest_split", "train_step_seconds",
     "weight_sync_estimate",
 ]

@@ -39,13 +39,10 @@ DUMP_WAIT_SECONDS = 3.0  # how long a process may take to write its stacks
 
 def estimated_step_seconds(plan: Plan) -> float:
     """The plan's own step-time estimate (0 when it made none): synchronous worst case where modelled."""
-    estimates = plan.estimates or {}
-    profile = estimates.get("profile") or {}
-    if profile.get("sync_step_seconds"):
-        return float(max(profile["sync_step_seconds"], profile.get("async_step_seconds") or 0))
-    step = (estimates.get("step") or {}).get("step_seconds") or 0.0
-    sync = (estimates.get("weight_sync") or {}).get("seconds") or 0.0
-    return float(step + sync)
+    profile, step, sync = plan.estimates.profile, plan.estimates.step, plan.estimates.weight_sync
+    if profile is not None and profile.sync_step_seconds:
+        return max(profile.sync_step_seconds, profile.async_step_seconds)
+    return (step.step_seconds if step else 0.0) + (sync.seconds if sync else 0.0)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from cluster_helpers import listening_sockets, processes_of
 from conftest import free_port, sft_workspace
 from vllm_helpers import vllm_python
 
+from primebuild.contracts.estimates import Estimates, ProfileTimes
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.hang_watchdog import FIRST_STEP_FACTOR, HangWatchdog, run_processes
 from primebuild.runtime.stacks import PROCESS_ENV, RUN_DIR_ENV
@@ -39,8 +40,9 @@ class _Clock:
 def _plan(estimate_s: float):
     from types import SimpleNamespace
 
-    return SimpleNamespace(estimates={"profile": {"sync_step_seconds": estimate_s, "async_step_seconds": 1.0}},
-                           processes=[])
+    profile = ProfileTimes(**{**dict.fromkeys(ProfileTimes.model_fields, 0), "sync_step_seconds": estimate_s,
+                              "async_step_seconds": 1.0})
+    return SimpleNamespace(estimates=Estimates(summary=[], profile=profile), processes=[])
 
 
 def test_the_bound_grows_with_the_slowest_step_and_the_plans_estimate(tmp_path: Path, monkeypatch):
@@ -120,7 +122,7 @@ def test_stacks_of_a_blocked_process_name_its_frame_and_a_stopped_one_is_named_f
         assert blocked.stdout.readline() == "ready\n" and frozen.stdout.readline() == "ready\n"
         os.kill(frozen.pid, signal.SIGSTOP)
         _wait_for_state(frozen.pid, "T")
-        plan = SimpleNamespace(estimates={}, processes=[SimpleNamespace(name=n) for n in
+        plan = SimpleNamespace(estimates=Estimates(summary=[]), processes=[SimpleNamespace(name=n) for n in
                                                         ("trainer", "inference-0", "orchestrator", "router")])
         watchdog = HangWatchdog(plan, run, floor_s=1.0)
         states = {p.pid: p for p in run_processes(run)}

@@ -51,6 +51,7 @@ from primebuild.builders.render.groups import (
     node_owners,
     not_runnable_notes,
 )
+from primebuild.contracts.memory import TrainerGroupMemory
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.render import RenderContext
 from primebuild.manifest.schema import SlurmTarget
@@ -169,15 +170,15 @@ def signal_seconds(plan: Plan) -> int:
     """Warning before the time limit: the trainer's step in flight, its weight sync and a checkpoint."""
     trainer = plan.memory.get("trainer")
     bandwidth = plan.hardware.storage_bandwidth_gb_s
-    if plan.hardware.gpu == "cpu" or not trainer or not bandwidth:
+    if plan.hardware.gpu == "cpu" or not isinstance(trainer, TrainerGroupMemory) or not bandwidth:
         return MIN_SIGNAL_SECONDS
-    breakdown = trainer.get("breakdown", {})
-    per_gpu = trainer.get("host_offload_bytes_per_gpu") or sum(
-        breakdown.get(k, 0) for k in ("params", "master_weights", "optimizer_state"))
+    held = trainer.breakdown.params + trainer.breakdown.master_weights + trainer.breakdown.optimizer_state
+    per_gpu = trainer.host_offload_bytes_per_gpu or held
     ranks = [p for p in plan.processes if p.role == "trainer"]
     write = per_gpu * sum(len(p.gpus) for p in ranks) / (len({p.node for p in ranks}) * bandwidth * 1e9)
-    step = plan.estimates.get("step", {}).get("train_seconds", 0) + plan.estimates.get("weight_sync", {}).get(
-        "seconds", 0)
+    estimates = plan.estimates
+    step = (estimates.step.train_seconds if estimates.step else 0) + (
+        estimates.weight_sync.seconds if estimates.weight_sync else 0)
     seconds = step + 2 * write + STOP_MARGIN_SECONDS
     return max(MIN_SIGNAL_SECONDS, 30 * math.ceil(seconds / 30))
 

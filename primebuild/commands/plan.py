@@ -48,8 +48,8 @@ def command(manifest: str, sets: tuple[str, ...], output: str, locked: bool, loc
     elif output == "html":
         from primebuild.builders.plan_html import render_plan_html
 
-        click.echo(render_plan_html(plan.to_json()), nl=False)
+        click.echo(render_plan_html(plan), nl=False)
     else:
         from primebuild.commands.plan_view import show_plan
 
-        show_plan(plan.to_json())
+        show_plan(plan)

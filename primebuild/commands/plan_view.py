@@ -7,6 +7,10 @@ import shlex
 from rich.console import Console
 from rich.table import Table
 
+from primebuild.contracts.memory import InferenceGroupMemory
+from primebuild.contracts.model_ref import ModelRef
+from primebuild.contracts.plan import Plan
+
 GIB = 1024**3
 
 
@@ -29,15 +33,15 @@ def _ranges(gpus: list[int]) -> str:
     return ",".join(out)
 
 
-def show_plan(plan: dict, console: Console | None = None) -> None:
+def show_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
-    hw, model = plan["hardware"], plan["model"]
-    gpus_total = hw["nodes"] * hw["gpus_per_node"]
-    console.print(f"[bold]{plan['name']}[/]  plan {plan['plan_hash'][:16]}  manifest {plan['manifest_hash'][:16]}")
-    console.print(f"model: {_model_line(model)}  ({_params(model['total_params'])} total, "
-                  f"{_params(model['active_params'])} active, {model['architecture']})")
-    console.print(f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} {hw['gpu']}"
-                  f" = {gpus_total} GPUs; target {plan['target']['kind']}")
+    hw, model = plan.hardware, plan.model
+    gpus_total = hw.nodes * hw.gpus_per_node
+    console.print(f"[bold]{plan.name}[/]  plan {plan.plan_hash[:16]}  manifest {plan.manifest_hash[:16]}")
+    console.print(f"model: {_model_line(model)}  ({_params(model.total_params)} total, "
+                  f"{_params(model.active_params)} active, {model.architecture})")
+    console.print(f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu}"
+                  f" = {gpus_total} GPUs; target {plan.target.kind}")
 
     nodes = Table(title="node map", show_edge=False, pad_edge=False)
     # Long cells wrap at spaces; a single word too long for its column is shortened with "…" (never
@@ -45,49 +49,47 @@ def show_plan(plan: dict, console: Console | None = None) -> None:
     nodes.add_column("node", justify="right")
     nodes.add_column("GPUs -> process", overflow="ellipsis")
     nodes.add_column("CPU processes", overflow="ellipsis")
-    for node in plan["nodes"]:
+    for node in plan.nodes:
         spans: dict[str, list[int]] = {}
-        for gpu in node["gpus"]:
-            spans.setdefault(gpu["process"] or "(idle)", []).append(gpu["index"])
+        for gpu in node.gpus:
+            spans.setdefault(gpu.process or "(idle)", []).append(gpu.index)
         gpu_text = "  ".join(f"{_ranges(g)}:{name}" for name, g in spans.items()) or "-"
-        on_cpu = [p["name"] for p in plan["processes"] if p["node"] == node["index"] and not p["gpus"]]
-        nodes.add_row(str(node["index"]), gpu_text, ", ".join(on_cpu) or "")
+        on_cpu = [p.name for p in plan.processes if p.node == node.index and not p.gpus]
+        nodes.add_row(str(node.index), gpu_text, ", ".join(on_cpu) or "")
     console.print(nodes)
 
     procs = Table(title="processes (start order, then placement)", show_edge=False, pad_edge=False)
     for col in ("name", "node", "gpus", "ports", "command"):  # the role starts every name
         procs.add_column(col, overflow="ellipsis")
-    for p in sorted(plan["processes"], key=lambda p: p["start_order"]):
-        ports = ", ".join(f"{k}={v}" for k, v in p["ports"].items())
-        procs.add_row(p["name"], str(p["node"]), _ranges(p["gpus"]), ports, _command(p["argv"]))
+    for p in sorted(plan.processes, key=lambda p: p.start_order):
+        ports = ", ".join(f"{k}={v}" for k, v in p.ports.items())
+        procs.add_row(p.name, str(p.node), _ranges(p.gpus), ports, _command(p.argv))
     console.print(procs)
 
     mem = Table(title="memory per GPU (per process on CPU-only nodes)", show_edge=False, pad_edge=False)
     for col in ("group", "per GPU", "breakdown", "free", "fits"):
         mem.add_column(col, overflow="ellipsis")
-    for group, m in plan["memory"].items():
-        parts = ", ".join(f"{k} {_size(v)}" for k, v in m["breakdown"].items() if v)
+    for group, m in plan.memory.items():
+        parts = ", ".join(f"{k} {_size(v)}" for k, v in m.breakdown if v)
         extra = ""
-        if "kv_tokens_capacity" in m:
-            extra = f"; KV {m['kv_tokens_capacity']:,} tokens ({m['max_concurrent_seqs']:,} full-length seqs)"
-        mem.add_row(group, f"{_size(m['used_bytes'])} / {_size(m['capacity_bytes'])}", parts + extra,
-                    _size(m["free_bytes"]), "[green]yes[/]" if m["fits"] else "[red]NO[/]")
+        if isinstance(m, InferenceGroupMemory):
+            extra = f"; KV {m.kv_tokens_capacity:,} tokens ({m.max_concurrent_seqs:,} full-length seqs)"
+        mem.add_row(group, f"{_size(m.used_bytes)} / {_size(m.capacity_bytes)}", parts + extra,
+                    _size(m.free_bytes), "[green]yes[/]" if m.fits else "[red]NO[/]")
     console.print(mem)
 
-    est = plan["estimates"]
     console.print("[bold]estimates[/]")
-    for line in est.get("summary", []):
+    for line in plan.estimates.summary:
         console.print(f"  {line}")
-    if plan.get("build"):
-        build = plan["build"]
-        console.print(f"build: {build['builder']} -> store entry {build['output']} (in the primebuild process)")
-    for w in plan["warnings"]:
+    if plan.build:
+        console.print(f"build: {plan.build.builder} -> store entry {plan.build.output} (in the primebuild process)")
+    for w in plan.warnings:
         console.print(f"[yellow]warning:[/] {w}")
-    if not plan.get("runnable", True):
+    if not plan.runnable:
         console.print("[red]design study, not runnable:[/] no built backend applies these fields")
-        for u in plan["unsupported"]:
-            console.print(f"  {u['field']}: {u['message']}\n    hint: {u['hint']}", markup=False, highlight=False)
-    console.print("[green]fits[/]" if plan["fits"] else "[red]does not fit[/]")
+        for u in plan.unsupported:
+            console.print(f"  {u.field}: {u.message}\n    hint: {u.hint}", markup=False, highlight=False)
+    console.print("[green]fits[/]" if plan.fits else "[red]does not fit[/]")
 
 
 def _params(n: int) -> str:
@@ -103,12 +105,11 @@ def _command(argv: list[str]) -> str:
     return text + f" … ({len(argv)} args)"
 
 
-def _model_line(model: dict) -> str:
-    src = model["source"]
-    if src == "hf":
-        return f"{model['repo']}@{model['revision']}"
-    if src == "path":
-        return model["path"]
-    if src == "from_manifest":
-        return f"output of {model['manifest']}"
-    return f"random init ({model.get('facts', '')})"
+def _model_line(model: ModelRef) -> str:
+    if model.source == "hf":
+        return f"{model.repo}@{model.revision}"
+    if model.source == "path":
+        return str(model.path)
+    if model.source == "from_manifest":
+        return f"output of {model.manifest}"
+    return f"random init ({model.facts or ''})"

@@ -23,7 +23,10 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, Field
 
 from primebuild.contracts.base import Contract, parse_contract
+from primebuild.contracts.estimates import Estimates
 from primebuild.contracts.inference import InferenceServerConfig
+from primebuild.contracts.memory import GroupMemory
+from primebuild.contracts.model_ref import ModelRef
 from primebuild.contracts.orchestrator import OrchestratorConfig
 from primebuild.contracts.router import DecodeServer, RouterConfig, VllmRouterConfig  # noqa: F401  (DecodeServer: re-export)
 from primebuild.contracts.sft import SFTConfig
@@ -122,15 +125,15 @@ class Plan(Contract):
     name: str
     manifest_hash: str
     lock_hash: str | None
-    model: dict[str, Any]
+    model: ModelRef
     # The manifest's own sections, carried unchanged: readers get its types and its defaults.
     hardware: Hardware
     target: Target
     weight_sync: WeightSync
     nodes: list[NodeMap]
     processes: list[ProcessSpec]
-    memory: dict[str, Any]
-    estimates: dict[str, Any]
+    memory: dict[str, GroupMemory]  # by group: the inference groups by name, and `trainer`
+    estimates: Estimates
     warnings: list[str]
     fits: bool
     # False when the manifest asks for something no built backend applies (`unsupported` says what,
