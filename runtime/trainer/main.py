@@ -15,7 +15,7 @@ Loop for k = 1, 2, ... (steps are 1-based; see batch.py for the file contract):
   5. every ``checkpoint_every`` steps, and when the run ends, save ``checkpoints/step_{k:06d}/``; then
      append metrics to ``<run_dir>/metrics.jsonl``; with ``resume`` the run continues after the newest one.
 
-Metrics (one JSON line each, see metrics.py), means are over trained tokens of the whole step:
+Metrics (one JSON line each, see runtime/metrics.py), means are over trained tokens of the whole step:
   loss, behaviour_kl (KL(inference ‖ trainer) over all tokens, see losses.py), mismatch_kl (the same over
   samples drawn with exactly the weights being trained: engine numerics only), masked_fraction, importance_ratio, entropy,
   grad_norm (before clipping), lr, tokens, samples, reward_mean, advantage_abs_mean, async_lag_mean/max
@@ -47,15 +47,16 @@ from primebuild.kernels.dtypes import DTYPES
 from primebuild.runtime.config_main import config_main
 from primebuild.runtime.weight_sync import filesystem as fs
 
+from ..metrics import MetricsWriter
+from ..rollout_file import load_batch
 from ..trackers import open_sinks
 from . import finite
-from .batch import load_batch, loss_normalizer, pack, pad_columns
+from .batch import loss_normalizer, pack, pad_columns
 from .checkpoint import load_checkpoint, save_checkpoint
 from .context_parallel import make_shard, padded_length
 from .lora import trainable_parameters
 from .lora_publish import AdapterPublisher
 from .losses import kl_per_token, resolve_loss
-from .metrics import MetricsWriter
 from .model import (
     DistEnv,
     autocast_context,
