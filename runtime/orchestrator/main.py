@@ -36,9 +36,9 @@ from primebuild.contracts.run_dir import RunDir
 from primebuild.contracts.run_summary import OrchestratorSummary
 from primebuild.kernels.routing import sample_routes
 from primebuild.runtime.config_main import config_main
-from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
 from primebuild.runtime.metrics import MetricsWriter
 from primebuild.runtime.orchestrator.advantages import advantages_by_group
+from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.pool import Group, IdleClock, RolloutPool
 from primebuild.runtime.orchestrator.rollout import RolloutRunner
