@@ -80,3 +80,11 @@ async def pass_through(upstream: httpx.Response, stream: bool, done) -> Response
         return Response(content, status_code=upstream.status_code, media_type=media)
     return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, media_type=media,
                              background=BackgroundTask(done))
+
+
+def prometheus_text(prefix: str, rows) -> str:
+    """Prometheus text exposition of (name, kind, help, value) rows, each name under `prefix`_."""
+    lines = []
+    for name, kind, text, value in rows:
+        lines += [f"# HELP {prefix}_{name} {text}", f"# TYPE {prefix}_{name} {kind}", f"{prefix}_{name} {value}"]
+    return "\n".join(lines) + "\n"
