@@ -32,7 +32,15 @@ from primebuild.contracts.router import RouterConfig
 from primebuild.runtime.config_main import config_main
 
 from .protocol import ApiError
-from .router_base import Pool, authorize, json_object, pass_through, prometheus_text, router_app
+from .router_base import (
+    Pool,
+    add_sampling_routes,
+    authorize,
+    json_object,
+    pass_through,
+    prometheus_text,
+    router_app,
+)
 
 log = logging.getLogger(__name__)
 PREFIX = "primebuild_router"
@@ -164,13 +172,7 @@ def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
     app, http = router_app("primebuild P/D router")
     router = PdRouter(config, http)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.disaggregated(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await router.disaggregated(request, "/v1/chat/completions")
+    add_sampling_routes(app, router.disaggregated)
 
     @app.get("/v1/models")
     async def models():

@@ -88,3 +88,19 @@ def prometheus_text(prefix: str, rows) -> str:
     for name, kind, text, value in rows:
         lines += [f"# HELP {prefix}_{name} {text}", f"# TYPE {prefix}_{name} {kind}", f"{prefix}_{name} {value}"]
     return "\n".join(lines) + "\n"
+
+
+SAMPLING_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def add_sampling_routes(app: FastAPI, disaggregated) -> None:
+    """POST /v1/completions and /v1/chat/completions, each answered by `disaggregated(request, path)`."""
+    for path in SAMPLING_PATHS:
+        app.add_api_route(path, _sampling_route(disaggregated, path), methods=["POST"])
+
+
+def _sampling_route(disaggregated, path: str):
+    async def route(request: Request):
+        return await disaggregated(request, path)
+    route.__name__ = path.strip("/").replace("/", "_")
+    return route

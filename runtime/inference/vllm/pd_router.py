@@ -48,6 +48,7 @@ from primebuild.runtime.config_main import config_main
 from primebuild.runtime.inference.protocol import ApiError
 from primebuild.runtime.inference.router_base import (
     Pool,
+    add_sampling_routes,
     authorize,
     json_object,
     pass_through,
@@ -328,13 +329,7 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
     app, http = router_app("primebuild vLLM P/D router")
     router = VllmPdRouter(config, http)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.disaggregated(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await router.disaggregated(request, "/v1/chat/completions")
+    add_sampling_routes(app, router.disaggregated)
 
     @app.get("/health")
     async def health():
