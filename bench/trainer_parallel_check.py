@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts  # noqa: E402
 
+from primebuild.runtime.metrics import read_metrics  # noqa: E402
 from primebuild.runtime.trainer.main import run_trainer  # noqa: E402
-from primebuild.runtime.trainer.metrics import read_metrics  # noqa: E402
 
 STEPS = 5
 

@@ -294,11 +294,7 @@ def _check_trainer_layout(facts: ModelFacts, *, optimizer: str, dp_shard: int, d
                         hint=f"use one of: {', '.join(sorted(OPTIMIZER_STATES))}")
     shards = dp_shard * cp * tp
     if ep > 1:
-        if not facts.is_moe:
-            raise UserError(f"ep={ep} needs a mixture-of-experts model; {facts.architecture} is dense",
-                            hint="set ep: 1")
-        if facts.num_experts % ep:
-            raise UserError(f"ep={ep} must divide the number of experts ({facts.num_experts})")
+        _check_experts(facts, ep)
         if shards % ep:
             raise UserError(f"ep={ep} must divide dp_shard·cp·tp = {shards}: expert parallelism borrows "
                             "its ranks from the FSDP, CP and TP ranks")
@@ -308,6 +304,15 @@ def _check_trainer_layout(facts: ModelFacts, *, optimizer: str, dp_shard: int, d
         raise UserError(f"micro_batch_tokens ({micro_batch_tokens}) is smaller than seq_len ({seq_len})",
                         hint="a micro-batch must hold one whole sequence; context parallelism (cp) "
                         "splits it across GPUs")
+
+
+def _check_experts(facts: ModelFacts, ep: int) -> None:
+    """Expert parallelism (trainer or inference) needs experts, a number of them that `ep` divides."""
+    if not facts.is_moe:
+        raise UserError(f"ep={ep} needs a mixture-of-experts model; {facts.architecture} is dense",
+                        hint="set ep: 1")
+    if facts.num_experts % ep:
+        raise UserError(f"ep={ep} must divide the number of experts ({facts.num_experts})")
 
 
 def _activation_bytes(facts: ModelFacts, tokens: int, *, tp: int, ep: int, act_bytes: int,
@@ -404,11 +409,7 @@ def inference_memory_per_gpu(
     if facts.num_attention_heads % tp:
         raise UserError(f"tp={tp} must divide num_attention_heads ({facts.num_attention_heads})")
     if ep > 1:
-        if not facts.is_moe:
-            raise UserError(f"ep={ep} needs a mixture-of-experts model; {facts.architecture} is dense",
-                            hint="set ep: 1")
-        if facts.num_experts % ep:
-            raise UserError(f"ep={ep} must divide the number of experts ({facts.num_experts})")
+        _check_experts(facts, ep)
         if (tp * dp) % ep:
             raise UserError(f"ep={ep} must divide tp·dp = {tp * dp}: an engine spreads its experts over "
                             "its own tensor- and data-parallel ranks")

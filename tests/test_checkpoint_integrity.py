@@ -17,10 +17,10 @@ from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 
 from primebuild.contracts.run_dir import RunDir
 from primebuild.errors import UserError
+from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.resume import reconcile
-from primebuild.runtime.trainer.batch import load_batch, save_batch
+from primebuild.runtime.rollout_file import load_batch, save_batch
 from primebuild.runtime.trainer.main import run_trainer
-from primebuild.runtime.trainer.metrics import read_metrics
 from primebuild.runtime.weight_sync import filesystem as fs
 
 torch.set_num_threads(2)

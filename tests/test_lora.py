@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from primebuild.runtime.inference.engine import Engine
 from primebuild.runtime.inference.lora import AdapterMerger
 from primebuild.runtime.inference.sampling import SamplingParams
+from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.main import run_trainer
-from primebuild.runtime.trainer.metrics import read_metrics
 from primebuild.runtime.trainer.model import DistEnv, load_model
 from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 

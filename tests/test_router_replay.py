@@ -187,7 +187,7 @@ def test_routes_travel_from_http_through_the_orchestrator_unchanged(tmp_path):
     from primebuild.kernels.routing import decode_routes
     from primebuild.runtime.orchestrator.main import Orchestrator
     from primebuild.runtime.orchestrator.pool import Group
-    from primebuild.runtime.trainer.batch import load_batch, save_batch
+    from primebuild.runtime.rollout_file import load_batch, save_batch
 
     folder = save_model(tmp_path / "moe", "moe", seed=0)  # layer 0 sparse, layer 1 dense
     with serve_folder(folder) as served:

@@ -8,9 +8,9 @@ import pytest
 from primebuild.contracts.run_dir import RunDir, write_json_atomic
 from primebuild.contracts.run_summary import OrchestratorSummary, RunSummary
 from primebuild.errors import UserError
+from primebuild.runtime.metrics import MetricsWriter
 from primebuild.runtime.session import finish
 from primebuild.runtime.supervisor import Outcome
-from primebuild.runtime.trainer.metrics import MetricsWriter
 
 
 def test_finish_writes_a_typed_summary_and_a_resume_adds_its_wall_time(tmp_path):

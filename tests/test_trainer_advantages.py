@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from primebuild.runtime.trainer.advantages import advantages_by_group, group_relative_advantages
+from primebuild.runtime.orchestrator.advantages import advantages_by_group, group_relative_advantages
 
 
 def test_mean_baseline_by_hand():

@@ -6,12 +6,8 @@ import torch
 
 from primebuild.contracts.rollout import RolloutBatch, Sample
 from primebuild.errors import UserError
-from primebuild.runtime.trainer.batch import (
-    load_batch,
-    loss_normalizer,
-    pack,
-    save_batch,
-)
+from primebuild.runtime.rollout_file import load_batch, save_batch
+from primebuild.runtime.trainer.batch import loss_normalizer, pack
 
 
 def sample(p, c, adv=1.0, mask=None):

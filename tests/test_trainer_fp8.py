@@ -15,10 +15,10 @@ from primebuild.kernels.fp8 import (
     quantize_blockwise,
 )
 from primebuild.kernels.routing import sample_routes
+from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.batch import pack
 from primebuild.runtime.trainer.fp8 import Fp8Linear, apply_fp8_training, fp8_linear
 from primebuild.runtime.trainer.main import run_trainer
-from primebuild.runtime.trainer.metrics import read_metrics
 from primebuild.runtime.trainer.model import Policy, decoder_layers
 from primebuild.runtime.weight_sync.filesystem import step_folder
 

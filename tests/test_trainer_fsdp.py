@@ -10,8 +10,8 @@ from conftest import free_port
 from safetensors.torch import load_file
 from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 
+from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.main import run_trainer
-from primebuild.runtime.trainer.metrics import read_metrics
 from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 
 torch.set_num_threads(2)
@@ -85,7 +85,7 @@ def _with_routes(batch_path, model_path, seed: int) -> None:
     replaced (so replay changes the function), as uint8 [fed positions, moe_layers, top_k]."""
     from transformers import AutoModelForCausalLM
 
-    from primebuild.runtime.trainer.batch import load_batch, save_batch
+    from primebuild.runtime.rollout_file import load_batch, save_batch
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     batch = load_batch(batch_path)

@@ -5,8 +5,8 @@ import torch
 from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 from transformers import AutoModelForCausalLM
 
+from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.main import run_trainer
-from primebuild.runtime.trainer.metrics import read_metrics
 from primebuild.runtime.weight_sync.filesystem import step_folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -10,10 +10,10 @@ from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 from transformers import AutoModelForCausalLM
 
 from primebuild.errors import UserError
-from primebuild.runtime.trainer.batch import load_batch
+from primebuild.runtime.metrics import read_metrics
+from primebuild.runtime.rollout_file import load_batch
 from primebuild.runtime.trainer.losses import resolve_loss
 from primebuild.runtime.trainer.main import main, run_trainer, train_step
-from primebuild.runtime.trainer.metrics import read_metrics
 from primebuild.runtime.trainer.model import DistEnv, full_state_dict, load_model
 from primebuild.runtime.weight_sync.filesystem import is_stable, publish_hf_weights, stable_steps, step_folder
 

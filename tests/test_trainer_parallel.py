@@ -19,8 +19,8 @@ from conftest import free_port
 from safetensors.torch import load_file
 from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
 
+from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.main import run_trainer
-from primebuild.runtime.trainer.metrics import read_metrics
 from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 
 torch.set_num_threads(2)

@@ -12,8 +12,8 @@ import torch
 
 from primebuild.contracts.rollout import RolloutBatch, Sample
 from primebuild.contracts.trainer import TrainerConfig
-from primebuild.runtime.trainer.advantages import group_relative_advantages
-from primebuild.runtime.trainer.batch import save_batch
+from primebuild.runtime.orchestrator.advantages import group_relative_advantages
+from primebuild.runtime.rollout_file import save_batch
 
 # What the plan compiler always sets and tests rarely care about.
 CONFIG_DEFAULTS = {"max_completion_tokens": 16, "temperature": 1.0, "lr": 1e-3, "max_steps": 3,

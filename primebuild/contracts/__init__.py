@@ -13,7 +13,7 @@ Every class here is one contract between two sides that must not drift apart:
 | `run_dir`       | every process of a run, targets    | every process of a run, and the CLI      |
 | `render`        | the CLI (`render`), the targets    | builders/render/ (the cluster artifacts) |
 | `loss`          | the manifest (`orchestrator.loss`) | runtime/trainer/losses.py (via `trainer`) |
-| `rollout`       | runtime/orchestrator/main.py       | runtime/trainer/main.py (file: trainer/batch.py) |
+| `rollout`       | runtime/orchestrator/main.py       | runtime/trainer/main.py (file: rollout_file.py) |
 | `run_summary`   | orchestrator, runtime/report.py    | `run`, `status`, the tests               |
 | `dtypes`        | builders/processes.py              | the trainer and the inference server     |
 

@@ -4,7 +4,7 @@
       plan.json  manifest.json  manifests/  lock.json    what ran (written by `primebuild run`)
       run.json  rendezvous.json                         code version; hosts and model folder at start
       config/<process>.json  logs/<process>.log         written by the worker and the supervisor
-      rollouts/step_000001.pt …                         orchestrator -> trainer (runtime/trainer/batch.py)
+      rollouts/step_000001.pt …                         orchestrator -> trainer (runtime/rollout_file.py)
       weights/step_000001/ …                            trainer -> inference (filesystem weight sync)
       kv_transfer/<md5>/ …                              vLLM prefill -> decode servers (P/D, ExampleConnector)
       checkpoints/step_000050/ …                        trainer (resume)

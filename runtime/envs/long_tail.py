@@ -27,7 +27,7 @@ from types import MappingProxyType
 
 from primebuild.errors import UserError
 from primebuild.runtime.envs.base import ENVIRONMENT, MODEL, Task
-from primebuild.runtime.envs.reverse_text import lcs_ratio
+from primebuild.runtime.envs.reverse_text import ReverseStringEnv, lcs_ratio
 from primebuild.runtime.models.char_tokenizer import SEPARATOR
 
 ENV_ID = "long-tail"
@@ -62,7 +62,7 @@ class LongTailEpisode:
         pass
 
 
-class LongTailEnv:
+class LongTailEnv(ReverseStringEnv):
     """See the module docstring."""
 
     id = ENV_ID
@@ -92,15 +92,6 @@ class LongTailEnv:
 
     def sample_tasks(self, rng: random.Random, n: int) -> list[Task]:
         return [self._draw(rng, rng.randrange(1 << 30) + len(self._eval)) for _ in range(n)]
-
-    def eval_tasks(self) -> list[Task]:
-        return list(self._eval)
-
-    def format_prompt(self, task: Task) -> str:
-        return task.prompt + SEPARATOR
-
-    def score(self, task: Task, completion: str) -> float:
-        return lcs_ratio(completion.strip(), task.answer)
 
     def start(self, task: Task) -> LongTailEpisode:
         # each episode draws its own latencies (episodes of one task do not wait alike); reproducible per run

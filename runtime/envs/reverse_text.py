@@ -57,7 +57,23 @@ def is_eval_string(text: str) -> bool:
     return zlib.crc32(text.encode()) % EVAL_BUCKETS == 0
 
 
-class ReverseTextEnv:
+class ReverseStringEnv:
+    """What the reverse-a-string environments share: held-out tasks in `_eval`, the prompt (the string and
+    the separator), and the reward (lcs_ratio against the reversed string)."""
+
+    _eval: list[Task]
+
+    def eval_tasks(self) -> list[Task]:
+        return list(self._eval)
+
+    def format_prompt(self, task: Task) -> str:
+        return task.prompt + SEPARATOR
+
+    def score(self, task: Task, completion: str) -> float:
+        return lcs_ratio(completion.strip(), task.answer)
+
+
+class ReverseTextEnv(ReverseStringEnv):
     """Reverse a random lowercase string; see the module docstring for the reward and the split."""
 
     id = ENV_ID
@@ -113,11 +129,3 @@ class ReverseTextEnv:
             hint="lower num_eval or allow longer strings",
         )
 
-    def eval_tasks(self) -> list[Task]:
-        return list(self._eval)
-
-    def format_prompt(self, task: Task) -> str:
-        return task.prompt + SEPARATOR
-
-    def score(self, task: Task, completion: str) -> float:
-        return lcs_ratio(completion.strip(), task.answer)

@@ -32,7 +32,15 @@ from primebuild.contracts.router import RouterConfig
 from primebuild.runtime.config_main import config_main
 
 from .protocol import ApiError
-from .router_base import Pool, authorize, json_object, pass_through, router_app
+from .router_base import (
+    Pool,
+    add_sampling_routes,
+    authorize,
+    json_object,
+    pass_through,
+    prometheus_text,
+    router_app,
+)
 
 log = logging.getLogger(__name__)
 PREFIX = "primebuild_router"
@@ -45,19 +53,16 @@ class Counters:
 
     def metrics_text(self) -> str:
         """The Prometheus text of the counters."""
-        lines = []
-        for name, kind, text, value in (
-                ("requests_total", "counter", "Requests routed through prefill then decode.", self.requests),
-                ("requests_failed_total", "counter", "Requests a prefill or decode server failed.", self.failed),
-                ("prompts_total", "counter", "Prompts prefilled and shipped.", self.prompts),
-                ("kv_transfer_bytes_total", "counter", "Bytes of K and V shipped from prefill to decode.",
-                 self.kv_bytes),
-                ("kv_transfer_tokens_total", "counter", "Prompt tokens whose K and V were shipped.", self.kv_tokens),
-                ("prefill_seconds_total", "counter", "Seconds in prefill requests (prefill + KV send).",
-                 self.prefill_seconds),
-                ("decode_seconds_total", "counter", "Seconds in decode requests.", self.decode_seconds)):
-            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} {kind}", f"{PREFIX}_{name} {value}"]
-        return "\n".join(lines) + "\n"
+        return prometheus_text(PREFIX, (
+            ("requests_total", "counter", "Requests routed through prefill then decode.", self.requests),
+            ("requests_failed_total", "counter", "Requests a prefill or decode server failed.", self.failed),
+            ("prompts_total", "counter", "Prompts prefilled and shipped.", self.prompts),
+            ("kv_transfer_bytes_total", "counter", "Bytes of K and V shipped from prefill to decode.",
+             self.kv_bytes),
+            ("kv_transfer_tokens_total", "counter", "Prompt tokens whose K and V were shipped.", self.kv_tokens),
+            ("prefill_seconds_total", "counter", "Seconds in prefill requests (prefill + KV send).",
+             self.prefill_seconds),
+            ("decode_seconds_total", "counter", "Seconds in decode requests.", self.decode_seconds)))
 
 
 class PdRouter:
@@ -167,13 +172,7 @@ def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
     app, http = router_app("primebuild P/D router")
     router = PdRouter(config, http)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.disaggregated(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await router.disaggregated(request, "/v1/chat/completions")
+    add_sampling_routes(app, router.disaggregated)
 
     @app.get("/v1/models")
     async def models():

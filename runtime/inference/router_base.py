@@ -80,3 +80,27 @@ async def pass_through(upstream: httpx.Response, stream: bool, done) -> Response
         return Response(content, status_code=upstream.status_code, media_type=media)
     return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, media_type=media,
                              background=BackgroundTask(done))
+
+
+def prometheus_text(prefix: str, rows) -> str:
+    """Prometheus text exposition of (name, kind, help, value) rows, each name under `prefix`_."""
+    lines = []
+    for name, kind, text, value in rows:
+        lines += [f"# HELP {prefix}_{name} {text}", f"# TYPE {prefix}_{name} {kind}", f"{prefix}_{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+SAMPLING_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def add_sampling_routes(app: FastAPI, disaggregated) -> None:
+    """POST /v1/completions and /v1/chat/completions, each answered by `disaggregated(request, path)`."""
+    for path in SAMPLING_PATHS:
+        app.add_api_route(path, _sampling_route(disaggregated, path), methods=["POST"])
+
+
+def _sampling_route(disaggregated, path: str):
+    async def route(request: Request):
+        return await disaggregated(request, path)
+    route.__name__ = path.strip("/").replace("/", "_")
+    return route

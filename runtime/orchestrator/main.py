@@ -36,6 +36,8 @@ from primebuild.contracts.run_dir import RunDir
 from primebuild.contracts.run_summary import OrchestratorSummary
 from primebuild.kernels.routing import sample_routes
 from primebuild.runtime.config_main import config_main
+from primebuild.runtime.metrics import MetricsWriter
+from primebuild.runtime.orchestrator.advantages import advantages_by_group
 from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.pool import Group, IdleClock, RolloutPool
@@ -43,10 +45,8 @@ from primebuild.runtime.orchestrator.rollout import RolloutRunner
 from primebuild.runtime.orchestrator.servers import STATE_SECONDS, ServerSet
 from primebuild.runtime.orchestrator.vllm_client import VllmClient
 from primebuild.runtime.orchestrator.weights import weight_source
+from primebuild.runtime.rollout_file import load_batch, routing_bytes, save_batch
 from primebuild.runtime.trackers import open_sinks
-from primebuild.runtime.trainer.advantages import advantages_by_group
-from primebuild.runtime.trainer.batch import load_batch, routing_bytes, save_batch
-from primebuild.runtime.trainer.metrics import MetricsWriter
 
 log = logging.getLogger("primebuild.orchestrator")
 

@@ -43,25 +43,21 @@ class LocalLauncher:
         return ProcessHandle(worker_argv(sys.executable, self.run, spec.name, plan_path), full)
 
 
-class LocalTarget(Target):
-    kind = "local"
+class SupervisedHere:
+    """A target whose supervisor runs in this process (`primebuild run` itself): launch starts it, with the
+    target's launcher starting the processes, and follow watches it until the run ends."""
+
+    kind: str
 
     def __init__(self):
         self.supervisor = None
         self.start_failure = None
 
-    def provision(self, plan: Plan) -> None:
-        from primebuild.runtime.supervisor import ports_in_use, ports_message
-
-        busy = ports_in_use(plan)
-        if busy:  # before anything is built or written
-            raise UserError(ports_message(busy))
-
-    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
+    def _start_supervisor(self, run: RunDir, plan: Plan, launcher, *, echo: Echo, verbosity: int,
+                          live) -> LaunchRecord:
         from primebuild.runtime.supervisor import Supervisor
 
-        write_rendezvous(run, [LOOPBACK] * plan.hardware.nodes)
-        self.supervisor = Supervisor(plan, run.root, LocalLauncher(run), echo=echo, verbosity=verbosity, live=live)
+        self.supervisor = Supervisor(plan, run.root, launcher, echo=echo, verbosity=verbosity, live=live)
         try:
             self.start_failure = self.supervisor.start()
         except BaseException:
@@ -69,7 +65,8 @@ class LocalTarget(Target):
             raise
         return LaunchRecord(target=self.kind, supervisor_host=socket.gethostname(), supervisor_pid=os.getpid())
 
-    def follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int):
+    def _watch(self):
+        """The run's outcome: the start's failure, or what the supervisor saw; anything else ends the run."""
         supervisor = self.supervisor
         assert supervisor is not None, "follow() after launch() in the same process"
         if self.start_failure is not None:
@@ -79,6 +76,24 @@ class LocalTarget(Target):
         except BaseException:
             supervisor.stop_all()
             raise
+
+
+class LocalTarget(SupervisedHere, Target):
+    kind = "local"
+
+    def provision(self, plan: Plan) -> None:
+        from primebuild.runtime.supervisor import ports_in_use, ports_message
+
+        busy = ports_in_use(plan)
+        if busy:  # before anything is built or written
+            raise UserError(ports_message(busy))
+
+    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
+        write_rendezvous(run, [LOOPBACK] * plan.hardware.nodes)
+        return self._start_supervisor(run, plan, LocalLauncher(run), echo=echo, verbosity=verbosity, live=live)
+
+    def follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int):
+        return self._watch()
 
     def active(self, run: RunDir, record: LaunchRecord) -> bool:
         supervisor = record.supervisor_pid is not None and _is_primebuild(record.supervisor_pid)

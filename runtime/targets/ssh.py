@@ -31,7 +31,7 @@ from primebuild.contracts.plan import Plan, ProcessSpec, read_plan
 from primebuild.contracts.run_dir import LaunchRecord, RunDir, single_host_or
 from primebuild.errors import UserError
 from primebuild.runtime.targets.base import Echo, Target
-from primebuild.runtime.targets.local import write_rendezvous
+from primebuild.runtime.targets.local import SupervisedHere, write_rendezvous
 
 CONFIG_ENV = "PRIMEBUILD_SSH_CONFIG"
 CONNECT_TIMEOUT_S = 15
@@ -178,12 +178,8 @@ class SshLauncher:
         self.connection(host_of(self.plan, spec)).run(command, hide=True, warn=True, timeout=30)
 
 
-class SshTarget(Target):
+class SshTarget(SupervisedHere, Target):
     kind = "ssh"
-
-    def __init__(self):
-        self.supervisor = None
-        self.start_failure = None
 
     def provision(self, plan: Plan) -> None:
         python = remote_python(plan)
@@ -198,26 +194,13 @@ class SshTarget(Target):
                 conn.close()
 
     def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
-        from primebuild.runtime.supervisor import Supervisor
-
         write_rendezvous(run, single_host_or(list(plan.target.hosts)))
         self.launcher = SshLauncher(plan, run)
-        self.supervisor = Supervisor(plan, run.root, self.launcher, echo=echo, verbosity=verbosity, live=live)
-        try:
-            self.start_failure = self.supervisor.start()
-        except BaseException:
-            self.supervisor.stop_all()
-            raise
-        return LaunchRecord(target=self.kind, supervisor_host=socket.gethostname(), supervisor_pid=os.getpid())
+        return self._start_supervisor(run, plan, self.launcher, echo=echo, verbosity=verbosity, live=live)
 
     def follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int):
-        supervisor = self.supervisor
-        assert supervisor is not None, "follow() after launch() in the same process"
         try:
-            return self.start_failure or supervisor.watch()
-        except BaseException:
-            supervisor.stop_all()
-            raise
+            return self._watch()
         finally:
             for conn in self.launcher.connections.values():
                 conn.close()

@@ -1,89 +1,25 @@
-"""The rollout batch's file (records: primebuild/contracts/rollout.py), and how a batch is cut into micro-batches.
+"""How the trainer cuts a rollout batch (its file: runtime/rollout_file.py) into micro-batches.
 
-Contract (files in the run folder; the orchestrator writes, the trainer reads):
+Samples are right-padded into 2-D micro-batches whose *padded* size (rows × longest row) stays within
+``micro_batch_tokens``; micro-batches are balanced over ranks by token count, and every rank gets the same
+number of them (FSDP collectives must match across ranks), topped up with empty micro-batches whose loss
+weight is zero. The loss is normalised by a constant of the whole step (see :func:`loss_normalizer`),
+never by anything that depends on the split, so 1 rank and N ranks compute the same gradient.
 
-- Steps are 1-based. ``rollouts/step_{k:06d}.pt`` is the batch that the trainer's k-th optimizer step
-  trains on; after it the trainer publishes ``weights/step_{k:06d}/`` (the policy after k optimizer steps,
-  so the base model is policy version 0).
-- The orchestrator writes the file with :func:`save_batch` (temp file + ``os.replace``), so a reader never
-  sees a partial file. The payload is plain Python data (dicts, lists, numbers, strings) and loads with
-  ``torch.load(weights_only=True)``: no pickled classes cross the process boundary.
-- Advantages are computed by the orchestrator (see ``advantages.py``); the trainer only consumes them.
-- With router replay, a sample carries ``routed_experts``: one uint8 (uint16 above 256 experts) tensor
-  [fed positions, moe_layers, top_k] -- the experts inference routed each position fed through the
-  model to, prompt + completion - 1 positions (kernels/routing.py) -- and a micro-batch carries them
-  as [rows, tokens, moe_layers, top_k] int64, -1 where nothing was recorded (each row's last token and
-  padding: the trainer's router chooses there; no log-prob depends on them).
-
-Packing: samples are right-padded into 2-D micro-batches whose *padded* size (rows × longest row) stays
-within ``micro_batch_tokens``; micro-batches are balanced over ranks by token count, and every rank gets
-the same number of them (FSDP collectives must match across ranks), topped up with empty micro-batches
-whose loss weight is zero. The loss is normalised by a constant of the whole step (see
-:func:`loss_normalizer`), never by anything that depends on the split, so 1 rank and N ranks compute the
-same gradient.
+With router replay a micro-batch carries the samples' ``routed_experts`` as [rows, tokens, moe_layers,
+top_k] int64, -1 where nothing was recorded (each row's last token and padding: the trainer's router
+chooses there; no log-prob depends on them).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-from primebuild.contracts.base import parse_contract
-from primebuild.contracts.rollout import RolloutBatch, Sample
+from primebuild.contracts.rollout import Sample
 from primebuild.errors import UserError
-
-BATCH_FORMAT_VERSION = 1
-
-
-def save_batch(path: str | os.PathLike, batch: RolloutBatch) -> None:
-    """Write atomically: a reader sees either no file or the whole file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format": BATCH_FORMAT_VERSION,
-        "step": int(batch.step),
-        "metadata": batch.model_dump(include=set(_METADATA)),
-        "samples": [s.model_dump() for s in batch.samples],
-    }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-# RolloutBatch fields kept under "metadata" in the file; keys of older writers that nothing reads
-# (max_completion_tokens, groups) are skipped, so their files still load.
-_METADATA = ("temperature", "next_group")
-
-
-def load_batch(path: str | os.PathLike) -> RolloutBatch:
-    payload = torch.load(path, weights_only=True)
-    if not isinstance(payload, dict) or payload.get("format") != BATCH_FORMAT_VERSION:
-        raise UserError(
-            f"{path}: not a primebuild rollout batch of format {BATCH_FORMAT_VERSION}",
-            hint="write batches with primebuild.runtime.trainer.batch.save_batch",
-        )
-    metadata = {k: v for k, v in payload["metadata"].items() if k in _METADATA}
-    batch = parse_contract(RolloutBatch, {"step": payload["step"], "samples": payload["samples"], **metadata},
-                           where=str(path))
-    for i, s in enumerate(batch.samples):
-        s.validate_shapes(f"{path}: samples[{i}]")
-    return batch
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Packing
 
 
 @dataclass
@@ -144,15 +80,6 @@ def _collate_routes(samples: list[Sample], indices: list[int], width: int) -> to
             raise UserError(f"routed_experts of shape {tuple(r.shape)} next to [..., {layers}, {top_k}]")
         out[row, : r.shape[0]] = r.long()
     return out
-
-
-def routing_bytes(samples: list[Sample]) -> dict[str, float]:
-    """Bytes of routing data the batch carries per token (router replay), {} without any."""
-    carried = [s.routed_experts for s in samples if s.routed_experts is not None]
-    if not carried:
-        return {}
-    tokens = sum(s.num_tokens for s in samples)
-    return {"routing_bytes_per_token": sum(r.numel() * r.element_size() for r in carried) / tokens}
 
 
 def pad_columns(mb: MicroBatch, width: int, pad_id: int) -> MicroBatch:

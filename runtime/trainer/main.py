@@ -15,7 +15,7 @@ Loop for k = 1, 2, ... (steps are 1-based; see batch.py for the file contract):
   5. every ``checkpoint_every`` steps, and when the run ends, save ``checkpoints/step_{k:06d}/``; then
      append metrics to ``<run_dir>/metrics.jsonl``; with ``resume`` the run continues after the newest one.
 
-Metrics (one JSON line each, see metrics.py), means are over trained tokens of the whole step:
+Metrics (one JSON line each, see runtime/metrics.py), means are over trained tokens of the whole step:
   loss, behaviour_kl (KL(inference ‖ trainer) over all tokens, see losses.py), mismatch_kl (the same over
   samples drawn with exactly the weights being trained: engine numerics only), masked_fraction, importance_ratio, entropy,
   grad_norm (before clipping), lr, tokens, samples, reward_mean, advantage_abs_mean, async_lag_mean/max
@@ -47,15 +47,16 @@ from primebuild.kernels.dtypes import DTYPES
 from primebuild.runtime.config_main import config_main
 from primebuild.runtime.weight_sync import filesystem as fs
 
+from ..metrics import MetricsWriter
+from ..rollout_file import load_batch
 from ..trackers import open_sinks
 from . import finite
-from .batch import load_batch, loss_normalizer, pack, pad_columns
+from .batch import loss_normalizer, pack, pad_columns
 from .checkpoint import load_checkpoint, save_checkpoint
 from .context_parallel import make_shard, padded_length
 from .lora import trainable_parameters
 from .lora_publish import AdapterPublisher
 from .losses import kl_per_token, resolve_loss
-from .metrics import MetricsWriter
 from .model import (
     DistEnv,
     autocast_context,
@@ -175,31 +176,49 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
 
     Micro-batches are dealt over the dp ranks (dp_replicate * dp_shard); the CP ranks of a dp rank share its micro-batches and
     split each one's sequence (context_parallel.py), each scoring the tokens of its own positions."""
-    if batch.temperature is not None and abs(batch.temperature - config.temperature) > 1e-9:
-        raise UserError(
-            f"rollouts for step {step} were sampled at temperature {batch.temperature}, the trainer scores at "
-            f"{config.temperature}",
-            hint="set trainer temperature to the sampling temperature, or log-probs will not match",
-        )
+    _check_temperature(batch.temperature, config, step)
     samples = batch.samples
     normalizer = loss_normalizer(samples, config.loss_normalizer, config.max_completion_tokens)
     meshes = meshes or build_meshes(ParallelDims(dp_shard=env.world_size), env.world_size, env.rank,
                                     env.device.type)
     mine = [place(mb, config, env, meshes) for mb in
             pack(samples, config.micro_batch_tokens, meshes.dp_degree, config.pad_token_id)[meshes.dp_rank]]
-    replay = model.replay
-    replayed = replay is not None and any(s.routed_experts is not None for s in samples)
+    replayed = model.replay is not None and any(s.routed_experts is not None for s in samples)
     # The same on every rank (FSDP collectives must match): score the batch once more without replay.
     check = replayed and config.replay_check_every > 0 and step % config.replay_check_every == 0
 
-    totals = torch.zeros(StepSums.size(), dtype=torch.float64)  # StepSums of this rank, packed
-    bad_loss = None
     started = time.perf_counter()
     # Before any backward: under FSDP2 a forward between micro-batches' backwards corrupted the gradients
     # (measured: 2 ranks gave grad_norm 0.49 where 1 rank gave 0.77; with the forwards first, equal).
     free = [score_without_replay(model, mb, shard, mask, samples, config, env, step) if check
             else torch.zeros(2, dtype=torch.float64) for mb, shard, mask, _ in mine]
     check_seconds = time.perf_counter() - started
+    totals, bad_loss = _backward_micro_batches(model, mine, free, samples, config, loss_fn, env, step,
+                                               normalizer, replayed)
+    sums = StepSums.from_tensor(_sum_over_ranks(totals, env))
+    grad_norm, lr = _optimizer_step(model, optimizer, config, env, meshes, step, bad_loss)
+    metrics = _step_metrics(sums, samples, normalizer, step, grad_norm.item(), lr)
+    if replayed:
+        metrics.update(_replay_metrics(sums, check, check_seconds))
+    return metrics
+
+
+def _check_temperature(temperature: float | None, config: TrainerConfig, step: int) -> None:
+    if temperature is not None and abs(temperature - config.temperature) > 1e-9:
+        raise UserError(
+            f"rollouts for step {step} were sampled at temperature {temperature}, the trainer scores at "
+            f"{config.temperature}",
+            hint="set trainer temperature to the sampling temperature, or log-probs will not match",
+        )
+
+
+def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, loss_fn, env: DistEnv,
+                            step: int, normalizer: float, replayed: bool) -> tuple[torch.Tensor, str | None]:
+    """Forward and backward of this rank's micro-batches; returns their StepSums, packed, and where the
+    first non-finite loss was (None when every loss was finite)."""
+    replay = model.replay
+    totals = torch.zeros(StepSums.size(), dtype=torch.float64)  # StepSums of this rank, packed
+    bad_loss = None
     for (mb, shard, mask, routes), free_kl in zip(mine, free, strict=True):
         own = slice(None) if shard is None else shard.positions  # the columns this rank computes
         inference_lp = mb.inference_logprobs.to(env.device)
@@ -224,11 +243,21 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
             kl_no_replay=free_kl[0], fresh_kl_no_replay=free_kl[1], agreed_routes=agreed,
             replayed_routes=replayed_routes,
         ).to_tensor()
-    if env.distributed:
-        t = totals.to(env.device)
-        dist.all_reduce(t)
-        totals = t.cpu()
+    return totals, bad_loss
 
+
+def _sum_over_ranks(totals: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    if not env.distributed:
+        return totals
+    t = totals.to(env.device)
+    dist.all_reduce(t)
+    return t.cpu()
+
+
+def _optimizer_step(model, optimizer, config: TrainerConfig, env: DistEnv, meshes: Meshes, step: int,
+                    bad_loss: str | None) -> tuple[torch.Tensor, float]:
+    """Refuse non-finite losses and gradients, clip, step at this step's learning rate; returns the
+    gradient norm before clipping and the learning rate."""
     finite.check(step, bad_loss, "the loss", env.device)
     finite.check(step, finite.first_non_finite(finite.grads(model)), "the gradient of", env.device)
     grad_norm = _grad_norm(model, config.max_grad_norm, env, meshes)
@@ -238,21 +267,12 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     finite.check(step, finite.first_non_finite(finite.weights(model)), "the updated weight", env.device)
+    return grad_norm, lr
 
-    sums = StepSums.from_tensor(totals)
+
+def _step_metrics(sums: StepSums, samples, normalizer: float, step: int, grad_norm: float, lr: float) -> dict:
     n_tok = max(sums.tokens, 1.0)
     lags = [step - 1 - s.policy_version for s in samples]
-    replay_metrics = {}
-    if replayed:
-        # KLs as if the trainer had not replayed the routes (NaN -> null when not measured this step), and
-        # how many of the replayed routes the trainer's own router would have chosen
-        replay_metrics = {
-            "behaviour_kl_no_replay": sums.kl_no_replay / n_tok if check else float("nan"),
-            "mismatch_kl_no_replay": sums.fresh_kl_no_replay / sums.fresh_tokens if check and sums.fresh_tokens
-            else float("nan"),
-            "routing_agreement": sums.agreed_routes / sums.replayed_routes if sums.replayed_routes else float("nan"),
-            "replay_check_s": check_seconds,  # this rank's time in the forward without replay (in step_s)
-        }
     return {
         "loss": sums.loss / normalizer,
         # KL(inference ‖ trainer) over every token: engine numerics plus the staleness of async samples
@@ -263,7 +283,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
         "masked_fraction": sums.masked / n_tok,
         "importance_ratio": sums.ratio / n_tok,
         "entropy": sums.entropy / n_tok,
-        "grad_norm": grad_norm.item(),
+        "grad_norm": grad_norm,
         "lr": lr,
         "tokens": sums.tokens,
         "samples": len(samples),
@@ -272,7 +292,19 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
         "async_lag_mean": sum(lags) / max(1, len(lags)),
         "async_lag_max": max(lags, default=0),
         "padding_fraction": 1.0 - sums.real / sums.padded if sums.padded else 0.0,
-        **replay_metrics,
+    }
+
+
+def _replay_metrics(sums: StepSums, check: bool, check_seconds: float) -> dict:
+    """KLs as if the trainer had not replayed the routes (NaN -> null when not measured this step), and
+    how many of the replayed routes the trainer's own router would have chosen."""
+    n_tok = max(sums.tokens, 1.0)
+    return {
+        "behaviour_kl_no_replay": sums.kl_no_replay / n_tok if check else float("nan"),
+        "mismatch_kl_no_replay": sums.fresh_kl_no_replay / sums.fresh_tokens if check and sums.fresh_tokens
+        else float("nan"),
+        "routing_agreement": sums.agreed_routes / sums.replayed_routes if sums.replayed_routes else float("nan"),
+        "replay_check_s": check_seconds,  # this rank's time in the forward without replay (in step_s)
     }
 
 

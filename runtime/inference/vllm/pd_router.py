@@ -46,7 +46,15 @@ from fastapi.responses import PlainTextResponse, Response
 from primebuild.contracts.router import VllmRouterConfig
 from primebuild.runtime.config_main import config_main
 from primebuild.runtime.inference.protocol import ApiError
-from primebuild.runtime.inference.router_base import Pool, authorize, json_object, pass_through, router_app
+from primebuild.runtime.inference.router_base import (
+    Pool,
+    add_sampling_routes,
+    authorize,
+    json_object,
+    pass_through,
+    prometheus_text,
+    router_app,
+)
 from primebuild.runtime.inference.vllm.admin import parse_policy_version
 from primebuild.runtime.inference.vllm.kv_files import KvFiles
 
@@ -92,6 +100,21 @@ class Counters:
         self.requests = self.failed = self.stale = 0
         self.prefill_seconds = self.decode_seconds = 0.0
 
+    def metrics_text(self, fleet: Fleet, files: KvFiles | None) -> str:
+        """The Prometheus text of the counters, the epoch and the KV folders."""
+        return prometheus_text(PREFIX, (
+            ("requests_total", "counter", "Requests routed through prefill then decode.", self.requests),
+            ("requests_failed_total", "counter", "Requests a prefill or decode server failed.", self.failed),
+            ("stale_prefills_total", "counter", "Prefills redone because the weights changed before decode.",
+             self.stale),
+            ("epoch", "gauge", "Weight changes the router has forwarded.", fleet.epoch),
+            ("kv_folders", "gauge", "ExampleConnector KV folders in the shared storage.",
+             files.folders() if files else 0),
+            ("kv_folders_deleted_total", "counter", "ExampleConnector KV folders deleted.",
+             files.deleted if files else 0),
+            ("prefill_seconds_total", "counter", "Seconds in prefill requests.", self.prefill_seconds),
+            ("decode_seconds_total", "counter", "Seconds in decode requests.", self.decode_seconds)))
+
 
 def _changes_weights(path: str, body: bytes) -> bool:
     if path in KEEPS_WEIGHTS:
@@ -112,18 +135,60 @@ def _prompts(answer: dict) -> list[list[int]]:
     return prompts
 
 
-def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
-    prefill = Pool([s.url.rstrip("/") for s in config.prefill])
-    decode = Pool([s.url.rstrip("/") for s in config.decode])
-    every = config.prefill + config.decode
-    urls = [s.url.rstrip("/") for s in every]
-    files = KvFiles(config.kv_storage_path, config.kv_block_size) if config.kv_storage_path else None
-    if files is not None:
-        files.wipe()  # a restarted router: what a former one left is held by no request
-    fleet, counters = Fleet(), Counters()
-    app, http = router_app("primebuild vLLM P/D router")
+class VllmPdRouter:
+    """The router's state (pools, fleet, counters, KV files, the httpx client) and its jobs: route one
+    request through prefill then decode (in one policy epoch), fan admin calls out to every server, and
+    answer the reads from all of them."""
 
-    async def run_prefill(path: str, body: dict) -> tuple[dict | Response, set[str]]:
+    def __init__(self, config: VllmRouterConfig, http: httpx.AsyncClient):
+        self.http = http
+        self.prefill = Pool([s.url.rstrip("/") for s in config.prefill])
+        self.decode = Pool([s.url.rstrip("/") for s in config.decode])
+        self.every = config.prefill + config.decode
+        self.urls = [s.url.rstrip("/") for s in self.every]
+        self.files = KvFiles(config.kv_storage_path, config.kv_block_size) if config.kv_storage_path else None
+        if self.files is not None:
+            self.files.wipe()  # a restarted router: what a former one left is held by no request
+        self.fleet, self.counters = Fleet(), Counters()
+
+    # -- sampling: prefill, then decode ------------------------------------------------------------------
+
+    async def disaggregated(self, request: Request, path: str) -> Response:
+        body = await json_object(request, "kv_transfer_params")
+        self.counters.requests += 1
+        try:
+            first = await self.handoff(path, body)
+        except ApiError:
+            self.counters.failed += 1
+            raise
+        return await self.finish(path, body, first)
+
+    async def handoff(self, path: str, body: dict) -> Handoff:
+        """The first half, in the epoch it starts in."""
+        await self.fleet.running.wait()
+        epoch = self.fleet.epoch
+        result, names = await self._prefill(path, body)
+        return Handoff(epoch, result, names)
+
+    async def finish(self, path: str, body: dict, h: Handoff) -> Response:
+        """The second half, after prefilling again while the weights changed since the first."""
+        for _ in range(MAX_PREFILLS):
+            if isinstance(h.result, Response):
+                self.counters.failed += 1
+                return h.result
+            await self.fleet.running.wait()
+            if self.fleet.epoch == h.epoch:
+                break
+            self.counters.stale += 1  # its KV is an older policy's
+            self._release(h.names)
+            h = await self.handoff(path, body)
+        else:
+            self._release(h.names)
+            self.counters.failed += 1
+            raise ApiError(503, f"{MAX_PREFILLS} prefills in a row were overtaken by weight updates")
+        return await self._decode(path, body, h.result, h.names)
+
+    async def _prefill(self, path: str, body: dict) -> tuple[dict | Response, set[str]]:
         """The first half; returns the prefill's answer (or the server's error, passed on) and the KV
         folders the request now holds (ExampleConnector)."""
         one_token = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
@@ -131,6 +196,7 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
                          kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
         if path.endswith("/chat/completions"):
             one_token["max_completion_tokens"] = 1
+        files, prefill = self.files, self.prefill
         p = prefill.pick()
         prefill.busy[p] += 1
         if files is not None:
@@ -138,7 +204,7 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
         started = time.monotonic()
         names: set[str] = set()
         try:
-            answer = await http.post(prefill.urls[p] + path, json=one_token)
+            answer = await self.http.post(prefill.urls[p] + path, json=one_token)
             if answer.status_code != 200:  # the server's own answer (a 400 for a bad request ...)
                 return Response(answer.content, status_code=answer.status_code, media_type="application/json"), names
             result = answer.json()
@@ -152,82 +218,118 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
             prefill.busy[p] -= 1
             if files is not None:
                 files.end_write()
-            counters.prefill_seconds += time.monotonic() - started
+            self.counters.prefill_seconds += time.monotonic() - started
 
-    def release(names: set[str]) -> None:
-        if files is not None and names:
-            files.release(names)
-
-    async def handoff(path: str, body: dict) -> Handoff:
-        """The first half, in the epoch it starts in."""
-        await fleet.running.wait()
-        epoch = fleet.epoch
-        result, names = await run_prefill(path, body)
-        return Handoff(epoch, result, names)
-
-    async def finish(path: str, body: dict, h: Handoff) -> Response:
-        """The second half, after prefilling again while the weights changed since the first."""
-        for _ in range(MAX_PREFILLS):
-            if isinstance(h.result, Response):
-                counters.failed += 1
-                return h.result
-            await fleet.running.wait()
-            if fleet.epoch == h.epoch:
-                break
-            counters.stale += 1  # its KV is an older policy's
-            release(h.names)
-            h = await handoff(path, body)
-        else:
-            release(h.names)
-            counters.failed += 1
-            raise ApiError(503, f"{MAX_PREFILLS} prefills in a row were overtaken by weight updates")
-        result, names = h.result, h.names
-
-        params = result.get("kv_transfer_params")
+    async def _decode(self, path: str, body: dict, prefilled: dict, names: set[str]) -> Response:
+        """The second half: the client's body plus where the prefill left the KV; the answer passed through."""
+        params = prefilled.get("kv_transfer_params")
         decode_body = {**body, "kv_transfer_params": params} if params else body
+        decode = self.decode
         d = decode.pick()
         decode.busy[d] += 1
         started = time.monotonic()
         try:
-            upstream = await http.send(http.build_request("POST", decode.urls[d] + path, json=decode_body),
-                                       stream=True)
+            upstream = await self.http.send(
+                self.http.build_request("POST", decode.urls[d] + path, json=decode_body), stream=True)
         except httpx.TransportError as err:
             decode.busy[d] -= 1
-            release(names)
-            counters.failed += 1
+            self._release(names)
+            self.counters.failed += 1
             raise ApiError(503, f"decode server {decode.urls[d]} unreachable: {err}") from None
 
         async def done() -> None:
             await upstream.aclose()
             decode.busy[d] -= 1
-            release(names)
-            counters.decode_seconds += time.monotonic() - started
+            self._release(names)
+            self.counters.decode_seconds += time.monotonic() - started
 
         return await pass_through(upstream, bool(body.get("stream")), done)
 
-    async def disaggregated(request: Request, path: str) -> Response:
-        body = await json_object(request, "kv_transfer_params")
-        counters.requests += 1
+    def _release(self, names: set[str]) -> None:
+        if self.files is not None and names:
+            self.files.release(names)
+
+    # -- reads -------------------------------------------------------------------------------------------
+
+    async def weight_info(self):
+        infos = [a.json() for a in await self._read_all("/weight_info")]
+        return min(infos, key=lambda i: parse_policy_version(i.get("weight_version")))
+
+    async def is_paused(self):
+        return {"is_paused": any(a.json().get("is_paused") for a in await self._read_all("/is_paused"))}
+
+    async def _read_all(self, path: str) -> list[httpx.Response]:
+        """Every server's answer to GET `path`; 503 unless all of them answer 200."""
         try:
-            first = await handoff(path, body)
-        except ApiError:
-            counters.failed += 1
-            raise
-        return await finish(path, body, first)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await disaggregated(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await disaggregated(request, "/v1/chat/completions")
-
-    async def read_all(path: str) -> list[httpx.Response]:
-        try:
-            return await asyncio.gather(*(http.get(url + path) for url in urls))
+            answers = await asyncio.gather(*(self.http.get(url + path) for url in self.urls))
         except httpx.TransportError as err:
             raise ApiError(503, f"{path}: a server is unreachable: {err}") from None
+        if any(a.status_code != 200 for a in answers):
+            raise ApiError(503, f"{path}: a server did not answer")
+        return answers
+
+    async def passthrough(self, url: str, path: str) -> Response:
+        try:
+            answer = await self.http.get(url + path)
+        except httpx.TransportError as err:
+            raise ApiError(503, f"{url}{path} unreachable: {err}") from None
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
+    # -- admin -------------------------------------------------------------------------------------------
+
+    async def admin(self, request: Request, path: str, admin_token: str | None):
+        header = authorize(request, admin_token)
+        raw = await request.body() or b"{}"
+        self._note_admin(path, raw)
+        headers = {"authorization": header, "content-type": "application/json"}
+        query = request.url.query
+        try:
+            answers = await asyncio.gather(*(
+                self.http.post(url + path + (f"?{query}" if query else ""), headers=headers, content=body)
+                for url, body in zip(self.urls, self._bodies_for(path, raw), strict=True)))
+        except httpx.TransportError as err:
+            raise ApiError(503, f"{path}: a server is unreachable: {err}") from None
+        if path == "/resume" and all(a.status_code == 200 for a in answers):
+            self.fleet.running.set()
+        failed = [(url, a) for url, a in zip(self.urls, answers, strict=True) if a.status_code != 200]
+        if failed:
+            url, worst = failed[0]
+            raise ApiError(worst.status_code, f"{path} failed on {len(failed)} of {len(self.urls)} servers; "
+                           f"{url}: {worst.text[:300]}")
+        if path == "/collective_rpc":
+            return {"results": [r for a in answers for r in a.json()["results"]]}
+        return Response(answers[0].content, status_code=200, media_type="application/json")
+
+    def _note_admin(self, path: str, raw: bytes) -> None:
+        """What an admin call does to the fleet, before it reaches the servers."""
+        if path == "/pause":
+            self.fleet.pause()  # before the servers pause: no hand-off starts a half from now on
+        elif _changes_weights(path, raw):
+            self.fleet.weights_changed()
+        elif path == "/resume" and self.files is not None and self.fleet.changed_while_paused:
+            self.files.wipe()  # every server is still paused: no KV file is being read or written
+
+    def _bodies_for(self, path: str, raw: bytes) -> list[bytes]:
+        """The body each server gets: the same, except a join, where each server takes its own ranks."""
+        if path != "/init_weight_transfer_engine":
+            return [raw] * len(self.every)
+        try:
+            body = json.loads(raw)
+            offset = int(body["init_info"]["rank_offset"])
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(400, "init_info.rank_offset: an integer is required", param="init_info") from None
+        out = []
+        for server in self.every:
+            out.append(json.dumps({**body, "init_info": {**body["init_info"], "rank_offset": offset}}).encode())
+            offset += server.ranks
+        return out
+
+
+def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
+    app, http = router_app("primebuild vLLM P/D router")
+    router = VllmPdRouter(config, http)
+
+    add_sampling_routes(app, router.disaggregated)
 
     @app.get("/health")
     async def health():
@@ -238,106 +340,36 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
 
     @app.get("/weight_info")
     async def weight_info():
-        answers = await read_all("/weight_info")
-        if any(a.status_code != 200 for a in answers):
-            raise ApiError(503, "/weight_info: a server did not answer")
-        infos = [a.json() for a in answers]
-        return min(infos, key=lambda i: parse_policy_version(i.get("weight_version")))
+        return await router.weight_info()
 
     @app.get("/is_paused")
     async def is_paused():
-        answers = await read_all("/is_paused")
-        if any(a.status_code != 200 for a in answers):
-            raise ApiError(503, "/is_paused: a server did not answer")
-        return {"is_paused": any(a.json().get("is_paused") for a in answers)}
-
-    async def passthrough(url: str, path: str) -> Response:
-        try:
-            answer = await http.get(url + path)
-        except httpx.TransportError as err:
-            raise ApiError(503, f"{url}{path} unreachable: {err}") from None
-        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+        return await router.is_paused()
 
     @app.get("/version")
     async def version():
-        return await passthrough(urls[0], "/version")
+        return await router.passthrough(router.urls[0], "/version")
 
     @app.get("/v1/models")
     async def models():
-        return await passthrough(decode.urls[0], "/v1/models")
-
-    def bodies_for(path: str, raw: bytes) -> list[bytes]:
-        """The body each server gets: the same, except a join, where each server takes its own ranks."""
-        if path != "/init_weight_transfer_engine":
-            return [raw] * len(every)
-        try:
-            body = json.loads(raw)
-            offset = int(body["init_info"]["rank_offset"])
-        except (ValueError, KeyError, TypeError):
-            raise ApiError(400, "init_info.rank_offset: an integer is required", param="init_info") from None
-        out = []
-        for server in every:
-            out.append(json.dumps({**body, "init_info": {**body["init_info"], "rank_offset": offset}}).encode())
-            offset += server.ranks
-        return out
-
-    async def admin(request: Request, path: str):
-        header = authorize(request, admin_token)
-        raw = await request.body() or b"{}"
-        if path == "/pause":
-            fleet.pause()  # before the servers pause: no hand-off starts a half from now on
-        elif _changes_weights(path, raw):
-            fleet.weights_changed()
-        elif path == "/resume" and files is not None and fleet.changed_while_paused:
-            files.wipe()  # every server is still paused: no KV file is being read or written
-        headers = {"authorization": header, "content-type": "application/json"}
-        query = request.url.query
-        try:
-            answers = await asyncio.gather(*(
-                http.post(url + path + (f"?{query}" if query else ""), headers=headers, content=body)
-                for url, body in zip(urls, bodies_for(path, raw), strict=True)))
-        except httpx.TransportError as err:
-            raise ApiError(503, f"{path}: a server is unreachable: {err}") from None
-        if path == "/resume" and all(a.status_code == 200 for a in answers):
-            fleet.running.set()
-        failed = [(url, a) for url, a in zip(urls, answers, strict=True) if a.status_code != 200]
-        if failed:
-            url, worst = failed[0]
-            raise ApiError(worst.status_code, f"{path} failed on {len(failed)} of {len(urls)} servers; "
-                           f"{url}: {worst.text[:300]}")
-        if path == "/collective_rpc":
-            return {"results": [r for a in answers for r in a.json()["results"]]}
-        return Response(answers[0].content, status_code=200, media_type="application/json")
+        return await router.passthrough(router.decode.urls[0], "/v1/models")
 
     for path in FAN_OUT:
-        app.add_api_route(path, _admin_route(admin, path), methods=["POST"])
+        app.add_api_route(path, _admin_route(router, path, admin_token), methods=["POST"])
 
     @app.get("/metrics")
     async def metrics():
-        lines = []
-        for name, kind, text, value in (
-                ("requests_total", "counter", "Requests routed through prefill then decode.", counters.requests),
-                ("requests_failed_total", "counter", "Requests a prefill or decode server failed.", counters.failed),
-                ("stale_prefills_total", "counter", "Prefills redone because the weights changed before decode.",
-                 counters.stale),
-                ("epoch", "gauge", "Weight changes the router has forwarded.", fleet.epoch),
-                ("kv_folders", "gauge", "ExampleConnector KV folders in the shared storage.",
-                 files.folders() if files else 0),
-                ("kv_folders_deleted_total", "counter", "ExampleConnector KV folders deleted.",
-                 files.deleted if files else 0),
-                ("prefill_seconds_total", "counter", "Seconds in prefill requests.", counters.prefill_seconds),
-                ("decode_seconds_total", "counter", "Seconds in decode requests.", counters.decode_seconds)):
-            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} {kind}", f"{PREFIX}_{name} {value}"]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(router.counters.metrics_text(router.fleet, router.files),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    app.state.fleet, app.state.counters, app.state.kv_files = fleet, counters, files
-    app.state.handoff, app.state.finish, app.state.close = handoff, finish, http.aclose  # the halves, for tests
+    app.state.fleet, app.state.counters, app.state.kv_files = router.fleet, router.counters, router.files
+    app.state.handoff, app.state.finish, app.state.close = router.handoff, router.finish, http.aclose  # for tests
     return app
 
 
-def _admin_route(admin, path: str):
+def _admin_route(router: VllmPdRouter, path: str, admin_token: str | None):
     async def route(request: Request):
-        return await admin(request, path)
+        return await router.admin(request, path, admin_token)
     route.__name__ = "admin" + path.replace("/", "_")
     return route
 
