@@ -32,7 +32,7 @@
         pyzmq
       ];
       # [project.optional-dependencies].test
-      testDeps = ps: with ps; [ pytest pytest-timeout hypothesis openai jsonschema wandb tensorboard ];
+      testDeps = ps: with ps; [ pytest pytest-timeout hypothesis openai jsonschema wandb tensorboard peft ];
 
       primebuildFor = pkgs:
         let ps = pkgs.python311Packages;
