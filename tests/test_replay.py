@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import CPU_MANIFEST, MANIFESTS, call_cli, write
+from conftest import CPU_MANIFEST, MANIFESTS, call_cli, free_port, write
 
 from primebuild.builders.lock import lock_hash, read_lock, record_lock
 from primebuild.builders.lock_check import load_lock_for
@@ -144,7 +144,8 @@ def test_replay_starts_the_same_plan(tmp_path: Path, capsys, monkeypatch):
     manifests = tmp_path / "manifests"
     shutil.copytree(MANIFESTS / "models", manifests / "models")
     manifest = write(manifests, "tiny.yaml", CPU_MANIFEST)
-    sets = ("orchestrator.max_steps=2", "orchestrator.rollouts_per_step=16", "orchestrator.group_size=4")
+    sets = ("orchestrator.max_steps=2", "orchestrator.rollouts_per_step=16", "orchestrator.group_size=4",
+            f"inference.port={free_port()}")  # recorded in the plan: the replay starts on it too
     original = tmp_path / "runs" / "tiny-original"
     plan = record_run(original, manifest, sets)
     result = call_cli(capsys, "replay", "--quiet", "--manifest-dir", manifests, original)
