@@ -84,8 +84,8 @@ class ToolLookupEnv:
     id = ENV_ID
     version = ENV_VERSION
 
-    def __init__(self, key_length: int = 3, value_length: int = 3, alphabet: str = "abcdefghij", max_turns: int = 3,
-                 num_eval: int = 100, max_tokens_per_turn: int = 64):
+    def __init__(self, key_length: int = 2, value_length: int = 2, alphabet: str = "abcdefghijklmnop", max_turns: int = 3,
+                 num_eval: int = 48, max_tokens_per_turn: int = 64):
         if len(set(alphabet)) != len(alphabet) or not alphabet.isalpha():
             raise UserError(f"environment {ENV_ID}: alphabet {alphabet!r} must be distinct letters")
         keys = ["".join(k) for k in itertools.product(alphabet, repeat=key_length)]
