@@ -13,7 +13,7 @@ from conftest import run_cli, sft_workspace
 
 from primebuild.runtime.envs.base import demonstration
 from primebuild.runtime.envs.framing import ChatEnvironment, framing
-from primebuild.runtime.envs.tool_lookup import UNKNOWN, ToolLookupEnv, is_eval_key, tool_call
+from primebuild.runtime.envs.tool_lookup import UNKNOWN, ToolLookupEnv, is_eval_row, tool_call
 from primebuild.runtime.models.chat_tokenizer import build_chat_tokenizer
 from primebuild.runtime.sft import episode_ids
 
@@ -40,12 +40,13 @@ def test_only_the_tool_knows_the_value_and_the_answer_after_it_scores():
     assert len(values) > 1
 
 
-def test_the_held_out_keys_never_come_up_in_training():
-    env = ToolLookupEnv(num_eval=40)
-    held_out = [t.info["key"] for t in env.eval_tasks()]
-    assert len(set(held_out)) == 40 and all(map(is_eval_key, held_out))
-    assert env.eval_tasks() == ToolLookupEnv(num_eval=40).eval_tasks()
-    assert not any(is_eval_key(t.info["key"]) for t in env.sample_tasks(random.Random(2), 500))
+@pytest.mark.parametrize("key_length", [2, 0])
+def test_the_held_out_rows_never_come_up_in_training(key_length):
+    env = ToolLookupEnv(key_length=key_length, num_eval=40)
+    held_out = [(t.info["key"], t.answer) for t in env.eval_tasks()]
+    assert len(set(held_out)) == 40 and all(is_eval_row(*row) for row in held_out)
+    assert env.eval_tasks() == ToolLookupEnv(key_length=key_length, num_eval=40).eval_tasks()
+    assert not any(is_eval_row(t.info["key"], t.answer) for t in env.sample_tasks(random.Random(2), 500))
 
 
 def test_sft_learns_the_call_and_the_answer_in_the_chat_template_never_the_tool_result():

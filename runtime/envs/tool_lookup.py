@@ -12,7 +12,9 @@ A model turn with a hermes tool call gets the tool's result (the value for the t
 for any other key); a turn without one is the answer and ends the episode. Reward 1 when the answer is
 the value, else 0 (guessing it blind succeeds once in len(alphabet) ** value_length).
 
-Held-out split: a key is an eval key iff CRC32(key) % EVAL_BUCKETS == 0; training never draws one.
+Held-out split: a row is held out iff CRC32("key:value") % EVAL_BUCKETS == 0; training never draws one.
+`key_length: 0` is the easiest variant: one empty key, the call is always the same, and the model has
+only to answer the value the tool returned.
 """
 
 from __future__ import annotations
@@ -29,15 +31,19 @@ from primebuild.runtime.inference.tool_parser import parse_tool_calls
 ENV_ID = "tool-lookup"
 ENV_VERSION = "1"
 EVAL_BUCKETS = 5
-EVAL_SEED = 7_654_321  # the held-out tasks' values: fixed, so every eval sees the same table
+EVAL_SEED = 7_654_321  # which held-out rows are the eval tasks: fixed, so every eval sees the same
 UNKNOWN = "unknown"
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "value of key",
     "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}]
 
 
-def is_eval_key(key: str) -> bool:
-    return zlib.crc32(key.encode()) % EVAL_BUCKETS == 0
+def is_eval_row(key: str, value: str) -> bool:
+    return zlib.crc32(f"{key}:{value}".encode()) % EVAL_BUCKETS == 0
+
+
+def _task(key: str, value: str) -> Task:
+    return Task(prompt=key or "value?", answer=value, info={"key": key})
 
 
 def tool_call(key: str) -> str:
@@ -88,23 +94,26 @@ class ToolLookupEnv:
                  num_eval: int = 48, max_tokens_per_turn: int = 64):
         if len(set(alphabet)) != len(alphabet) or not alphabet.isalpha():
             raise UserError(f"environment {ENV_ID}: alphabet {alphabet!r} must be distinct letters")
-        keys = ["".join(k) for k in itertools.product(alphabet, repeat=key_length)]
-        self.train_keys = [k for k in keys if not is_eval_key(k)]
-        eval_keys = [k for k in keys if is_eval_key(k)]
-        if not self.train_keys or len(eval_keys) < num_eval:
-            raise UserError(f"environment {ENV_ID}: {len(eval_keys)} held-out keys, {num_eval} asked",
-                            hint="raise key_length or the alphabet, or lower num_eval")
-        self.alphabet, self.value_length, self.max_turns = alphabet, value_length, max_turns
-        self.max_tokens_per_turn = max_tokens_per_turn
-        rng = random.Random(EVAL_SEED)
-        self._eval = [self._task(key, rng) for key in rng.sample(eval_keys, num_eval)]
-
-    def _task(self, key: str, rng: random.Random) -> Task:
-        value = "".join(rng.choice(self.alphabet) for _ in range(self.value_length))
-        return Task(prompt=key, answer=value, info={"key": key})
+        rows = [("".join(k), "".join(v)) for k in itertools.product(alphabet, repeat=key_length)
+                for v in itertools.product(alphabet, repeat=value_length)]
+        held_out = [row for row in rows if is_eval_row(*row)]
+        if len(held_out) < num_eval or len(held_out) == len(rows):
+            raise UserError(f"environment {ENV_ID}: {len(held_out)} held-out rows, {num_eval} asked",
+                            hint="raise key_length, value_length or the alphabet, or lower num_eval")
+        self.alphabet, self.key_length, self.value_length = alphabet, key_length, value_length
+        self.max_turns, self.max_tokens_per_turn = max_turns, max_tokens_per_turn
+        self._eval = [_task(*row) for row in random.Random(EVAL_SEED).sample(held_out, num_eval)]
 
     def sample_tasks(self, rng: random.Random, n: int) -> list[Task]:
-        return [self._task(rng.choice(self.train_keys), rng) for _ in range(n)]
+        tasks = []
+        while len(tasks) < n:
+            key, value = self._word(rng, self.key_length), self._word(rng, self.value_length)
+            if not is_eval_row(key, value):
+                tasks.append(_task(key, value))
+        return tasks
+
+    def _word(self, rng: random.Random, length: int) -> str:
+        return "".join(rng.choice(self.alphabet) for _ in range(length))
 
     def eval_tasks(self) -> list[Task]:
         return list(self._eval)
