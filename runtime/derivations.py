@@ -89,21 +89,27 @@ def output_of(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
 
 def _random_init(loaded: LoadedManifest, store: Store) -> Resolved:
     m = loaded.manifest.model
-    if m.tokenizer != "char":
+    if m.tokenizer not in ("char", "chat"):
         raise UserError(loaded.source.problem(("model", "tokenizer"), f"unknown tokenizer {m.tokenizer!r}",
-                                              hint="`init: random` builds tokenizer: char"))
+                                              hint="`init: random` builds tokenizer: char or chat"))
     derivation = derivations.random_init(loaded)
     arch = derivation.inputs["facts"]
     started = time.perf_counter()
 
     def build(out: Path) -> None:
         from primebuild.runtime.models.char_tokenizer import build_char_tokenizer
+        from primebuild.runtime.models.chat_tokenizer import build_chat_tokenizer
         from primebuild.runtime.models.tiny import init_tiny_model, save_hf_folder, tiny_config_from_facts
 
         _no_progress_bars()
         config = tiny_config_from_facts(arch)
+        tokenizer = build_char_tokenizer()
+        if m.tokenizer == "chat":  # the chat tokenizer's ids: a turn ends at <|im_end|>, no <bos>
+            tokenizer = build_chat_tokenizer()
+            config.update({"vocab_size": len(tokenizer), "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+                           "pad_token_id": tokenizer.pad_token_id})
         staging = out / "staging"
-        save_hf_folder(init_tiny_model(config, loaded.manifest.seed), build_char_tokenizer(), staging)
+        save_hf_folder(init_tiny_model(config, loaded.manifest.seed), tokenizer, staging)
         _move_contents(staging, out)
 
     hit = store.lookup(derivation.key) is not None

@@ -8,7 +8,8 @@ By default training stops as soon as a validation reward on fixed training-side 
 trains exactly `steps` steps.
 
 One training sequence is `<bos> prompt completion <eos>`; the loss is the mean cross-entropy over the
-completion tokens and the `<eos>` only (the prompt is given, not learned). A multi-turn environment's
+completion tokens and the `<eos>` only (the prompt is given, not learned). A chat environment's episodes
+are framed by the model's chat template (envs/framing.py), exactly as the orchestrator frames them. A multi-turn environment's
 demonstration is a whole episode: model turns (each ending in `<eos>`) are learned, the environment's
 replies between them are given. Optimiser and schedule are
 the calibrated ones: AdamW lr 1e-3, linear warmup over 50 steps then constant, batch 64, gradient
@@ -34,34 +35,45 @@ VALIDATION_SEED = 1_000_003  # validation tasks come from their own RNG: trainin
 
 
 def encode_batch(tokenizer, prompts: list[str], demonstrations: list[list[tuple[bool, str]]]):
-    """(input_ids, loss_mask), right-padded: loss_mask[i, t] says token t+1 of row i is a target.
-
-    A demonstration is the segments of an episode (runtime/envs/base.py `demonstration`): each model
-    turn is encoded and followed by `<eos>` (the engines stop a turn there) and is a target; each
-    environment segment is encoded as the orchestrator appends it (runtime/envs/transcript.py) and is
-    not. A single-turn environment's demonstration is its answer alone.
-    """
-    import torch
-
+    """(input_ids, loss_mask) of text episodes, right-padded: loss_mask[i, t] says token t+1 of row i is
+    a target. The prompt is encoded with the tokenizer's special tokens, each environment segment as the
+    orchestrator appends it (runtime/envs/transcript.py)."""
     from primebuild.runtime.envs.transcript import encode_prompt, encode_reply
 
-    rows, masks = [], []
-    for prompt, segments in zip(prompts, demonstrations, strict=True):
-        row = encode_prompt(tokenizer, prompt)  # <bos> + prompt
-        mask = [0] * len(row)
-        for by_model, text in segments:
-            ids = encode_reply(tokenizer, text) + ([tokenizer.eos_token_id] if by_model else [])
-            row += ids
-            mask += [int(by_model)] * len(ids)
-        rows.append(row)
-        masks.append(mask)
-    width = max(map(len, rows))
+    rows = [episode_ids(tokenizer, encode_prompt(tokenizer, prompt), segments,
+                        lambda sampled, text: encode_reply(tokenizer, text))
+            for prompt, segments in zip(prompts, demonstrations, strict=True)]
+    return pad_batch(tokenizer, rows)
+
+
+def episode_ids(tokenizer, prompt_ids: list[int], segments, reply_ids) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one demonstration (runtime/envs/base.py `demonstration`) after its prompt: each
+    model turn is encoded and followed by `<eos>` (the engines stop a turn there) and is a target; each
+    environment segment is `reply_ids(previous model turn's ids, segment)`, as the orchestrator frames it
+    (envs/framing.py: plain text, or the chat template's rendering of messages), and is not."""
+    from primebuild.runtime.envs.transcript import encode_reply
+
+    row, mask, sampled = list(prompt_ids), [0] * len(prompt_ids), []
+    for by_model, segment in segments:
+        if by_model:
+            ids = sampled = encode_reply(tokenizer, segment) + [tokenizer.eos_token_id]
+        else:
+            ids = reply_ids(sampled, segment)
+        row += ids
+        mask += [int(by_model)] * len(ids)
+    return row, mask
+
+
+def pad_batch(tokenizer, rows: list[tuple[list[int], list[int]]]):
+    """Right-pad (ids, mask) rows; the mask shifted: the logits at position t predict token t+1."""
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     target = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (row, mask) in enumerate(zip(rows, masks, strict=True)):
+    for i, (row, mask) in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row)
         target[i, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
-    # Shift: the logits at position t predict token t+1.
     return ids, target[:, 1:]
 
 
@@ -83,6 +95,7 @@ def run_sft(config: SFTConfig, out_dir: str) -> dict:
     import torch
 
     from primebuild.runtime.envs.base import demonstration
+    from primebuild.runtime.envs.framing import framing
     from primebuild.runtime.envs.registry import load_environment
     from primebuild.runtime.evaluate import evaluate_tasks, load_hf_folder
     from primebuild.runtime.models.char_tokenizer import build_char_tokenizer
@@ -101,6 +114,7 @@ def run_sft(config: SFTConfig, out_dir: str) -> dict:
     else:
         model, tokenizer = init_tiny_model(tiny_config(), config.seed), build_char_tokenizer()
     model.train()
+    framed = framing(env, tokenizer)  # plain text, or the model's chat template, as the orchestrator frames
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     warmup = max(config.warmup_steps, 1)
@@ -122,9 +136,10 @@ def run_sft(config: SFTConfig, out_dir: str) -> dict:
     losses, curve, validation_reward, step = [], [], None, 0
     for step in range(1, config.steps + 1):
         tasks = env.sample_tasks(rng, config.batch_size)
-        ids, loss_mask = encode_batch(
-            tokenizer, [env.format_prompt(t) for t in tasks], [demonstration(env, t, rng) for t in tasks]
-        )
+        ids, loss_mask = pad_batch(tokenizer, [
+            episode_ids(tokenizer, framed.prompt_ids(t), demonstration(env, t, rng),
+                        lambda sampled, reply, t=t: framed.reply_ids(t, sampled, reply))
+            for t in tasks])
         loss = completion_loss(model, ids, loss_mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -30,7 +30,7 @@ def tool_use_sequence(template, tokenizer, rng, tools: list[dict], call: str, an
     """(ids, loss mask) of one episode: a random user (and maybe system) message, the model's tool call,
     the tool's result, the model's answer; built the way the orchestrator records it (chat_template.py)."""
     def text(n):
-        return "".join(rng.choice("abcdefghij klmnop") for _ in range(n))
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz 0123456789?") for _ in range(n))
 
     end = tokenizer.convert_tokens_to_ids(IM_END)
     messages = ([{"role": "system", "content": text(rng.randint(5, 40))}] if rng.random() < 0.5 else [])
@@ -45,9 +45,12 @@ def tool_use_sequence(template, tokenizer, rng, tools: list[dict], call: str, an
     return ids + last, mask + [1] * len(last)
 
 
-def train_tool_caller(folder: Path, tools: list[dict], call: str, answer: str, steps: int = 200, seed: int = 0):
+def train_tool_caller(folder: Path, tools: list[dict], call: str, answer: str, steps: int = 200, seed: int = 0,
+                      other_tools: tuple[list[dict], ...] = ()):
     """Teach the tiny chat model in `folder` (in place) to answer any user with the tool call `call` and any
-    tool result with `answer`: a real model that calls a tool, for the tests of the tool-call path."""
+    tool result with `answer`: a real model that calls a tool, for the tests of the tool-call path.
+    `other_tools`: the same tool as other clients describe it (an MCP server's schema adds titles and
+    `required`), so the model calls it under those prompts too."""
     import random
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -60,7 +63,8 @@ def train_tool_caller(folder: Path, tools: list[dict], call: str, answer: str, s
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(seed)
     for _ in range(steps):
-        rows = [tool_use_sequence(template, tokenizer, rng, tools, call, answer) for _ in range(6)]
+        rows = [tool_use_sequence(template, tokenizer, rng, rng.choice([tools, *other_tools]), call, answer)
+                for _ in range(6)]
         width = max(len(ids) for ids, _ in rows)
         ids = torch.tensor([r + [0] * (width - len(r)) for r, _ in rows])
         mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)

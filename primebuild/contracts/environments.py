@@ -7,7 +7,8 @@ installed verifiers taskset package instead.
 
 from __future__ import annotations
 
-BUILTIN_VERSIONS: dict[str, str] = {"reverse-text": "1", "wordle": "1", "swe-tiny": "1", "long-tail": "1"}
+BUILTIN_VERSIONS: dict[str, str] = {"reverse-text": "1", "wordle": "1", "swe-tiny": "1", "long-tail": "1",
+                                   "tool-lookup": "1"}
 VERIFIERS_PREFIX = "verifiers:"
 # Built-in environments that run a rollout's programs in a bubblewrap sandbox (runtime/envs/sandbox.py), on
 # the orchestrator's host.

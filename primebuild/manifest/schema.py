@@ -51,7 +51,8 @@ class Model(Strict):
         None,
         description="Architecture facts in HF config.json form (relative to the manifest). Default: "
         "manifests/models/<last part of hf id, lower-case>.json, or the folder's config.json.")
-    tokenizer: Literal["char"] | None = Field(None, description="Tokenizer to build with `init: random`.")
+    tokenizer: Literal["char", "chat"] | None = Field(
+        None, description="Tokenizer to build with `init: random`: char (plain text) or chat (ChatML + tool calls).")
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from primebuild.runtime.envs.base import Environment
 from primebuild.runtime.envs.long_tail import LongTailEnv
 from primebuild.runtime.envs.reverse_text import ReverseTextEnv
 from primebuild.runtime.envs.swe_tiny import SweTinyEnv
+from primebuild.runtime.envs.tool_lookup import ToolLookupEnv
 from primebuild.runtime.envs.wordle import WordleEnv
 
 BUILTIN: dict[str, Callable[..., Environment]] = {
@@ -24,6 +25,7 @@ BUILTIN: dict[str, Callable[..., Environment]] = {
     WordleEnv.id: WordleEnv,
     SweTinyEnv.id: SweTinyEnv,
     LongTailEnv.id: LongTailEnv,
+    ToolLookupEnv.id: ToolLookupEnv,
 }
 
 

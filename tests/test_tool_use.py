@@ -1,0 +1,89 @@
+"""tool-lookup, the chat environment with a tool (runtime/envs/tool_lookup.py): its episodes, the held-out
+split, SFT on its chat-templated demonstrations, and a short `primebuild run` of manifests/tool-use.yaml
+whose rollouts hold the model's tool calls (trained) and the tool's results (masked out)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from conftest import run_cli, sft_workspace
+
+from primebuild.runtime.envs.base import demonstration
+from primebuild.runtime.envs.framing import ChatEnvironment, framing
+from primebuild.runtime.envs.tool_lookup import UNKNOWN, ToolLookupEnv, is_eval_row, tool_call
+from primebuild.runtime.models.chat_tokenizer import build_chat_tokenizer
+from primebuild.runtime.sft import episode_ids
+
+
+def play(env, task, turns):
+    async def run():
+        episode = env.start(task)
+        replies = [await episode.step(t) for t in turns]
+        return replies, await episode.reward()
+    return asyncio.run(run())
+
+
+def test_only_the_tool_knows_the_value_and_the_answer_after_it_scores():
+    env = ToolLookupEnv(num_eval=20)
+    assert isinstance(env, ChatEnvironment)
+    task = env.sample_tasks(random.Random(0), 1)[0]
+    key, value = task.info["key"], task.answer
+    assert play(env, task, [tool_call(key), value]) == ([[{"role": "tool", "content": value}], None], 1.0)
+    assert play(env, task, [tool_call(key + "x"), value])[0][0] == [{"role": "tool", "content": UNKNOWN}]
+    assert play(env, task, ["abc"]) == ([None], float(value == "abc"))  # no call: the turn is the answer
+    assert play(env, task, [tool_call(key)] * 3) == ([[{"role": "tool", "content": value}]] * 2 + [None], 0.0)
+    # values are drawn per task: the same key comes with other values, so only the tool can say
+    values = {t.answer for t in env.sample_tasks(random.Random(1), 2000) if t.info["key"] == key}
+    assert len(values) > 1
+
+
+@pytest.mark.parametrize("key_length", [2, 0])
+def test_the_held_out_rows_never_come_up_in_training(key_length):
+    env = ToolLookupEnv(key_length=key_length, num_eval=40)
+    held_out = [(t.info["key"], t.answer) for t in env.eval_tasks()]
+    assert len(set(held_out)) == 40 and all(is_eval_row(*row) for row in held_out)
+    assert env.eval_tasks() == ToolLookupEnv(key_length=key_length, num_eval=40).eval_tasks()
+    assert not any(is_eval_row(t.info["key"], t.answer) for t in env.sample_tasks(random.Random(2), 500))
+
+
+def test_sft_learns_the_call_and_the_answer_in_the_chat_template_never_the_tool_result():
+    tokenizer = build_chat_tokenizer()
+    env = ToolLookupEnv(num_eval=10)
+    framed = framing(env, tokenizer)
+    task = env.sample_tasks(random.Random(3), 1)[0]
+    row, mask = episode_ids(tokenizer, framed.prompt_ids(task), demonstration(env, task, random.Random(0)),
+                            lambda sampled, reply: framed.reply_ids(task, sampled, reply))
+    learned = tokenizer.decode([t for t, m in zip(row, mask, strict=True) if m])
+    assert learned == tool_call(task.info["key"]) + "<|im_end|>" + task.answer + "<|im_end|>"
+    given = tokenizer.decode(row)
+    assert '"name": "lookup"' in given.split("<|im_start|>user")[0]  # the template rendered the tool
+    assert f"<|im_start|>tool\n<tool_response>{task.answer}</tool_response><|im_end|>" in given
+
+
+def test_a_short_run_records_tool_calls_trained_and_tool_results_masked(tmp_path):
+    root = tmp_path / "ws"
+    manifests = sft_workspace(root, ("tool-use.yaml",), sft="tool-use-sft.yaml",
+                              sft_changes={"steps": 150, "warmup_steps": 10})
+    result = run_cli("run", manifests / "tool-use.yaml", "--set", "orchestrator.max_steps=2",
+                     "--set", "orchestrator.rollouts_per_step=16", "--set", "orchestrator.eval_every=0",
+                     "--runs-dir", root / "runs", timeout=900, env={"PRIMEBUILD_STORE": str(root / "store")})
+    assert result.code == 0, result.text
+    tokenizer = build_chat_tokenizer()
+    (rollout,) = (root / "runs").glob("*/rollouts/step_000001.pt")
+    samples = torch.load(rollout, weights_only=True)["samples"]
+    call, response = (tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "<tool_response>"))
+    with_tool = [s for s in samples if response in s["completion_ids"]]
+    assert with_tool, [tokenizer.decode(s["completion_ids"]) for s in samples]
+    for s in with_tool:
+        ids, mask = s["completion_ids"], s["completion_mask"]
+        assert mask[ids.index(call)] == 1 and mask[ids.index(response)] == 0
+        tool_turn = tokenizer.decode(ids).split("<|im_start|>tool")[1].split("<|im_end|>")[0]
+        first_turn = tokenizer.decode(ids[:ids.index(call) + 1])
+        assert first_turn.endswith("<tool_call>") and "<tool_response>" in tool_turn
+        # the tool's tokens carry no loss and no log-prob; the model's carry both
+        env_tokens = [i for i, m in enumerate(mask) if m == 0]
+        assert env_tokens and all(s["inference_logprobs"][i] == 0.0 for i in env_tokens)
+        assert all(s["inference_logprobs"][i] < 0.0 for i, m in enumerate(mask) if m == 1)
