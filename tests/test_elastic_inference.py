@@ -64,7 +64,7 @@ def _scale(run_dir: Path, delta: str, workspace: Path) -> subprocess.CompletedPr
 
 def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weights(workspace: Path, tmp_path: Path):
     runs = tmp_path / "runs"
-    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=400", "--set", "inference.replicas=2")
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=100000", "--set", "inference.replicas=2")
     try:
         run_dir = _wait_for_trained(runs, 2, proc, timeout=FIRST_STEPS_S)
         victim = json.loads((run_dir / "pids" / "inference-1.json").read_text())["pid"]
@@ -74,8 +74,13 @@ def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weigh
         _wait_until(proc, runs, "the orchestrator set inference-1 aside",
                     lambda: f"{url} is gone" in orchestrator_log.read_text())
         served_before = _pool_state(run_dir)[url]["requests"]
-        _wait_until(proc, runs, "the restarted inference-1 took requests again",
-                    lambda: _pool_state(run_dir).get(url, {}).get("requests", 0) > served_before)
+
+        def back_at_work() -> bool:  # active again, joined at some version, and served since (in that order)
+            state = _pool_state(run_dir).get(url, {})
+            return (state.get("state") == "active" and state.get("joined_version") is not None
+                    and state.get("requests", 0) > served_before)
+
+        _wait_until(proc, runs, "the restarted inference-1 took requests again", back_at_work)
         out = _stop_and_wait(proc, run_dir, workspace)
     finally:
         if proc.poll() is None:
@@ -92,7 +97,7 @@ def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weigh
 
 def test_scale_adds_a_replica_at_the_current_weights_then_drains_it(workspace: Path, tmp_path: Path):
     runs = tmp_path / "runs"
-    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=400")
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=100000")
     try:
         run_dir = _wait_for_trained(runs, 2, proc, timeout=FIRST_STEPS_S)
         added = _scale(run_dir, "+1", workspace)

@@ -245,14 +245,7 @@ def test_a_frozen_inference_server_is_named_and_max_restarts_finishes_every_step
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, out
-    print(next(line for line in out.splitlines() if line.startswith("error: hang")))
-    assert f"inference-0 (pid {server}) is stopped" in out and "restart 1/1" in out, out
-    assert "resuming" in out and "run complete" in out, out
-    assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # each step exactly once
-    report = (run_dir / "stacks" / "hang.txt").read_text()
-    assert f"inference-0 (pid {server}): stopped" in report and "orchestrator (pid" in report, report
-    assert not (run_dir / "failure.json").exists()  # the resumed session ended well
+    _assert_frozen_server_named_and_run_resumed(proc, out, run_dir, server)
 
 
 @pytest.mark.timeout(1200)
@@ -277,14 +270,20 @@ def test_a_frozen_vllm_server_is_named_and_max_restarts_finishes_every_step_once
     finally:
         if proc.poll() is None:
             proc.kill()
+    _assert_frozen_server_named_and_run_resumed(proc, out, run_dir, server)
+    assert processes_of(run_dir) == []
+
+
+def _assert_frozen_server_named_and_run_resumed(proc: subprocess.Popen, out: str, run_dir: Path, server: int) -> None:
+    """The watchdog named the frozen inference-0, dumped the stacks, and the one restart trained steps 1-6 once."""
     assert proc.returncode == 0, out
     print(next(line for line in out.splitlines() if line.startswith("error: hang")))
     assert f"inference-0 (pid {server}) is stopped" in out and "restart 1/1" in out, out
     assert "resuming" in out and "run complete" in out, out
     assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # each step exactly once
     report = (run_dir / "stacks" / "hang.txt").read_text()
-    assert f"inference-0 (pid {server}): stopped" in report, report
-    assert processes_of(run_dir) == []
+    assert f"inference-0 (pid {server}): stopped" in report and "orchestrator (pid" in report, report
+    assert not (run_dir / "failure.json").exists()  # the resumed session ended well
 
 
 def _parent(pid: int) -> int:
