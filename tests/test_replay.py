@@ -84,7 +84,8 @@ def test_replay_refuses_other_code_and_says_what_changed(tmp_path: Path, capsys)
     plan = record_run(run_dir, MANIFESTS / "reverse-text.yaml", code=parent)
     refused = call_cli(capsys, "replay", "--check", run_dir)
     assert refused.code == 2 and "the plan matches, but today's code is not the code that made the run" in refused.err
-    assert f"commit {parent[:12]} -> {_git('rev-parse', 'HEAD')[:12]}: 1 commit(s) since the run" in refused.err
+    since = _git("rev-list", "--count", f"{parent}..HEAD")  # 1, or more when HEAD is a merge
+    assert f"commit {parent[:12]} -> {_git('rev-parse', 'HEAD')[:12]}: {since} commit(s) since the run" in refused.err
     assert f"{len(changed)} file(s) changed" in refused.err and changed[0] in refused.err
     assert f"check out {parent[:12]}" in refused.err and "Traceback" not in refused.err
     allowed = call_cli(capsys, "replay", "--check", "--allow-code-change", "-o", "json", run_dir)
