@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 import time
 import uuid
@@ -35,11 +34,13 @@ from .protocol import ApiError
 from .router_base import (
     Pool,
     add_sampling_routes,
+    admin_route,
     authorize,
     json_object,
     pass_through,
     prometheus_text,
     router_app,
+    serve_router,
 )
 
 log = logging.getLogger(__name__)
@@ -183,17 +184,8 @@ def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
     async def health():
         return await router.health()
 
-    @app.post("/pause")
-    async def pause(request: Request):
-        return await router.admin(request, "/pause", admin_token)
-
-    @app.post("/resume")
-    async def resume(request: Request):
-        return await router.admin(request, "/resume", admin_token)
-
-    @app.post("/update_weights")
-    async def update_weights(request: Request):
-        return await router.admin(request, "/update_weights", admin_token)
+    for path in ("/pause", "/resume", "/update_weights"):
+        app.add_api_route(path, admin_route(router, path, admin_token), methods=["POST"])
 
     @app.get("/metrics")
     async def metrics():
@@ -203,12 +195,7 @@ def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
 
 
 def serve(config: RouterConfig) -> None:
-    import uvicorn
-
-    admin_token = os.environ.get(config.admin_token_env) or None
-    if admin_token is None:
-        log.warning("environment variable %s is not set: admin calls will be refused", config.admin_token_env)
-    uvicorn.run(create_router(config, admin_token), host=config.host, port=config.port, log_level="info")
+    serve_router(config, create_router, log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hmac
 import itertools
 import json
+import logging
+import os
 
 import httpx
 from fastapi import FastAPI, Request
@@ -104,3 +106,21 @@ def _sampling_route(disaggregated, path: str):
         return await disaggregated(request, path)
     route.__name__ = path.strip("/").replace("/", "_")
     return route
+
+
+def admin_route(router, path: str, admin_token: str | None):
+    """A POST route for admin call `path`, fanned out by `router.admin` (both routers have one)."""
+    async def route(request: Request):
+        return await router.admin(request, path, admin_token)
+    route.__name__ = "admin" + path.replace("/", "_")
+    return route
+
+
+def serve_router(config, create_router, log: logging.Logger) -> None:
+    """Run a router app on the config's address; its admin token comes from the environment, never the config."""
+    import uvicorn
+
+    admin_token = os.environ.get(config.admin_token_env) or None
+    if admin_token is None:
+        log.warning("environment variable %s is not set: admin calls will be refused", config.admin_token_env)
+    uvicorn.run(create_router(config, admin_token), host=config.host, port=config.port, log_level="info")

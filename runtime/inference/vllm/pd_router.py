@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -49,11 +48,13 @@ from primebuild.runtime.inference.protocol import ApiError
 from primebuild.runtime.inference.router_base import (
     Pool,
     add_sampling_routes,
+    admin_route,
     authorize,
     json_object,
     pass_through,
     prometheus_text,
     router_app,
+    serve_router,
 )
 from primebuild.runtime.inference.vllm.admin import parse_policy_version
 from primebuild.runtime.inference.vllm.kv_files import KvFiles
@@ -355,7 +356,7 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
         return await router.passthrough(router.decode.urls[0], "/v1/models")
 
     for path in FAN_OUT:
-        app.add_api_route(path, _admin_route(router, path, admin_token), methods=["POST"])
+        app.add_api_route(path, admin_route(router, path, admin_token), methods=["POST"])
 
     @app.get("/metrics")
     async def metrics():
@@ -367,21 +368,10 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
     return app
 
 
-def _admin_route(router: VllmPdRouter, path: str, admin_token: str | None):
-    async def route(request: Request):
-        return await router.admin(request, path, admin_token)
-    route.__name__ = "admin" + path.replace("/", "_")
-    return route
-
 
 def serve(config: VllmRouterConfig) -> None:
-    import uvicorn
-
-    admin_token = os.environ.get(config.admin_token_env) or None
-    if admin_token is None:
-        log.warning("environment variable %s is not set: admin calls will be refused", config.admin_token_env)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream request: two per sample
-    uvicorn.run(create_router(config, admin_token), host=config.host, port=config.port, log_level="info")
+    serve_router(config, create_router, log)
 
 
 def main(argv: list[str] | None = None) -> int:
