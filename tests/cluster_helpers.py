@@ -78,6 +78,12 @@ def namespace_pids(namespace: str) -> set[int]:
     return {int(pid) for pid in listed.stdout.split()}
 
 
+def namespace_of(pid: int, namespaces) -> str:
+    """The one namespace of `namespaces` that `pid` runs in (or "? [...]" naming what was found)."""
+    found = [ns for ns in namespaces if pid in namespace_pids(ns)]
+    return found[0] if len(found) == 1 else f"? {found}"
+
+
 def cli(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "primebuild.cli", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=timeout)

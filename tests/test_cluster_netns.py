@@ -24,6 +24,7 @@ from cluster_helpers import (
     cli,
     listening_sockets,
     logs_tail,
+    namespace_of,
     namespace_pids,
     processes_of,
     require_netns_hosts,
@@ -54,11 +55,6 @@ def ws(tmp_path_factory, short_sft_store):
     return manifests / MANIFEST, env, ["--set", f"target.workdir={workdir}"]
 
 
-def _namespace_of(pid: int) -> str:
-    found = [ns for ns in NAMESPACES if pid in namespace_pids(ns)]
-    return found[0] if len(found) == 1 else f"? {found}"
-
-
 def _run_pids(run_dir: Path) -> list[int]:
     return [int(line.split(":")[0]) for line in processes_of(run_dir)]
 
@@ -73,10 +69,10 @@ def test_a_run_spans_three_hosts_with_a_two_host_trainer(ws, tmp_path: Path):
         placed = {}
         for record in (run_dir / "pids").glob("*.json"):
             data = json.loads(record.read_text())
-            placed[data["process"]] = _namespace_of(data["pid"])
+            placed[data["process"]] = namespace_of(data["pid"], NAMESPACES)
         pids = _run_pids(run_dir)
         sockets = listening_sockets(pids)
-        by_namespace = {pid: _namespace_of(pid) for pid in {pid for pid, _, _ in sockets}}
+        by_namespace = {pid: namespace_of(pid, NAMESPACES) for pid in {pid for pid, _, _ in sockets}}
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:

@@ -21,7 +21,7 @@ from cluster_helpers import (
     listening_sockets,
     logs_tail,
     missing,
-    namespace_pids,
+    namespace_of,
     processes_of,
     require_slurm,
     start,
@@ -58,11 +58,6 @@ def ws(tmp_path_factory, short_sft_store):
     return manifests / MANIFEST, env
 
 
-def _namespace_of(pid: int) -> str:
-    found = [ns for ns in SLURM_NAMESPACES if pid in namespace_pids(ns)]
-    return found[0] if len(found) == 1 else f"? {found}"
-
-
 def test_a_slurm_run_spans_the_namespace_hosts_with_a_two_host_trainer(ws, tmp_path: Path):
     manifest, env = ws
     runs = tmp_path / "runs"
@@ -72,9 +67,9 @@ def test_a_slurm_run_spans_the_namespace_hosts_with_a_two_host_trainer(ws, tmp_p
         placed = {}
         for record in (run_dir / "pids").glob("*.json"):
             data = json.loads(record.read_text())
-            placed[data["process"]] = _namespace_of(data["pid"])
+            placed[data["process"]] = namespace_of(data["pid"], SLURM_NAMESPACES)
         sockets = listening_sockets(_run_pids(run_dir))
-        by_namespace = {pid: _namespace_of(pid) for pid in {pid for pid, _, _ in sockets}}
+        by_namespace = {pid: namespace_of(pid, SLURM_NAMESPACES) for pid in {pid for pid, _, _ in sockets}}
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
