@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -39,18 +40,32 @@ SLURM_TOOLS = ("srun ", "/usr/bin/srun ", "slurmstepd")
 ADDRESS = {ns: f"10.77.0.{i + 1}" for i, ns in enumerate(SLURM_NAMESPACES)}
 
 
+def _hosts_partition() -> str:
+    return subprocess.run(["sinfo", "-h", "-p", "hosts", "-o", "%D %T"], capture_output=True, text=True, timeout=20).stdout
+
+
 def _require_hosts_partition() -> None:
+    """Four nodes that answer. A link cut (test_cluster_netns.py cuts pbhost2's) leaves its node marked
+    not responding (`idle*`) until slurmctld's next ping, up to SlurmdTimeout/3 = 100 s later; a reconfigure
+    makes slurmctld reach every slurmd now."""
     require_slurm()
-    shown = subprocess.run(["sinfo", "-h", "-p", "hosts", "-o", "%D %T"], capture_output=True, text=True, timeout=20)
-    if shown.stdout.split()[:1] != ["4"]:
-        missing(f"no Slurm partition `hosts` of 4 nodes (scripts/ci-services): {shown.stdout!r}")
+    for veth in SLURM_NAMESPACES:  # a link a failed test left cut
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True, timeout=20)
+    if "*" in _hosts_partition():
+        subprocess.run(["scontrol", "reconfigure"], check=True, timeout=60)
+        deadline = time.monotonic() + 60
+        while "*" in _hosts_partition() and time.monotonic() < deadline:
+            time.sleep(1)
+    shown = _hosts_partition()
+    counts = {state: int(count) for count, state in (line.split() for line in shown.splitlines())}
+    usable = sum(n for state, n in counts.items() if not any(bad in state for bad in ("*", "down", "drain", "fail")))
+    if usable != 4:
+        missing(f"no Slurm partition `hosts` of 4 responding nodes (scripts/ci-services): {shown!r}")
 
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory, short_sft_store):
     _require_hosts_partition()
-    for veth in SLURM_NAMESPACES:  # a link a failed test left cut
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True, timeout=20)
     root = tmp_path_factory.mktemp("netns-slurm")
     manifests = sft_workspace(root, SHIPPED_NAMES, seed_store=short_sft_store)
     shutil.copy(REPO / "tests" / "data" / MANIFEST, manifests / MANIFEST)
