@@ -66,11 +66,23 @@ def test_an_installed_primebuild_is_one_package_and_shadows_nothing(tmp_path):
     top = {p.name for p in site.iterdir() if not p.name.endswith((".dist-info", ".egg-info")) and p.name != "bin"}
     assert top == {"primebuild"}
     code = ("import importlib.util, primebuild.kernels.fp8, primebuild.runtime.inference.sampling; "
-            "assert importlib.util.find_spec('kernels') is None; print(primebuild.kernels.fp8.__file__)")
+            "print(primebuild.kernels.fp8.__file__); print(getattr(importlib.util.find_spec('kernels'), 'origin', ''))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(site)})
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip() == str(site / "primebuild" / "kernels" / "fp8.py")
+    ours, theirs = run.stdout.splitlines()
+    assert ours == str(site / "primebuild" / "kernels" / "fp8.py")
+    assert not theirs.startswith(str(site))  # `kernels` is PyPI's (transformers >= 5.25 needs it) or absent
+
+
+def test_python_m_in_the_checkout_imports_pypis_kernels_not_the_checkouts_folder():
+    """`python -m primebuild...` in a checkout puts its root first on sys.path, where the top-level kernels/
+    folder lies; primebuild takes the root off again, so transformers' `import kernels` gets PyPI's."""
+    code = ("import primebuild, importlib.util; spec = importlib.util.find_spec('kernels'); "
+            "print(spec.origin if spec else '')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not run.stdout.strip().startswith(str(REPO / "kernels")), run.stdout
 
 
 @pytest.mark.slow
