@@ -8,8 +8,9 @@ on every poll; when no trainer step has finished for longer than the bound
                 ESTIMATE_MARGIN × the plan's step-time estimate (estimates section, builders/timing.py),
                 the floor (`primebuild run --hang-timeout`, default 600 s))
 
-(FIRST_STEP_FACTOR times that before the first step, which also loads models and runs the first
-evaluation), it asks every Python process of the run on this host for its thread stacks
+(FIRST_STEP_FACTOR times that before the session's first step, which also loads models and runs the
+first evaluation, and after a process exits or restarts until the next step: a restarted server loads
+its model again), it asks every Python process of the run on this host for its thread stacks
 (runtime/stacks.py: SIGUSR1 -> stacks/<process>.<pid>.txt), names the stuck process and what it waits
 on, writes stacks/hang.txt, and returns the message the supervisor fails the run with. A process that
 exits or restarts counts as progress (the final evaluation after the last step has a full bound).
@@ -66,6 +67,7 @@ class HangWatchdog:
     last_progress: float = 0.0
     slowest_s: float = 0.0
     _signature: tuple = ()
+    _restarted: bool = False  # a process exited or restarted since the last step
     culprit: str = ""
     culprit_process: str = ""  # the plan process named first (failure.json names it)
     lines: list[str] = field(default_factory=list)
@@ -80,7 +82,8 @@ class HangWatchdog:
 
     def bound(self) -> float:
         bound = max(SLOWEST_FACTOR * self.slowest_s, ESTIMATE_MARGIN * self.estimate_s, self.floor_s)
-        return bound if self.last_step > self.first_step else FIRST_STEP_FACTOR * bound
+        starting = self.last_step <= self.first_step or self._restarted
+        return FIRST_STEP_FACTOR * bound if starting else bound
 
     def check(self, newest_step: int, processes: tuple) -> str | None:
         """None while the run progresses; else the message to end it with (stacks already dumped).
@@ -95,8 +98,9 @@ class HangWatchdog:
         if newest_step > self.last_step:
             if self.last_step > self.first_step:  # the session's first step also paid for start-up
                 self.slowest_s = max(self.slowest_s, (now - self.last_progress) / (newest_step - self.last_step))
-            self.last_step, self.last_progress = newest_step, now
+            self.last_step, self.last_progress, self._restarted = newest_step, now, False
         if processes != self._signature:
+            self._restarted = bool(self._signature)  # the first look is no change
             self._signature, self.last_progress = processes, now
         idle, bound = now - self.last_progress, self.bound()
         if idle <= bound:

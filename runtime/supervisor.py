@@ -27,6 +27,7 @@ step of its het-job component): only the launcher differs (runtime/targets/).
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import signal
@@ -115,6 +116,8 @@ class Supervisor:
     def _spawn(self, spec: ProcessSpec, restarts: int = 0) -> Running:
         name = spec.name
         log = open(self.run.log(name), "a", buffering=1)  # noqa: SIM115 (closed in _reap)
+        if log.tell() and not _ends_with_newline(self.run.log(name)):  # the last session's output was cut
+            log.write("\n")
         log.write(f"{START_MARKER}{time.strftime('%Y-%m-%dT%H:%M:%S')} (restart {restarts}) ---\n")
         env = {ADMIN_TOKEN_ENV: self.admin_token, "PYTHONUNBUFFERED": "1"}
         scaled_plan = self.elastic.plan_path_of(name)  # a replica `scale` added: not in plan.json
@@ -353,3 +356,9 @@ def supervise(plan: Plan, run_dir: Path, launcher: Launcher, *, echo=print, verb
     except BaseException:
         supervisor.stop_all()
         raise
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"

@@ -133,3 +133,4 @@ def test_a_cut_link_ends_the_run_naming_the_host_and_resume_trains_each_step_onc
     resumed = cli("run", "--resume", run_dir, "--quiet", env=env, timeout=900)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr + logs_tail(run_dir)
     assert trained_steps(run_dir) == list(range(1, 13))  # each step exactly once, across two launches
+    assert wait_gone(run_dir, 30) == []  # the next test binds the same rendezvous port on pbhost2

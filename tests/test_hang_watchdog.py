@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from cluster_helpers import listening_sockets, processes_of
 from conftest import free_port, sft_workspace
-from vllm_helpers import vllm_python
 
 from primebuild.contracts.estimates import Estimates, ProfileTimes
 from primebuild.contracts.run_dir import RunDir
@@ -49,21 +48,25 @@ def test_the_bound_grows_with_the_slowest_step_and_the_plans_estimate(tmp_path: 
     clock = _Clock()
     watchdog = HangWatchdog(_plan(2.0), RunDir(tmp_path), floor_s=10.0, clock=clock)
     monkeypatch.setattr(watchdog, "diagnose", lambda: "the culprit")
-    assert watchdog.check(0, ()) is None
+    started = (("inference-0", 0, None),)
+    assert watchdog.check(0, started) is None
     assert watchdog.bound() == FIRST_STEP_FACTOR * 10.0  # start-up: models load, the first evaluation runs
     clock.now = 25.0
-    assert watchdog.check(1, ()) is None  # step 1 after 25 s: start-up, not a step time
+    assert watchdog.check(1, started) is None  # step 1 after 25 s: start-up, not a step time
     assert watchdog.bound() == 10.0  # max(5 × no step yet, 4 × the 2 s estimate, floor 10 s)
     clock.now = 29.0
-    assert watchdog.check(2, ()) is None and watchdog.slowest_s == 4.0
+    assert watchdog.check(2, started) is None and watchdog.slowest_s == 4.0
     assert watchdog.bound() == 20.0  # 5 × the slowest step (4 s)
     clock.now = 45.0
     assert watchdog.check(2, (("inference-0", 1, None),)) is None  # a restart is progress: the clock starts again
-    clock.now = 65.0
-    assert watchdog.check(2, (("inference-0", 1, None),)) is None
-    clock.now = 65.5
-    message = watchdog.check(2, (("inference-0", 1, None),))
-    assert message is not None and "step 3 made no progress for 20 s (bound 20 s" in message
+    assert watchdog.bound() == FIRST_STEP_FACTOR * 20.0  # and the restarted server loads its model again
+    clock.now = 50.0
+    assert watchdog.check(3, (("inference-0", 1, None),)) is None and watchdog.bound() == 25.0  # step 3: 5 s
+    clock.now = 75.0
+    assert watchdog.check(3, (("inference-0", 1, None),)) is None
+    clock.now = 75.5
+    message = watchdog.check(3, (("inference-0", 1, None),))
+    assert message is not None and "step 4 made no progress for 26 s (bound 25 s" in message
     assert "the culprit" in message
 
 
@@ -248,32 +251,6 @@ def test_a_frozen_inference_server_is_named_and_max_restarts_finishes_every_step
     _assert_frozen_server_named_and_run_resumed(proc, out, run_dir, server)
 
 
-@pytest.mark.timeout(1200)
-def test_a_frozen_vllm_server_is_named_and_max_restarts_finishes_every_step_once(tmp_path: Path, short_sft_store: Path):
-    """The same hang in a vLLM server: its API server (the process the supervisor started; its EngineCore
-    child stays runnable) is frozen; the watchdog names it, the run resumes once and trains every step once."""
-    vllm_python()  # skips (or fails under CI=true) without the vLLM environment
-    manifests = sft_workspace(tmp_path / "ws", ("reverse-text.yaml", "reverse-text-vllm.yaml"), seed_store=short_sft_store)
-    runs = tmp_path / "runs"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "reverse-text-vllm.yaml"), "--runs-dir", str(runs),
-         "--quiet", "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
-         "--set", "orchestrator.eval_every=0", "--set", "orchestrator.max_steps=6", "--set", f"inference.port={free_port()}",
-         "--hang-timeout", str(HANG_FLOOR), "--max-restarts", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(manifests))
-    try:
-        run_dir = _wait_for_trained(runs, 2, proc, timeout=900)
-        pids = set(_pids(run_dir, "inference-0"))
-        (server,) = [pid for pid in pids if _parent(pid) not in pids]  # the API server, not its engine core
-        os.kill(server, signal.SIGSTOP)
-        out, _ = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    _assert_frozen_server_named_and_run_resumed(proc, out, run_dir, server)
-    assert processes_of(run_dir) == []
-
-
 def _assert_frozen_server_named_and_run_resumed(proc: subprocess.Popen, out: str, run_dir: Path, server: int) -> None:
     """The watchdog named the frozen inference-0, dumped the stacks, and the one restart trained steps 1-6 once."""
     assert proc.returncode == 0, out
@@ -284,7 +261,3 @@ def _assert_frozen_server_named_and_run_resumed(proc: subprocess.Popen, out: str
     report = (run_dir / "stacks" / "hang.txt").read_text()
     assert f"inference-0 (pid {server}): stopped" in report and "orchestrator (pid" in report, report
     assert not (run_dir / "failure.json").exists()  # the resumed session ended well
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

@@ -67,3 +67,22 @@ def test_two_nodes_rendezvous_on_their_own_addresses(tmp_path: Path):
     assert (nodes[0].pid, "127.0.0.2", port) in sockets, sockets  # node 0's launcher hosts the rendezvous
     assert not [s for s in sockets if s[1] in ("0.0.0.0", "::")], sockets
     assert {s[1] for s in sockets} <= {"127.0.0.1", "127.0.0.2"}, sockets  # gloo: lo's address
+
+
+def test_a_rendezvous_port_the_run_before_still_holds_is_waited_for_then_refused(capfd):
+    import socket
+    import threading
+
+    from primebuild.runtime.trainer.launch import _bind
+
+    held = socket.create_server(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    threading.Timer(1.0, held.close).start()  # the ending run's store lets go of it
+    _bind("127.0.0.1", port, patience_s=20).close()
+    assert capfd.readouterr().err.count("is in use; waiting up to 20 s") == 1
+
+    with socket.create_server(("127.0.0.1", 0)) as still_held:
+        started = time.monotonic()
+        with pytest.raises(OSError, match="in use"):
+            _bind("127.0.0.1", still_held.getsockname()[1], patience_s=1)
+        assert time.monotonic() - started < 10

@@ -89,7 +89,8 @@ class Orchestrator:
 
     async def wait_for_version(self, at_least: int) -> int:
         while True:
-            version = await self.weights.latest(self.servers.active())
+            active = self.servers.active()  # none while every server is down: tend_servers revives them
+            version = await self.weights.latest(active) if active else -1
             if version >= at_least:
                 return version
             if self.stop_requested():
@@ -102,8 +103,10 @@ class Orchestrator:
             await self._sync_servers()
 
     async def _sync_servers(self) -> None:
-        version = await self.weights.latest(self.servers.active())
         active = [s for s in self.servers.servers.values() if s.state == "active"]
+        if not active:  # every server is down; tend_servers brings each back on the current weights
+            return
+        version = await self.weights.latest([s.client for s in active])
 
         async def bring(server) -> None:
             try:
@@ -117,7 +120,8 @@ class Orchestrator:
         self.weights.retire(version)
 
     async def sync_if_newer(self) -> None:
-        if await self.weights.latest(self.servers.active()) > self.server_version:
+        active = self.servers.active()
+        if active and await self.weights.latest(active) > self.server_version:
             await self.sync_servers()
 
     async def tend_servers(self) -> None:

@@ -18,13 +18,16 @@ ranks' own collective sockets listen there too.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import os
 import socket
 import struct
 import sys
+import time
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+BIND_PATIENCE_SECONDS = 30.0
 
 
 def interface_of(address: str) -> str | None:
@@ -59,6 +62,29 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, argv[split + 1:]
 
 
+def _bind(address: str, port: int, patience_s: float = BIND_PATIENCE_SECONDS) -> socket.socket:
+    """The rendezvous listener. A port still held by the ending run before (its store closes a few seconds
+    after its last step) is waited for, with a message, rather than failing this run at once."""
+    deadline, told = time.monotonic() + patience_s, False
+    while True:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((address, port))
+        except OSError as err:
+            listener.close()
+            if err.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            if not told:
+                print(f"rendezvous port {address}:{port} is in use; waiting up to {patience_s:.0f} s for it",
+                      file=sys.stderr, flush=True)
+                told = True
+            time.sleep(2)
+            continue
+        listener.listen(1024)
+        return listener
+
+
 def main(argv: list[str]) -> None:
     args, rest = parse(argv)
     interface = interface_of(args.bind)
@@ -70,10 +96,7 @@ def main(argv: list[str]) -> None:
     if args.node_rank == 0:
         import torch.distributed as dist
 
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((args.bind, port))
-        listener.listen(1024)
+        listener = _bind(args.bind, port)
         port = listener.getsockname()[1]
         # Kept alive for the whole run: torchrun's stores on this port are this very server.
         store = dist.TCPStore(args.bind, port, is_master=True, multi_tenant=True, wait_for_workers=False,
