@@ -193,3 +193,31 @@ def test_the_orchestrator_follows_the_supervisors_list_and_samples_only_active_s
             await s.close()
 
     asyncio.run(scenario())
+
+
+def test_a_sync_while_every_server_is_down_waits_instead_of_failing(tmp_path: Path):
+    """Broadcast sync asks the active servers which version each received; with none active (a transient
+    read error marked the only one down) there is nothing to ask: the sync leaves the served version as it
+    is, and the tending loop brings the server back. It once crashed the orchestrator (min() of nothing)."""
+    import asyncio
+
+    from primebuild.contracts.run_dir import RunDir
+    from primebuild.runtime.orchestrator.client import InferenceClient
+    from primebuild.runtime.orchestrator.main import Orchestrator
+    from primebuild.runtime.orchestrator.servers import ServerSet
+    from primebuild.runtime.orchestrator.weights import BroadcastWeights
+
+    async def scenario():
+        url = "http://127.0.0.1:9/v1"  # nothing listens there
+        orchestrator = Orchestrator.__new__(Orchestrator)  # only the sync's state, no tokenizer or clients
+        orchestrator.servers = ServerSet([InferenceClient(url, "m")], RunDir(tmp_path),
+                                         lambda u: InferenceClient(u, "m"), retry_seconds=1)
+        orchestrator.weights, orchestrator.sync_lock, orchestrator.server_version = BroadcastWeights(), asyncio.Lock(), 3
+        orchestrator.servers.servers[url].state = "down"
+        await orchestrator.sync_servers()
+        await orchestrator.sync_if_newer()
+        assert orchestrator.server_version == 3
+        for client in orchestrator.servers.all_clients():
+            await client.close()
+
+    asyncio.run(scenario())
