@@ -87,10 +87,15 @@ class Orchestrator:
 
     # --- policy versions -------------------------------------------------------------------------
 
+    async def newest_on_active_servers(self) -> int:
+        """The newest version the weight source has for the active servers; -1 while none is active (every
+        server down: tend_servers brings each back on the current weights)."""
+        active = self.servers.active()
+        return await self.weights.latest(active) if active else -1
+
     async def wait_for_version(self, at_least: int) -> int:
         while True:
-            active = self.servers.active()  # none while every server is down: tend_servers revives them
-            version = await self.weights.latest(active) if active else -1
+            version = await self.newest_on_active_servers()
             if version >= at_least:
                 return version
             if self.stop_requested():
@@ -103,10 +108,10 @@ class Orchestrator:
             await self._sync_servers()
 
     async def _sync_servers(self) -> None:
-        active = [s for s in self.servers.servers.values() if s.state == "active"]
-        if not active:  # every server is down; tend_servers brings each back on the current weights
+        version = await self.newest_on_active_servers()
+        if version < 0:
             return
-        version = await self.weights.latest([s.client for s in active])
+        active = [s for s in self.servers.servers.values() if s.state == "active"]
 
         async def bring(server) -> None:
             try:
@@ -120,8 +125,7 @@ class Orchestrator:
         self.weights.retire(version)
 
     async def sync_if_newer(self) -> None:
-        active = self.servers.active()
-        if active and await self.weights.latest(active) > self.server_version:
+        if await self.newest_on_active_servers() > self.server_version:
             await self.sync_servers()
 
     async def tend_servers(self) -> None:

@@ -368,7 +368,6 @@ def create_router(config: VllmRouterConfig, admin_token: str | None) -> FastAPI:
     return app
 
 
-
 def serve(config: VllmRouterConfig) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream request: two per sample
     serve_router(config, create_router, log)
