@@ -85,9 +85,9 @@
             pkgs.slurm
             pkgs.openssh
           ];
-          # The package maps builders/, runtime/, kernels/ into `primebuild.*` (setup.py), so the
-          # source tree is not importable as is: install it editable into a venv that sees the
-          # nix-provided packages. The venv lives in the user's cache, outside the repository.
+          # Install the package editable into a venv that sees the nix-provided packages, so the
+          # `primebuild` command and its dependencies' entry points exist. The venv lives in the
+          # user's cache, outside the repository.
           shellHook = ''
             venv="''${XDG_CACHE_HOME:-$HOME/.cache}/primebuild/nix-venv-$(basename "$(dirname "$(dirname "$(command -v python)")")")"
             if [ ! -x "$venv/bin/python" ]; then

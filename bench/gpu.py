@@ -7,7 +7,7 @@ Sections (each guarded: a failure is recorded with its traceback and the next se
 rewritten after every section, so a run killed by its time limit keeps what it measured):
 
 1. env: versions, device, which fp8 GEMM entry point this torch offers.
-2. fp8_check: the block-scaled fast path (`kernels/fp8.py`) against its fp32 reference at odd shapes.
+2. fp8_check: the block-scaled fast path (`primebuild/kernels/fp8.py`) against its fp32 reference at odd shapes.
 3. gemm: TFLOP/s = 2*M*N*K / median time (CUDA events, after warm-up) at LLM shapes, M x N x K with
    x [M, K] and a weight [N, K]: bf16 `torch.mm`; fp8 `torch._scaled_mm` with one scale per tensor and
    with one per row/column; the 128x128/1x128 block-scaled GEMM alone (operands quantised beforehand) and
@@ -20,13 +20,13 @@ rewritten after every section, so a run killed by its time limit keeps what it m
    H100/H200 SXM dense bf16 peak. Also reported: the same with the LM head and causal attention counted,
    (6 * (N + V * H) + 6 * L * heads * head_dim * S) * tokens/s / 989e12, where 6 * L * heads * head_dim
    * S per token is QK^T and PV over an average causal context of S/2, times 3 for forward + backward.
-5. engine: the embedded engine (`runtime/inference`) vs `transformers.generate` on the same random bf16
+5. engine: the embedded engine (`primebuild/runtime/inference`) vs `transformers.generate` on the same random bf16
    Qwen3 (Qwen3-0.6B's shape), same random prompts, greedy, exactly `new_tokens` new tokens (EOS
    ignored), tokens/s = batch * new_tokens / wall time of the whole call (prefill included), median of
    `repeats` runs after one warm-up each, the two interleaved. Batch sizes not started by
    `engine_cutoff_s` are skipped (and listed).
 6. trainer_large: section 4 for the Qwen3-1.7B shape, only if it starts within `budget_s`.
-7. engine_fp8: the embedded engine with FP8 block-scaled weights (`precision: fp8`, runtime/inference/weights.py)
+7. engine_fp8: the embedded engine with FP8 block-scaled weights (`precision: fp8`, primebuild/runtime/inference/weights.py)
    vs bf16 on a random ~1B Qwen3-MoE (32 experts, top-4), greedy, same prompts and token counts as section
    5, the two interleaved: decode tokens/s of each, their ratio, and how many greedy tokens agree.
 

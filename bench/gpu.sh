@@ -20,7 +20,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   fi
 fi
 
-# primebuild itself, as pip installs it (the folder mapping of setup.py; no build isolation: no network)
+# primebuild itself, as pip installs it (no build isolation: no network)
 if ! "$py" -c "import primebuild" 2>/dev/null; then
   "$py" -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site-primebuild . \
     && export PYTHONPATH="/tmp/site-primebuild${PYTHONPATH:+:$PYTHONPATH}" \

@@ -1,4 +1,4 @@
-"""Peak memory of the trainer's per-token log-probs: chunked (kernels/logprobs.py) vs the plain way.
+"""Peak memory of the trainer's per-token log-probs: chunked (primebuild/kernels/logprobs.py) vs the plain way.
 
     .venv/bin/python bench/logprobs_memory.py [--tokens 4096] [--vocab 32768] [--hidden 1024] [--chunk 1024]
 

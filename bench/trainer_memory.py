@@ -1,4 +1,4 @@
-"""The plan's trainer memory model (builders/memory.py) vs what the trainer allocates per rank, on CPU,
+"""The plan's trainer memory model (primebuild/builders/memory.py) vs what the trainer allocates per rank, on CPU,
 for EP and CP layouts of a tiny model (issue P9).
 
 For each layout the trainer's own code (load_model with the run's device mesh, train_step) runs one

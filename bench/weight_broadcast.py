@@ -1,4 +1,4 @@
-"""Weight broadcast bandwidth: the trainer's weight sync (runtime/weight_sync/broadcast.py) from rank 0
+"""Weight broadcast bandwidth: the trainer's weight sync (primebuild/runtime/weight_sync/broadcast.py) from rank 0
 to every other rank, one process per rank, as the RL loop runs it between the trainer and vLLM.
 
     python bench/weight_broadcast.py                          # NCCL, one rank per visible GPU

@@ -108,7 +108,7 @@ def check_configs(m: Manifest, plan: dict) -> None:
         if m.inference.engine == "embedded":
             s = InferenceServerConfig.model_validate(p["config"])
             assert (s.max_model_len, s.max_num_seqs, s.precision) == (o.seq_len, inf.max_num_seqs, inf.precision)
-            # unset: `{bind:N}`, loopback on one host and the node's address otherwise (runtime/worker.py)
+            # unset: `{bind:N}`, loopback on one host and the node's address otherwise (primebuild/runtime/worker.py)
             assert (s.host, s.port, s.seed) == (inf.host or f"{{bind:{p['node']}}}", inf.port + index, m.seed + index)
         else:
             argv = p["argv"]
@@ -117,7 +117,7 @@ def check_configs(m: Manifest, plan: dict) -> None:
 
 
 def expected_loss(loss) -> dict:
-    """The loss parameters the trainer must get, written out independently of builders/processes.py."""
+    """The loss parameters the trainer must get, written out independently of primebuild/builders/processes.py."""
     d = loss.model_dump()
     return {"dppo-kl": lambda: {"name": "dppo-kl", "mask_bound": d["mask_bound"], "kl_tau": d["kl_tau"]},
             "aipo": lambda: {"name": "aipo", "is_cap": d["is_cap"]},
@@ -481,7 +481,7 @@ FIELDS: dict[str, list] = {
     "trainer.logprob_chunk_tokens": [Reaches(config_of(T, "logprob_chunk_tokens"),
                                              ("trainer.logprob_chunk_tokens=100",), 100)],
     "trainer.checkpoint_every": [Reaches(config_of(T, "checkpoint_every"), ("trainer.checkpoint_every=7",), 7)],
-    # LoRA (runtime/trainer/lora.py): the trainer's config; the adapters' size shapes the trainer's memory
+    # LoRA (primebuild/runtime/trainer/lora.py): the trainer's config; the adapters' size shapes the trainer's memory
     "trainer.lora.rank": [Reaches(config_of(T, "lora.rank"), ("trainer.lora.rank=4", "trainer.lora.alpha=8"), 4),
                           Shapes(("trainer.lora.rank=4", "trainer.lora.alpha=8"), "memory", base=RL)],
     "trainer.lora.alpha": [Reaches(config_of(T, "lora.alpha"), ("trainer.lora.rank=4", "trainer.lora.alpha=8"), 8.0)],
@@ -511,7 +511,7 @@ FIELDS: dict[str, list] = {
                                Refused(("retention.keep_weights=5",), base=SFT, field_path="retention")],
     "retention.keep_checkpoints": [Reaches(config_of(T, "keep_checkpoints"), ("retention.keep_checkpoints=2",), 2)],
 }
-# The rollout profile feeds the time model only (builders/rollout_time.py): on the GLM-5 design (which
+# The rollout profile feeds the time model only (primebuild/builders/rollout_time.py): on the GLM-5 design (which
 # declares one) each quantile changes the estimates; on a CPU manifest a profile turns the estimates on.
 def _profile_cpu(name: str, p50: float, p99: float) -> str:
     fields = {"completion_tokens": "{p50: 4, p99: 16}", name: f"{{p50: {p50}, p99: {p99}}}"}
@@ -571,7 +571,7 @@ _LAYOUT = {"tp": ("inference.tp=1", "inference.ep=1"), "dp": ("inference.dp=2", 
                                  "hardware.nodes=3", "trainer.nodes=1")}
 for _dim, _sets in _LAYOUT.items():
     FIELDS[f"inference.{_dim}"] = [Refused((f"inference.{_dim}=2",)), Shapes(_sets, "processes")]
-# Each target's own settings shape the artifact its renderer writes (builders/render/).
+# Each target's own settings shape the artifact its renderer writes (primebuild/builders/render/).
 _TARGETS = {"hosts": ("ssh", "{kind: ssh, hosts: [a]}", "target.hosts=[b]"),
             "user": ("ssh", "{kind: ssh, hosts: [a]}", "target.user=me"),
             "port": ("ssh", "{kind: ssh, hosts: [a]}", "target.port=2222"),

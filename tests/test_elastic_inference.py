@@ -1,6 +1,6 @@
 """The elastic inference pool, end to end on the local target (real processes, the embedded engine):
 a killed replica degrades the run instead of ending it, and `primebuild scale` adds and retires a
-replica mid-run (runtime/elastic.py, runtime/orchestrator/servers.py)."""
+replica mid-run (primebuild/runtime/elastic.py, primebuild/runtime/orchestrator/servers.py)."""
 
 from __future__ import annotations
 

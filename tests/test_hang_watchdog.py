@@ -1,4 +1,4 @@
-"""The hang watchdog (runtime/hang_watchdog.py) and the loopback-only trainer rendezvous (runtime/trainer/launch.py).
+"""The hang watchdog (primebuild/runtime/hang_watchdog.py) and the loopback-only trainer rendezvous (primebuild/runtime/trainer/launch.py).
 
 Hangs are real: a process of a real run is frozen with SIGSTOP (a rank that stopped coming to a
 collective, a server that stopped answering), nothing in the code under test knows it is a test.

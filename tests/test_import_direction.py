@@ -1,12 +1,12 @@
 """Wrong-way imports stay out: the orchestrator and the trainer meet only in what sits beside them
-(contracts, runtime/rollout_file.py, runtime/metrics.py), never in each other's modules."""
+(contracts, primebuild/runtime/rollout_file.py, primebuild/runtime/metrics.py), never in each other's modules."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
+RUNTIME = Path(__file__).resolve().parent.parent / "primebuild" / "runtime"
 
 
 def imported_modules(path: Path, package: str) -> set[str]:

@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation of the embedded engine: a prefill server, a decode server and the router
-(runtime/inference/router.py) on real uvicorn servers, KV caches shipped over ZMQ on loopback, against
+(primebuild/runtime/inference/router.py) on real uvicorn servers, KV caches shipped over ZMQ on loopback, against
 a unified server over the same weights.
 """
 

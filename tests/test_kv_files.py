@@ -1,4 +1,4 @@
-"""The vLLM P/D router's bookkeeping of ExampleConnector's KV folders (runtime/inference/vllm/kv_files.py):
+"""The vLLM P/D router's bookkeeping of ExampleConnector's KV folders (primebuild/runtime/inference/vllm/kv_files.py):
 names as vLLM computes them, deleted only when no request holds them and no prefill may be writing."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A live process can be a dead server: the supervisor's liveness probe (runtime/liveness.py) and the
-orchestrator's client (runtime/orchestrator/client.py) both treat a server that answers only errors as
+"""A live process can be a dead server: the supervisor's liveness probe (primebuild/runtime/liveness.py) and the
+orchestrator's client (primebuild/runtime/orchestrator/client.py) both treat a server that answers only errors as
 failing, against a real HTTP server on 127.0.0.1 whose answers the test sets."""
 
 from __future__ import annotations

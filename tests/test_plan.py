@@ -269,7 +269,7 @@ def test_a_real_change_changes_the_hash():
 
 def test_hsdp_reaches_the_trainer_and_the_memory_model_counts_no_saving():
     """dp_replicate multiplies the trainer's ranks (placement, torchrun) and reaches its config; per GPU it
-    saves nothing: 2 replicas of 4 shards hold twice the parameters of 8 shards (builders/memory.py)."""
+    saves nothing: 2 replicas of 4 shards hold twice the parameters of 8 shards (primebuild/builders/memory.py)."""
     plan = plan_json(MANIFESTS / "reverse-text.yaml", ("hardware.cpus_per_node=4", "trainer.ranks=4",
                                                        "trainer.dp_replicate=2", "trainer.dp_shard=2"), design=False)
     (trainer,) = [p for p in plan["processes"] if p["role"] == "trainer"]

@@ -49,7 +49,7 @@ def test_a_llama_on_the_embedded_engine_is_refused_at_its_engine_line(workdir: P
 
 
 def test_glm5_sparse_attention_runs_under_context_parallelism():
-    # its indexer scores every CP rank's keys (runtime/trainer/sparse_attention.py; equality with one rank:
+    # its indexer scores every CP rank's keys (primebuild/runtime/trainer/sparse_attention.py; equality with one rank:
     # tests/test_trainer_sparse_attention_cp.py)
     assert "trainer.cp" not in _fields(MANIFESTS / "glm5.yaml", "trainer.cp=4", "trainer.dp_shard=24")
 

@@ -1,4 +1,4 @@
-"""The continuous rollout pool's policy (runtime/orchestrator/pool.py), on groups whose durations we set:
+"""The continuous rollout pool's policy (primebuild/runtime/orchestrator/pool.py), on groups whose durations we set:
 admission by the served policy version, a batch cut as soon as enough groups finish (never waiting for
 the slowest), and the staleness bound held per group (stale ones dropped, running or finished)."""
 

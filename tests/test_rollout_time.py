@@ -1,5 +1,5 @@
-"""The long-tail time model (builders/rollout_time.py) by hand on made-up costs, and what the plan says
-with a rollout profile; environments checked at plan time (builders/environments.py)."""
+"""The long-tail time model (primebuild/builders/rollout_time.py) by hand on made-up costs, and what the plan says
+with a rollout profile; environments checked at plan time (primebuild/builders/environments.py)."""
 
 from __future__ import annotations
 

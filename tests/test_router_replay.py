@@ -1,4 +1,4 @@
-"""Router replay (runtime/trainer/router_replay.py) against the real embedded engine.
+"""Router replay (primebuild/runtime/trainer/router_replay.py) against the real embedded engine.
 
 The model is a tiny Qwen3-MoE whose experts 0, 1 and 2 have router rows equal up to ~1e-9: the engine and
 the HF modules of the trainer (both fp32) compute their logits in other orders (the engine folds the

@@ -1,4 +1,4 @@
-"""tool-lookup, the chat environment with a tool (runtime/envs/tool_lookup.py): its episodes, the held-out
+"""tool-lookup, the chat environment with a tool (primebuild/runtime/envs/tool_lookup.py): its episodes, the held-out
 split, SFT on its chat-templated demonstrations, and a short `primebuild run` of manifests/tool-use.yaml
 whose rollouts hold the model's tool calls (trained) and the tool's results (masked out)."""
 

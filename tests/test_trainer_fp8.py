@@ -1,4 +1,4 @@
-"""FP8 training (runtime/trainer/fp8.py): block-scaled forward, straight-through backward, and the same
+"""FP8 training (primebuild/runtime/trainer/fp8.py): block-scaled forward, straight-through backward, and the same
 function as the embedded engine's FP8 inference."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""runtime/trainer/launch.py across "hosts": two launcher nodes on two loopback addresses (127.0.0.2 and
+"""primebuild/runtime/trainer/launch.py across "hosts": two launcher nodes on two loopback addresses (127.0.0.2 and
 127.0.0.3, as the ssh and Slurm CI nodes use), real torchrun and gloo ranks, one all_reduce over both.
 Every socket they listen on is bound to a node's own address, never to every interface."""
 

@@ -1,4 +1,4 @@
-"""Expert and context parallelism (runtime/trainer/expert_parallel.py, context_parallel.py) and HSDP on CPU
+"""Expert and context parallelism (primebuild/runtime/trainer/expert_parallel.py, context_parallel.py) and HSDP on CPU
 processes over gloo follow the single-process trajectory, step by step, for 20 steps.
 
 EP=2: a tiny Qwen3-MoE (4 experts, top-2), dp_shard 2 x ep 2: each rank owns 2 experts, tokens travel by

@@ -1,7 +1,7 @@
 """Loading and publishing at scale: a rank's host memory for loading the model falls as 1/N over N FSDP
-ranks (each reads only its shards from the safetensors files: runtime/trainer/sharded_load.py), the
+ranks (each reads only its shards from the safetensors files: primebuild/runtime/trainer/sharded_load.py), the
 weights are those of the checkpoint, and publishing adds about one decoder layer, not the model
-(runtime/trainer/weight_stream.py). Measured as peak RSS above the RSS before each step, per rank
+(primebuild/runtime/trainer/weight_stream.py). Measured as peak RSS above the RSS before each step, per rank
 process (tests/sharded_load_worker.py), on a ~47 MB fp32 model where the tensors dwarf the noise.
 """
 

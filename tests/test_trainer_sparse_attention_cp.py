@@ -1,4 +1,4 @@
-"""GLM-5's DeepSeek sparse attention under context parallelism (runtime/trainer/sparse_attention.py).
+"""GLM-5's DeepSeek sparse attention under context parallelism (primebuild/runtime/trainer/sparse_attention.py).
 
 A tiny random GLM-5 (manifests/models/glm-5.json's architecture at small sizes; index_topk 6 on 24-token
 sequences, so each late query attends to a quarter of its keys) is scored by the trainer's Policy on one

@@ -1,4 +1,4 @@
-"""The trainer's query-chunked DSA indexer (runtime/trainer/sparse_attention.py) picks exactly the keys
+"""The trainer's query-chunked DSA indexer (primebuild/runtime/trainer/sparse_attention.py) picks exactly the keys
 transformers' GlmMoeDsaIndexer picks, for chunk sizes that do and do not divide the sequence."""
 
 import pytest

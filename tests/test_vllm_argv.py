@@ -64,7 +64,7 @@ def test_vllm_accepts_every_inference_argv(parsed, manifest):
 def test_the_plans_vllm_fp8_is_the_block_format_of_kernels_fp8(vllm_output):
     """`inference.precision: fp8` on a bf16 checkpoint (glm5.yaml) asks vLLM for `fp8_per_block`: 128x128
     e4m3 weight blocks (linear layers and routed experts) with fp32 scales, activations in dynamic 1x128
-    tiles -- kernels/fp8.py's format, what the embedded engine and the FP8 trainer compute. Plain `fp8`
+    tiles -- primebuild/kernels/fp8.py's format, what the embedded engine and the FP8 trainer compute. Plain `fp8`
     would refuse that checkpoint at load (vLLM 0.32 quantises online only through the shorthands)."""
     (argv,) = {tuple(a[a.index("--quantization"):][:2]) for a in vllm_argvs("glm5.yaml").values()
                if "--quantization" in a}

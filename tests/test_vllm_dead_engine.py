@@ -4,7 +4,7 @@ The orchestrator seeds every request (reproducible rollouts), so vLLM gives each
 torch.Generator; a prefill cut into chunks has its partial chunk's sample discarded and that generator
 rewound with `set_offset`, which a CPU generator refuses: "CPU Generator does not use offset", the
 EngineCore dies, and the API server answers 500. Our CPU argv asks for whole prefills
-(builders/vllm_command.py). Both servers here get a 128-token step budget, so that six concurrent
+(primebuild/builders/vllm_command.py). Both servers here get a 128-token step budget, so that six concurrent
 60-token prompts exceed it, as ~128 rollouts re-prefilled after a weight update exceed the default 2048.
 The server with vLLM's default (chunked prefill) is the control: it shows the engine death these
 requests cause, so the first test could fail.

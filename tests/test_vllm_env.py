@@ -1,4 +1,4 @@
-"""Which vLLM wheel a plan gets (builders/vllm_env.py) and what scripts/vllm-env checks in its environment.
+"""Which vLLM wheel a plan gets (primebuild/builders/vllm_env.py) and what scripts/vllm-env checks in its environment.
 
 CI never installs the CUDA wheel: the script's check runs against stand-in environments made of this
 venv's python (a CPU torch) and a stand-in `vllm` package with the distribution metadata of one wheel or
@@ -100,7 +100,7 @@ def test_plans_select_the_wheel_of_their_hardware(manifest, sets, wheel):
 
 
 def test_run_makes_the_environment_of_the_plans_wheel():
-    """What `run` calls (runtime/inference/vllm/env.py): scripts/vllm-env with --gpu for the CUDA wheel."""
+    """What `run` calls (primebuild/runtime/inference/vllm/env.py): scripts/vllm-env with --gpu for the CUDA wheel."""
     from primebuild.runtime.inference.vllm.env import env_dir, script_argv
 
     assert script_argv(vllm_env.CUDA)[1:] == ["--gpu"] and script_argv(vllm_env.CPU, check=True)[1:] == ["--check"]

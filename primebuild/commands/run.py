@@ -1,5 +1,5 @@
 """`primebuild run`: execute a plan on its target (local, ssh, slurm, kubernetes), or continue a stopped
-run with --resume. The command drives the target only through runtime/targets/base.py's verbs."""
+run with --resume. The command drives the target only through primebuild/runtime/targets/base.py's verbs."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from primebuild.errors import UserError
 @click.option("--hang-timeout", type=click.FloatRange(min=0), default=None,
               help="Least seconds without a finished step before the run counts as hung (default 600; 0: off): "
                    "its stacks go to stacks/, the stuck process is named, the run ends. The bound grows with the "
-                   "slowest measured step and the plan's estimate (runtime/hang_watchdog.py).")
+                   "slowest measured step and the plan's estimate (primebuild/runtime/hang_watchdog.py).")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=None,
               help="Resume a failed or hung run by itself from its newest checkpoint, at most N times (default 0).")
 @click.option("--detach", is_flag=True,

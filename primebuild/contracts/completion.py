@@ -19,7 +19,7 @@ class SampledChoice(BaseModel):
     token_ids: list[int]  # every sampled token, a final EOS included
     token_logprobs: list[float]  # log-prob of each sampled token under the sampling policy
     policy_version: int = Field(ge=0)  # the weights that produced the last token
-    # base64 .npy [position, decoder_layer, k] when asked for (kernels/routing.py decodes it)
+    # base64 .npy [position, decoder_layer, k] when asked for (primebuild/kernels/routing.py decodes it)
     routed_experts: str | None = None
     # The weights the choice started on when it continued on newer ones (an update mid-generation);
     # None when one version produced every token.

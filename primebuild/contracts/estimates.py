@@ -1,4 +1,4 @@
-"""The plan's `estimates` section: what the time models (builders/timing.py, builders/rollout_time.py)
+"""The plan's `estimates` section: what the time models (primebuild/builders/timing.py, primebuild/builders/rollout_time.py)
 predict for one RL step, and the lines `plan` prints about it.
 
 The models return these types themselves, so the plan carries exactly what was computed."""

@@ -1,4 +1,4 @@
-"""InferenceServerConfig: one embedded inference server (read by runtime/inference/server.py).
+"""InferenceServerConfig: one embedded inference server (read by primebuild/runtime/inference/server.py).
 
 vLLM servers are started by their own command line (`vllm serve …`), which is their contract.
 """
@@ -15,13 +15,13 @@ ADMIN_TOKEN_ENV = "PRIMEBUILD_ADMIN_TOKEN"  # the run's admin token travels in t
 # Both engines sample a positive temperature below this at this value (vLLM 0.32's floor, `_MAX_TEMP`
 # in vllm/sampling_params.py: logits / 1e-40 overflow float32); manifests may not ask for less.
 MIN_SAMPLING_TEMPERATURE = 0.01
-# The architectures the embedded engine's forward pass implements (runtime/inference/model.py); the plan
-# refuses any other model on engine: embedded (builders/capabilities.py).
+# The architectures the embedded engine's forward pass implements (primebuild/runtime/inference/model.py); the plan
+# refuses any other model on engine: embedded (primebuild/builders/capabilities.py).
 EMBEDDED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 class BroadcastJoin(Contract):
-    """Join the trainer's weight broadcast group (see runtime/inference/weight_receiver.py)."""
+    """Join the trainer's weight broadcast group (see primebuild/runtime/inference/weight_receiver.py)."""
 
     init_method: str  # tcp://HOST:PORT, hosted by trainer rank 0
     rank: int = Field(ge=1)
@@ -30,7 +30,7 @@ class BroadcastJoin(Contract):
 
 class DisaggregationRole(Contract):
     """P/D: this server prefills (ships KV to decode servers' inboxes) or decodes (receives KV at
-    tcp://host:kv_port). See runtime/inference/disaggregation.py."""
+    tcp://host:kv_port). See primebuild/runtime/inference/disaggregation.py."""
 
     role: Literal["prefill", "decode"]
     kv_port: int | None = Field(None, ge=1, le=65535)  # decode: where its KV inbox listens
@@ -57,4 +57,4 @@ class InferenceServerConfig(Contract):
     admin_token_env: str = ADMIN_TOKEN_ENV
     weight_broadcast: BroadcastJoin | None = None
     disaggregation: DisaggregationRole | None = None
-    tool_call_parser: Literal["hermes"] | None = None  # reads tool calls from chat answers (runtime/inference/tool_parser.py)
+    tool_call_parser: Literal["hermes"] | None = None  # reads tool calls from chat answers (primebuild/runtime/inference/tool_parser.py)

@@ -1,7 +1,7 @@
 """The RL losses' parameters: one class per loss, one name and one default per parameter.
 
 The manifest's `orchestrator.loss` is this very union (primebuild/manifest/schema.py), the trainer's
-config carries it unchanged, and runtime/trainer/losses.py takes exactly these fields as the keyword
+config carries it unchanged, and primebuild/runtime/trainer/losses.py takes exactly these fields as the keyword
 parameters of its function, so a parameter has the same name and the same default on every side.
 Each loss has only its own parameters: `{name: grpo, kl_tau: 0.1}` is an unknown-field error, not a
 value silently ignored.

@@ -1,5 +1,5 @@
 """The plan's `memory` section: the budget of one GPU of each group (one process on a CPU node), from the
-formulas in builders/memory.py. Keyed by group: the inference groups by name, and `trainer`."""
+formulas in primebuild/builders/memory.py. Keyed by group: the inference groups by name, and `trainer`."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pydantic import model_serializer
 
 from primebuild.contracts.base import Contract
 
-# The keys each source writes, besides `source`, `dtype` and the facts (builders/model_ref.py).
+# The keys each source writes, besides `source`, `dtype` and the facts (primebuild/builders/model_ref.py).
 SOURCE_KEYS = {"hf": ("repo", "revision"), "path": ("path",), "from_manifest": ("manifest",),
                "init": ("init", "tokenizer")}
 _SOURCE_SPECIFIC = {key for keys in SOURCE_KEYS.values() for key in keys}

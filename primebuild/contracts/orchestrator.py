@@ -1,4 +1,4 @@
-"""OrchestratorConfig: what the orchestrator process needs (read by runtime/orchestrator/main.py)."""
+"""OrchestratorConfig: what the orchestrator process needs (read by primebuild/runtime/orchestrator/main.py)."""
 
 from __future__ import annotations
 

@@ -100,13 +100,13 @@ class NodeMap(Contract):
 class BuildSpec(Contract):
     """A manifest that builds a model (`sft:`) instead of starting processes: one store build."""
 
-    builder: str  # builder id and version, part of the store key (builders/derivations.py)
+    builder: str  # builder id and version, part of the store key (primebuild/builders/derivations.py)
     output: str  # the store entry's name
     config: SFTConfig
 
 
 class Unsupported(Contract):
-    """A manifest field no built backend applies (builders/capabilities.py); location-free, so the plan
+    """A manifest field no built backend applies (primebuild/builders/capabilities.py); location-free, so the plan
     hash does not depend on where the manifest lives or how it is formatted."""
 
     field: str

@@ -1,5 +1,5 @@
 """RenderContext: what a target renderer needs beyond the plan (written by the CLI or a target, read by
-builders/render/). Only paths: everything about the processes is in the plan."""
+primebuild/builders/render/). Only paths: everything about the processes is in the plan."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The rollout batch: what the orchestrator hands the trainer for one optimizer step.
 
-Written by runtime/orchestrator/main.py, read by runtime/trainer/main.py; the file format (one
+Written by primebuild/runtime/orchestrator/main.py, read by primebuild/runtime/trainer/main.py; the file format (one
 `rollouts/step_{k:06d}.pt` per step, written atomically, loaded with `weights_only=True`) is
-runtime/rollout_file.py, the packing into micro-batches runtime/trainer/batch.py. These classes are
+primebuild/runtime/rollout_file.py, the packing into micro-batches primebuild/runtime/trainer/batch.py. These classes are
 the records inside.
 """
 
@@ -44,7 +44,7 @@ class Sample(_Record):
     # The oldest weights step that sampled a token of each model turn, in order (one entry per turn).
     policy_versions: list[int] = Field(default_factory=list)
     # router replay: a torch tensor [num_tokens - 1, moe_layers, top_k] of expert ids (uint8 / uint16),
-    # see runtime/rollout_file.py
+    # see primebuild/runtime/rollout_file.py
     routed_experts: Any = None
 
     def validate_shapes(self, where: str) -> None:

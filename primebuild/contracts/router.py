@@ -1,8 +1,8 @@
 """The P/D routers' configs: the orchestrator's only inference endpoint in a disaggregated run, which
 picks a prefill and a decode server for each request.
 
-RouterConfig: the embedded engine's (runtime/inference/router.py), speaking its OpenAI contract and
-admin calls. VllmRouterConfig: vLLM's (runtime/inference/vllm/pd_router.py), speaking vLLM's.
+RouterConfig: the embedded engine's (primebuild/runtime/inference/router.py), speaking its OpenAI contract and
+admin calls. VllmRouterConfig: vLLM's (primebuild/runtime/inference/vllm/pd_router.py), speaking vLLM's.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class VllmPool(Contract):
 
 
 class VllmRouterConfig(Contract):
-    """The P/D router in front of vLLM servers (read by runtime/inference/vllm/pd_router.py)."""
+    """The P/D router in front of vLLM servers (read by primebuild/runtime/inference/vllm/pd_router.py)."""
 
     kind: Literal["vllm_router"] = "vllm_router"
     served_model_name: str

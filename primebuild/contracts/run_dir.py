@@ -4,7 +4,7 @@
       plan.json  manifest.json  manifests/  lock.json    what ran (written by `primebuild run`)
       run.json  rendezvous.json                         code version; hosts and model folder at start
       config/<process>.json  logs/<process>.log         written by the worker and the supervisor
-      rollouts/step_000001.pt …                         orchestrator -> trainer (runtime/rollout_file.py)
+      rollouts/step_000001.pt …                         orchestrator -> trainer (primebuild/runtime/rollout_file.py)
       weights/step_000001/ …                            trainer -> inference (filesystem weight sync)
       kv_transfer/<md5>/ …                              vLLM prefill -> decode servers (P/D, ExampleConnector)
       checkpoints/step_000050/ …                        trainer (resume)
@@ -282,7 +282,7 @@ class RunDir:
         return self.root / "stacks"
 
     def stack_file(self, process: str, pid: int) -> Path:
-        """Where process `process` (pid `pid`) writes its thread stacks when asked (runtime/stacks.py)."""
+        """Where process `process` (pid `pid`) writes its thread stacks when asked (primebuild/runtime/stacks.py)."""
         return self.stacks / f"{process}.{pid}.txt"
 
     @property

@@ -1,5 +1,5 @@
 """What a run reports: the orchestrator's running record (`orchestrator.json`) and the run's summary
-(`summary.json`), written by runtime/report.py at the end of each session and read by `run`, `status`
+(`summary.json`), written by primebuild/runtime/report.py at the end of each session and read by `run`, `status`
 and the tests. Fields missing from the file are None (a run that stopped before its last eval)."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class RunSummary(OrchestratorSummary):
     wall_seconds: float = 0.0  # summed over the run's sessions (a resume adds its own)
     outcome: str | None = None
     eval_reward_gain: float | None = None  # after - before
-    # Over every step where each was measured (runtime/report.py); the *_no_replay ones and the routing
+    # Over every step where each was measured (primebuild/runtime/report.py); the *_no_replay ones and the routing
     # figures only exist in router-replay runs.
     mismatch_kl_max: float | None = None
     mismatch_kl_mean: float | None = None

@@ -1,6 +1,6 @@
-"""SFTConfig: supervised warm-start training of a model (read by runtime/sft.py).
+"""SFTConfig: supervised warm-start training of a model (read by primebuild/runtime/sft.py).
 
-Built purely from an `sft:` manifest by builders/derivations.py. The output folder is not part of it:
+Built purely from an `sft:` manifest by primebuild/builders/derivations.py. The output folder is not part of it:
 the store hands the builder its staging folder (run_sft's `out_dir`), so the config — and the store
 key computed from it — is the same on every machine.
 """

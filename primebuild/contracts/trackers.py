@@ -1,4 +1,4 @@
-"""TrackersConfig: the metric sinks a trainer or orchestrator feeds besides metrics.jsonl (runtime/trackers/)."""
+"""TrackersConfig: the metric sinks a trainer or orchestrator feeds besides metrics.jsonl (primebuild/runtime/trackers/)."""
 
 from __future__ import annotations
 

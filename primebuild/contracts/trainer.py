@@ -1,4 +1,4 @@
-"""TrainerConfig: everything one trainer process needs (read by runtime/trainer/main.py)."""
+"""TrainerConfig: everything one trainer process needs (read by primebuild/runtime/trainer/main.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class ParallelDims(Contract):
 
 
 class LoraConfig(Contract):
-    """Low-rank adapters on the named linear modules (runtime/trainer/lora.py); the base stays frozen."""
+    """Low-rank adapters on the named linear modules (primebuild/runtime/trainer/lora.py); the base stays frozen."""
 
     rank: int = Field(ge=1)
     alpha: float = Field(gt=0)
@@ -80,7 +80,7 @@ class TrainerConfig(Contract):
 
     # Execution
     micro_batch_tokens: int = Field(ge=1)  # padded tokens (rows x longest row) per forward
-    logprob_chunk_tokens: int = Field(ge=1)  # tokens whose fp32 logits exist at once (kernels/logprobs.py)
+    logprob_chunk_tokens: int = Field(ge=1)  # tokens whose fp32 logits exist at once (primebuild/kernels/logprobs.py)
     precision: Precision = "fp32"  # compute precision; master weights and Adam state stay fp32
     # Replay the experts inference routed each token to (a batch carries them when the orchestrator asks),
     # and every `replay_check_every` steps (0: never) also score the batch without replay, no gradient,

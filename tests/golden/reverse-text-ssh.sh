@@ -11,7 +11,7 @@ set -uo pipefail
 : "${PRIMEBUILD_ADMIN_TOKEN:?set the run admin token}"
 command -v curl >/dev/null || { echo "ssh.sh: curl is needed for the health checks" >&2; exit 2; }
 run_dir=/shared/runs/demo
-stop_grace_seconds=8 term_seconds=10  # as runtime/supervisor.py
+stop_grace_seconds=8 term_seconds=10  # as primebuild/runtime/supervisor.py
 mkdir -p "$run_dir/logs"
 declare -A pid=() exited=() restarts=() max_restarts=() health_url=() health_timeout=()
 names=(inference-0 trainer orchestrator)

@@ -1,0 +1,66 @@
+"""Models as derivations, computed purely: what a manifest's model is built from, and its store key.
+
+One constructor per builder turns (name, inputs) into a `Derivation`; its `key` is the store entry
+that holds the output. `primebuild lock` records keys without building anything; the runtime
+(primebuild/runtime/derivations.py) builds or reuses the entry under the same key. Nothing else computes a key.
+
+- `init: random` -> builder random-init: the architecture facts, the tokenizer kind and the seed.
+- an `sft:` manifest -> builder sft: the exact SFTConfig the trainer reads, plus the store entry (or
+  folder) of the model it starts from. A change to anything the SFT run reads rebuilds; editing a
+  comment or the description does not.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from primebuild.builders.model_ref import facts_file
+from primebuild.builders.store import store_key
+from primebuild.contracts.sft import SFTConfig
+from primebuild.errors import UserError
+from primebuild.manifest.load import LoadedManifest
+
+# Bump when what a builder writes changes: the store key must change with it.
+RANDOM_INIT_BUILDER = "random-init/1"
+SFT_BUILDER = "sft/2"  # 2: keyed by the SFTConfig it runs, not by the whole manifest
+
+
+@dataclass(frozen=True)
+class Derivation:
+    name: str
+    inputs: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return store_key(self.name, self.inputs)
+
+
+def random_init(loaded: LoadedManifest) -> Derivation:
+    m = loaded.manifest
+    path, _ = facts_file(loaded)
+    facts = json.loads(path.read_text(encoding="utf-8"))
+    arch = {k: v for k, v in facts.items() if not k.startswith("_")}
+    return Derivation(f"{m.name}-init", {"builder": RANDOM_INIT_BUILDER, "facts": arch, "tokenizer": m.model.tokenizer,
+                                         "seed": m.seed})
+
+
+def sft_config(loaded: LoadedManifest) -> SFTConfig:
+    """What the SFT run of an `sft:` manifest reads; it starts from the folder `{model_path}`."""
+    m = loaded.manifest
+    if m.sft is None:
+        raise UserError(f"{loaded.path}: this manifest produces no model (it has no `sft:` section)",
+                        hint="model.from_manifest must name a manifest with an `sft:` section")
+    env = m.environments[0]
+    return SFTConfig(steps=m.sft.steps, seed=m.seed, env_id=env.id,
+                     env_version=None if env.version == "latest" else env.version, env_args=dict(env.args),
+                     init_model_dir="{model_path}", lr=m.sft.lr, warmup_steps=m.sft.warmup_steps,
+                     batch_size=m.sft.batch_size, stop_at_reward=m.sft.stop_at_reward)
+
+
+def sft(loaded: LoadedManifest, base: str) -> Derivation:
+    """`base`: the store key of the model the SFT run starts from (or a folder outside the store)."""
+    config = sft_config(loaded)
+    return Derivation(loaded.manifest.name, {"builder": SFT_BUILDER, "config": config.model_dump(mode="json"),
+                                             "base": base})

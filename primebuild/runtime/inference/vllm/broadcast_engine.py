@@ -1,0 +1,108 @@
+"""A vLLM weight-transfer engine that joins *our* trainer's weight broadcast group.
+
+Why not vLLM's own engines: its ``nccl`` engine (and the sparse/m2n variants) build a
+``PyNcclCommunicator``, CUDA only; and they are trainer-driven: the trainer sends only while
+vLLM's ``/update_weights`` call blocks in the matching receive, with the parameter list travelling in
+the HTTP body. Our trainer broadcasts each step on its own schedule over gloo (CPU) or NCCL (GPU)
+with its own wire format (primebuild/runtime/weight_sync/broadcast.py), and servers stage what they receive
+until the orchestrator swaps it in (primebuild/runtime/inference/weight_receiver.py). This engine speaks that
+protocol and keeps vLLM's own control plane:
+
+  POST /init_weight_transfer_engine {"init_info": {"init_method": "tcp://H:P", "rank_offset": R,
+                                                   "world_size": W}}
+        join the group as rank R (+ this worker's index) in a background thread, which stages the
+        newest received step; returns at once (the trainer may join later).
+  POST /start_weight_update              layerwise-reload set-up (as vLLM's NCCL engine does)
+  POST /update_weights {"update_info": {"version": v}}
+        load the newest staged step, which is v or newer (a newer one may have arrived since the
+        caller read the status); the status then reports it as ``loaded_version``
+  POST /finish_weight_update
+        finalise the reload. The caller (admin.py) sets the server's version only once every worker
+        of every engine core reports the same ``loaded_version``.
+
+An exception in a worker during these calls shuts the whole vLLM server down (vLLM treats a failed
+worker RPC as fatal), so callers check ``received_version`` first (admin.py does) and nothing here
+raises for a condition they can check.
+
+vLLM finds it by name: worker_extension registers it as ``primebuild_broadcast``, and the server is
+started with ``--weight-transfer-config '{"backend": "primebuild_broadcast"}'``.
+Runs inside vLLM's worker process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from primebuild.runtime.inference.weight_receiver import BroadcastStage
+
+
+@dataclass
+class BroadcastInitInfo(WeightTransferInitInfo):
+    init_method: str  # tcp://HOST:PORT of the trainer's TCPStore (rank 0 hosts it)
+    rank_offset: int  # this server's first rank in the group (1..world_size-1); its workers take the next ones
+    world_size: int  # the trainer's sender + every receiving worker of every server
+
+
+@dataclass
+class BroadcastUpdateInfo(WeightTransferUpdateInfo):
+    version: int  # the oldest trainer step acceptable; the newest staged one is loaded
+
+
+class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
+    init_info_cls = BroadcastInitInfo
+    update_info_cls = BroadcastUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stage: BroadcastStage | None = None
+        self.loaded_version: int | None = None
+
+    def worker_rank(self) -> int:
+        """This worker's index among all workers of the server (data parallel x tensor/pipeline)."""
+        parallel = self.parallel_config
+        return parallel.data_parallel_index * parallel.world_size + parallel.rank
+
+    def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
+        if self.stage is not None:
+            raise RuntimeError("this server already joined a weight broadcast group; a group is joined once")
+        self.stage = BroadcastStage(init_info.init_method, init_info.rank_offset + self.worker_rank(),
+                                    init_info.world_size, device=self.device)
+
+    def status(self) -> dict[str, Any]:
+        if self.stage is None:
+            return {"joined": False, "rank": None, "received_version": 0, "loaded_version": None, "error": None}
+        return {"joined": True, "rank": self.stage.rank, "received_version": self.stage.received_version,
+                "loaded_version": self.loaded_version, "error": self.stage.error}
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
+        if self.stage is None:
+            raise RuntimeError("no weight broadcast group joined: call /init_weight_transfer_engine first")
+        version, state = self.stage.take_newest(update_info.version)
+        # checkpoint (HF) names and layouts, as the trainer sends them; the model fuses qkv/gate_up itself
+        self.model.load_weights(state.items())
+        self.loaded_version = version
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        torch.accelerator.synchronize()
+
+    def shutdown(self) -> None:
+        # The receiving thread is a daemon blocked in a collective; a gloo/NCCL group cannot be left
+        # half-way, so it ends with the process (a broadcast run does not restart inference anyway).
+        self.stage = None

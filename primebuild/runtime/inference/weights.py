@@ -1,0 +1,295 @@
+"""The served weights: an HF folder (or a broadcast state dict in HF naming) read into fresh tensors,
+rearranged for the lean forward pass (model.py), never touching weights in use.
+
+FP8 (`load_weights(..., fp8=True)`): every matmul weight of the decoder layers (attention projections,
+dense MLPs, routed experts) is quantised into primebuild/kernels/fp8.py's block format (128 x 128 blocks, fp32
+scales) when loaded -- at start and at every weight update, which loads through here too -- and each
+call quantises its input per 1 x 128 tile. The norms are then *not* folded into those weights (their
+scale multiplies the activations instead): quantised is the checkpoint's own weight, as FP8 checkpoints
+and vLLM quantise it. Kept in the compute dtype: the embedding, the router (a top-k choice flips on
+logit errors far smaller than e4m3's 2^-4 relative step, and changes which weights a token uses: the
+mismatch router replay exists to remove) and the lm_head (its logits are the log-probs RL compares;
+DeepSeek-V3's FP8 recipe keeps both, and vLLM's fp8 leaves the router gate and lm_head unquantised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from primebuild.errors import Problem, UserError
+from primebuild.kernels.fp8 import BlockFp8Weight
+
+from .linear import ONEDNN_MAX_PACKED_BYTES, Fp8Linear, Linear, onednn_packing_available
+from .model_config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, rearranged for few kernel launches per step (the cost on CPU at small sizes).
+
+    RMSNorm weights are folded into the matmul that follows them (rms(x) * w @ W.T == rms(x) @ (W * w).T),
+    the q and k norms become one [heads + kv_heads, head_dim] scale, and the 1/sqrt(head_dim) softmax
+    scale is folded into the query heads' part of it (RoPE is linear, so the order does not matter).
+    Every norm weight also carries sqrt(its size): the forward normalises to unit length (`_unit`).
+    """
+
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden], input norm folded in
+    qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]
+    o_proj: Linear
+    # Dense MLP, or shared-nothing experts for a sparse layer.
+    gate_up: Linear | None = None  # [2 * intermediate, hidden], post-attention norm folded in
+    down: Linear | None = None  # [hidden, intermediate]
+    router: torch.Tensor | None = None  # [experts, hidden], norm folded in
+    experts_gate_up: torch.Tensor | None = None  # [experts, 2 * moe_intermediate, hidden], norm folded in
+    experts_down: torch.Tensor | None = None  # [experts, hidden, moe_intermediate]
+    # FP8: the norm scales multiply the activations (not folded into quantised weights), and each
+    # expert's two matrices are block-quantised.
+    input_scale: torch.Tensor | None = None  # [hidden]
+    post_scale: torch.Tensor | None = None  # [hidden]
+    experts_fp8: tuple[list[BlockFp8Weight], list[BlockFp8Weight]] | None = None
+
+    def dense(self) -> list[Linear]:
+        return [m for m in (self.qkv, self.o_proj, self.gate_up, self.down) if m is not None]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    lm_head: Linear  # final norm folded in (a separate tensor even when embeddings are tied)
+
+    def pack_for_onednn(self) -> bool:
+        """Add oneDNN-packed copies of the dense matmul weights if the model is small enough."""
+        dense = [m for layer in self.layers for m in layer.dense()] + [self.lm_head]
+        size = sum(m.weight.numel() * m.weight.element_size() for m in dense)
+        if size > ONEDNN_MAX_PACKED_BYTES:
+            return False
+        for m in dense:
+            m.pack()
+        return True
+
+
+class _TensorSource:
+    """All tensors of the *.safetensors files of a folder, read on demand and tracked for leftovers."""
+
+    def __init__(self, folder: Path):
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise UserError(
+                Problem(
+                    "no *.safetensors files", file=str(folder), hint="save the model with save_pretrained"
+                )
+            )
+        self._where: dict[str, Path] = {}
+        for file in files:
+            with safe_open(file, "pt") as handle:
+                for key in handle.keys():
+                    self._where[key] = file
+        self._handles: dict[Path, object] = {}
+        self.folder = folder
+
+    def has(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._where:
+            raise UserError(
+                Problem(
+                    f"tensor {key!r} is missing",
+                    file=str(self.folder),
+                    hint="is this the right architecture?",
+                )
+            )
+        file = self._where[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, "pt")
+        return self._handles[file].get_tensor(key)
+
+
+class _DictSource:
+    """The tensors of a state dict in HF checkpoint naming (what a weight broadcast delivers)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], label: str):
+        self.state, self.folder = state, label
+
+    def has(self, key: str) -> bool:
+        return key in self.state
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.state:
+            raise UserError(Problem(f"tensor {key!r} is missing", file=self.folder,
+                                    hint="the sender's model must have the served architecture"))
+        return self.state[key]
+
+
+class _Reader:
+    """Checked reads from a tensor source: the shape config.json implies, finite values, in the served
+    dtype and on the served device."""
+
+    def __init__(self, source: _TensorSource | _DictSource, dtype: torch.dtype, device: torch.device | str):
+        self.source, self.dtype, self.device = source, dtype, device
+
+    def has(self, key: str) -> bool:
+        return self.source.has(key)
+
+    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self.source.get(key)
+        if tuple(tensor.shape) != shape:
+            raise UserError(
+                Problem(
+                    f"tensor {key!r} has shape {tuple(tensor.shape)}, config.json implies {shape}",
+                    file=str(self.source.folder),
+                )
+            )
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise UserError(Problem(f"tensor {key!r} has non-finite values (NaN or inf): refusing to serve them",
+                                    file=str(self.source.folder)))
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+    def maybe(self, key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.get(key, shape) if self.has(key) else None
+
+    def norm_weight(self, key: str, size: int, scale: float = 1.0) -> torch.Tensor:
+        """An RMSNorm weight times sqrt(size), folded in fp32: the forward normalises rows to unit
+        length (x / |x|, one call fewer than x / rms(x)), and this puts the sqrt(size) back."""
+        source_weight = self.get(key, (size,)).to(torch.float32)
+        return (source_weight * (size**0.5 * scale)).to(self.dtype)
+
+
+def load_weights(
+    origin: str | Path | Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    fp8: bool = False,
+) -> ModelWeights:
+    """Read an HF folder (or a state dict in HF naming) into fresh tensors, never touching weights in
+    use, fused for the hot path; with `fp8`, the decoder's matmul weights block-quantised (see top)."""
+    if isinstance(origin, Mapping):
+        source = _DictSource(origin, "broadcast weights")
+    else:
+        source = _TensorSource(Path(origin))
+    read = _Reader(source, dtype, device)
+    layers = [_load_layer(read, config, i, fp8) for i in range(config.num_layers)]
+    embed, lm_head = _load_embedding_and_head(read, config)
+    weights = ModelWeights(embed=embed, layers=layers, lm_head=lm_head)
+    if onednn_packing_available(device, dtype):
+        weights.pack_for_onednn()
+    return weights
+
+
+def _matmul(weight: torch.Tensor, bias: torch.Tensor | None = None, parts: tuple[int, ...] | None = None, *,
+            fp8: bool) -> Linear:
+    return Fp8Linear(weight, bias, parts) if fp8 else Linear(weight, bias)
+
+
+def _load_layer(read: _Reader, c: ModelConfig, i: int, fp8: bool) -> LayerWeights:
+    """Decoder layer `i`: attention, then its dense MLP or its experts, with the norms folded in."""
+    p = f"model.layers.{i}."
+    input_norm = read.norm_weight(p + "input_layernorm.weight", c.hidden_size)
+    post_norm = read.norm_weight(p + "post_attention_layernorm.weight", c.hidden_size)
+    # FP8 quantises the checkpoint's weights, each on its own blocks (fused ones name their parts): the
+    # norm scales then stay on the activations.
+    fold_input, fold_post = (1, 1) if fp8 else (input_norm[None, :], post_norm[None, :])
+    layer = _load_attention(read, c, p, fold_input, fp8)
+    if fp8:
+        layer.input_scale, layer.post_scale = input_norm, post_norm
+    if c.sparse_layers and c.sparse_layers[i]:
+        _load_experts(layer, p + "mlp.", c, read)
+        _fold_experts(layer, c, fold_post, post_norm, fp8)
+    else:
+        _load_dense_mlp(layer, read, c, p, fold_post, fp8)
+    return layer
+
+
+def _load_attention(read: _Reader, c: ModelConfig, p: str, fold_input, fp8: bool) -> LayerWeights:
+    """Fused q/k/v projection (input norm folded in), the q and k norms as one scale, the output projection."""
+    h, d = c.hidden_size, c.head_dim
+    q_out, kv_out = c.num_heads * d, c.num_kv_heads * d
+    q_bias = read.maybe(p + "self_attn.q_proj.bias", (q_out,)) if c.attention_bias else None
+    qkv_weight = torch.cat(
+        [
+            read.get(p + "self_attn.q_proj.weight", (q_out, h)),
+            read.get(p + "self_attn.k_proj.weight", (kv_out, h)),
+            read.get(p + "self_attn.v_proj.weight", (kv_out, h)),
+        ]
+    ) * fold_input
+    qkv_bias = None if q_bias is None else torch.cat(
+        [q_bias, read.get(p + "self_attn.k_proj.bias", (kv_out,)), read.get(p + "self_attn.v_proj.bias", (kv_out,))]
+    )
+    return LayerWeights(
+        qkv=_matmul(qkv_weight, qkv_bias, parts=(q_out, kv_out, kv_out), fp8=fp8),
+        qk_norm=torch.cat(
+            [
+                read.norm_weight(p + "self_attn.q_norm.weight", d, d**-0.5).expand(c.num_heads, d),
+                read.norm_weight(p + "self_attn.k_norm.weight", d).expand(c.num_kv_heads, d),
+            ]
+        ),
+        o_proj=_matmul(
+            read.get(p + "self_attn.o_proj.weight", (h, q_out)),
+            read.maybe(p + "self_attn.o_proj.bias", (h,)) if c.attention_bias else None,
+            fp8=fp8,
+        ),
+    )
+
+
+def _load_dense_mlp(layer: LayerWeights, read: _Reader, c: ModelConfig, p: str, fold_post, fp8: bool) -> None:
+    h, inter = c.hidden_size, c.intermediate_size
+    layer.gate_up = _matmul(
+        torch.cat([read.get(p + "mlp.gate_proj.weight", (inter, h)), read.get(p + "mlp.up_proj.weight", (inter, h))])
+        * fold_post,
+        parts=(inter, inter),
+        fp8=fp8,
+    )
+    layer.down = _matmul(read.get(p + "mlp.down_proj.weight", (h, inter)), fp8=fp8)
+
+
+def _load_experts(layer: LayerWeights, prefix: str, c: ModelConfig, read: _Reader) -> None:
+    h, inter, n = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    layer.router = read.get(prefix + "gate.weight", (n, h))
+    if read.has(prefix + "experts.gate_up_proj"):  # transformers-5 fused layout
+        layer.experts_gate_up = read.get(prefix + "experts.gate_up_proj", (n, 2 * inter, h))
+        layer.experts_down = read.get(prefix + "experts.down_proj", (n, h, inter))
+        return
+    # Released checkpoints (and save_pretrained) store one module per expert.
+    layer.experts_gate_up = torch.stack(
+        [
+            torch.cat(
+                [
+                    read.get(f"{prefix}experts.{e}.gate_proj.weight", (inter, h)),
+                    read.get(f"{prefix}experts.{e}.up_proj.weight", (inter, h)),
+                ]
+            )
+            for e in range(n)
+        ]
+    )
+    layer.experts_down = torch.stack(
+        [read.get(f"{prefix}experts.{e}.down_proj.weight", (h, inter)) for e in range(n)]
+    )
+
+
+def _fold_experts(layer: LayerWeights, c: ModelConfig, fold_post, post_norm: torch.Tensor, fp8: bool) -> None:
+    """The post-attention norm into the router and the experts' gate/up weights; with FP8 the experts'
+    two matrices block-quantised instead (the norm then scales the activations)."""
+    layer.router = layer.router * fold_post
+    if fp8:
+        inter = c.moe_intermediate_size
+        layer.experts_fp8 = ([BlockFp8Weight(w, (inter, inter)) for w in layer.experts_gate_up],
+                             [BlockFp8Weight(w) for w in layer.experts_down])
+        layer.experts_gate_up = layer.experts_down = None
+    else:
+        layer.experts_gate_up = layer.experts_gate_up * post_norm[None, None, :]
+
+
+def _load_embedding_and_head(read: _Reader, c: ModelConfig) -> tuple[torch.Tensor, Linear]:
+    """The embedding, and the lm_head with the final norm folded in (a separate tensor even when tied)."""
+    h = c.hidden_size
+    embed = read.get("model.embed_tokens.weight", (c.vocab_size, h))
+    tied = c.tie_word_embeddings or not read.has("lm_head.weight")
+    lm_head = embed if tied else read.get("lm_head.weight", (c.vocab_size, h))
+    return embed, Linear(lm_head * read.norm_weight("model.norm.weight", h)[None, :])

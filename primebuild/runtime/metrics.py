@@ -1,0 +1,70 @@
+"""Trainer metrics as JSON lines in ``<run_dir>/metrics.jsonl``, the run's one metrics file.
+
+One line per metric and step: ``{"step": k, "role": "trainer", "name": "loss", "value": 0.12}``. The
+orchestrator appends its own lines (role "orchestrator") to the same file: each step's lines go out in
+one ``write`` on a file opened for appending, so concurrent writers do not interleave inside a line.
+After a resume a step may appear twice; readers keep the last line per (role, step, name).
+
+The same values go to the experiment trackers the manifest names (`sinks`, see primebuild/runtime/trackers/).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, path: str | os.PathLike, enabled: bool = True, role: str = "trainer",
+                 sinks: Sequence[Any] = ()):
+        self.path = Path(path)
+        self.enabled = enabled
+        self.role = role
+        self.sinks = list(sinks)  # primebuild/runtime/trackers: objects with log(step, values) and close()
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        lines = []
+        for name, value in values.items():
+            value = float(value)
+            # JSON has no NaN/inf: write null rather than an invalid line.
+            lines.append(
+                json.dumps(
+                    {
+                        "step": step,
+                        "role": self.role,
+                        "name": name,
+                        "value": value if math.isfinite(value) else None,
+                    }
+                )
+            )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, ("\n".join(lines) + "\n").encode())
+        finally:
+            os.close(fd)
+        for sink in self.sinks:
+            sink.log(step, values)
+
+    def close(self) -> None:
+        """Flush and close the trackers (wandb finishes its run); metrics.jsonl needs nothing."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
+
+
+def read_metrics(path: str | os.PathLike, role: str = "trainer") -> dict[int, dict[str, float | None]]:
+    """{step: {name: value}}, last line winning (see module docstring)."""
+    out: dict[int, dict[str, float | None]] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if rec.get("role") == role:
+                out.setdefault(rec["step"], {})[rec["name"]] = rec["value"]
+    return out

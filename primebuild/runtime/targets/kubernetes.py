@@ -1,0 +1,171 @@
+"""The Kubernetes target: apply the rendered objects with the official client, follow the JobSet.
+
+- provision: a kube context (`kubernetes.config.load_kube_config`, or in-cluster config); without one,
+  `run` refuses and says to `primebuild render --target kubernetes` and apply by hand;
+- launch: the rendezvous (the pods' DNS names) into the run folder, a Secret `<name>-admin` with a fresh
+  admin token (created through the API, never rendered), then every object of
+  primebuild/builders/render/kubernetes.py (ConfigMap, Service, JobSet), its pods running the image `run --image`
+  names (recorded in the run; default primebuild:latest);
+- follow: poll the JobSet's conditions (Completed / Failed) and print the progress lines from the run
+  folder (metrics.jsonl, on the shared volume); at the end copy each pod's log into logs/;
+- stop: delete what was applied (Kubernetes stops the pods);
+- state: the JobSet's terminal condition, or "running".
+
+No cluster runs on the CI machines: the rendered objects are validated there against the Kubernetes
+and CRD schemas (tests/test_render.py), and this module is exercised only as far as its refusal.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+
+from primebuild.builders.render.kubernetes import JOBSET_API, KubernetesObjects
+from primebuild.contracts.plan import Plan, read_plan
+from primebuild.contracts.render import RenderContext
+from primebuild.contracts.run_dir import LaunchRecord, Rendezvous, RunDir, write_json_atomic
+from primebuild.errors import UserError
+from primebuild.runtime.progress import Progress
+from primebuild.runtime.supervisor import Outcome
+from primebuild.runtime.targets.base import Echo, Target
+
+POLL_SECONDS = 5.0
+
+
+def _client():
+    try:
+        import kubernetes
+    except ImportError:
+        raise UserError("target kubernetes: the `kubernetes` package is not installed",
+                        hint="pip install 'primebuild[kubernetes]', or `primebuild render --target kubernetes` "
+                             "and kubectl apply the output") from None
+    try:
+        kubernetes.config.load_kube_config()
+    except Exception:  # noqa: BLE001 (no kubeconfig, no current context: both mean "no cluster here")
+        try:
+            kubernetes.config.load_incluster_config()
+        except Exception:  # noqa: BLE001
+            raise UserError("target kubernetes: no kube context (no kubeconfig, not inside a cluster)",
+                            hint="`primebuild render MANIFEST --target kubernetes` prints the objects to apply "
+                                 "with kubectl") from None
+    return kubernetes.client
+
+
+def _group_version(api_version: str) -> tuple[str, str]:
+    group, _, version = api_version.partition("/")
+    return group, version
+
+
+class KubernetesTarget(Target):
+    kind = "kubernetes"
+
+    def provision(self, plan: Plan) -> None:
+        _client()
+
+    def _renderer(self, run: RunDir, plan: Plan) -> KubernetesObjects:
+        record = run.read_json(run.run_record)
+        return KubernetesObjects(plan, RenderContext(run_dir=str(run.root), python="python3", image=record.get("image"),
+                                             model_path=record.get("model_path", "{model_path}")))
+
+    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
+        client = _client()
+        renderer = self._renderer(run, plan)
+        write_json_atomic(run.rendezvous, Rendezvous(**renderer.rendezvous()).model_dump(mode="json"))
+        core, custom = client.CoreV1Api(), client.CustomObjectsApi()
+        ns = renderer.namespace
+        token = client.V1Secret(metadata=client.V1ObjectMeta(name=f"{renderer.name}-admin"),
+                                string_data={"token": secrets.token_urlsafe(24)})
+        core.create_namespaced_secret(ns, token)
+        applied = [f"Secret/{renderer.name}-admin"]
+        for obj in renderer.objects():
+            kind, name = obj["kind"], obj["metadata"]["name"]
+            if kind == "ConfigMap":
+                core.create_namespaced_config_map(ns, obj)
+            elif kind == "Service":
+                core.create_namespaced_service(ns, obj)
+            else:
+                group, version = _group_version(JOBSET_API)
+                custom.create_namespaced_custom_object(group, version, ns, "jobsets", obj)
+            applied.append(f"{kind}/{name}")
+            echo(f"applied {kind}/{name} in namespace {ns}")
+        return LaunchRecord(target=self.kind, namespace=ns, objects=applied)
+
+    def _jobset_state(self, run: RunDir, record: LaunchRecord) -> str | None:
+        client = _client()
+        plan = read_plan(run.plan)
+        name = self._renderer(run, plan).name
+        group, version = _group_version(JOBSET_API)
+        try:
+            jobset = client.CustomObjectsApi().get_namespaced_custom_object(group, version, record.namespace,
+                                                                            "jobsets", name)
+        except client.exceptions.ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        for condition in (jobset.get("status") or {}).get("conditions", []):
+            if condition.get("type") in ("Completed", "Failed") and condition.get("status") == "True":
+                return f"{condition['type']}: {condition.get('message', '')}".strip()
+        return "running"
+
+    def follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int) -> Outcome:
+        progress = Progress(run.metrics, echo)
+        while True:
+            progress.poll()
+            state = self._jobset_state(run, record)
+            if state is None or state != "running":
+                break
+            time.sleep(POLL_SECONDS)
+        self._collect_logs(run, record)
+        progress.poll()
+        if state and state.startswith("Completed"):
+            self.stop(run, record)  # inference servers run until deleted
+            return Outcome(True, "run complete", 0)
+        return Outcome(False, f"JobSet {state or 'deleted'}; see {run.logs}", 1)
+
+    def _collect_logs(self, run: RunDir, record: LaunchRecord) -> None:
+        client = _client()
+        core = client.CoreV1Api()
+        name = self._renderer(run, read_plan(run.plan)).name
+        run.logs.mkdir(parents=True, exist_ok=True)
+        pods = core.list_namespaced_pod(record.namespace, label_selector=f"app.kubernetes.io/instance={name}")
+        for pod in pods.items:
+            for container in pod.spec.containers:
+                try:
+                    text = core.read_namespaced_pod_log(pod.metadata.name, record.namespace, container=container.name)
+                except client.exceptions.ApiException as err:
+                    text = f"(no log: {err.reason})\n"
+                (run.logs / f"pod-{pod.metadata.name}-{container.name}.log").write_text(text)
+
+    def active(self, run: RunDir, record: LaunchRecord) -> bool:
+        return self._jobset_state(run, record) == "running"
+
+    def stop(self, run: RunDir, record: LaunchRecord) -> str:
+        client = _client()
+        core, custom = client.CoreV1Api(), client.CustomObjectsApi()
+        ns = record.namespace
+        deleted = []
+        for ref in reversed(record.objects):
+            kind, _, name = ref.partition("/")
+            try:
+                if kind == "Secret":
+                    core.delete_namespaced_secret(name, ns)
+                elif kind == "ConfigMap":
+                    core.delete_namespaced_config_map(name, ns)
+                elif kind == "Service":
+                    core.delete_namespaced_service(name, ns)
+                else:
+                    group, version = _group_version(JOBSET_API)
+                    custom.delete_namespaced_custom_object(group, version, ns, "jobsets", name,
+                                                           propagation_policy="Foreground")
+                deleted.append(ref)
+            except client.exceptions.ApiException as err:
+                if err.status != 404:
+                    print(f"kubernetes: could not delete {ref}: {err.reason}", file=sys.stderr)
+        return f"deleted {', '.join(deleted)}" if deleted else "nothing of the run was applied"
+
+    def state(self, run: RunDir, record: LaunchRecord) -> str:
+        try:
+            return f"kubernetes JobSet: {self._jobset_state(run, record) or 'deleted'}"
+        except UserError as err:
+            return f"kubernetes: unknown ({err.problems[0].message})"

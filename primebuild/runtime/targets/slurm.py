@@ -1,0 +1,126 @@
+"""The Slurm target, on the submitting host: render the het-job script, `sbatch` it, follow it.
+
+- provision: sbatch/squeue/scontrol/scancel on PATH and slurmctld answering (`scontrol ping`);
+- launch: primebuild/builders/render/slurm.py -> RUN_DIR/job.sbatch, `sbatch --parsable --output …` -> job id;
+- follow: poll `squeue`/`scontrol show job` (bounded by the job itself: it has a time limit), print the
+  job's own output (the in-job supervisor's progress and attention lines) as it grows; a requeued job
+  goes back to PENDING and is followed on; at the end read outcome.json (the in-job supervisor's), or
+  the job's state when it never got that far (cancelled, out of time, node failure);
+- stop: `scancel` (after `primebuild stop` has given the STOP file its grace);
+- state: "slurm job N: RUNNING".
+
+The run folder must be on a filesystem every node sees, at the same path, and the interpreter that runs
+`primebuild` here must exist at the same path on the nodes (a shared install or the image): the job
+resolves no packages at start.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+
+from primebuild.builders.render.slurm import SCRIPT_NAME, render_slurm
+from primebuild.contracts.plan import Plan
+from primebuild.contracts.render import RenderContext
+from primebuild.contracts.run_dir import LaunchRecord, RunDir
+from primebuild.errors import UserError
+from primebuild.runtime.supervisor import Outcome
+from primebuild.runtime.targets.base import Echo, Target
+
+COMMANDS = ("sbatch", "squeue", "scontrol", "scancel")
+POLL_SECONDS = 1.0
+DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+               "BOOT_FAIL", "DEADLINE"}
+
+
+def _run(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def job_state(job_id: str) -> tuple[str | None, str | None]:
+    """(state, exit code) of the job's first component, or (None, None) when Slurm no longer knows it."""
+    shown = _run(["scontrol", "show", "job", "-o", job_id])
+    if shown.returncode != 0:
+        return None, None
+    first = shown.stdout.splitlines()[0] if shown.stdout else ""
+    fields = dict(part.split("=", 1) for part in first.split() if "=" in part)
+    return fields.get("JobState"), fields.get("ExitCode")
+
+
+class SlurmTarget(Target):
+    kind = "slurm"
+    finishes_in_job = True
+
+    def provision(self, plan: Plan) -> None:
+        missing = [c for c in COMMANDS if shutil.which(c) is None]
+        if missing:
+            raise UserError(f"target slurm: {', '.join(missing)} not found on PATH",
+                            hint="run on a Slurm login node, or `primebuild render --target slurm` and submit "
+                                 "the script yourself")
+        ping = _run(["scontrol", "ping"], timeout=20)
+        if ping.returncode != 0 or "UP" not in ping.stdout:
+            raise UserError(f"target slurm: slurmctld does not answer (`scontrol ping`: "
+                            f"{(ping.stdout + ping.stderr).strip() or ping.returncode})")
+
+    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
+        ctx = RenderContext(run_dir=str(run.root), python=sys.executable)
+        script = run.artifact(SCRIPT_NAME)
+        script.write_text(render_slurm(plan, ctx)[SCRIPT_NAME])
+        script.chmod(0o755)
+        run.logs.mkdir(parents=True, exist_ok=True)
+        submitted = _run(["sbatch", "--parsable", f"--output={run.logs}/job-%j.log", "--open-mode=append",
+                          f"--chdir={run.root}", str(script)], timeout=60)
+        if submitted.returncode != 0:
+            raise UserError(f"sbatch refused {script}: {submitted.stderr.strip() or submitted.stdout.strip()}")
+        job_id = submitted.stdout.strip().split(";")[0]
+        echo(f"submitted slurm job {job_id} ({script})")
+        return LaunchRecord(target=self.kind, job_id=job_id)
+
+    def follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int) -> Outcome:
+        job_id = record.job_id
+        assert job_id
+        log = run.job_log(job_id)
+        offset, last_state, partial = 0, None, ""
+        while True:
+            state, exit_code = job_state(job_id)
+            if state != last_state and state is not None:
+                echo(f"slurm job {job_id}: {state}")
+                last_state = state
+            if log.is_file():
+                with open(log, errors="replace") as handle:
+                    handle.seek(offset)
+                    chunk = handle.read()
+                    offset = handle.tell()
+                lines = (partial + chunk).split("\n")
+                partial = lines.pop()
+                for line in lines:
+                    if verbosity or line.startswith(("step", "error", "outcome")):
+                        echo(line)
+            if state is None or state in DONE_STATES:
+                break
+            time.sleep(POLL_SECONDS)
+        outcome = run.read_outcome()
+        if outcome is not None and (state in (None, "COMPLETED", "FAILED")):
+            return Outcome(outcome.ok, outcome.message, outcome.exit_code)
+        return Outcome(False, f"slurm job {job_id} ended {state or 'unknown'} (exit code {exit_code}) before its "
+                       f"supervisor finished; see {log}", 1)
+
+    def active(self, run: RunDir, record: LaunchRecord) -> bool:
+        state, _ = job_state(record.job_id) if record.job_id else (None, None)
+        return state is not None and state not in DONE_STATES
+
+    def stop(self, run: RunDir, record: LaunchRecord) -> str:
+        if not record.job_id:
+            return "no slurm job recorded"
+        if not self.active(run, record):
+            return f"slurm job {record.job_id} is not running"
+        done = _run(["scancel", record.job_id])
+        if done.returncode != 0:
+            raise UserError(f"scancel {record.job_id}: {done.stderr.strip()}")
+        return f"cancelled slurm job {record.job_id}"
+
+    def state(self, run: RunDir, record: LaunchRecord) -> str:
+        state, exit_code = job_state(record.job_id) if record.job_id else (None, None)
+        return f"slurm job {record.job_id}: {state or 'gone'}" + (f" (exit {exit_code})" if exit_code else "")

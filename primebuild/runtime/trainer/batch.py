@@ -1,0 +1,174 @@
+"""How the trainer cuts a rollout batch (its file: primebuild/runtime/rollout_file.py) into micro-batches.
+
+Samples are right-padded into 2-D micro-batches whose *padded* size (rows × longest row) stays within
+``micro_batch_tokens``; micro-batches are balanced over ranks by token count, and every rank gets the same
+number of them (FSDP collectives must match across ranks), topped up with empty micro-batches whose loss
+weight is zero. The loss is normalised by a constant of the whole step (see :func:`loss_normalizer`),
+never by anything that depends on the split, so 1 rank and N ranks compute the same gradient.
+
+With router replay a micro-batch carries the samples' ``routed_experts`` as [rows, tokens, moe_layers,
+top_k] int64, -1 where nothing was recorded (each row's last token and padding: the trainer's router
+chooses there; no log-prob depends on them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from primebuild.contracts.rollout import Sample
+from primebuild.errors import UserError
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded rows. Position t of every per-token tensor describes token ``input_ids[:, t]``; its
+    trainer log-prob comes from the logits at t-1, so column 0 never carries loss."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
+    loss_mask: torch.Tensor  # [B, T] bool, True on trained completion tokens
+    inference_logprobs: torch.Tensor  # [B, T] float32
+    advantages: torch.Tensor  # [B, T] float32
+    sample_indices: list[int]  # rows -> index in the batch (empty for padding micro-batches)
+    routed_experts: torch.Tensor | None = None  # [B, T, moe_layers, top_k] int64, -1 = not recorded
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sample_indices
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def _collate(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBatch:
+    width = max(samples[i].num_tokens for i in indices)
+    rows = len(indices)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((rows, width), dtype=torch.long)
+    loss_mask = torch.zeros((rows, width), dtype=torch.bool)
+    inf_lp = torch.zeros((rows, width), dtype=torch.float32)
+    adv = torch.zeros((rows, width), dtype=torch.float32)
+    for r, i in enumerate(indices):
+        s = samples[i]
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[r, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
+        attention[r, : p + c] = 1
+        mask = torch.ones(c, dtype=torch.bool)
+        if s.completion_mask is not None:
+            mask = torch.tensor(s.completion_mask, dtype=torch.bool)
+        loss_mask[r, p : p + c] = mask
+        inf_lp[r, p : p + c] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
+        adv[r, p : p + c] = float(s.advantage)
+    return MicroBatch(input_ids, attention, loss_mask, inf_lp, adv, list(indices), _collate_routes(samples, indices, width))
+
+
+def _collate_routes(samples: list[Sample], indices: list[int], width: int) -> torch.Tensor | None:
+    routes = [samples[i].routed_experts for i in indices]
+    if all(r is None for r in routes):
+        return None
+    if any(r is None for r in routes):
+        raise UserError("some samples of the batch carry routed_experts and some do not",
+                        hint="router replay needs the routes of every sample")
+    _, layers, top_k = routes[0].shape
+    out = torch.full((len(indices), width, layers, top_k), -1, dtype=torch.long)
+    for row, r in enumerate(routes):
+        if r.shape[1:] != (layers, top_k):
+            raise UserError(f"routed_experts of shape {tuple(r.shape)} next to [..., {layers}, {top_k}]")
+        out[row, : r.shape[0]] = r.long()
+    return out
+
+
+def pad_columns(mb: MicroBatch, width: int, pad_id: int) -> MicroBatch:
+    """`mb` right-padded to `width` columns (no attention, no loss there): context parallelism splits
+    a sequence into equal chunks."""
+    extra = width - mb.input_ids.shape[1]
+    if extra <= 0:
+        return mb
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.cat([t, torch.full((t.shape[0], extra, *t.shape[2:]), value, dtype=t.dtype)], dim=1)
+
+    routes = None if mb.routed_experts is None else pad(mb.routed_experts, -1)  # -1: the router's own choice
+    return MicroBatch(pad(mb.input_ids, pad_id), pad(mb.attention_mask, 0), pad(mb.loss_mask, False),
+                      pad(mb.inference_logprobs, 0.0), pad(mb.advantages, 0.0), mb.sample_indices, routes)
+
+
+def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
+    """A two-token row with no loss: it still runs forward and backward, so its rank joins every FSDP
+    collective, while contributing exactly zero gradient."""
+    z = torch.zeros((1, 2), dtype=torch.float32)
+    return MicroBatch(
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
+        attention_mask=torch.ones((1, 2), dtype=torch.long),
+        loss_mask=torch.zeros((1, 2), dtype=torch.bool),
+        inference_logprobs=z,
+        advantages=z.clone(),
+        sample_indices=[],
+    )
+
+
+def pack(
+    samples: list[Sample], micro_batch_tokens: int, world_size: int, pad_id: int = 0
+) -> list[list[MicroBatch]]:
+    """Cut ``samples`` into micro-batches and deal them to ranks; returns one list per rank, all the same
+    length. Deterministic: every rank computes the same plan from the same batch and takes its own share.
+
+    Samples are sorted longest first and filled first-fit into micro-batches whose padded size
+    (rows × longest row) fits ``micro_batch_tokens`` — sorting keeps rows of a micro-batch similar in
+    length, so little is spent on padding. A sample longer than the budget gets a micro-batch of its own.
+    Micro-batches then go to the least-loaded rank (by padded tokens), largest first.
+    """
+    if micro_batch_tokens <= 0:
+        raise UserError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    order = sorted(range(len(samples)), key=lambda i: (-samples[i].num_tokens, i))
+    groups: list[list[int]] = []  # each: sample indices; the first is the longest
+    for i in order:
+        for g in groups:
+            # The group's first sample is its longest, since we insert in decreasing length.
+            if (len(g) + 1) * samples[g[0]].num_tokens <= micro_batch_tokens:
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    micro_batches = [_collate(samples, g, pad_id) for g in groups]
+
+    per_rank: list[list[MicroBatch]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for mb in sorted(micro_batches, key=lambda m: -m.padded_tokens):  # stable: ties keep creation order
+        rank = min(range(world_size), key=lambda r: (load[r], len(per_rank[r]), r))
+        per_rank[rank].append(mb)
+        load[rank] += mb.padded_tokens
+    depth = max(1, max(len(r) for r in per_rank))
+    for r in per_rank:
+        r.extend(empty_micro_batch(pad_id) for _ in range(depth - len(r)))
+    return per_rank
+
+
+NormalizerKind = Literal["step_tokens", "samples_x_max_tokens"]
+
+
+def loss_normalizer(samples: list[Sample], kind: NormalizerKind, max_completion_tokens: int | None) -> float:
+    """The constant every micro-batch's loss sum is divided by; it depends on the whole step only.
+
+    - ``step_tokens``: total trained completion tokens in the step (a token-level mean over the step, as
+      in DAPO): every token weighs the same whatever the length of its completion.
+    - ``samples_x_max_tokens``: number of samples × max completion length (Dr. GRPO's constant): the
+      weight of a token does not even depend on the other samples' lengths.
+    Neither divides a sample by its own length, which biases towards short answers (calibration.md).
+    """
+    if kind == "step_tokens":
+        return float(max(1, sum(s.num_loss_tokens for s in samples)))
+    if kind == "samples_x_max_tokens":
+        if not max_completion_tokens:
+            raise UserError(
+                "loss_normalizer 'samples_x_max_tokens' needs max_completion_tokens",
+                hint="set trainer max_completion_tokens",
+            )
+        return float(max(1, len(samples)) * int(max_completion_tokens))
+    raise UserError(f"unknown loss_normalizer {kind!r}; use 'step_tokens' or 'samples_x_max_tokens'")
