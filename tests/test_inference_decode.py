@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from inference_helpers import load_hf, save_model, teacher_forced_logprobs
 
 from primebuild.runtime.inference import linear as linear_module
-from primebuild.runtime.inference.engine import ChoiceResult, Engine
+from primebuild.runtime.inference.engine import Engine
 from primebuild.runtime.inference.linear import Linear, onednn_packing_available
 from primebuild.runtime.inference.model import _unit
 from primebuild.runtime.inference.sampling import SamplingParams, sample, sample_greedy
+from primebuild.runtime.inference.sequences import ChoiceResult
 
 torch.set_num_threads(1)
 ONEDNN = onednn_packing_available("cpu", torch.float32)

@@ -10,8 +10,9 @@ import torch
 from inference_helpers import hf_greedy, load_hf, save_model, teacher_forced_logprobs
 
 from primebuild.kernels.routing import decode_routes
-from primebuild.runtime.inference.engine import ChoiceResult, Engine
+from primebuild.runtime.inference.engine import Engine
 from primebuild.runtime.inference.sampling import SamplingParams
+from primebuild.runtime.inference.sequences import ChoiceResult
 
 torch.set_num_threads(1)
 

@@ -22,10 +22,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from primebuild.errors import UserError
 
-from .engine import ChoiceResult, Engine, EngineDead, SeqUpdate
+from .engine import Engine, EngineDead
 from .prefilled import Prefilled
 from .protocol import ApiError
 from .sampling import SamplingParams
+from .sequences import ChoiceResult, SeqUpdate
 from .tokenizer import ServedTokenizer
 from .tool_parser import ParsedMessage
 
