@@ -81,9 +81,17 @@ def _wait_for_trained(run_dir_parent: Path, step: int, proc: subprocess.Popen, t
     raise AssertionError(f"step {step} was not trained within {timeout} s")
 
 
-def test_run_completes_with_summary_report_and_records(workspace: Path, tmp_path: Path):
-    runs = tmp_path / "runs"
-    result = _run(workspace, runs, "--set", "orchestrator.max_steps=3")
+@pytest.fixture(scope="module")
+def three_synchronous_steps(workspace: Path, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One 3-step run with max_off_policy_steps 0, for the two tests below that read it (a launch costs
+    ~8 s; the asynchronous default runs in the tests further down)."""
+    runs = tmp_path_factory.mktemp("three-steps") / "runs"
+    result = _run(workspace, runs, "--set", "orchestrator.max_steps=3", "--set", "orchestrator.max_off_policy_steps=0")
+    return result, runs
+
+
+def test_run_completes_with_summary_report_and_records(three_synchronous_steps):
+    result, runs = three_synchronous_steps
     assert result.returncode == 0, result.stdout + result.stderr + _logs(runs)
     assert "Traceback" not in result.stdout + result.stderr
     run_dir = _run_dir(runs)
@@ -110,7 +118,7 @@ def test_run_completes_with_summary_report_and_records(workspace: Path, tmp_path
     state = json.loads(status.stdout)
     assert state["steps_trained"] == 3 and state["outcome"] == "run complete"
     newest = subprocess.run([sys.executable, "-m", "primebuild.cli", "status", "-o", "json"],  # no RUN_DIR
-                            capture_output=True, text=True, timeout=60, cwd=tmp_path)  # ./runs/ is there
+                            capture_output=True, text=True, timeout=60, cwd=runs.parent)  # ./runs/ is there
     assert json.loads(newest.stdout)["run_dir"] == str(run_dir)
     logs = subprocess.run([sys.executable, "-m", "primebuild.cli", "logs", "--process", "trainer", "-n", "50",
                            "--runs-dir", str(runs)], capture_output=True, text=True, timeout=60)
@@ -121,7 +129,7 @@ def test_run_completes_with_summary_report_and_records(workspace: Path, tmp_path
     stop = subprocess.run([sys.executable, "-m", "primebuild.cli", "stop", str(run_dir)],
                           capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0 and (run_dir / "STOP").exists()
-    (run_dir / "STOP").unlink()
+    (run_dir / "STOP").unlink()  # the run folder is read again by the next test
     # nothing secret lands in the run folder: the admin token lives only in the processes' environment
     everything = "".join(p.read_text(errors="ignore") for p in run_dir.rglob("*") if p.is_file()
                          and p.suffix in {".json", ".log", ".jsonl"})
@@ -164,11 +172,9 @@ def test_store_reuses_the_sft_model(workspace: Path, tmp_path: Path):
     assert entry in first.stdout  # the same store entry
 
 
-def test_synchronous_fp32_mismatch_kl_is_tiny(workspace: Path, tmp_path: Path):
+def test_synchronous_fp32_mismatch_kl_is_tiny(three_synchronous_steps):
     """With max_off_policy_steps 0 the trainer scores exactly the weights that sampled: KL ~ 0."""
-    runs = tmp_path / "runs"
-    result = _run(workspace, runs, "--set", "orchestrator.max_steps=3",
-                  "--set", "orchestrator.max_off_policy_steps=0")
+    result, runs = three_synchronous_steps
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = _run_dir(runs)
     kls = [r["value"] for r in _metrics(run_dir) if r["role"] == "trainer" and r["name"] == "mismatch_kl"]

@@ -66,8 +66,8 @@ def test_sft_learns_the_call_and_the_answer_in_the_chat_template_never_the_tool_
 def test_a_short_run_records_tool_calls_trained_and_tool_results_masked(tmp_path):
     root = tmp_path / "ws"
     manifests = sft_workspace(root, ("tool-use.yaml",), sft="tool-use-sft.yaml",
-                              sft_changes={"steps": 150, "warmup_steps": 10})
-    result = run_cli("run", manifests / "tool-use.yaml", "--set", "orchestrator.max_steps=2",
+                              sft_changes={"steps": 50, "warmup_steps": 10})  # 9 of step 1's 16 rollouts call the tool
+    result = run_cli("run", manifests / "tool-use.yaml", "--set", "orchestrator.max_steps=1",
                      "--set", "orchestrator.rollouts_per_step=16", "--set", "orchestrator.eval_every=0",
                      "--runs-dir", root / "runs", timeout=900, env={"PRIMEBUILD_STORE": str(root / "store")})
     assert result.code == 0, result.text

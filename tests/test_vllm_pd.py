@@ -5,6 +5,10 @@ the session's unified server (conftest `vllm_tiny`, seed-0 weights) as the refer
 Prompts are 44 and 70 tokens long, so one and two whole blocks of KV move (the last prompt token is always
 computed by the consumer); the consumer's `vllm:external_prefix_cache_hits` counts the tokens it loaded
 instead of computing, so a transfer that silently fell back to recomputation fails these tests.
+
+The last test changes the pair's weights by broadcast (so it runs last on the pair): both servers join the
+trainer's weight group (ranks 1 and 2 of 3) as the plan starts them, load the same step, and the decode
+server continues from the KV the prefill server computed with the new weights.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,14 +25,16 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import free_port
+from inference_helpers import hf_greedy, load_hf
 from vllm_helpers import START_TIMEOUT_S, VLLM_ADMIN_TOKEN, VllmServer, save_tiny_model
 
 from primebuild.contracts.router import VllmPool, VllmRouterConfig
 from primebuild.runtime.inference.vllm.admin import VllmAdmin
-from primebuild.runtime.inference.vllm.completions import completion_request
+from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
 from primebuild.runtime.inference.vllm.pd_router import create_router
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]  # three vLLM starts: minutes each under load
+SENDER = Path(__file__).parent / "vllm_broadcast_sender.py"
 
 BLOCK = 32
 rng = random.Random(0)
@@ -95,7 +103,7 @@ def pd(vllm_tiny, tmp_path_factory):
         transfer = {"kv_connector": "ExampleConnector", "kv_role": role,
                     "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
         servers[role] = VllmServer(vllm_tiny.model_path, root / f"{role}.log", admin_token=VLLM_ADMIN_TOKEN,
-                                   kv_transfer=transfer, block_size=BLOCK)
+                                   weight_broadcast=True, kv_transfer=transfer, block_size=BLOCK)
     router = None
     try:
         for server in servers.values():
@@ -189,3 +197,60 @@ def test_kv_of_an_older_policy_is_prefilled_again_not_continued(pd, vllm_tiny):
     assert split["token_ids"] == unified["token_ids"]
     assert split["logprobs"]["token_logprobs"] == pytest.approx(unified["logprobs"]["token_logprobs"], abs=1e-4)
     assert not any(storage.iterdir())
+
+
+def admin_call(url: str, fn, members=()):
+    async def call():
+        async with VllmAdmin(url, admin_token=VLLM_ADMIN_TOKEN, members=members) as admin:
+            return await fn(admin)
+    return asyncio.run(call())
+
+
+def greedy_tokens(server: VllmServer, prompts, new_tokens: int = 8) -> list[list[int]]:
+    body = completion_request(server.model_name, prompts, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return [c["token_ids"] for c in adapt_response(server.complete(body), policy_version=0)]
+
+
+def test_prefill_and_decode_servers_both_receive_a_broadcast(pd, tmp_path):
+    """Straight to the servers, no router: what the orchestrator does behind one for a broadcast."""
+    _, prefill, decode, _, _ = pd
+    prompts = [[5, 6, 7, 8], [20, 11, 9], [4, 4, 30, 12, 13, 14, 15]]
+    long_prompt = [(7 * i + 3) % 30 + 1 for i in range(40)]  # > one 32-token KV block: the connector moves one
+    b = save_tiny_model(tmp_path / "model-b", seed=1)
+    hf_b = load_hf(b)
+    assert greedy_tokens(decode, prompts) != [hf_greedy(hf_b, p, 8) for p in prompts]
+
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    sender = subprocess.Popen([sys.executable, str(SENDER), init_method, "3", "3", str(b)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(2)  # the sender hosts the group's store
+        for rank, server in ((1, prefill), (2, decode)):  # the plan's layout: prefill servers, then decode
+            admin_call(server.url, lambda adm, r=rank: adm.init_broadcast(init_method, rank_offset=r, world_size=3))
+        # what the orchestrator reads behind a P/D router: the workers of both servers
+        both = (prefill.url, decode.url)
+        deadline = time.monotonic() + 180
+        while admin_call(prefill.url, VllmAdmin.received_version, members=both) != 3:
+            assert time.monotonic() < deadline, admin_call(prefill.url, VllmAdmin.broadcast_status, members=both)
+            time.sleep(0.25)
+        status = admin_call(prefill.url, VllmAdmin.broadcast_status, members=both)
+        assert [s["rank"] for s in status] == [1, 2] and all(s["error"] is None for s in status), status
+        assert sender.wait(60) == 0, sender.communicate()[0]
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(10)
+
+    for server in (prefill, decode):
+        assert admin_call(server.url, lambda adm: adm.update_weights(version=3, source="broadcast")) == 3
+        assert admin_call(server.url, VllmAdmin.policy_version) == 3
+        assert greedy_tokens(server, prompts) == [hf_greedy(hf_b, p, 8) for p in prompts]
+
+    # P/D on the new weights: the producer prefills (its KV goes to the shared store), the consumer
+    # injects that KV and decodes; the tokens are B's
+    logged = decode.log_path.stat().st_size  # the earlier tests' hits are in the log already
+    greedy_tokens(prefill, [long_prompt], new_tokens=1)
+    assert greedy_tokens(decode, [long_prompt]) == [hf_greedy(hf_b, long_prompt, 8)]
+    with open(decode.log_path, "rb") as log:
+        log.seek(logged)
+        assert "External Cache Hit" in log.read().decode(errors="replace")

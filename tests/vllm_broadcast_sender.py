@@ -1,7 +1,7 @@
 """The trainer side of a weight broadcast, as a process of its own: rank 0 of the weight group sends
 the weights of an HF folder as one step, then closes the group (or, with `hold`, keeps it open until
 killed, as a trainer that dies would). Used by tests/test_vllm_server.py, test_vllm_parallel.py,
-test_vllm_pd_broadcast.py.
+test_vllm_pd.py.
 
     python tests/vllm_broadcast_sender.py INIT_METHOD WORLD_SIZE STEP FOLDER [hold]
 """
