@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import listening_sockets, processes_of
 from conftest import free_port, sft_workspace
+from test_run_local import _trained_steps, _wait_for_trained
 
 from primebuild.contracts.estimates import Estimates, ProfileTimes
 from primebuild.contracts.run_dir import RunDir
@@ -168,22 +169,6 @@ def _start(manifests: Path, runs: Path, *args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(manifests))
 
 
-def _trained_steps(run_dir: Path) -> list[int]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return sorted(r["step"] for r in rows if r["role"] == "trainer" and r["name"] == "loss")
-
-
-def _wait_for_trained(runs: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        dirs = [p for p in runs.iterdir() if p.is_dir()] if runs.exists() else []
-        if dirs and (dirs[0] / "metrics.jsonl").exists() and step in _trained_steps(dirs[0]):
-            return dirs[0]
-        time.sleep(0.3)
-    raise AssertionError(f"step {step} was not trained within {timeout} s")
-
-
 def _pids(run_dir: Path, process: str, **env: str) -> list[int]:
     """Live pids of plan process `process` of this run whose environment also holds `env`."""
     found = []
@@ -205,7 +190,7 @@ def test_a_rank_that_stops_coming_ends_the_run_naming_it_and_nothing_listens_bey
     proc = _start(manifests, runs, "--set", "trainer.ranks=2", "--set", "trainer.dp_shard=2",
                    "--set", "orchestrator.max_steps=200")
     try:
-        run_dir = _wait_for_trained(runs, 2, proc)
+        run_dir = _wait_for_trained(runs, 2, proc, timeout=300)
         sockets = listening_sockets([int(line.split(":")[0]) for line in processes_of(run_dir)])
         trainer_pids = set(_pids(run_dir, "trainer"))
         assert any(pid in trainer_pids for pid, _, _ in sockets), sockets  # the rendezvous, the ranks' gloo
@@ -243,23 +228,24 @@ def test_a_frozen_inference_server_is_named_and_max_restarts_finishes_every_step
     runs = tmp_path / "runs"
     proc = _start(manifests, runs, "--set", "orchestrator.max_steps=6", "--max-restarts", "1")
     try:
-        run_dir = _wait_for_trained(runs, 2, proc)
+        run_dir = _wait_for_trained(runs, 2, proc, timeout=300)
         (server,) = _pids(run_dir, "inference-0")
         os.kill(server, signal.SIGSTOP)
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             proc.kill()
-    _assert_frozen_server_named_and_run_resumed(proc, out, run_dir, server)
-
-
-def _assert_frozen_server_named_and_run_resumed(proc: subprocess.Popen, out: str, run_dir: Path, server: int) -> None:
-    """The watchdog named the frozen inference-0, dumped the stacks, and the one restart trained steps 1-6 once."""
     assert proc.returncode == 0, out
+    assert_frozen_server_named_and_run_resumed(out, run_dir, server, steps=6)
+
+
+def assert_frozen_server_named_and_run_resumed(out: str, run_dir: Path, server: int, steps: int) -> None:
+    """The watchdog named the frozen inference-0 and dumped the stacks; the one restart (`--max-restarts 1`)
+    resumed and trained steps 1..steps exactly once (also the vLLM fault run's, tests/test_run_vllm.py)."""
     print(next(line for line in out.splitlines() if line.startswith("error: hang")))
     assert f"inference-0 (pid {server}) is stopped" in out and "restart 1/1" in out, out
     assert "resuming" in out and "run complete" in out, out
-    assert _trained_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # each step exactly once
+    assert _trained_steps(run_dir) == list(range(1, steps + 1))  # each step exactly once, none lost
     report = (run_dir / "stacks" / "hang.txt").read_text()
     assert f"inference-0 (pid {server}): stopped" in report and "orchestrator (pid" in report, report
     assert not (run_dir / "failure.json").exists()  # the resumed session ended well

@@ -182,7 +182,7 @@ def test_the_image_holds_python_the_locked_packages_the_project_and_the_plan(ima
     assert "torch==2.13.0+cpu" in requirements and "--hash=sha256:" in requirements
     plan = json.loads(small["opt/primebuild/run/plan.json"])
     assert plan["plan_hash"] == info["plan_hash"] and plan["image"] is None and plan["lock_hash"]
-    assert "opt/primebuild/run/lock.json" in small and "opt/primebuild/src/builders/lock.py" in small
+    assert "opt/primebuild/run/lock.json" in small and "opt/primebuild/src/primebuild/builders/lock.py" in small
     assert "usr/local/lib/python3.11/dist-packages/primebuild/builders/lock.py" in members  # installed too
     # the plan that names the image: same as `plan --locked --image-digest`
     named = call_cli(capsys, "plan", "--locked", "--image-digest", info["image_digest"], "-o", "json", manifest)
