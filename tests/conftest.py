@@ -4,6 +4,7 @@ ports, and workspaces whose short SFT is built once per session."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -49,11 +50,39 @@ def call_cli(capsys: pytest.CaptureFixture, *args: str) -> CliResult:
     return CliResult(code, captured.out, captured.err)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody on `host` holds right now (the kernel picks it; the caller binds it soon after)."""
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux: /proc; elsewhere its usual default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+# A run derives ports from inference.port: one per server (+0..+7), KV inboxes and data-parallel coordinators
+# (+1000..), NIXL side channels (+2000..) -- see primebuild/builders/processes.py.
+_DERIVED = tuple(offset + i for offset in (0, 1000, 2000) for i in range(8))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A base port whose whole neighbourhood a run derives from it is free on `host` right now.
+
+    Drawn below the kernel's ephemeral range: a port picked there (bind to 0) can be taken by any outgoing
+    connection before the run binds it, which once made a P/D run see its decode port in use."""
+    floor = _ephemeral_floor() - 2100
+    for _ in range(500):
+        base = random.randrange(10000, floor)
+        if all(_bindable(host, base + d) for d in _DERIVED):
+            return base
+    raise RuntimeError(f"no free block of ports below {floor} on {host}")
 
 
 @pytest.fixture

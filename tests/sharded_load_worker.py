@@ -61,7 +61,6 @@ def main(model_path: str, warmup_path: str, out_dir: str, ep: str = "1") -> None
 
     model, load_peak = peak_above_now(lambda: load(model_path))
     weights, publish_peak = peak_above_now(lambda: publish(model, Path(out_dir) / "weights"))
-    # the first publish leaves the allocator a few freed layers' worth to reuse; the next one adds less
     _, publish_again_peak = peak_above_now(lambda: publish(model, Path(out_dir) / "weights", step=2))
     groups: dict[str, int] = {}
     for spec in weights.layout:

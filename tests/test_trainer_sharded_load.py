@@ -39,7 +39,11 @@ def run_ranks(n: int, model: Path, warmup: Path, out: Path, ep: int = 1) -> list
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={free_port()}",
            str(WORKER), str(model), str(warmup), str(out), str(ep)]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    # A fixed mmap threshold: glibc then returns every large freed block to the kernel at once, so peak RSS
+    # measures the tensors alive at the peak, not what the allocator happened to keep from an earlier step
+    # (with its sliding threshold a second publish measured 1-13 MB from run to run).
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
@@ -71,14 +75,13 @@ def test_load_memory_falls_as_one_over_ranks_and_publishing_adds_one_layer(tmp_p
             # what a rank pays: its shards, plus one layer's mapped file pages and read blocks (the old
             # loader held the whole fp32 model on every rank, 45 MB, before sharding it)
             assert r["load_peak"] <= r["shard_bytes"] + 2 * r["largest_group_bytes"] + 2 * MB, (n, r)
-    # publishing gathers one decoder layer at a time: about one layer above the shards once the allocator
-    # has its free blocks (the first publish leaves it ~3 freed layers: 11-16 MB seen, 3.75 MB a layer);
-    # the old gather of the full state dict added the model (45 MB) on rank 0
+    # publishing gathers one decoder layer at a time: one layer plus the gather's temporaries above the
+    # shards, every time (5.3 MB seen, 3.75 MB a layer); holding the previous layer while gathering the next
+    # measured 8-9 MB, and the old gather of the full state dict added the model (45 MB) on rank 0
     for n in (2, 4):
         for r in runs[n]:
             layer = r["largest_group_bytes"]
-            assert r["publish_again_peak"] <= 2 * layer + 2 * MB, (n, r)
-            assert r["publish_peak"] <= 6 * layer and r["publish_peak"] <= 0.5 * r["model_bytes"], (n, r)
+            assert r["publish_peak"] < 2 * layer and r["publish_again_peak"] < 2 * layer, (n, r)
 
 
 @pytest.mark.slow

@@ -73,5 +73,5 @@ class PublishedWeights:
 
     def drain(self) -> None:
         """Take part in every gather without keeping anything (ranks other than the writer)."""
-        for _ in self.groups():
-            pass
+        for group in self.groups():
+            del group  # dropped before the next gather, or two layers would be held at once
