@@ -31,6 +31,9 @@ from primebuild.runtime.supervisor import Outcome
 from primebuild.runtime.targets.base import Echo, Target
 
 POLL_SECONDS = 5.0
+# The core v1 kinds a run applies, as the client's method names spell them (create_namespaced_config_map...);
+# every other object is the JobSet, a custom object.
+_CORE_KINDS = {"Secret": "secret", "ConfigMap": "config_map", "Service": "service"}
 
 
 def _client():
@@ -80,13 +83,10 @@ class KubernetesTarget(Target):
         applied = [f"Secret/{renderer.name}-admin"]
         for obj in renderer.objects():
             kind, name = obj["kind"], obj["metadata"]["name"]
-            if kind == "ConfigMap":
-                core.create_namespaced_config_map(ns, obj)
-            elif kind == "Service":
-                core.create_namespaced_service(ns, obj)
+            if kind in _CORE_KINDS:
+                getattr(core, f"create_namespaced_{_CORE_KINDS[kind]}")(ns, obj)
             else:
-                group, version = _group_version(JOBSET_API)
-                custom.create_namespaced_custom_object(group, version, ns, "jobsets", obj)
+                custom.create_namespaced_custom_object(*_group_version(JOBSET_API), ns, "jobsets", obj)
             applied.append(f"{kind}/{name}")
             echo(f"applied {kind}/{name} in namespace {ns}")
         return LaunchRecord(target=self.kind, namespace=ns, objects=applied)
@@ -148,15 +148,10 @@ class KubernetesTarget(Target):
         for ref in reversed(record.objects):
             kind, _, name = ref.partition("/")
             try:
-                if kind == "Secret":
-                    core.delete_namespaced_secret(name, ns)
-                elif kind == "ConfigMap":
-                    core.delete_namespaced_config_map(name, ns)
-                elif kind == "Service":
-                    core.delete_namespaced_service(name, ns)
+                if kind in _CORE_KINDS:
+                    getattr(core, f"delete_namespaced_{_CORE_KINDS[kind]}")(name, ns)
                 else:
-                    group, version = _group_version(JOBSET_API)
-                    custom.delete_namespaced_custom_object(group, version, ns, "jobsets", name,
+                    custom.delete_namespaced_custom_object(*_group_version(JOBSET_API), ns, "jobsets", name,
                                                            propagation_policy="Foreground")
                 deleted.append(ref)
             except client.exceptions.ApiException as err:
