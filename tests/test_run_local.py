@@ -50,11 +50,18 @@ def _run(workspace: Path, runs: Path, *args: str, manifest: str = "reverse-text.
         capture_output=True, text=True, env=_env(workspace), timeout=280)
 
 
+def _as_in_a_terminal() -> None:
+    # Ctrl-C reaches a foreground command; a suite started in the background (`ci &`) hands its children
+    # SIGINT ignored, and Python then never raises KeyboardInterrupt: the interrupt test ran to the end.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(workspace: Path, runs: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text.yaml"),
          "--runs-dir", str(runs), "--quiet", *_small(*args)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(workspace))
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(workspace),
+        preexec_fn=_as_in_a_terminal)
 
 
 def _run_dir(runs: Path) -> Path:
