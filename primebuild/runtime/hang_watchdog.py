@@ -154,11 +154,12 @@ class HangWatchdog:
         return self.culprit
 
 
-def end_leftovers(run: RunDir) -> list[int]:
+def end_leftovers(run: RunDir, *, stopped_only: bool = False) -> list[int]:
     """SIGKILL what is left of the run on this host once it was told to stop: a stopped (SIGSTOP, state T)
     torchrun rank holds its SIGTERM pending forever, and lives in a session of its own that the
-    supervisor's group kill does not reach."""
-    left = [p.pid for p in run_processes(run)]
+    supervisor's group kill does not reach. `stopped_only`: only the stopped ones, which could neither
+    checkpoint nor exit on SIGTERM, so waiting for them would only add the SIGTERM grace to the stop."""
+    left = [p.pid for p in run_processes(run) if p.state == "T" or not stopped_only]
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

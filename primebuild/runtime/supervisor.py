@@ -17,6 +17,8 @@ step of its het-job component): only the launcher differs (primebuild/runtime/ta
   checkpoint the step it finished (so `--resume` loses nothing) for at most STOP_GRACE_SECONDS; then
   every process gets SIGTERM and, TERM_SECONDS later, SIGKILL. The whole run is down well within 30 s.
 - The run ends when the orchestrator exits 0 and the trainer has finished.
+- No step for longer than the hang bound (primebuild/runtime/hang_watchdog.py): the stuck process is named and
+  the run fails as above, a stopped (SIGSTOP) process SIGKILLed at once since it could not take SIGTERM.
 - No step for STALL_SECONDS: the terminal says so (and again every STALL_SECONDS), with the processes'
   last attention lines in their logs, so a run never sits silent.
 - `primebuild scale RUN --inference +1 / -1` adds or retires an inference replica while the run goes
@@ -253,6 +255,7 @@ class Supervisor:
         if message is None:
             return None
         stuck = self.running.get(self.hang.culprit_process) or self.running[self.plan.by_role("trainer")[0].name]
+        end_leftovers(self.run, stopped_only=True)  # their stacks are dumped; the others may still checkpoint
         outcome = self._fail(stuck, None, message, 1)
         end_leftovers(self.run)  # a frozen process ignores SIGTERM, and a torchrun rank is not in its group
         return outcome
