@@ -59,6 +59,6 @@ def in_layout_order(weights: StreamedWeights) -> Iterator[tuple[TensorSpec, torc
             if spec is None or spec.name != name or spec.dtype != tensor.dtype or spec.shape != tuple(tensor.shape):
                 raise RuntimeError(f"weight stream: got {name} {tensor.dtype} {tuple(tensor.shape)}, layout says {spec}")
             yield spec, tensor
-        del group, tensor  # this group is dropped before the next one is gathered: one group held, not two
+        group = tensor = None  # this group is dropped before the next one is gathered: one group held, not two
     if (left := next(specs, None)) is not None:
         raise RuntimeError(f"weight stream ended before {left.name}")
