@@ -77,7 +77,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     Drawn below the kernel's ephemeral range: a port picked there (bind to 0) can be taken by any outgoing
     connection before the run binds it, which once made a P/D run see its decode port in use."""
-    floor = _ephemeral_floor() - 2100
+    floor = max(_ephemeral_floor() - 2100, 12000)  # a machine whose ephemeral range starts low: best effort
     for _ in range(500):
         base = random.randrange(10000, floor)
         if all(_bindable(host, base + d) for d in _DERIVED):
