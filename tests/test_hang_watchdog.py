@@ -92,12 +92,12 @@ import threading
 from primebuild.runtime.stacks import dump_on_signal
 
 def wait_for_a_peer_that_never_comes(lock):
+    print("ready", flush=True)  # from inside: a dump that comes at once finds this frame (CI caught <module>)
     lock.acquire()
 
 dump_on_signal()
 lock = threading.Lock()
 lock.acquire()
-print("ready", flush=True)
 wait_for_a_peer_that_never_comes(lock)
 """
 
