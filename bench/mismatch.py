@@ -72,7 +72,7 @@ def score(policy, samples) -> dict:
         for mb in pack(samples, micro_batch_tokens=1 << 14, world_size=1)[0]:
             for replay in (False, True):
                 with policy.replay.replaying(mb.routed_experts if replay else None):
-                    lp, _ = policy(mb.input_ids, mb.attention_mask, 1.0)
+                    lp, _ = policy(mb.input_ids, mb.position_ids, 1.0)
                 rows[replay].append((lp - mb.inference_logprobs)[mb.loss_mask])
             a, t = policy.replay.take_agreement()
             agree, total = agree + a, total + t

@@ -55,7 +55,7 @@ def test_only_adapters_train_and_start_as_the_base(tiny):
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     ids = torch.tensor([[3, 17, 42, 5, 9]])
     with torch.no_grad():
-        ours, _ = policy(ids, torch.ones_like(ids), 1.0)
+        ours, _ = policy(ids, torch.arange(ids.shape[1])[None], 1.0)
         ref = torch.log_softmax(base(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
     assert torch.allclose(ours[0, 1:], ref, atol=1e-5)  # B = 0: the adapted model is the base model
 

@@ -97,7 +97,7 @@ def test_the_trainer_scores_every_model_token_as_the_server_sampled_it(rollouts)
     model_dir, _, env, _, group = rollouts
     policy, mb = _micro_batch(model_dir, group, env.id)
     with torch.no_grad():
-        lp, _ = policy(mb.input_ids, mb.attention_mask, 1.0)
+        lp, _ = policy(mb.input_ids, mb.position_ids, 1.0)
     trained = mb.loss_mask
     assert int(trained.sum()) == sum(r.transcript.model_tokens for r in group)
     diff = (lp - mb.inference_logprobs)[trained].abs().max().item()
@@ -111,15 +111,14 @@ def test_environment_tokens_carry_zero_gradient(rollouts):
 
     def gradients(inference_logprobs, advantages):
         policy.zero_grad(set_to_none=True)
-        lp, _ = policy(mb.input_ids, mb.attention_mask, 1.0)
+        lp, _ = policy(mb.input_ids, mb.position_ids, 1.0)
         lp.retain_grad()
         loss, _ = loss_fn(lp, inference_logprobs, advantages, mb.loss_mask)
         loss.backward()
         return lp.grad.clone(), [p.grad.clone() for p in policy.parameters()]
 
     lp_grad, params = gradients(mb.inference_logprobs, mb.advantages)
-    environment = (mb.attention_mask == 1) & ~mb.loss_mask
-    environment[:, 0] = False  # no prediction at position 0
+    environment = mb.real_tokens & ~mb.loss_mask & (mb.position_ids > 0)  # a document's first token: no prediction
     assert environment.any()
     assert torch.count_nonzero(lp_grad[environment]) == 0
     assert torch.count_nonzero(lp_grad[mb.loss_mask]) > 0

@@ -64,14 +64,14 @@ def rollout(tmp_path_factory):
 
 def score(policy: Policy, mb, replay: bool) -> torch.Tensor:
     with policy.replay.replaying(mb.routed_experts if replay else None):
-        lp, _ = policy(mb.input_ids, mb.attention_mask, 1.0)
+        lp, _ = policy(mb.input_ids, mb.position_ids, 1.0)
     return lp
 
 
 def own_routes(hf, mb) -> torch.Tensor:
     """[B, T, moe_layers, top_k] the trainer's router picks by itself."""
     with torch.no_grad():
-        out = hf(input_ids=mb.input_ids, attention_mask=mb.attention_mask, output_router_logits=True)
+        out = hf(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, output_router_logits=True)
     k = hf.config.num_experts_per_tok
     return torch.stack([r.softmax(-1).topk(k, -1).indices for r in out.router_logits], dim=1).view(
         *mb.input_ids.shape, len(out.router_logits), k)
@@ -92,7 +92,10 @@ def test_replayed_routes_give_the_engines_logprobs_and_only_replay_does(rollout)
         recorded = mb.routed_experts.sort(-1).values
         own = own_routes(hf, mb).sort(-1).values
         differs = ((recorded != own).any(-1).any(-1) & (mb.routed_experts[..., 0, 0] >= 0)).long()
-        upstream = torch.cat([torch.zeros_like(differs[:, :1]), differs.cumsum(1)[:, :-1]], dim=1) > 0
+        upstream = torch.zeros_like(mask)  # within its own document (packed rows)
+        for doc in range(len(mb.sample_indices)):
+            span = mb.document_ids[0] == doc
+            upstream[0, span] = torch.cat([differs.new_zeros(1), differs[0, span].cumsum(0)[:-1]]) > 0
         gap = (free - want).abs()
         assert gap[mask & ~upstream].max().item() < TIGHT  # same routes so far: same log-prob
         differing_tokens += int((mask & upstream & (gap > 1e-3)).sum())
@@ -107,7 +110,7 @@ def test_router_gets_gradient_under_replay(rollout):
     hf.zero_grad()
     for mb in mbs:
         with policy.replay.replaying(mb.routed_experts):
-            lp, _ = policy(mb.input_ids, mb.attention_mask, 1.0)
+            lp, _ = policy(mb.input_ids, mb.position_ids, 1.0)
             (lp * mb.loss_mask).sum().backward()
     for router in policy.replay.routers:
         assert router.weight.grad is not None and router.weight.grad.abs().sum().item() > 0
@@ -120,12 +123,12 @@ def test_replaying_the_trainers_own_routes_changes_nothing(rollout):
     _, hf = rollout
     policy = Policy(hf, chunk_tokens=16, router_replay=True)
     ids = torch.randint(1, 96, (3, 9), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    mb = type("MB", (), {"input_ids": ids, "attention_mask": mask})
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    mb = type("MB", (), {"input_ids": ids, "position_ids": positions})
     with torch.no_grad():
-        plain, _ = policy(ids, mask, 1.0)
+        plain, _ = policy(ids, positions, 1.0)
         with policy.replay.replaying(own_routes(hf, mb)):
-            replayed, _ = policy(ids, mask, 1.0)
+            replayed, _ = policy(ids, positions, 1.0)
     assert torch.equal(plain, replayed)
 
 
@@ -225,7 +228,7 @@ def test_routes_travel_from_http_through_the_orchestrator_unchanged(tmp_path):
     for s in loaded.samples:
         assert s.routed_experts.shape == (s.num_tokens - 1, 1, 2)
     (mbs,) = pack(loaded.samples, micro_batch_tokens=1 << 12, world_size=1)
-    row = mbs[0].sample_indices.index(0)
+    span = (mbs[0].document_ids[0] == mbs[0].sample_indices.index(0)).nonzero().flatten()
     n = first.num_tokens - 1
-    assert torch.equal(mbs[0].routed_experts[row, :n], first.routed_experts.long())
-    assert (mbs[0].routed_experts[row, n:] == -1).all()  # the last token and padding: not recorded
+    assert torch.equal(mbs[0].routed_experts[0, span[:n]], first.routed_experts.long())
+    assert (mbs[0].routed_experts[0, span[n:]] == -1).all()  # the document's last token: not recorded

@@ -71,8 +71,8 @@ def test_load_rejects_mismatched_logprobs(tmp_path):
         load_batch(tmp_path / "b.pt")
 
 
-def test_pack_budget_alignment_and_equal_depth():
-    samples = [sample(3, 5, adv=0.5), sample(2, 2, adv=-1.0), sample(4, 10), sample(1, 1), sample(2, 3)]
+def test_pack_packs_documents_within_the_budget_with_their_own_positions():
+    samples = [sample(3, 5, adv=0.5), sample(2, 2, adv=-1.0), sample(4, 10), sample(1, 1), sample(2, 3), sample(9, 12)]
     per_rank = pack(samples, micro_batch_tokens=16, world_size=2)
     assert len(per_rank) == 2 and len(per_rank[0]) == len(per_rank[1])
     seen = []
@@ -82,17 +82,38 @@ def test_pack_budget_alignment_and_equal_depth():
                 assert not mb.loss_mask.any()
                 continue
             rows, width = mb.input_ids.shape
-            assert rows == 1 or rows * width <= 16  # a lone over-long sample is allowed
-            for r, i in enumerate(mb.sample_indices):
+            assert rows == 1 and (width <= 16 or len(mb.sample_indices) == 1)  # a lone over-long sample is allowed
+            assert bool(mb.real_tokens.all())  # packed: no padding at all
+            start = 0
+            for doc, i in enumerate(mb.sample_indices):
                 s = samples[i]
                 p, c = len(s.prompt_ids), len(s.completion_ids)
-                assert mb.input_ids[r, : p + c].tolist() == s.prompt_ids + s.completion_ids
-                assert mb.attention_mask[r].sum().item() == p + c
-                assert mb.loss_mask[r].nonzero().flatten().tolist() == list(range(p, p + c))
-                assert mb.inference_logprobs[r, p : p + c].tolist() == pytest.approx(s.inference_logprobs)
-                assert (mb.advantages[r, p : p + c] == s.advantage).all()
+                span = slice(start, start + p + c)
+                assert mb.input_ids[0, span].tolist() == s.prompt_ids + s.completion_ids
+                assert mb.position_ids[0, span].tolist() == list(range(p + c))
+                assert (mb.document_ids[0, span] == doc).all()
+                assert mb.loss_mask[0, span].nonzero().flatten().tolist() == list(range(p, p + c))
+                assert mb.inference_logprobs[0, start + p: start + p + c].tolist() == pytest.approx(s.inference_logprobs)
+                assert (mb.advantages[0, start + p: start + p + c] == s.advantage).all()
                 seen.append(i)
+                start += p + c
+            assert start == width
     assert sorted(seen) == list(range(len(samples)))
+    # ranks balanced by tokens: 9+12=21 (alone), then 14, 8, 5, 4, 2 first-fit into 16-token rows
+    loads = sorted(sum(mb.num_tokens for mb in mbs if not mb.is_empty) for mbs in per_rank)
+    assert loads[1] - loads[0] <= 21
+
+
+def test_packing_wastes_nothing_where_right_padding_wasted_a_third():
+    """The main job's shape: prompts of 5-30 tokens, completions of 1-16, 512-token micro-batches."""
+    g = torch.Generator().manual_seed(0)
+    samples = [sample(int(torch.randint(5, 31, (1,), generator=g)), int(torch.randint(1, 17, (1,), generator=g)))
+               for _ in range(128)]
+    mbs = pack(samples, micro_batch_tokens=512, world_size=1)[0]
+    real = sum(int(mb.real_tokens.sum()) for mb in mbs)
+    assert real == sum(s.num_tokens for s in samples)
+    assert real / sum(mb.num_tokens for mb in mbs) == 1.0
+    assert len(mbs) == -(-real // 512) or len(mbs) == -(-real // 512) + 1  # first-fit fills the rows
 
 
 def test_pack_pads_ranks_with_empty_micro_batches():
@@ -104,6 +125,15 @@ def test_pack_pads_ranks_with_empty_micro_batches():
 def test_pack_respects_completion_mask():
     mb = pack([sample(2, 3, mask=[1, 0, 1])], 64, 1)[0][0]
     assert mb.loss_mask[0].tolist() == [False, False, True, False, True]
+
+
+def test_padding_for_a_context_split_is_a_document_of_its_own():
+    from primebuild.runtime.trainer.batch import pad_columns
+
+    mb = pad_columns(pack([sample(2, 3), sample(1, 2)], 64, 1)[0][0], 12, pad_id=0)
+    assert mb.input_ids.shape == (1, 12)
+    assert mb.document_ids[0, -4:].tolist() == [-1] * 4 and not mb.real_tokens[0, -4:].any()
+    assert not mb.loss_mask[0, -4:].any()
 
 
 def test_loss_normalizer_is_a_step_constant():

@@ -83,7 +83,7 @@ def test_the_fp8_trainer_scores_exactly_what_the_fp8_engine_samples(tmp_path):
         with torch.no_grad():
             for mb in mbs:
                 with policy.replay.replaying(mb.routed_experts):
-                    lp, _ = policy(mb.input_ids, mb.attention_mask, 1.0)
+                    lp, _ = policy(mb.input_ids, mb.position_ids, 1.0)
                 deltas.append((lp - mb.inference_logprobs)[mb.loss_mask])
         kls[precision] = kl_per_token(torch.cat(deltas)).mean().item()
     assert kls["fp8"] < 1e-5 and kls["fp32"] > 1e3 * kls["fp8"], kls

@@ -52,7 +52,7 @@ def inputs():
 
 def score(model, shard=None):
     ids, weights = inputs()
-    lp, _ = model(ids, torch.ones_like(ids), 1.0, shard)
+    lp, _ = model(ids, torch.arange(SEQ).expand(BATCH, -1), 1.0, shard)
     loss = (lp * weights).sum()
     loss.backward()
     return lp.detach(), loss.detach()
@@ -77,7 +77,7 @@ def cp_rank(rank: int, port: int, path: str, out: str) -> None:
     env = init_distributed()
     meshes = build_meshes(ParallelDims(dp_shard=1, cp=2), 2, rank, "cpu")
     model = load_model(path, env, "float32", True, 16, meshes=meshes)
-    lp, loss = score(model, make_shard(SEQ, 2, rank, meshes.cp_group, env.device))
+    lp, loss = score(model, make_shard(torch.zeros(SEQ, dtype=torch.long), 2, rank, meshes.cp_group, env.device))
     # every target is scored by exactly one CP rank; FSDP averages gradients over its 2 ranks
     dist.all_reduce(lp)
     dist.all_reduce(loss)

@@ -1,14 +1,18 @@
 """How the trainer cuts a rollout batch (its file: primebuild/runtime/rollout_file.py) into micro-batches.
 
-Samples are right-padded into 2-D micro-batches whose *padded* size (rows × longest row) stays within
-``micro_batch_tokens``; micro-batches are balanced over ranks by token count, and every rank gets the same
-number of them (FSDP collectives must match across ranks), topped up with empty micro-batches whose loss
-weight is zero. The loss is normalised by a constant of the whole step (see :func:`loss_normalizer`),
-never by anything that depends on the split, so 1 rank and N ranks compute the same gradient.
+Samples are packed as documents: each micro-batch is one row of at most ``micro_batch_tokens`` tokens
+holding several samples back to back, each with its own positions (0, 1, ... from its first token), and
+attention never crosses from one document into another (the positions restarting at 0 mark the
+boundaries: transformers and torchtitan both derive the block-causal document mask from them). Nothing
+is padded but the tail a context-parallel split needs. Micro-batches are balanced over ranks by token
+count, and every rank gets the same number of them (FSDP collectives must match across ranks), topped up
+with empty micro-batches whose loss weight is zero. The loss is normalised by a constant of the whole
+step (see :func:`loss_normalizer`), never by anything that depends on the split, so 1 rank and N ranks
+compute the same gradient.
 
-With router replay a micro-batch carries the samples' ``routed_experts`` as [rows, tokens, moe_layers,
-top_k] int64, -1 where nothing was recorded (each row's last token and padding: the trainer's router
-chooses there; no log-prob depends on them).
+With router replay a micro-batch carries the samples' ``routed_experts`` as [1, tokens, moe_layers,
+top_k] int64, -1 where nothing was recorded (each document's last token and padding: the trainer's
+router chooses there; no log-prob depends on them).
 """
 
 from __future__ import annotations
@@ -24,46 +28,59 @@ from primebuild.errors import UserError
 
 @dataclass
 class MicroBatch:
-    """Right-padded rows. Position t of every per-token tensor describes token ``input_ids[:, t]``; its
-    trainer log-prob comes from the logits at t-1, so column 0 never carries loss."""
+    """One packed row. Position t of every per-token tensor describes token ``input_ids[:, t]``; its
+    trainer log-prob comes from the logits at t-1 of the same document, so a document's first token
+    never carries loss."""
 
-    input_ids: torch.Tensor  # [B, T] long
-    attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
-    loss_mask: torch.Tensor  # [B, T] bool, True on trained completion tokens
-    inference_logprobs: torch.Tensor  # [B, T] float32
-    advantages: torch.Tensor  # [B, T] float32
-    sample_indices: list[int]  # rows -> index in the batch (empty for padding micro-batches)
-    routed_experts: torch.Tensor | None = None  # [B, T, moe_layers, top_k] int64, -1 = not recorded
+    input_ids: torch.Tensor  # [1, T] long
+    position_ids: torch.Tensor  # [1, T] long, 0 at each document's first token (and on padding)
+    document_ids: torch.Tensor  # [1, T] long, index into sample_indices per token, -1 on padding
+    loss_mask: torch.Tensor  # [1, T] bool, True on trained completion tokens
+    inference_logprobs: torch.Tensor  # [1, T] float32
+    advantages: torch.Tensor  # [1, T] float32
+    sample_indices: list[int]  # documents -> index in the batch (empty for padding micro-batches)
+    routed_experts: torch.Tensor | None = None  # [1, T, moe_layers, top_k] int64, -1 = not recorded
 
     @property
     def is_empty(self) -> bool:
         return not self.sample_indices
 
     @property
-    def padded_tokens(self) -> int:
+    def real_tokens(self) -> torch.Tensor:
+        """[1, T] bool: True on the tokens of a document, False on padding."""
+        return self.document_ids >= 0
+
+    @property
+    def num_tokens(self) -> int:
         return self.input_ids.numel()
 
 
 def _collate(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBatch:
-    width = max(samples[i].num_tokens for i in indices)
-    rows = len(indices)
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((rows, width), dtype=torch.long)
-    loss_mask = torch.zeros((rows, width), dtype=torch.bool)
-    inf_lp = torch.zeros((rows, width), dtype=torch.float32)
-    adv = torch.zeros((rows, width), dtype=torch.float32)
-    for r, i in enumerate(indices):
+    width = sum(samples[i].num_tokens for i in indices)
+    input_ids = torch.full((1, width), pad_id, dtype=torch.long)
+    positions = torch.zeros((1, width), dtype=torch.long)
+    documents = torch.full((1, width), -1, dtype=torch.long)
+    loss_mask = torch.zeros((1, width), dtype=torch.bool)
+    inf_lp = torch.zeros((1, width), dtype=torch.float32)
+    adv = torch.zeros((1, width), dtype=torch.float32)
+    start = 0
+    for doc, i in enumerate(indices):
         s = samples[i]
         p, c = len(s.prompt_ids), len(s.completion_ids)
-        input_ids[r, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
-        attention[r, : p + c] = 1
+        span = slice(start, start + p + c)
+        completion = slice(start + p, start + p + c)
+        input_ids[0, span] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
+        positions[0, span] = torch.arange(p + c)
+        documents[0, span] = doc
         mask = torch.ones(c, dtype=torch.bool)
         if s.completion_mask is not None:
             mask = torch.tensor(s.completion_mask, dtype=torch.bool)
-        loss_mask[r, p : p + c] = mask
-        inf_lp[r, p : p + c] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
-        adv[r, p : p + c] = float(s.advantage)
-    return MicroBatch(input_ids, attention, loss_mask, inf_lp, adv, list(indices), _collate_routes(samples, indices, width))
+        loss_mask[0, completion] = mask
+        inf_lp[0, completion] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
+        adv[0, completion] = float(s.advantage)
+        start += p + c
+    return MicroBatch(input_ids, positions, documents, loss_mask, inf_lp, adv, list(indices),
+                      _collate_routes(samples, indices, width))
 
 
 def _collate_routes(samples: list[Sample], indices: list[int], width: int) -> torch.Tensor | None:
@@ -74,17 +91,19 @@ def _collate_routes(samples: list[Sample], indices: list[int], width: int) -> to
         raise UserError("some samples of the batch carry routed_experts and some do not",
                         hint="router replay needs the routes of every sample")
     _, layers, top_k = routes[0].shape
-    out = torch.full((len(indices), width, layers, top_k), -1, dtype=torch.long)
-    for row, r in enumerate(routes):
+    out = torch.full((1, width, layers, top_k), -1, dtype=torch.long)
+    start = 0
+    for i, r in zip(indices, routes, strict=True):
         if r.shape[1:] != (layers, top_k):
             raise UserError(f"routed_experts of shape {tuple(r.shape)} next to [..., {layers}, {top_k}]")
-        out[row, : r.shape[0]] = r.long()
+        out[0, start: start + r.shape[0]] = r.long()
+        start += samples[i].num_tokens
     return out
 
 
 def pad_columns(mb: MicroBatch, width: int, pad_id: int) -> MicroBatch:
-    """`mb` right-padded to `width` columns (no attention, no loss there): context parallelism splits
-    a sequence into equal chunks."""
+    """`mb` padded on the right to `width` columns (no document, no loss there): context parallelism
+    splits a sequence into equal chunks."""
     extra = width - mb.input_ids.shape[1]
     if extra <= 0:
         return mb
@@ -93,8 +112,9 @@ def pad_columns(mb: MicroBatch, width: int, pad_id: int) -> MicroBatch:
         return torch.cat([t, torch.full((t.shape[0], extra, *t.shape[2:]), value, dtype=t.dtype)], dim=1)
 
     routes = None if mb.routed_experts is None else pad(mb.routed_experts, -1)  # -1: the router's own choice
-    return MicroBatch(pad(mb.input_ids, pad_id), pad(mb.attention_mask, 0), pad(mb.loss_mask, False),
-                      pad(mb.inference_logprobs, 0.0), pad(mb.advantages, 0.0), mb.sample_indices, routes)
+    return MicroBatch(pad(mb.input_ids, pad_id), pad(mb.position_ids, 0), pad(mb.document_ids, -1),
+                      pad(mb.loss_mask, False), pad(mb.inference_logprobs, 0.0), pad(mb.advantages, 0.0),
+                      mb.sample_indices, routes)
 
 
 def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
@@ -103,7 +123,8 @@ def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
     z = torch.zeros((1, 2), dtype=torch.float32)
     return MicroBatch(
         input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
-        attention_mask=torch.ones((1, 2), dtype=torch.long),
+        position_ids=torch.arange(2).view(1, 2),
+        document_ids=torch.full((1, 2), -1, dtype=torch.long),
         loss_mask=torch.zeros((1, 2), dtype=torch.bool),
         inference_logprobs=z,
         advantages=z.clone(),
@@ -114,36 +135,39 @@ def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
 def pack(
     samples: list[Sample], micro_batch_tokens: int, world_size: int, pad_id: int = 0
 ) -> list[list[MicroBatch]]:
-    """Cut ``samples`` into micro-batches and deal them to ranks; returns one list per rank, all the same
-    length. Deterministic: every rank computes the same plan from the same batch and takes its own share.
+    """Pack ``samples`` as documents into micro-batches and deal them to ranks; returns one list per
+    rank, all the same length. Deterministic: every rank computes the same plan from the same batch and
+    takes its own share.
 
-    Samples are sorted longest first and filled first-fit into micro-batches whose padded size
-    (rows × longest row) fits ``micro_batch_tokens`` — sorting keeps rows of a micro-batch similar in
-    length, so little is spent on padding. A sample longer than the budget gets a micro-batch of its own.
-    Micro-batches then go to the least-loaded rank (by padded tokens), largest first.
+    First-fit decreasing: samples, longest first, go into the first micro-batch with room for them
+    (at most ``micro_batch_tokens`` tokens in all); a sample longer than the budget gets a micro-batch
+    of its own. Micro-batches then go to the least-loaded rank (by tokens), largest first.
     """
     if micro_batch_tokens <= 0:
         raise UserError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
     order = sorted(range(len(samples)), key=lambda i: (-samples[i].num_tokens, i))
-    groups: list[list[int]] = []  # each: sample indices; the first is the longest
+    bins: list[list[int]] = []
+    room: list[int] = []
     for i in order:
-        for g in groups:
-            # The group's first sample is its longest, since we insert in decreasing length.
-            if (len(g) + 1) * samples[g[0]].num_tokens <= micro_batch_tokens:
-                g.append(i)
+        n = samples[i].num_tokens
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
                 break
         else:
-            groups.append([i])
-    micro_batches = [_collate(samples, g, pad_id) for g in groups]
+            bins.append([i])
+            room.append(micro_batch_tokens - n)
+    micro_batches = [_collate(samples, b, pad_id) for b in bins]
 
     per_rank: list[list[MicroBatch]] = [[] for _ in range(world_size)]
     load = [0] * world_size
-    for mb in sorted(micro_batches, key=lambda m: -m.padded_tokens):  # stable: ties keep creation order
+    for mb in sorted(micro_batches, key=lambda m: -m.num_tokens):  # stable: ties keep creation order
         rank = min(range(world_size), key=lambda r: (load[r], len(per_rank[r]), r))
         per_rank[rank].append(mb)
-        load[rank] += mb.padded_tokens
+        load[rank] += mb.num_tokens
     depth = max(1, max(len(r) for r in per_rank))
     for r in per_rank:
         r.extend(empty_micro_batch(pad_id) for _ in range(depth - len(r)))

@@ -13,8 +13,9 @@ active split, it is plain SDPA. The split in flight is the model's `ContextSplit
 attention modules, not a module global. A sparse attention's top-k `indices` (global positions, from an
 indexer made global by sparse_attention.py) further restrict each query to those keys.
 
-Right padding means causal attention alone keeps real tokens from seeing padding, so no padding mask
-travels: a padded position's output is garbage that no loss reads.
+Micro-batches are packed documents (batch.py): a query sees the keys at or before it of its own
+document, by global position and document id (`ContextShard.visible`). The padding a split needs forms a
+document of its own, whose outputs are garbage that no loss reads.
 
 Log-probs: the token at global position p+1 is predicted from position p, so a rank scores the targets
 of its own positions (`ContextShard.targets`); every target is scored by exactly one rank, and the
@@ -40,6 +41,13 @@ class ContextShard:
     positions: torch.Tensor  # [T_local] global positions this rank computes, ascending
     all_positions: torch.Tensor  # [T] the positions of every rank, in all-gather order
     group: dist.ProcessGroup
+    documents: torch.Tensor  # [T] document id of every global position (batch.MicroBatch.document_ids)
+
+    def visible(self, keys: torch.Tensor) -> torch.Tensor:
+        """[T_local, len(keys)] bool: may each of this rank's positions attend to the global positions
+        `keys`? Causal by global position, and only within its document."""
+        causal = self.positions[:, None] >= keys[None, :]
+        return causal & (self.documents[self.positions][:, None] == self.documents[keys][None, :])
 
     @property
     def targets(self) -> torch.Tensor:
@@ -62,9 +70,11 @@ def shard_positions(length: int, cp: int, rank: int) -> torch.Tensor:
                       torch.arange(second * chunk, (second + 1) * chunk)])
 
 
-def make_shard(length: int, cp: int, rank: int, group, device) -> ContextShard:
+def make_shard(documents: torch.Tensor, cp: int, rank: int, group, device) -> ContextShard:
+    """This rank's share of a packed row whose tokens belong to `documents` ([T], T a multiple of 2·cp)."""
+    length = documents.numel()
     every = [shard_positions(length, cp, r) for r in range(cp)]
-    return ContextShard(length, every[rank].to(device), torch.cat(every).to(device), group)
+    return ContextShard(length, every[rank].to(device), torch.cat(every).to(device), group, documents.to(device))
 
 
 class ContextSplit:
@@ -119,7 +129,7 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
         return out.transpose(1, 2).contiguous(), None
     key = _GatherSeq.apply(key, shard.group)
     value = _GatherSeq.apply(value, shard.group)
-    visible = shard.positions[:, None] >= shard.all_positions[None, :]  # causal by global position
+    visible = shard.visible(shard.all_positions)  # [Tq, T], in gathered order
     if indices is not None:
         chosen = torch.zeros(*indices.shape[:2], shard.length, dtype=torch.bool, device=indices.device)
         chosen = chosen.scatter_(-1, indices.long(), True)[:, :, shard.all_positions]  # in gathered order

@@ -131,9 +131,11 @@ def _grad_norm(model: torch.nn.Module, max_norm: float, env: DistEnv, meshes: Me
 
 def fresh_mask(mb, samples, mask: torch.Tensor, step: int, device) -> torch.Tensor:
     """Trained tokens of samples drawn with exactly the weights being trained (policy version step-1)."""
-    rows = torch.tensor([samples[i].policy_version == step - 1 for i in mb.sample_indices], dtype=torch.bool,
-                        device=device)
-    return mask & rows[:, None] if len(mb.sample_indices) else torch.zeros_like(mask)
+    if mb.is_empty:
+        return torch.zeros_like(mask)
+    fresh = torch.tensor([samples[i].policy_version == step - 1 for i in mb.sample_indices] + [False],
+                         dtype=torch.bool, device=device)
+    return mask & fresh[mb.document_ids.to(device)]  # document -1 (padding) reads the appended False
 
 
 def place(mb, config: TrainerConfig, env: DistEnv, meshes: Meshes):
@@ -145,10 +147,10 @@ def place(mb, config: TrainerConfig, env: DistEnv, meshes: Meshes):
     shard = None
     if meshes.dims.cp > 1:
         mb = pad_columns(mb, padded_length(mb.input_ids.shape[1], meshes.dims.cp), config.pad_token_id)
-        shard = make_shard(mb.input_ids.shape[1], meshes.dims.cp, dist.get_rank(meshes.cp_group), meshes.cp_group,
+        shard = make_shard(mb.document_ids[0], meshes.dims.cp, dist.get_rank(meshes.cp_group), meshes.cp_group,
                            env.device)
     mb.input_ids = mb.input_ids.to(env.device)
-    mb.attention_mask = mb.attention_mask.to(env.device)
+    mb.position_ids = mb.position_ids.to(env.device)
     mask = mb.loss_mask.to(env.device)
     routes = mb.routed_experts.to(env.device) if mb.routed_experts is not None else None
     if shard is not None:
@@ -164,7 +166,7 @@ def score_without_replay(model, mb, shard, mask, samples, config: TrainerConfig,
     """(KL sum over trained tokens, over fresh ones) of micro-batch `mb` scored with the trainer's own
     routing: the mismatch router replay removes."""
     with autocast_context(env, compute_dtype(config, env.device)):
-        lp, _ = model(mb.input_ids, mb.attention_mask, config.temperature, shard)
+        lp, _ = model(mb.input_ids, mb.position_ids, config.temperature, shard)
     kl = kl_per_token(lp - mb.inference_logprobs.to(env.device))
     fresh = fresh_mask(mb, samples, mask, step, env.device)
     return torch.stack([torch.where(mask, kl, 0.0).sum(), torch.where(fresh, kl, 0.0).sum()]).double().cpu()
@@ -220,13 +222,13 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
     totals = torch.zeros(StepSums.size(), dtype=torch.float64)  # StepSums of this rank, packed
     bad_loss = None
     for (mb, shard, mask, routes), free_kl in zip(mine, free, strict=True):
-        own = slice(None) if shard is None else shard.positions  # the columns this rank computes
+        own = slice(None) if shard is None else shard.positions.cpu()  # the columns this rank computes
         inference_lp = mb.inference_logprobs.to(env.device)
         fresh = fresh_mask(mb, samples, mask, step, env.device)
         # Routes stay set through backward: activation checkpointing recomputes the routers there.
         with replay.replaying(routes if replayed else None) if replay is not None else contextlib.nullcontext():
             with autocast_context(env, compute_dtype(config, env.device)):
-                lp, entropy = model(mb.input_ids, mb.attention_mask, config.temperature, shard)
+                lp, entropy = model(mb.input_ids, mb.position_ids, config.temperature, shard)
             loss_sum, m = loss_fn(lp, inference_lp, mb.advantages.to(env.device), mask)
             if bad_loss is None and not torch.isfinite(loss_sum).item():
                 bad_loss = f"of samples {mb.sample_indices[0]}..{mb.sample_indices[-1]}" if mb.sample_indices else ""
@@ -237,8 +239,8 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
         totals += StepSums(
             loss=loss_sum, tokens=m["tokens"], kl=m["mismatch_kl"], masked=m["masked"], ratio=m["ratio"],
             entropy=torch.where(mask, entropy, 0.0).sum(),
-            real=0.0 if mb.is_empty else float(mb.attention_mask[:, own].sum()),
-            padded=0.0 if mb.is_empty else float(mb.attention_mask[:, own].numel()),
+            real=0.0 if mb.is_empty else float(mb.real_tokens[:, own].sum()),
+            padded=0.0 if mb.is_empty else float(mb.real_tokens[:, own].numel()),
             fresh_tokens=fresh.sum(), fresh_kl=torch.where(fresh, kl_per_token(lp - inference_lp), 0.0).sum(),
             kl_no_replay=free_kl[0], fresh_kl_no_replay=free_kl[1], agreed_routes=agreed,
             replayed_routes=replayed_routes,

@@ -92,13 +92,17 @@ class Policy(nn.Module):
     def config(self):
         return self.hf.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float,
                 shard: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob of every token given its prefix, and the policy's entropy there (no gradient).
+        """Log-prob of every token given its prefix in its document, and the policy's entropy there (no
+        gradient).
 
-        Both are [B, T] and aligned with `input_ids`: column t describes token t, predicted at t-1;
-        column 0 has no prediction and is 0. Logits are divided by the sampling temperature so that the
-        trainer scores the same distribution the inference server sampled from.
+        `input_ids` is a packed row (batch.py): `position_ids` restart at 0 where a document starts, and
+        attention stays within documents. Both outputs are [B, T] and aligned with `input_ids`: column t
+        describes token t, predicted at t-1; column 0 has no prediction and is 0 (a document's first
+        column is predicted from the document before it: no loss reads it). Logits are divided by the
+        sampling temperature so that the trainer scores the same distribution the inference server
+        sampled from.
 
         With a context-parallel `shard` this rank computes only its positions and fills only the columns
         of `shard.targets` (the others stay 0: another CP rank scores them)."""
@@ -108,12 +112,14 @@ class Policy(nn.Module):
         if self.context_split is not None:
             self.context_split.shard = shard
         if shard is None:
-            hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            # no attention_mask and no cache: transformers then builds the block-causal document mask from
+            # the positions (with a cache it skips that and attends across documents)
+            hidden = self.hf.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
             sources, targets = hidden[:, :-1], torch.arange(1, t, device=input_ids.device)
         else:
             positions = shard.positions
-            hidden = self.hf.model(input_ids=input_ids[:, positions],
-                                   position_ids=positions.expand(b, -1)).last_hidden_state
+            hidden = self.hf.model(input_ids=input_ids[:, positions], position_ids=position_ids[:, positions],
+                                   use_cache=False).last_hidden_state
             sources, targets = hidden[:, positions + 1 < t], shard.targets
         h = hidden.shape[-1]
         lp, entropy = chunked_token_logprobs(sources.reshape(-1, h), self.hf.get_output_embeddings().weight,

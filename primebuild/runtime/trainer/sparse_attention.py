@@ -5,7 +5,7 @@ attention then sees only those keys. Under CP a rank holds only its own position
 become global for the result to equal one rank's:
 
 1. the indexer's keys: each rank's indexer keys are all-gathered over the CP group and put back in
-   global position order, and the indexer's mask becomes causal by global position, so every local query
+   global position order, and the indexer's mask becomes causal by global position (within each packed document), so every local query
    takes its top-k over all the keys it may see. The indexer runs without gradient (transformers computes
    it under no_grad, with or without CP), so a plain all-gather suffices. This is done by a forward
    pre-hook that hands transformers' own indexer a mask and a key "cache" (`update_indexer` is the one
@@ -54,7 +54,7 @@ def _global_indexer_inputs(split: context_parallel.ContextSplit, module, args, k
     if shard is None:
         return None
     hidden_states, q_resid, position_embeddings, _, position_ids = args
-    visible = shard.positions[:, None] >= torch.arange(shard.length, device=shard.positions.device)[None, :]
+    visible = shard.visible(torch.arange(shard.length, device=shard.positions.device))
     visible = visible.expand(hidden_states.shape[0], -1, -1)  # [B, T_local, T]
     return (hidden_states, q_resid, position_embeddings, visible, position_ids), \
         {**kwargs, "cache": _GlobalIndexerKeys(shard)}
