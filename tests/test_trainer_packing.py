@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from trainer_fixtures import hf_completion_logprobs, make_batch, make_tiny_model
 
 from primebuild.runtime.trainer.batch import pack
 from primebuild.runtime.trainer.model import DistEnv, Policy, load_model
-
-from trainer_fixtures import hf_completion_logprobs, make_batch, make_tiny_model
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
