@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from primebuild.builders.environments import environment_problems, sandbox_problems
 from primebuild.builders.model_facts import ModelFacts
+from primebuild.builders.trainer_engine import manifest_gaps
 from primebuild.contracts.inference import EMBEDDED_MODEL_TYPES
 from primebuild.errors import Problem
 from primebuild.manifest.schema import Manifest
@@ -288,6 +289,9 @@ REPLAYABLE_ROUTERS = {"qwen3_moe": "Qwen3MoeTopKRouter (softmax gate)",
 
 def _model(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
     """What the model's architecture rules out."""
+    if m.trainer.engine == "torchtitan" and (gaps := manifest_gaps(m, f.model_type)):
+        yield Refusal("trainer.engine", f"the torchtitan engine: {'; '.join(gaps)}",
+                      "set trainer.engine: auto (or hf) to train on transformers' layers")
     if m.inference.router_replay:
         if not f.is_moe:
             yield Refusal("inference.router_replay", f"{f.architecture} is a dense model: it routes nothing",

@@ -20,6 +20,7 @@ from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
 from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
 from primebuild.builders.processes import build_processes
+from primebuild.builders.trainer_engine import trainer_engine
 from primebuild.builders.vllm_command import CONNECTORS_WITHOUT_ROUTER_REPLAY, KV_CONNECTORS
 from primebuild.contracts.estimates import Estimates
 from primebuild.contracts.memory import GroupMemory
@@ -48,11 +49,14 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
     _raise_unless_design(loaded, refused, problems + place_problems, design)
     assert placement is not None
 
-    processes = build_processes(m, placement, facts.moe_layers, facts.quantized)
+    engine, why = trainer_engine(m, facts.model_type)
+    processes = build_processes(m, placement, facts.moe_layers, facts.quantized, engine)
     if shared := shared_addresses(m, processes):
         raise UserError([_locate(loaded, p) for p in shared])
     memory, estimates, budget_problems, warnings = budget.compute(m, facts, placement, design=design)
     warnings = _warnings(m, facts, placement) + warnings
+    if engine != "torchtitan" and m.trainer.engine == "auto":
+        warnings.append(f"trainer: {why}")
     if budget_problems:
         raise UserError([_locate(loaded, p) for p in budget_problems])
     return _plan(loaded, facts, lock, processes, _node_map(m, processes), memory, estimates, warnings, refused)

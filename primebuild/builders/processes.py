@@ -40,10 +40,11 @@ ALIVE = HealthCheck(kind="process")
 
 
 def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ...] = (),
-                    checkpoint_quantized: str = "") -> list[ProcessSpec]:
+                    checkpoint_quantized: str = "", trainer_engine: str = "hf") -> list[ProcessSpec]:
     """Every process of the plan; `moe_layers` (the model's MoE decoder layers) tells the orchestrator
     which routed-expert columns to carry when the manifest asks for router replay; `checkpoint_quantized`
-    (the checkpoint's own quant_method, "" for bf16/fp32 weights) picks vLLM's FP8 option."""
+    (the checkpoint's own quant_method, "" for bf16/fp32 weights) picks vLLM's FP8 option; `trainer_engine`
+    is builders/trainer_engine.py's choice."""
     heads = [rp for rp in placement.inference]  # one HTTP server per replica, on its first node
     broadcast = m.weight_sync.mode == "broadcast"
     init_method = f"tcp://{{host:{placement.trainer[0].node}}}:{m.weight_sync.port}"
@@ -56,7 +57,7 @@ def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ..
     elif m.inference.disaggregation:
         processes.append(_vllm_router_process(m, processes, len(heads)))
     sync = BroadcastSync(init_method=init_method, world_size=world) if broadcast else FilesystemSync()
-    processes += _trainer_processes(m, placement.trainer, sync)
+    processes += _trainer_processes(m, placement.trainer, sync, trainer_engine)
     processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers, sync, first_ranks))
     return processes
 
@@ -267,11 +268,11 @@ def _vllm_router_process(m: Manifest, servers: list[ProcessSpec], replicas: int)
 # --- trainer -----------------------------------------------------------------------------------------------
 
 
-def _trainer_processes(m: Manifest, slots: tuple[Slot, ...], sync) -> list[ProcessSpec]:
+def _trainer_processes(m: Manifest, slots: tuple[Slot, ...], sync, engine: str) -> list[ProcessSpec]:
     t = m.trainer
     cpu = m.hardware.gpu == "cpu"
     nproc = (t.ranks or t.world_size) // len(slots) if cpu else len(slots[0].gpus)  # per node
-    config = trainer_config(m, sync)
+    config = trainer_config(m, sync, engine)
     out = []
     for rank, slot in enumerate(slots):
         env = _base_env(m, slot.gpus)
@@ -294,9 +295,9 @@ def _trainer_processes(m: Manifest, slots: tuple[Slot, ...], sync) -> list[Proce
     return out
 
 
-def trainer_config(m: Manifest, sync=None) -> TrainerConfig:
+def trainer_config(m: Manifest, sync=None, engine: str = "hf") -> TrainerConfig:
     t, o = m.trainer, m.orchestrator
-    return TrainerConfig(
+    return TrainerConfig(engine=engine,
         model_path="{model_path}", run_dir="{run_dir}", seed=m.seed,
         loss=o.loss, max_completion_tokens=o.max_completion_tokens, temperature=o.temperature,
         optimizer=t.optimizer.name, lr=t.optimizer.lr, betas=t.optimizer.betas, weight_decay=t.optimizer.weight_decay,

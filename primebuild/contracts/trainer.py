@@ -79,7 +79,10 @@ class TrainerConfig(Contract):
     max_steps: int = Field(ge=1)
 
     # Execution
-    micro_batch_tokens: int = Field(ge=1)  # padded tokens (rows x longest row) per forward
+    # whose model code computes: torchtitan's modules (runtime/trainer/titan_model.py) or transformers'
+    # eager layers; the plan chooses (builders/trainer_engine.py), a hand-written config may say either
+    engine: Literal["torchtitan", "hf"] = "hf"
+    micro_batch_tokens: int = Field(ge=1)  # tokens of one packed micro-batch (runtime/trainer/batch.py)
     logprob_chunk_tokens: int = Field(ge=1)  # tokens whose fp32 logits exist at once (primebuild/kernels/logprobs.py)
     precision: Precision = "fp32"  # compute precision; master weights and Adam state stay fp32
     # Replay the experts inference routed each token to (a batch carries them when the orchestrator asks),
@@ -91,7 +94,7 @@ class TrainerConfig(Contract):
     parallel: ParallelDims = ParallelDims()
     optimizer_cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: shards, grads, optimizer state on the host
     lora: LoraConfig | None = None  # train adapters only; checkpoints and published weights hold only them
-    pad_token_id: int = 0  # any id works: padded positions are masked out of attention and loss
+    pad_token_id: int = 0  # any id works: padding (a CP split's tail) is a document of its own, without loss
 
     # Rollout intake
     rollout_timeout_s: float = Field(3600.0, gt=0)  # give up when step k's batch does not arrive

@@ -219,10 +219,14 @@ class Trainer(Strict):
     cp: PositiveInt = Field(1, description="Context parallel degree.")
     tp: PositiveInt = Field(1, description="Tensor parallel degree (inside a node).")
     ep: PositiveInt = Field(1, description="Expert parallel degree; must divide dp_shard*cp.")
+    engine: Literal["auto", "torchtitan", "hf"] = Field(
+        "auto", description="Whose model code trains: torchtitan's modules, or transformers' eager layers. auto: "
+        "torchtitan where it is built for the model and layout (the plan says why not, where not).")
     precision: Literal["fp32", "bf16", "fp8"] = "bf16"
     activation_checkpointing: bool = True
     optimizer: Optimizer = Optimizer()
-    micro_batch_tokens: PositiveInt = Field(8192, le=1 << 24)
+    micro_batch_tokens: PositiveInt = Field(
+        8192, le=1 << 24, description="Tokens of one micro-batch: samples packed as documents, attention within each.")
     logprob_chunk_tokens: PositiveInt = Field(
         8192, le=1 << 24, description="Tokens per chunk when computing log-probs: bounds the fp32 logits held.")
     checkpoint_every: PositiveInt = 50

@@ -338,7 +338,7 @@ class WeightPublisher:
             self.adapter.publish(model, step)
             return
         if self.weights is None:  # names and shapes do not change from step to step
-            self.weights = PublishedWeights(model.hf, DTYPES[self.config.weight_dtype])
+            self.weights = model.published_weights(DTYPES[self.config.weight_dtype])
         if not self.env.is_main:
             self.weights.drain()
         elif self.sender is not None:
@@ -360,6 +360,13 @@ def compute_dtype(config: TrainerConfig, device: torch.device | None = None) -> 
 def check_launch(config: TrainerConfig, env: DistEnv) -> None:
     """What the plan's capability check refuses, refused again here: a hand-written config is no way round."""
     check_dims(config.parallel, env.world_size)
+    if config.engine == "torchtitan":
+        from primebuild.builders.trainer_engine import titan_gaps
+
+        gaps = titan_gaps(config.router_replay, config.precision, config.lora is not None,
+                          config.parallel.cp, config.parallel.tp, config.parallel.ep, None)
+        if gaps:
+            raise UserError(f"the torchtitan engine: {'; '.join(gaps)}", hint="set engine: hf")
     if config.lora is not None and config.weight_sync.mode != "filesystem":
         raise UserError("LoRA publishes adapter folders: it needs filesystem weight sync")
     if config.optimizer_cpu_offload and env.world_size < 2:
@@ -393,10 +400,17 @@ def run_trainer(config: TrainerConfig) -> None:
         run.root.mkdir(parents=True, exist_ok=True)
     loss_fn = resolve_loss(config.loss)
     meshes = build_meshes(config.parallel, env.world_size, env.rank, env.device.type)
-    model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,
-                       config.logprob_chunk_tokens, config.router_replay, fp8=config.precision == "fp8",
-                       meshes=meshes, cpu_offload=config.optimizer_cpu_offload, lora=config.lora,
-                       seed=config.seed)
+    if config.engine == "torchtitan":
+        from .titan_policy import load_titan_model
+
+        model = load_titan_model(config.model_path, env, compute_dtype(config, env.device),
+                                 config.activation_checkpointing, config.logprob_chunk_tokens, meshes=meshes,
+                                 cpu_offload=config.optimizer_cpu_offload)
+    else:
+        model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,
+                           config.logprob_chunk_tokens, config.router_replay, fp8=config.precision == "fp8",
+                           meshes=meshes, cpu_offload=config.optimizer_cpu_offload, lora=config.lora,
+                           seed=config.seed)
     optimizer = torch.optim.AdamW(  # with LoRA the adapters only: the frozen base has no optimizer state
         trainable_parameters(model), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )

@@ -92,6 +92,12 @@ class Policy(nn.Module):
     def config(self):
         return self.hf.config
 
+    def published_weights(self, dtype: torch.dtype):
+        """The full weights in the checkpoint's naming, a layer at a time (weight_stream.py)."""
+        from .weight_stream import PublishedWeights
+
+        return PublishedWeights(self.hf, dtype)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float,
                 shard: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob of every token given its prefix in its document, and the policy's entropy there (no
@@ -185,9 +191,7 @@ def full_state_dict(policy: Policy, dtype: torch.dtype) -> dict[str, torch.Tenso
     """All full (unsharded) weights on CPU, in HF checkpoint naming and ``dtype`` (weight_stream.py),
     in one dict: for tests and tools on small models; the trainer publishes them streamed instead.
     Every rank must call it (it is a collective); ranks other than 0 get an empty dict."""
-    from .weight_stream import PublishedWeights
-
-    weights = PublishedWeights(policy.hf, dtype)
+    weights = policy.published_weights(dtype)
     if dist.is_initialized() and dist.get_rank() != 0:
         weights.drain()
         return {}

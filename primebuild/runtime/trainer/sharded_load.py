@@ -28,7 +28,7 @@ from primebuild.errors import UserError
 from .lora import checkpoint_name
 
 Ranges = list[tuple[int, int]]  # one [start, stop) per dimension
-LAYER = re.compile(r"^(.*\.layers\.\d+)\.")  # a decoder layer's names: loaded, published, as one group
+LAYER = re.compile(r"^((?:.*\.)?layers\.\d+)\.")  # a decoder layer's names: loaded, published, as one group
 
 
 class SafetensorsCheckpoint:

@@ -12,7 +12,8 @@ synchronous steps). HF loads either form; the bytes of the head are gathered and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -50,25 +51,29 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 class PublishedWeights:
-    """`StreamedWeights` (weight_sync/stream.py) of a Policy in ``dtype`` (integer tensors keep theirs)."""
+    """`StreamedWeights` (weight_sync/stream.py) of a model's state dict in ``dtype`` (integer tensors keep
+    theirs), each group renamed by `naming` into the checkpoint's names (by default transformers' own
+    reverted fusions, for an HF model; the torchtitan policy maps with its state-dict adapter)."""
 
-    def __init__(self, hf: nn.Module, dtype: torch.dtype):
-        self.hf, self.dtype = hf, dtype
-        sharded = hf.state_dict()  # DTensors under FSDP: this rank's shards, nothing copied
+    def __init__(self, module: nn.Module, dtype: torch.dtype,
+                 naming: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None):
+        self.module, self.dtype = module, dtype
+        self.naming = naming or functools.partial(_checkpoint_naming, module)
+        sharded = module.state_dict()  # DTensors under FSDP: this rank's shards, nothing copied
         self._groups = _group_names(list(sharded))
         self.layout: list[TensorSpec] = []
-        for names in self._groups:  # names and shapes after the reverted fusions, from meta tensors
+        for names in self._groups:  # names and shapes after the renaming, from meta tensors
             meta = {n: torch.empty(sharded[n].shape, dtype=self._dtype(sharded[n]), device="meta") for n in names}
-            self.layout += [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in _checkpoint_naming(hf, meta).items()]
+            self.layout += [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in self.naming(meta).items()]
 
     def _dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if t.is_floating_point() else t.dtype
 
     def groups(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        sharded = self.hf.state_dict()
+        sharded = self.module.state_dict()
         for names in self._groups:
             full = {n: _full(sharded[n]).to("cpu", self._dtype(sharded[n])) for n in names}
-            yield list(_checkpoint_naming(self.hf, full).items())
+            yield list(self.naming(full).items())
             del full
 
     def drain(self) -> None:

@@ -1,0 +1,49 @@
+"""Which model code the trainer computes with: torchtitan's modules or transformers' eager layers.
+
+`trainer.engine: auto` (the default) takes torchtitan wherever this project has built it for the model
+and the layout, and says why when it does not; `torchtitan` asks for it and is refused, naming every
+gap, where it cannot apply; `hf` keeps transformers' layers. Pure: no torch, no torchtitan import.
+"""
+
+from __future__ import annotations
+
+# model_type -> what the torchtitan engine builds for it (runtime/trainer/titan_model.py)
+TITAN_MODELS = {"qwen3": "torchtitan's Qwen3", "qwen3_moe": "torchtitan's Qwen3 MoE (grouped experts)"}
+
+
+def titan_gaps(router_replay: bool, precision: str, lora: bool, cp: int, tp: int, ep: int,
+               model_type: str | None) -> list[str]:
+    """What the torchtitan engine does not do yet for this model and layout (empty: it does it all).
+    `model_type` None: not known here (a hand-written trainer config; the trainer's model load checks)."""
+    gaps = []
+    if model_type is not None and model_type not in TITAN_MODELS:
+        gaps.append(f"model_type {model_type or '?'!r} is not built for it (it builds {', '.join(TITAN_MODELS)})")
+    if router_replay:
+        gaps.append("router replay hooks transformers' routers (runtime/trainer/router_replay.py)")
+    if precision == "fp8":
+        gaps.append("FP8 training swaps transformers' linear layers (runtime/trainer/fp8.py)")
+    if lora:
+        gaps.append("LoRA injects peft's adapters into transformers' modules")
+    if cp > 1:
+        gaps.append("context parallelism runs as a transformers attention function (runtime/trainer/context_parallel.py)")
+    if ep > 1:
+        gaps.append("expert parallelism wraps transformers' experts (runtime/trainer/expert_parallel.py)")
+    if tp > 1:
+        gaps.append("tensor parallelism is not built on either engine")
+    return gaps
+
+
+def manifest_gaps(m, model_type: str) -> list[str]:
+    t = m.trainer
+    return titan_gaps(m.inference.router_replay, t.precision, t.lora is not None, t.cp, t.tp, t.ep, model_type)
+
+
+def trainer_engine(m, model_type: str) -> tuple[str, str]:
+    """(engine, why) for the manifest `m` training a model of `model_type`. An explicit `torchtitan` that
+    cannot apply is refused by capabilities.py with the same gaps; here it resolves to what would run."""
+    if m.trainer.engine == "hf":
+        return "hf", "trainer.engine: hf"
+    gaps = manifest_gaps(m, model_type)
+    if not gaps:
+        return "torchtitan", TITAN_MODELS[model_type]
+    return "hf", "transformers' eager layers, not torchtitan: " + "; ".join(gaps)

@@ -1,0 +1,120 @@
+"""torchtitan's Qwen3 (dense and MoE) built from a Hugging Face config: the trainer's model when the plan
+chooses the `torchtitan` engine (primebuild/builders/trainer_engine.py).
+
+The blocks, attention, RoPE, feed-forward and MoE (router, grouped experts) are torchtitan's own modules,
+assembled with its config helpers from the numbers of the checkpoint's config.json; weights come and go
+in Hugging Face naming through torchtitan's Qwen3 state-dict adapter (titan_policy.py).
+
+Attention: torchtitan's language models take a block-causal *document* mask derived from the positions
+(0 where a packed document starts). On a GPU that is its FlexAttention with the BlockMask it builds.
+FlexAttention has no backward on CPU (torch 2.13), so on a CPU the inner attention is
+`DocumentMaskAttention`: the same document mask, dense, through scaled_dot_product_attention. Only the
+inner attention differs; projections, norms, RoPE and the rest are torchtitan's either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.config_utils import (
+    get_attention_config,
+    make_ffn_config,
+    make_gqa_config,
+    make_moe_config,
+    make_routed_experts_config,
+    make_router_config,
+)
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.qwen3 import Qwen3Model
+from torchtitan.models.qwen3.model import Qwen3TransformerBlock
+from torchtitan.protocols.module import Module
+
+from primebuild.errors import UserError
+
+# model_type -> what torchtitan builds for it here (keep equal to builders/trainer_engine.py's TITAN_MODELS)
+TITAN_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool: token q may attend to token k when k is at or before q in q's document.
+
+    A document starts where its position is 0 (batch.py packs samples that way); tokens before the first
+    0 of a row count as one document."""
+    documents = (position_ids == 0).cumsum(-1)  # [B, T]
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    same = documents[:, :, None] == documents[:, None, :]
+    return (causal & same)[:, None]
+
+
+class DocumentMaskAttention(Module):
+    """CPU inner attention over (B, L, N, H) q/k/v with a dense boolean mask (`document_mask`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        pass
+
+    def __init__(self, config: Config | None = None):
+        super().__init__()
+
+    def forward(self, q, k, v, *, attention_masks: torch.Tensor, scale: float | None = None,
+                enable_gqa: bool = False, **_) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def _rope_theta(hf_config) -> float:
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise UserError(f"{hf_config.model_type}: scaled RoPE ({rope['rope_type']}) "
+                        "is not built for the torchtitan engine here", hint="set trainer.engine: hf")
+    return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def titan_config(hf_config, on_gpu: bool):
+    """torchtitan's Qwen3Model.Config for a Hugging Face Qwen3 / Qwen3-MoE config."""
+    c = hf_config
+    if c.model_type not in TITAN_MODEL_TYPES:
+        raise UserError(f"model_type {c.model_type!r}: the torchtitan engine builds {', '.join(TITAN_MODEL_TYPES)}",
+                        hint="set trainer.engine: hf")
+    dim, head_dim = c.hidden_size, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    # Weights are always loaded from the checkpoint: the initialisers only have to exist.
+    normal = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+
+    def norm(size: int):
+        return RMSNorm.Config(normalized_shape=size, eps=c.rms_norm_eps, param_init={"weight": nn.init.ones_})
+
+    inner = get_attention_config("flex") if on_gpu else DocumentMaskAttention.Config()
+    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=c.max_position_embeddings, theta=_rope_theta(c))
+    layers = []
+    for _ in range(c.num_hidden_layers):
+        attention = make_gqa_config(dim=dim, n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads,
+                                    head_dim=head_dim, wqkv_param_init=normal, wo_param_init=normal,
+                                    inner_attention=inner, rope=rope, fuse_qkv=False, qk_norm=norm(head_dim))
+        block = dict(attention=attention, attention_norm=norm(dim), ffn_norm=norm(dim))
+        if c.model_type == "qwen3_moe":
+            experts, top_k = c.num_experts, c.num_experts_per_tok
+            block["moe"] = make_moe_config(
+                num_experts=experts,
+                router=make_router_config(dim=dim, num_experts=experts, gate_param_init=normal, top_k=top_k,
+                                          score_func="softmax", route_norm=bool(c.norm_topk_prob)),
+                routed_experts=make_routed_experts_config(
+                    dim=dim, hidden_dim=c.moe_intermediate_size, num_experts=experts, top_k=top_k,
+                    param_init={w: normal["weight"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")}, comm_backend="standard"),
+                load_balance_coeff=None)  # RL trains the checkpoint's routers as they are: no bias updates
+        else:
+            block["feed_forward"] = make_ffn_config(dim=dim, hidden_dim=c.intermediate_size, w1_param_init=normal,
+                                                    w2w3_param_init=normal)
+        layers.append(Qwen3TransformerBlock.Config(**block))
+    return Qwen3Model.Config(
+        vocab_size=c.vocab_size, dim=dim, norm=norm(dim), enable_weight_tying=bool(c.tie_word_embeddings),
+        tok_embeddings=Embedding.Config(num_embeddings=c.vocab_size, embedding_dim=dim,
+                                       param_init={"weight": normal["weight"]}),
+        lm_head=Linear.Config(in_features=dim, out_features=c.vocab_size, param_init=normal), layers=layers)

@@ -1,0 +1,123 @@
+"""The policy on torchtitan's model (titan_model.py): loading from a Hugging Face checkpoint, per-token
+log-probs of packed rows, and the weights in Hugging Face naming for publishing.
+
+The same contract as model.Policy, so the RL step (main.py), checkpoints and weight publishing do not
+know which engine computes: forward(input_ids, position_ids, temperature) -> (log-probs, entropy).
+
+Loading: the model is built on the meta device, activation checkpointing and FSDP2 are applied, and only
+then does each rank allocate its shards and read them: torch.distributed.checkpoint with its Hugging Face
+safetensors reader fills the sharded state dict in checkpoint naming, which torchtitan's Qwen3
+state-dict adapter maps to and from the model's own (grouped experts included).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.protocols.module import Module
+
+from primebuild.kernels.dtypes import DTYPES
+
+from .context_parallel import ContextShard
+from .model import DistEnv
+from .parallel_dims import Meshes
+from .parallelize import apply_fsdp
+from .titan_model import document_mask, titan_config
+from .weight_stream import PublishedWeights
+
+
+class TitanPolicy(nn.Module):
+    """torchtitan's Qwen3 as the trained module (the FSDP root, like model.Policy): log-probs come from
+    its final hidden states, `chunk_tokens` at a time, never from the whole [tokens x vocab] logits."""
+
+    def __init__(self, titan: nn.Module, hf_config, adapter: Qwen3StateDictAdapter, chunk_tokens: int,
+                 on_gpu: bool):
+        super().__init__()
+        self.titan = titan
+        self.hf_config = hf_config
+        self.adapter = adapter
+        self.chunk_tokens = chunk_tokens
+        self.on_gpu = on_gpu
+        self.replay = None  # router replay runs on the hf engine (the plan chooses it)
+        self.context_split = None  # CP runs on the hf engine (the plan chooses it)
+
+    @property
+    def config(self):
+        return self.hf_config
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float,
+                shard: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As model.Policy.forward: [B, T] log-probs and entropies, column t for token t (predicted at
+        t-1 of its document); column 0 is 0."""
+        from primebuild.kernels.logprobs import chunked_token_logprobs
+
+        if shard is not None:
+            raise NotImplementedError("context parallelism on the torchtitan engine is not built: the plan "
+                                      "chooses the hf engine for cp > 1")
+        t = self.titan
+        masks = t.get_attention_masks(position_ids) if self.on_gpu else document_mask(position_ids)
+        hidden = t.tok_embeddings(input_ids)
+        for layer in t.layers.values():
+            hidden = layer(hidden, masks, position_ids)
+        hidden = t.norm(hidden)
+        b, n = input_ids.shape
+        lp, entropy = chunked_token_logprobs(hidden[:, :-1].reshape(-1, hidden.shape[-1]), t.lm_head.weight,
+                                             input_ids[:, 1:].reshape(-1), temperature, self.chunk_tokens)
+        zero = lp.new_zeros(b, 1)
+        return torch.cat([zero, lp.view(b, n - 1)], 1), torch.cat([zero, entropy.view(b, n - 1)], 1)
+
+    def published_weights(self, dtype: torch.dtype) -> PublishedWeights:
+        return PublishedWeights(self.titan, dtype, self.to_checkpoint_naming)
+
+    def to_checkpoint_naming(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A group of the model's tensors in the checkpoint's names. A tied head is published under its
+        own name too (weight_stream.py says why)."""
+        out = self.adapter.to_hf(tensors)
+        if self.titan.enable_weight_tying and "model.embed_tokens.weight" in out:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
+
+
+def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
+                     logprob_chunk_tokens: int, meshes: Meshes | None = None,
+                     cpu_offload: bool = False) -> TitanPolicy:
+    """torchtitan's Qwen3 for the checkpoint at `model_path`: fp32 master weights, computed in
+    `compute_dtype` (FSDP's mixed precision, or autocast on one rank: model.autocast_context), each
+    rank holding only its shards from the start."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    on_gpu = env.device.type == "cuda"
+    model_config = titan_config(config, on_gpu)
+    with torch.device("meta"):
+        titan = model_config.build()
+    if activation_checkpointing:  # non-reentrant: composes with FSDP2's hooks; blocks recompute in backward
+        for name, block in list(titan.layers.items()):
+            titan.layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    policy = TitanPolicy(titan, config, Qwen3StateDictAdapter(model_config, model_path), logprob_chunk_tokens, on_gpu)
+    if env.distributed:
+        apply_fsdp(policy, list(titan.layers.values()), [], meshes, DTYPES[compute_dtype], cpu_offload)
+    policy.to_empty(device="cpu" if cpu_offload else env.device)
+    if titan.enable_weight_tying and not env.distributed:
+        # to_empty gave the head and the embedding a tensor each; FSDP2 keeps shared parameters shared
+        titan.tok_embeddings.weight = titan.lm_head.weight
+    for module in titan.modules():  # computed buffers (RoPE caches) are not in the checkpoint
+        if isinstance(module, Module) and module._buffers:
+            module._init_self_buffers(buffer_device=env.device)
+    load_hf_weights(policy, model_path)
+    policy.train()
+    return policy
+
+
+@torch.no_grad()
+def load_hf_weights(policy: TitanPolicy, model_path: str) -> None:
+    """Fill every rank's shards from the safetensors at `model_path` (names mapped by the adapter)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    sharded = policy.titan.state_dict()
+    wanted = policy.adapter.to_hf(sharded)
+    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(model_path))
+    policy.titan.load_state_dict(policy.adapter.from_hf(wanted))

@@ -1,0 +1,106 @@
+"""The torchtitan engine: torchtitan's Qwen3 modules score, train and publish as transformers' model does."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import free_port, plan_json, run_cli
+from safetensors.torch import load_file
+from trainer_fixtures import make_batch, make_tiny_model, trainer_config, write_rollouts
+
+from primebuild.runtime.metrics import read_metrics
+from primebuild.runtime.trainer.batch import pack
+from primebuild.runtime.trainer.main import run_trainer
+from primebuild.runtime.trainer.model import DistEnv, load_model
+from primebuild.runtime.trainer.titan_policy import TitanPolicy, load_titan_model
+from primebuild.runtime.weight_sync.filesystem import step_folder
+
+ONE_RANK = DistEnv(0, 1, torch.device("cpu"))
+# torchtitan's grouped experts and transformers' per-expert loop sum in other orders (fp32 both)
+MOE_FP32_TOLERANCE = 2e-4
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_logprobs_equal_transformers_on_the_same_weights(tmp_path, moe):
+    path = make_tiny_model(tmp_path / "model", moe=moe, seed=5)
+    titan = load_titan_model(str(path), ONE_RANK, "float32", False, 16)
+    assert isinstance(titan, TitanPolicy) and type(titan.titan).__module__.startswith("torchtitan.")
+    hf = load_model(str(path), ONE_RANK, "float32", False, 16)
+    from transformers import AutoModelForCausalLM
+
+    samples = make_batch(AutoModelForCausalLM.from_pretrained(path), step=1, num_prompts=4, group_size=4).samples
+    (mbs,) = pack(samples, micro_batch_tokens=64, world_size=1)
+    worst = 0.0
+    for mb in mbs:
+        with torch.no_grad():
+            ours, ours_entropy = titan(mb.input_ids, mb.position_ids, 1.0)
+            theirs, theirs_entropy = hf(mb.input_ids, mb.position_ids, 1.0)
+        scored = mb.position_ids > 0  # every prediction inside a document
+        worst = max(worst, (ours - theirs)[scored].abs().max().item(),
+                    (ours_entropy - theirs_entropy)[scored].abs().max().item())
+    assert worst <= (MOE_FP32_TOLERANCE if moe else 1e-5), worst
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_published_weights_are_the_checkpoint_in_its_own_naming(tmp_path, moe):
+    path = make_tiny_model(tmp_path / "model", moe=moe, seed=6)
+    titan = load_titan_model(str(path), ONE_RANK, "float32", True, 16)
+    published = dict(t for group in titan.published_weights(torch.float32).groups() for t in group)
+    checkpoint = load_file(path / "model.safetensors")
+    # the tied head under its own name too (weight_stream.py: vLLM reloads it only from its own key)
+    assert published.keys() == checkpoint.keys() | {"lm_head.weight"}
+    for name, tensor in checkpoint.items():
+        assert torch.equal(published[name], tensor), name
+    assert torch.equal(published["lm_head.weight"], checkpoint["model.embed_tokens.weight"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchtitan_trains_as_transformers_does_and_two_fsdp_ranks_as_one(tmp_path):
+    """Three steps on the same rollouts: the torchtitan engine follows the hf engine's trajectory (fp32),
+    and 2 FSDP ranks with activation checkpointing follow 1 rank; the published weights agree."""
+    model = make_tiny_model(tmp_path / "model")
+    common = dict(model_path=str(model), max_steps=3, lr=1e-3, micro_batch_tokens=48, loss="dppo-kl")
+    runs = {name: tmp_path / name for name in ("hf", "titan", "titan2")}
+    for run in runs.values():
+        write_rollouts(run, model, range(1, 4), num_prompts=5, group_size=3)
+    run_trainer(trainer_config(run_dir=str(runs["hf"]), engine="hf", **common))
+    run_trainer(trainer_config(run_dir=str(runs["titan"]), engine="torchtitan", **common))
+    cfg = tmp_path / "titan2.json"
+    cfg.write_text(trainer_config(run_dir=str(runs["titan2"]), engine="torchtitan", parallel={"dp_shard": 2},
+                                  activation_checkpointing=True, **common).model_dump_json())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
+                           str(cfg)], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = {name: read_metrics(run / "metrics.jsonl") for name, run in runs.items()}
+    for step in (1, 2, 3):
+        for name in ("loss", "grad_norm", "behaviour_kl", "entropy", "tokens"):
+            want = metrics["hf"][step][name]
+            for engine in ("titan", "titan2"):
+                assert metrics[engine][step][name] == pytest.approx(want, rel=1e-4, abs=1e-6), (engine, step, name)
+        assert metrics["titan"][step]["padding_fraction"] == 0.0  # packed documents
+    assert metrics["hf"][3]["loss"] != metrics["hf"][1]["loss"]  # the trajectory moved
+    weights = {name: load_file(step_folder(run / "weights", 3) / "model.safetensors") for name, run in runs.items()}
+    for name in ("titan", "titan2"):
+        assert weights[name].keys() == weights["hf"].keys()
+        for key, tensor in weights["hf"].items():
+            torch.testing.assert_close(weights[name][key], tensor, rtol=1e-4, atol=1e-6)
+
+
+def test_the_plan_chooses_torchtitan_where_it_is_built_and_says_why_not_elsewhere(tmp_path):
+    def engine(plan):
+        return next(p for p in plan["processes"] if p["name"] == "trainer")["config"]["engine"]
+
+    dense = plan_json("manifests/reverse-text.yaml", design=False)
+    assert engine(dense) == "torchtitan" and not any("torchtitan" in w for w in dense["warnings"])
+    replay = plan_json("manifests/reverse-text-moe.yaml", design=False)  # router replay: the hf engine
+    assert engine(replay) == "hf"
+    assert any(w.startswith("trainer: transformers' eager layers") and "router replay" in w for w in replay["warnings"])
+    assert engine(plan_json("manifests/reverse-text.yaml", ["trainer.engine=hf"], design=False)) == "hf"
+    refused = run_cli("plan", "manifests/reverse-text-lora.yaml", "--set", "trainer.engine=torchtitan")
+    assert refused.code == 2
+    assert "trainer.engine" in refused.err and "LoRA" in refused.err and "Traceback" not in refused.err
