@@ -20,7 +20,6 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.config_utils import (
     get_attention_config,
