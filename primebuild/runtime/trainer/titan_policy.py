@@ -97,7 +97,8 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
     if activation_checkpointing:  # non-reentrant: composes with FSDP2's hooks; blocks recompute in backward
         for name, block in list(titan.layers.items()):
             titan.layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    policy = TitanPolicy(titan, config, Qwen3StateDictAdapter(model_config, model_path), logprob_chunk_tokens, on_gpu)
+    # no hf_assets_path: the adapter would look for an index of shards only a save in HF layout uses
+    policy = TitanPolicy(titan, config, Qwen3StateDictAdapter(model_config, None), logprob_chunk_tokens, on_gpu)
     if env.distributed:
         apply_fsdp(policy, list(titan.layers.values()), [], meshes, DTYPES[compute_dtype], cpu_offload)
     policy.to_empty(device="cpu" if cpu_offload else env.device)
