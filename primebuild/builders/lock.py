@@ -8,7 +8,10 @@ checkout (paths are written as the manifest writes them), so locking twice gives
 
 Sections (each an *entry*: `request` = what the manifest asks for, then what it resolved to):
     lock_version, primebuild_version, manifest {name, hash}
-    model          hf: commit + per-file sha256/size; path: content hash over the folder;
+    model          hf: commit + per-file sha256/size, and `configs`: the store entry holding config.json (and
+                   generation_/tokenizer_config.json where present) at that commit with their sha256
+                   (hf_configs.py: what `plan` reads the facts from without a facts file); path: content
+                   hash over the folder;
                    init: the store key of the random init; from_manifest: the store key of the
                    other manifest's output, computed as primebuild/runtime/derivations.py does, without building
     environments   {id: built-in (env version, primebuild version) | installed Python package
@@ -37,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from primebuild import __version__
-from primebuild.builders import derivations, python_env
+from primebuild.builders import derivations, hf_configs, python_env
 from primebuild.builders.environments import taskset_module, verifiers_problem
 from primebuild.builders.model_ref import facts_file
 from primebuild.contracts.environments import BUILTIN_VERSIONS, VERIFIERS_PREFIX
@@ -182,7 +185,14 @@ def make_lock(loaded: LoadedManifest, previous: dict | None = None, *, update: b
     # A hub revision stays pinned until --update; a local folder or another manifest's output is
     # re-resolved every time: its content (or its recipe) can change without the request changing.
     kept_model = keep(previous.get("model"), wanted["model"]) if wanted["model"]["source"] == "hf" else None
+    if kept_model is not None and "configs" not in kept_model:
+        kept_model = None  # locked before the configs were fetched: pin them now
     model = kept_model or resolve_model(loaded, offline=offline)
+    if kept_model is not None:  # a lock made on another machine, or a store wiped since: fetch them again
+        why = hf_configs.restore(kept_model, offline=offline)
+        if why is not None:
+            echo(f"warning: {why}; `plan` needs {kept_model['configs']['store_key']} in the store for the "
+                 "model's facts unless a facts file is given")
     environments = {}
     for env_id, request in sorted(wanted["environments"].items()):
         environments[env_id] = keep((previous.get("environments") or {}).get(env_id), request) or \
@@ -241,7 +251,8 @@ def resolve_model(loaded: LoadedManifest, *, offline: bool = False, _depth: int 
     request = model_request(loaded)
     kind = request["source"]
     if kind == "hf":
-        return {"request": request, **_resolve_hf(request["repo"], request["revision"], offline)}
+        return _with_configs({"request": request, **_resolve_hf(request["repo"], request["revision"], offline)},
+                             offline)
     if kind == "path":
         folder = loaded.resolve(request["path"], ("model", "path"))
         if not folder.is_dir():
@@ -343,6 +354,18 @@ def _resolve_hf(repo: str, revision: str, offline: bool) -> dict:
                 "reason": f"{online_error}; the revision is a commit, but its file hashes are unknown"}
     return {"pinned": False, "reason": f"{online_error} and {repo}@{revision} is not in the local cache: the "
                                        "revision is recorded as given; re-lock with hub access to pin the commit"}
+
+
+def _with_configs(entry: dict, offline: bool) -> dict:
+    """A pinned hub entry with its config files fetched into the store; unpinned (with the reason) when they
+    cannot be, so that the next `lock` tries again."""
+    if not entry.get("pinned"):
+        return entry
+    try:
+        configs = hf_configs.fetch(entry["request"]["repo"], entry["commit"], offline=offline)
+    except hf_configs.NotFetched as err:
+        return {**entry, "pinned": False, "reason": _timeless(str(err))}
+    return {**entry, "configs": configs}
 
 
 def _hf_cache(repo: str, revision: str) -> tuple[str, dict] | None:

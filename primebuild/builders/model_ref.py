@@ -50,10 +50,18 @@ def facts_file(loaded: LoadedManifest, _depth: int = 0) -> tuple[Path, str]:
     return facts_file(load_manifest(parent_path), _depth + 1)
 
 
-def read_facts_json(loaded: LoadedManifest) -> tuple[dict, str]:
+def read_facts_json(loaded: LoadedManifest, lock: dict | None = None) -> tuple[dict, str]:
+    """The model's config.json (as a dict) and how to name it: the facts file, else for a hub model the
+    config its lock fetched into the store (`lock` None: the manifest's own lock file)."""
     path, shown = facts_file(loaded)
+    model = loaded.manifest.model
+    if not path.is_file() and model.facts is None and model.source_kind == "hf":
+        # imported here: hf_configs -> derivations -> this module
+        from primebuild.builders.hf_configs import locked_config
+
+        return locked_config(loaded, lock, shown)
     if not path.is_file():
-        field = ("model", "facts") if loaded.manifest.model.facts is not None else ("model",)
+        field = ("model", "facts") if model.facts is not None else ("model",)
         raise UserError(loaded.source.problem(
             field, f"architecture facts not found: {shown}",
             hint="add the model's config.json under manifests/models/, or set model.facts"))

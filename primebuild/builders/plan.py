@@ -36,7 +36,7 @@ __all__ = ["compile_plan", "render_json", "check_parallelism"]
 def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bool = False) -> Plan:
     """Compile a plan; raise UserError (exit 2) naming every problem when it cannot run or does not fit."""
     m = loaded.manifest
-    config, facts_shown = read_facts_json(loaded)
+    config, facts_shown = read_facts_json(loaded, lock)
     facts = facts_from_hf_config(config, facts_shown)
 
     refused = refusals(m, facts)

@@ -35,6 +35,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from primebuild.code_path import with_checkout
+
 MODULE = "vllm.entrypoints.openai.api_server"
 WORKER_EXTENSION = "primebuild.runtime.inference.vllm.worker_extension.PrimebuildWorkerExtension"
 ADMIN_MIDDLEWARE = "primebuild.runtime.inference.vllm.admin_auth.AdminTokenMiddleware"
@@ -164,5 +166,5 @@ def server_env(*, cpu_kv_cache_gib: int | None = None, routed_experts: bool = Fa
 
 def with_env(base: Mapping[str, str] | None = None, **kw) -> dict[str, str]:
     """A full environment for a server started by hand (tests, bench): `base` (default os.environ) plus
-    server_env(**kw)."""
-    return {**(os.environ if base is None else base), **server_env(**kw)}
+    server_env(**kw), with this checkout on PYTHONPATH as the worker puts it (primebuild/code_path.py)."""
+    return with_checkout({**(os.environ if base is None else base), **server_env(**kw)})

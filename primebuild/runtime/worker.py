@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from primebuild.code_path import with_checkout
 from primebuild.contracts.plan import Plan, ProcessSpec, read_plan
 from primebuild.contracts.run_dir import LOOPBACK, ProcessRecord, Rendezvous, RunDir, write_json_atomic
 from primebuild.errors import UserError
@@ -115,6 +116,8 @@ def prepare(plan: Plan, name: str, run: RunDir, extra_env: dict[str, str] | None
     env = dict(os.environ)
     env.update(extra_env or {})
     env.update(resolve(process.env))
+    if process.environment != "primebuild":  # vLLM's environment holds no primebuild: it gets this one's
+        env = with_checkout(env)
     env[PROCESS_ENV] = name  # inherited by its children too: whose stacks a hang dump holds (primebuild/runtime/stacks.py)
     env.pop(SUPERVISOR_PID_ENV, None)
     missing = [s for s in process.secrets if s not in env]

