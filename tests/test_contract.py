@@ -462,6 +462,7 @@ FIELDS: dict[str, list] = {
     "trainer.cp": [Reaches(config_of(T, "parallel.cp"), ("trainer.ranks=2", "trainer.cp=2"), 2)],
     "trainer.tp": [Refused(("trainer.tp=2",))],
     "trainer.ep": [Shapes(("trainer.ep=1",), "memory"), Refused(("trainer.ranks=2", "trainer.dp_shard=2", "trainer.ep=2"))],
+    "trainer.engine": [Reaches(config_of(T, "engine"), ("trainer.engine=hf",), "hf")],  # auto: torchtitan here
     "trainer.precision": [Reaches(config_of(T, "precision"), ("trainer.precision=bf16",), "bf16"),
                           Reaches(config_of(T, "precision"), ("trainer.precision=fp8",), "fp8")],
     "trainer.activation_checkpointing": [Reaches(config_of(T, "activation_checkpointing"),
