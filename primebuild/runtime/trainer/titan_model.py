@@ -8,7 +8,8 @@ in Hugging Face naming through torchtitan's Qwen3 state-dict adapter (titan_poli
 Attention: torchtitan's language models take a block-causal *document* mask derived from the positions
 (0 where a packed document starts). On a GPU that is its FlexAttention with the BlockMask it builds.
 FlexAttention has no backward on CPU (torch 2.13), so on a CPU the inner attention is
-`DocumentMaskAttention`: the same document mask, dense, through scaled_dot_product_attention. Only the
+`DocumentAttention`: the same block-causal document mask, computed document by document through
+scaled_dot_product_attention (a dense mask over a packed row would cost its length squared). Only the
 inner attention differs; projections, norms, RoPE and the rest are torchtitan's either way.
 """
 
@@ -40,20 +41,33 @@ from primebuild.errors import UserError
 TITAN_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] bool: token q may attend to token k when k is at or before q in q's document.
+@dataclass(frozen=True)
+class DocumentLayout:
+    """Where each packed document's tokens sit in the flattened [B*T] row(s): `index` [D, L] (a document
+    per row, padded to the longest with index 0) and `real` [D, L] (False on that padding).
 
-    A document starts where its position is 0 (batch.py packs samples that way); tokens before the first
-    0 of a row count as one document."""
-    documents = (position_ids == 0).cumsum(-1)  # [B, T]
-    t = position_ids.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-    same = documents[:, :, None] == documents[:, None, :]
-    return (causal & same)[:, None]
+    The CPU attention gathers q, k and v into these [D, L] rows and runs causal attention per document, so
+    it costs D x L^2, not the (B*T)^2 of a dense mask over the packed row; projections, norms and the
+    feed-forward never see the padding. A document starts where its position is 0 (batch.py)."""
+
+    index: torch.Tensor
+    real: torch.Tensor
+
+    @classmethod
+    def of(cls, position_ids: torch.Tensor) -> DocumentLayout:
+        flat = position_ids.reshape(-1)
+        starts = (flat == 0).nonzero().flatten()
+        if starts.numel() == 0 or starts[0] != 0:
+            raise ValueError("a packed row must start a document: position 0 first")
+        lengths = torch.diff(starts, append=starts.new_tensor([flat.numel()]))
+        offsets = torch.arange(int(lengths.max()), device=flat.device)
+        real = offsets[None, :] < lengths[:, None]
+        return cls(torch.where(real, starts[:, None] + offsets[None, :], 0), real)
 
 
-class DocumentMaskAttention(Module):
-    """CPU inner attention over (B, L, N, H) q/k/v with a dense boolean mask (`document_mask`)."""
+class DocumentAttention(Module):
+    """CPU inner attention over (B, L, N, H) q/k/v: causal attention within each document of a
+    `DocumentLayout`, through scaled_dot_product_attention."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -62,11 +76,19 @@ class DocumentMaskAttention(Module):
     def __init__(self, config: Config | None = None):
         super().__init__()
 
-    def forward(self, q, k, v, *, attention_masks: torch.Tensor, scale: float | None = None,
+    def forward(self, q, k, v, *, attention_masks: DocumentLayout, scale: float | None = None,
                 enable_gqa: bool = False, **_) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
-        return out.transpose(1, 2)
+        layout = attention_masks
+        b, t = q.shape[:2]
+
+        def per_document(x: torch.Tensor) -> torch.Tensor:  # (B, T, N, H) -> (D, N, L, H)
+            return x.reshape(b * t, *x.shape[2:])[layout.index].transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(per_document(q), per_document(k), per_document(v), is_causal=True,
+                                             scale=scale, enable_gqa=enable_gqa).transpose(1, 2)  # (D, L, N, H)
+        packed = out.new_empty(b * t, *out.shape[2:])
+        packed[layout.index[layout.real]] = out[layout.real]
+        return packed.view(b, t, *out.shape[2:])
 
 
 def _rope_theta(hf_config) -> float:
@@ -90,7 +112,7 @@ def titan_config(hf_config, on_gpu: bool):
     def norm(size: int):
         return RMSNorm.Config(normalized_shape=size, eps=c.rms_norm_eps, param_init={"weight": nn.init.ones_})
 
-    inner = get_attention_config("flex") if on_gpu else DocumentMaskAttention.Config()
+    inner = get_attention_config("flex") if on_gpu else DocumentAttention.Config()
     rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=c.max_position_embeddings, theta=_rope_theta(c))
     layers = []
     for _ in range(c.num_hidden_layers):

@@ -25,7 +25,7 @@ from .context_parallel import ContextShard
 from .model import DistEnv
 from .parallel_dims import Meshes
 from .parallelize import apply_fsdp
-from .titan_model import document_mask, titan_config
+from .titan_model import DocumentLayout, titan_config
 from .weight_stream import PublishedWeights
 
 
@@ -58,7 +58,7 @@ class TitanPolicy(nn.Module):
             raise NotImplementedError("context parallelism on the torchtitan engine is not built: the plan "
                                       "chooses the hf engine for cp > 1")
         t = self.titan
-        masks = t.get_attention_masks(position_ids) if self.on_gpu else document_mask(position_ids)
+        masks = t.get_attention_masks(position_ids) if self.on_gpu else DocumentLayout.of(position_ids)
         hidden = t.tok_embeddings(input_ids)
         for layer in t.layers.values():
             hidden = layer(hidden, masks, position_ids)
