@@ -53,6 +53,7 @@ import torch
 
 STARTED = time.monotonic()  # the time limit of bench/gpu.sh counts from here (give or take imports)
 REPO = Path(__file__).resolve().parents[1]
+ENGINES = ("torchtitan", "hf")  # the trainer's engines, side by side (runtime/trainer/titan_policy.py, model.py)
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 (datasheet); MFU's denominator
 
 MODEL_SHAPES = {
@@ -502,7 +503,7 @@ def synthetic_batch(step: int, sizes: Sizes, vocab: int):
     return RolloutBatch(step=step, samples=samples, temperature=1.0)
 
 
-def train_one(sizes: Sizes, shape: str, workdir: Path) -> dict:
+def train_one(sizes: Sizes, shape: str, workdir: Path, engine: str = "torchtitan") -> dict:
     from primebuild.contracts.trainer import TrainerConfig
     from primebuild.runtime.trainer.losses import resolve_loss
     from primebuild.runtime.trainer.main import train_step
@@ -513,10 +514,16 @@ def train_one(sizes: Sizes, shape: str, workdir: Path) -> dict:
     config = TrainerConfig(model_path=str(folder), run_dir=str(workdir / f"run-{shape}"), max_steps=10**6,
                            precision="bf16", micro_batch_tokens=sizes.micro_batch_tokens,
                            logprob_chunk_tokens=sizes.micro_batch_tokens, lr=1e-6, temperature=1.0,
-                           max_completion_tokens=sizes.seq_len)
+                           max_completion_tokens=sizes.seq_len, engine=engine)
     env = init_distributed()
-    model = load_model(config.model_path, env, "bfloat16", config.activation_checkpointing,
-                       config.logprob_chunk_tokens)
+    if engine == "torchtitan":
+        from primebuild.runtime.trainer.titan_policy import load_titan_model
+
+        model = load_titan_model(config.model_path, env, "bfloat16", config.activation_checkpointing,
+                                 config.logprob_chunk_tokens)
+    else:
+        model = load_model(config.model_path, env, "bfloat16", config.activation_checkpointing,
+                           config.logprob_chunk_tokens)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
                                   weight_decay=config.weight_decay)
     loss_fn = resolve_loss(config.loss)
@@ -539,12 +546,13 @@ def train_one(sizes: Sizes, shape: str, workdir: Path) -> dict:
     step_s = statistics.median(step_times)
     tok_s = tokens / step_s
     n_non_embedding = sum(p.numel() for name, p in model.named_parameters()
-                          if "embed_tokens" not in name and "lm_head" not in name)
+                          if "embed" not in name and "lm_head" not in name)
     heads, head_dim, layers = cfg.num_attention_heads, cfg.head_dim, cfg.num_hidden_layers
     flops_6n = 6 * n_non_embedding
     flops_full = 6 * (n_non_embedding + vocab * hidden) + 6 * layers * heads * head_dim * sizes.seq_len
     result = {
         "model": shape,
+        "engine": engine,
         "params_non_embedding": n_non_embedding,
         "params_total": sum(p.numel() for p in model.parameters()),
         "tokens_per_step": tokens,
@@ -567,7 +575,7 @@ def train_one(sizes: Sizes, shape: str, workdir: Path) -> dict:
 
 
 def section_trainer(sizes: Sizes, workdir: Path) -> dict:
-    runs = [train_one(sizes, shape, workdir) for shape in sizes.trainer_models]
+    runs = [train_one(sizes, shape, workdir, engine) for shape in sizes.trainer_models for engine in ENGINES]
     return {"peak_flops": PEAK_BF16_FLOPS, "formula": "mfu_6N = 6 * N_non_embedding * tokens/s / 989e12",
             "runs": runs}
 
@@ -576,7 +584,8 @@ def section_trainer_large(sizes: Sizes, workdir: Path, report: Report) -> dict:
     """The larger model, only when the run is still inside its budget (the time limit is hard)."""
     if report.elapsed() > sizes.budget_s:
         return {"runs": [], "skipped": f"over the time budget ({report.elapsed():.0f}s > {sizes.budget_s:.0f}s)"}
-    return {"runs": [train_one(sizes, shape, workdir) for shape in sizes.optional_trainer_models]}
+    return {"runs": [train_one(sizes, shape, workdir, engine) for shape in sizes.optional_trainer_models
+                     for engine in ENGINES]}
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -604,7 +613,7 @@ def print_summary(data: dict) -> None:
     for name in ("trainer", "trainer_large"):
         trainer = sections.get(name, {}).get("result") or {}
         for run in trainer.get("runs", []):
-            print(f"  trainer {run['model']}: {run['tokens_per_s']:.0f} tok/s, MFU(6N) {run['mfu_6N']:.3f}, "
+            print(f"  trainer {run['model']} ({run['engine']}): {run['tokens_per_s']:.0f} tok/s, MFU(6N) {run['mfu_6N']:.3f}, "
                   f"MFU(+head+attn) {run['mfu_with_head_and_attention']:.3f}, step {run['step_s_median']}s, "
                   f"peak {run.get('peak_memory_gib', '-')} GiB")
         if trainer.get("skipped"):
