@@ -56,39 +56,58 @@ def test_published_weights_are_the_checkpoint_in_its_own_naming(tmp_path, moe):
     assert torch.equal(published["lm_head.weight"], checkpoint["model.embed_tokens.weight"])
 
 
+# 2 ranks, each layout through torchtitan's meshes (titan_parallelize.py)
+LAYOUTS = {
+    "fsdp2-ac": dict(moe=False, parallel={"dp_shard": 2}, activation_checkpointing=True),
+    "hsdp": dict(moe=False, parallel={"dp_replicate": 2}),
+    "ep2-ac": dict(moe=True, parallel={"dp_shard": 2, "ep": 2}, activation_checkpointing=True),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_torchtitan_trains_as_transformers_does_and_two_fsdp_ranks_as_one(tmp_path):
-    """Three steps on the same rollouts: the torchtitan engine follows the hf engine's trajectory (fp32),
-    and 2 FSDP ranks with activation checkpointing follow 1 rank; the published weights agree."""
-    model = make_tiny_model(tmp_path / "model")
-    common = dict(model_path=str(model), max_steps=3, lr=1e-3, micro_batch_tokens=48, loss="dppo-kl")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_train_as_one_and_as_transformers(tmp_path, layout):
+    """Three steps on the same rollouts: 2 ranks in each layout follow 1 rank of the torchtitan engine,
+    which follows the hf engine's trajectory (fp32; MoE within the grouped experts' tolerance); the
+    published weights agree."""
+    spec = LAYOUTS[layout]
+    model = make_tiny_model(tmp_path / "model", moe=spec["moe"])
+    # eps 1e-4: AdamW's first steps move every weight by ~lr * sign(g); where g is a rounding error (an
+    # expert few tokens reached) summing over 2 ranks instead of 1 flips that sign, and the weights compare
+    # nothing but rounding. With eps above those gradients they move by ~lr * g / eps: the comparison holds.
+    common = dict(model_path=str(model), max_steps=3, lr=1e-3, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl")
     runs = {name: tmp_path / name for name in ("hf", "titan", "titan2")}
     for run in runs.values():
         write_rollouts(run, model, range(1, 4), num_prompts=5, group_size=3)
     run_trainer(trainer_config(run_dir=str(runs["hf"]), engine="hf", **common))
     run_trainer(trainer_config(run_dir=str(runs["titan"]), engine="torchtitan", **common))
     cfg = tmp_path / "titan2.json"
-    cfg.write_text(trainer_config(run_dir=str(runs["titan2"]), engine="torchtitan", parallel={"dp_shard": 2},
-                                  activation_checkpointing=True, **common).model_dump_json())
+    cfg.write_text(trainer_config(run_dir=str(runs["titan2"]), engine="torchtitan", parallel=spec["parallel"],
+                                  activation_checkpointing=spec.get("activation_checkpointing", False),
+                                  **common).model_dump_json())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
                            str(cfg)], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = {name: read_metrics(run / "metrics.jsonl") for name, run in runs.items()}
+    engines = 10 * MOE_FP32_TOLERANCE if spec["moe"] else 1e-4  # hf vs torchtitan
     for step in (1, 2, 3):
         for name in ("loss", "grad_norm", "behaviour_kl", "entropy", "tokens"):
-            want = metrics["hf"][step][name]
-            for engine in ("titan", "titan2"):
-                assert metrics[engine][step][name] == pytest.approx(want, rel=1e-4, abs=1e-6), (engine, step, name)
-        assert metrics["titan"][step]["padding_fraction"] == 0.0  # packed documents
-    assert metrics["hf"][3]["loss"] != metrics["hf"][1]["loss"]  # the trajectory moved
+            one = metrics["titan"][step][name]
+            assert metrics["titan2"][step][name] == pytest.approx(one, rel=1e-4, abs=1e-6), (step, name)
+            assert metrics["hf"][step][name] == pytest.approx(one, rel=engines, abs=1e-6), (step, name)
+        assert metrics["titan2"][step]["padding_fraction"] == 0.0  # packed documents
+    assert metrics["titan"][3]["loss"] != metrics["titan"][1]["loss"]  # the trajectory moved
     weights = {name: load_file(step_folder(run / "weights", 3) / "model.safetensors") for name, run in runs.items()}
-    for name in ("titan", "titan2"):
-        assert weights[name].keys() == weights["hf"].keys()
-        for key, tensor in weights["hf"].items():
-            torch.testing.assert_close(weights[name][key], tensor, rtol=1e-4, atol=1e-6)
+    assert weights["titan2"].keys() == weights["titan"].keys() == weights["hf"].keys()
+    # a random MoE has near-tied routers: a rounding difference can send a token to another expert
+    ranks = 2e-5 if spec["moe"] else 2e-6
+    for key, tensor in weights["titan"].items():
+        torch.testing.assert_close(weights["titan2"][key], tensor, rtol=1e-4, atol=ranks)
+        if not spec["moe"]:  # other kernels, other summation orders (the tied embedding's most of all)
+            torch.testing.assert_close(weights["hf"][key], tensor, rtol=1e-4, atol=2e-5)
 
 
 def test_the_plan_chooses_torchtitan_where_it_is_built_and_says_why_not_elsewhere(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 TITAN_MODELS = {"qwen3": "torchtitan's Qwen3", "qwen3_moe": "torchtitan's Qwen3 MoE (grouped experts)"}
 
 
-def titan_gaps(router_replay: bool, precision: str, lora: bool, cp: int, tp: int, ep: int,
+def titan_gaps(router_replay: bool, precision: str, lora: bool, cp: int, tp: int,
                model_type: str | None) -> list[str]:
     """What the torchtitan engine does not do yet for this model and layout (empty: it does it all).
     `model_type` None: not known here (a hand-written trainer config; the trainer's model load checks)."""
@@ -26,8 +26,6 @@ def titan_gaps(router_replay: bool, precision: str, lora: bool, cp: int, tp: int
         gaps.append("LoRA injects peft's adapters into transformers' modules")
     if cp > 1:
         gaps.append("context parallelism runs as a transformers attention function (runtime/trainer/context_parallel.py)")
-    if ep > 1:
-        gaps.append("expert parallelism wraps transformers' experts (runtime/trainer/expert_parallel.py)")
     if tp > 1:
         gaps.append("tensor parallelism is not built on either engine")
     return gaps
@@ -35,7 +33,7 @@ def titan_gaps(router_replay: bool, precision: str, lora: bool, cp: int, tp: int
 
 def manifest_gaps(m, model_type: str) -> list[str]:
     t = m.trainer
-    return titan_gaps(m.inference.router_replay, t.precision, t.lora is not None, t.cp, t.tp, t.ep, model_type)
+    return titan_gaps(m.inference.router_replay, t.precision, t.lora is not None, t.cp, t.tp, model_type)
 
 
 def trainer_engine(m, model_type: str) -> tuple[str, str]:

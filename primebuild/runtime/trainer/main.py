@@ -232,9 +232,11 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
             loss_sum, m = loss_fn(lp, inference_lp, mb.advantages.to(env.device), mask)
             if bad_loss is None and not torch.isfinite(loss_sum).item():
                 bad_loss = f"of samples {mb.sample_indices[0]}..{mb.sample_indices[-1]}" if mb.sample_indices else ""
-            # FSDP2 averages gradients over ranks (HSDP: over the shard and the replicate dimension); scaling
-            # by world_size turns that back into the sum that one rank holding every micro-batch would compute.
-            (loss_sum * (env.world_size / normalizer)).backward()
+            # The hf engine's FSDP2 averages gradients over ranks (HSDP: over the shard and the replicate
+            # dimension); scaling by world_size turns that back into the sum that one rank holding every
+            # micro-batch would compute. The torchtitan engine's FSDP sums them already.
+            spread = 1 if getattr(model, "sums_gradients", False) else env.world_size
+            (loss_sum * (spread / normalizer)).backward()
         agreed, replayed_routes = replay.take_agreement() if replay is not None else (0.0, 0.0)
         totals += StepSums(
             loss=loss_sum, tokens=m["tokens"], kl=m["mismatch_kl"], masked=m["masked"], ratio=m["ratio"],
@@ -364,7 +366,7 @@ def check_launch(config: TrainerConfig, env: DistEnv) -> None:
         from primebuild.builders.trainer_engine import titan_gaps
 
         gaps = titan_gaps(config.router_replay, config.precision, config.lora is not None,
-                          config.parallel.cp, config.parallel.tp, config.parallel.ep, None)
+                          config.parallel.cp, config.parallel.tp, None)
         if gaps:
             raise UserError(f"the torchtitan engine: {'; '.join(gaps)}", hint="set engine: hf")
     if config.lora is not None and config.weight_sync.mode != "filesystem":
@@ -404,7 +406,7 @@ def run_trainer(config: TrainerConfig) -> None:
         from .titan_policy import load_titan_model
 
         model = load_titan_model(config.model_path, env, compute_dtype(config, env.device),
-                                 config.activation_checkpointing, config.logprob_chunk_tokens, meshes=meshes,
+                                 config.activation_checkpointing, config.logprob_chunk_tokens, config.parallel,
                                  cpu_offload=config.optimizer_cpu_offload)
     else:
         model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,

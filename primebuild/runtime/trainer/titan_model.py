@@ -76,17 +76,18 @@ class DocumentAttention(Module):
     def __init__(self, config: Config | None = None):
         super().__init__()
 
-    def forward(self, q, k, v, *, attention_masks: DocumentLayout, scale: float | None = None,
+    # q/k/v are named as torchtitan's attentions name them: its sharding configs (TP, CP) address them so
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks: DocumentLayout, scale: float | None = None,
                 enable_gqa: bool = False, **_) -> torch.Tensor:
         layout = attention_masks
-        b, t = q.shape[:2]
+        b, t = q_BLNH.shape[:2]
 
         def per_document(x: torch.Tensor) -> torch.Tensor:  # (B, T, N, H) -> (D, N, L, H)
             return x.reshape(b * t, *x.shape[2:])[layout.index].transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(per_document(q), per_document(k), per_document(v), is_causal=True,
-                                             scale=scale, enable_gqa=enable_gqa).transpose(1, 2)  # (D, L, N, H)
-        packed = out.new_empty(b * t, *out.shape[2:])
+        out = F.scaled_dot_product_attention(per_document(q_BLNH), per_document(k_BLNH), per_document(v_BLNH),
+                                             is_causal=True, scale=scale, enable_gqa=enable_gqa).transpose(1, 2)
+        packed = out.new_empty(b * t, *out.shape[2:])  # (B*T, N, H)
         packed[layout.index[layout.real]] = out[layout.real]
         return packed.view(b, t, *out.shape[2:])
 

@@ -15,17 +15,16 @@ from __future__ import annotations
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.module import Module
 
+from primebuild.contracts.trainer import ParallelDims
 from primebuild.kernels.dtypes import DTYPES
 
 from .context_parallel import ContextShard
 from .model import DistEnv
-from .parallel_dims import Meshes
-from .parallelize import apply_fsdp
 from .titan_model import DocumentLayout, titan_config
+from .titan_parallelize import apply_block_checkpointing, build_titan_dims, configure, parallelize_titan
 from .weight_stream import PublishedWeights
 
 
@@ -42,6 +41,8 @@ class TitanPolicy(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.on_gpu = on_gpu
         self.replay = None  # router replay runs on the hf engine (the plan chooses it)
+        # FSDP sums gradients over ranks here (titan_parallelize.py); the hf engine's FSDP averages them
+        self.sums_gradients = True
         self.context_split = None  # CP runs on the hf engine (the plan chooses it)
 
     @property
@@ -82,25 +83,28 @@ class TitanPolicy(nn.Module):
 
 
 def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
-                     logprob_chunk_tokens: int, meshes: Meshes | None = None,
+                     logprob_chunk_tokens: int, dims: ParallelDims | None = None,
                      cpu_offload: bool = False) -> TitanPolicy:
     """torchtitan's Qwen3 for the checkpoint at `model_path`: fp32 master weights, computed in
-    `compute_dtype` (FSDP's mixed precision, or autocast on one rank: model.autocast_context), each
-    rank holding only its shards from the start."""
+    `compute_dtype` (FSDP's mixed precision, or autocast on one rank: model.autocast_context), laid out
+    over the ranks by `dims` (titan_parallelize.py), each rank holding only its shards from the start."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
     on_gpu = env.device.type == "cuda"
     model_config = titan_config(config, on_gpu)
+    dims = dims or ParallelDims(dp_shard=env.world_size)
+    if env.distributed:
+        configure(model_config, dims)
     with torch.device("meta"):
         titan = model_config.build()
-    if activation_checkpointing:  # non-reentrant: composes with FSDP2's hooks; blocks recompute in backward
-        for name, block in list(titan.layers.items()):
-            titan.layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     # no hf_assets_path: the adapter would look for an index of shards only a save in HF layout uses
     policy = TitanPolicy(titan, config, Qwen3StateDictAdapter(model_config, None), logprob_chunk_tokens, on_gpu)
-    if env.distributed:
-        apply_fsdp(policy, list(titan.layers.values()), [], meshes, DTYPES[compute_dtype], cpu_offload)
+    titan_dims = build_titan_dims(dims, env.world_size, env.device.type) if env.distributed else None
+    if titan_dims is not None:
+        parallelize_titan(policy, titan, titan_dims, DTYPES[compute_dtype], activation_checkpointing, cpu_offload)
+    elif activation_checkpointing:
+        apply_block_checkpointing(titan)
     policy.to_empty(device="cpu" if cpu_offload else env.device)
     if titan.enable_weight_tying and not env.distributed:
         # to_empty gave the head and the embedding a tensor each; FSDP2 keeps shared parameters shared
