@@ -36,7 +36,7 @@ from primebuild.contracts.run_dir import RunDir
 from primebuild.contracts.run_summary import OrchestratorSummary
 from primebuild.kernels.routing import sample_routes
 from primebuild.runtime.config_main import config_main
-from primebuild.runtime.metrics import MetricsWriter
+from primebuild.runtime.metrics import MetricsWriter, read_metrics
 from primebuild.runtime.orchestrator.advantages import advantages_by_group
 from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
@@ -209,6 +209,14 @@ class Orchestrator:
             step += 1
         return step
 
+    def eval_cut_short(self, step: int) -> bool:
+        """Is `step` a held-out eval step whose batch was written but whose eval row was not?"""
+        cfg = self.cfg
+        if not (cfg.eval_every and 0 < step < cfg.max_steps and step % cfg.eval_every == 0):
+            return False
+        done = read_metrics(self.run_dir.metrics, role="orchestrator") if self.run_dir.metrics.is_file() else {}
+        return "eval_reward" not in done.get(step, {})
+
     def next_group_after(self, step: int) -> int:
         """Where the group stream continues when batch `step` is the next one to write."""
         if step == 1:
@@ -232,6 +240,9 @@ class Orchestrator:
                                    "eval_policy_version": self.server_version})
             summary.write(summary_path)
         log.info("eval reward before RL: %.4f; starting at step %d", summary.eval_reward_before, start)
+        if self.eval_cut_short(start - 1):  # killed after the batch, before its eval: the curve keeps its point
+            self.metrics.write(start - 1, {"eval_reward": await self.evaluate(),
+                                           "eval_policy_version": self.server_version})
 
         pool = RolloutPool(self.groups_per_step, cfg.max_off_policy_steps, next_step=start)
         seq = self.next_group_after(start)
