@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 96838375aeee3d2e337ed52496f20544f2d941bf32536f3f5c275d0de7939143, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 1b4577b525381100dff7548edc1a1fd11f60a852fc98c517756706699065acde, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is
