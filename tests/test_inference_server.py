@@ -7,7 +7,9 @@ log-prob must equal a teacher-forced HF forward pass (1e-5, fp32).
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import time
 
 import httpx
 import openai
@@ -253,6 +255,25 @@ def test_malformed_json_and_client_errors(served):
             model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=100000
         )
     assert httpx.get(served.url + "/nowhere").json()["error"]["message"]
+    assert httpx.get(served.url + "/health").json()["status"] == "ok"
+
+
+def test_a_client_that_hangs_up_mid_request_is_no_server_error(served, caplog):
+    """A dropped rollout group cancels its requests: one cut while the server reads its body is logged as
+    what it is, not as an unhandled error with a traceback on the run's terminal."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(served.url)
+    caplog.set_level(logging.INFO)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny\", \"prompt\": ")  # then hangs up
+    deadline = time.monotonic() + 10
+    while "disconnected before its request was read" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "disconnected before its request was read" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert httpx.get(served.url + "/health").json()["status"] == "ok"
 
 

@@ -112,6 +112,10 @@ def test_the_root_cause_is_the_first_error_since_the_last_start(tmp_path):
                    "09:09:59 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered "
                    "an issue.\n")
     assert liveness.first_error_line(log) == "EngineDeadError: EngineCore encountered an issue."
+    # one of our processes that reports its error itself, after warnings that quote errors of others
+    log.write_text(f"{liveness.START_MARKER}2026-12-03T09:06:25 (restart 0) ---\nWARNING rollout group 3 failed "
+                   "and is dropped: TaskError: boom\n    | ValueError: boom\nerror: 3 rollout groups failed in a row\n")
+    assert liveness.first_error_line(log) == "3 rollout groups failed in a row"
     assert liveness.first_error_line(tmp_path / "missing.log") is None
 
 

@@ -31,7 +31,7 @@ async def episode(seconds: float, versions: list[int], pool: RolloutPool | None 
 
 
 def test_synchronous_admits_one_batch_per_policy_version():
-    pool = RolloutPool(groups_per_step=4, max_off_policy_steps=0, next_step=1)
+    pool = RolloutPool(groups_per_step=4, max_off_policy_steps=0, next_step=1, max_failed_in_a_row=1)
     assert pool.open_slots(served_version=0) == 4  # batch 1 is trained on version 0
     pool.next_step = 2  # batch 1 written; version 1 not served yet
     assert pool.open_slots(served_version=0) == 0
@@ -39,7 +39,7 @@ def test_synchronous_admits_one_batch_per_policy_version():
 
 
 def test_async_admits_up_to_max_off_policy_batches_ahead():
-    pool = RolloutPool(groups_per_step=4, max_off_policy_steps=2, next_step=1)
+    pool = RolloutPool(groups_per_step=4, max_off_policy_steps=2, next_step=1, max_failed_in_a_row=1)
     assert pool.open_slots(served_version=0) == 12  # batches 1, 2, 3 accept version 0
     pool.next_step = 3
     assert pool.open_slots(served_version=0) == 4
@@ -48,7 +48,7 @@ def test_async_admits_up_to_max_off_policy_batches_ahead():
 
 def test_a_batch_is_cut_without_waiting_for_the_slowest_group():
     async def main():
-        pool = RolloutPool(groups_per_step=2, max_off_policy_steps=1, next_step=1)
+        pool = RolloutPool(groups_per_step=2, max_off_policy_steps=1, next_step=1, max_failed_in_a_row=1)
         durations = [0.02, 5.0, 0.03, 0.04, 0.05]  # one long tail, started second
         for seq, d in enumerate(durations):
             pool.start(group(seq, 0), episode(d, [0]))
@@ -69,7 +69,7 @@ def test_a_batch_is_cut_without_waiting_for_the_slowest_group():
 
 def test_stale_groups_are_dropped_finished_or_running():
     async def main():
-        pool = RolloutPool(groups_per_step=1, max_off_policy_steps=1, next_step=3)
+        pool = RolloutPool(groups_per_step=1, max_off_policy_steps=1, next_step=3, max_failed_in_a_row=1)
         # batch 3 accepts versions >= 1
         pool.start(group(0, 0), episode(0.01, [0]))  # finished, too old
         pool.start(group(1, 1), episode(0.01, [1, 2]))  # oldest token v1: accepted
@@ -89,7 +89,7 @@ def test_a_group_older_than_the_bound_is_never_in_a_batch():
     """A property over many interleavings: every group of batch k has oldest version >= k - 1 - m."""
     async def main():
         m = 1
-        pool = RolloutPool(groups_per_step=3, max_off_policy_steps=m, next_step=1)
+        pool = RolloutPool(groups_per_step=3, max_off_policy_steps=m, next_step=1, max_failed_in_a_row=1)
         served, seq, written = 0, 0, []
         while len(written) < 6:
             for _ in range(pool.open_slots(served)):

@@ -197,7 +197,7 @@ def test_routes_travel_from_http_through_the_orchestrator_unchanged(tmp_path):
         config = OrchestratorConfig(
             run_dir=str(tmp_path / "run"), model_path=str(folder), served_model_name="tiny", endpoints=[served.v1],
             environments=[{"id": "reverse-text"}], rollouts_per_step=6, group_size=3, max_off_policy_steps=0,
-            max_completion_tokens=6, seq_len=64, max_steps=1, temperature=1.0, eval_prompts=1, router_replay=True,
+            max_completion_tokens=6, seq_len=64, max_steps=1, temperature=1.0, eval_prompts=1, max_failed_groups_in_a_row=1, router_replay=True,
             moe_layers=[0])
         orchestrator = Orchestrator(config)
         env, task = orchestrator.mix.draw(0, orchestrator.groups_per_step, config.seed)

@@ -357,6 +357,11 @@ class RunDir:
             raise UserError(f"{self.rendezvous}: missing", hint="the target writes it before starting workers")
         return parse_contract(Rendezvous, json.loads(self.rendezvous.read_text()), where=str(self.rendezvous))
 
+    def unfinished_json_writes(self) -> list[Path]:
+        """Temporary files of `write_json_atomic` calls that a kill cut short (the folders it writes in)."""
+        return sorted(p for folder in (self.root, self.pids, self.scale) if folder.is_dir()
+                      for p in folder.glob(".*.json.*.tmp") if p.is_file())
+
     def read_json(self, path: Path) -> dict:
         """A JSON file of this folder, or {} when it is not there (yet)."""
         return json.loads(path.read_text()) if path.is_file() else {}
@@ -378,3 +383,4 @@ def write_json_atomic(path: Path, data: object) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
     os.replace(tmp, path)
+

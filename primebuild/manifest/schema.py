@@ -295,6 +295,11 @@ class Orchestrator(Strict):
     normalize_advantage_std: bool = False
     eval_every: int = Field(0, ge=0, description="0 = evaluate only before and after.")
     eval_prompts: PositiveInt = 200
+    max_failed_groups_in_a_row: PositiveInt = Field(
+        10, le=1_000_000,
+        description="A rollout group whose environment or inference server raised is dropped (counted in the "
+        "metrics as failed_groups, logged with its cause); this many failed groups in a row end the run, "
+        "naming the last cause.")
     rollout_profile: RolloutProfile | None = Field(
         None, description="Expected rollout lengths, turns and tool latency, for the plan's time model.")
 

@@ -27,8 +27,9 @@ PROBE_SECONDS = 2.0
 PROBE_TIMEOUT_SECONDS = 5.0
 DEAD_AFTER_ERRORS = 3
 UNRESPONSIVE_SECONDS = 180.0
-# a traceback's last line, maybe log-prefixed, maybe with the exception's module path
-_ERROR_LINE = re.compile(r"(?:^|\] )(?:\w+\.)*(\w+(?:Error|Exception): .+)")
+# a traceback's last line, maybe log-prefixed, maybe with the exception's module path; or the `error: …`
+# line of one of our processes that ended on an error it reports without a traceback (config_main.py)
+_ERROR_LINE = re.compile(r"(?:^|\] )(?:\w+\.)*(\w+(?:Error|Exception): .+)|^error: (.+)")
 START_MARKER = "--- start "  # the supervisor's line before each start of a process
 
 
@@ -87,5 +88,5 @@ def first_error_line(log: Path, tail_bytes: int = 500_000) -> str | None:
     for line in lines[starts[-1] if starts else 0:]:
         match = _ERROR_LINE.search(line)
         if match:
-            return match.group(1)[:300]
+            return (match.group(1) or match.group(2))[:300]
     return None

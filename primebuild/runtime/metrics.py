@@ -3,7 +3,8 @@
 One line per metric and step: ``{"step": k, "role": "trainer", "name": "loss", "value": 0.12}``. The
 orchestrator appends its own lines (role "orchestrator") to the same file: each step's lines go out in
 one ``write`` on a file opened for appending, so concurrent writers do not interleave inside a line.
-After a resume a step may appear twice; readers keep the last line per (role, step, name).
+After a resume a step may appear twice; readers keep the last line per (role, step, name). A process
+killed while writing may leave a torn last line: readers skip it, and a resumed run cuts it off first.
 
 The same values go to the experiment trackers the manifest names (`sinks`, see primebuild/runtime/trackers/).
 """
@@ -60,11 +61,26 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | os.PathLike, role: str = "trainer") -> dict[int, dict[str, float | None]]:
-    """{step: {name: value}}, last line winning (see module docstring)."""
+    """{step: {name: value}}, last line winning (see module docstring); a torn line is skipped."""
     out: dict[int, dict[str, float | None]] = {}
     for line in Path(path).read_text().splitlines():
-        if line.strip():
+        try:
             rec = json.loads(line)
-            if rec.get("role") == role:
-                out.setdefault(rec["step"], {})[rec["name"]] = rec["value"]
+        except json.JSONDecodeError:
+            continue
+        if rec.get("role") == role:
+            out.setdefault(rec["step"], {})[rec["name"]] = rec["value"]
     return out
+
+
+def cut_torn_tail(path: str | os.PathLike) -> int:
+    """Remove a last line without its newline: a write cut short by a kill (Linux ends a write to a file
+    early when a fatal signal arrives between pages). The next append would otherwise be glued to it and
+    be unreadable too. Only while nobody appends (at the start of a session). Returns the bytes removed."""
+    path = Path(path)
+    data = path.read_bytes() if path.is_file() else b""
+    if not data or data.endswith(b"\n"):
+        return 0
+    keep = data.rfind(b"\n") + 1
+    os.truncate(path, keep)
+    return len(data) - keep

@@ -54,6 +54,13 @@ def save_batch(path: str | os.PathLike, batch: RolloutBatch) -> None:
         raise
 
 
+def unfinished_writes(folder: str | os.PathLike) -> list[Path]:
+    """Temporary files of ``save_batch`` calls that a kill cut short (never read: the batch is written
+    again). Only meaningful while no orchestrator runs."""
+    folder = Path(folder)
+    return sorted(folder.glob(".step_*.pt.*.tmp")) if folder.is_dir() else []
+
+
 # RolloutBatch fields kept under "metadata" in the file; keys of older writers that nothing reads
 # (max_completion_tokens, groups) are skipped, so their files still load.
 _METADATA = ("temperature", "next_group")

@@ -22,8 +22,9 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.inference import InferenceServerConfig
@@ -84,6 +85,13 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError):
         return JSONResponse(ApiError(400, str(err)[:500]).body(), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, err: ClientDisconnect):
+        # the client hung up before its request was read (the orchestrator dropped a rollout group or
+        # stopped): nobody waits for an answer, and nothing went wrong here
+        log.info("%s %s: the client disconnected before its request was read", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, err: Exception):

@@ -8,7 +8,6 @@ records them for the environments it drives.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from primebuild.runtime.envs.base import Task
@@ -21,7 +20,7 @@ def plays_itself(env) -> bool:
 
 
 async def agent_group(runner, sample, env, task: Task, *, n: int, temperature: float, seed: int | None) -> list:
-    from primebuild.runtime.orchestrator.rollout import Rollout
+    from primebuild.runtime.orchestrator.rollout import Rollout, all_episodes
 
     interception = ChatInterception(ChatTemplate(runner.tokenizer), sample, max_tokens_per_turn=runner.max_tokens_per_turn,
                                     seq_len=runner.seq_len, temperature=temperature)
@@ -40,6 +39,6 @@ async def agent_group(runner, sample, env, task: Task, *, n: int, temperature: f
         return Rollout(transcript, reward, time.monotonic() - started, finish)
 
     try:
-        return list(await asyncio.gather(*(episode(j) for j in range(n))))
+        return await all_episodes(episode(j) for j in range(n))
     finally:
         await interception.stop()

@@ -36,9 +36,10 @@ from primebuild.contracts.run_dir import RunDir
 from primebuild.contracts.run_summary import OrchestratorSummary
 from primebuild.kernels.routing import sample_routes
 from primebuild.runtime.config_main import config_main
-from primebuild.runtime.metrics import MetricsWriter
+from primebuild.runtime.metrics import MetricsWriter, read_metrics
 from primebuild.runtime.orchestrator.advantages import advantages_by_group
 from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
+from primebuild.runtime.orchestrator.failures import RolloutsFailing, cause, costs_the_run
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.pool import Group, IdleClock, RolloutPool
 from primebuild.runtime.orchestrator.rollout import RolloutRunner
@@ -191,15 +192,27 @@ class Orchestrator:
             s.advantage = a
         return RolloutBatch(step=step, samples=samples, temperature=self.cfg.temperature, next_group=next_group)
 
-    async def evaluate(self) -> float:
+    async def evaluate(self) -> dict[str, float]:
+        """The held-out greedy reward; a prompt whose rollout failed is left out and counted (failures.py)."""
         tasks = self.mix.eval_tasks(self.cfg.eval_prompts)
 
         async def one(env, task) -> float:
             (rollout,) = await self.runner.group(self.sample, env, task, n=1, temperature=0.0)
             return rollout.reward
 
-        scores = await asyncio.gather(*(one(env, t) for env, t in tasks))
-        return sum(scores) / len(scores)
+        results = await asyncio.gather(*(one(env, t) for env, t in tasks), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        fatal = next((e for e in errors if costs_the_run(e)), None)
+        if fatal is not None:
+            raise fatal
+        scores = [r for r in results if not isinstance(r, BaseException)]
+        if errors:
+            log.warning("held-out eval: %d of %d rollouts failed and are left out; the first: %s", len(errors),
+                        len(results), cause(errors[0]))
+        if not scores:
+            raise RolloutsFailing(f"held-out eval: all {len(results)} rollouts failed; the first: {cause(errors[0])}")
+        return {"eval_reward": sum(scores) / len(scores), "eval_failed_rollouts": len(errors),
+                "eval_policy_version": self.server_version}
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -208,6 +221,14 @@ class Orchestrator:
         while self.run_dir.rollout(step).exists():
             step += 1
         return step
+
+    def eval_cut_short(self, step: int) -> bool:
+        """Is `step` a held-out eval step whose batch was written but whose eval row was not?"""
+        cfg = self.cfg
+        if not (cfg.eval_every and 0 < step < cfg.max_steps and step % cfg.eval_every == 0):
+            return False
+        done = read_metrics(self.run_dir.metrics, role="orchestrator") if self.run_dir.metrics.is_file() else {}
+        return "eval_reward" not in done.get(step, {})
 
     def next_group_after(self, step: int) -> int:
         """Where the group stream continues when batch `step` is the next one to write."""
@@ -227,13 +248,16 @@ class Orchestrator:
         summary_path = self.run_dir.orchestrator_state
         summary = OrchestratorSummary.read(summary_path)
         if summary.eval_reward_before is None:
-            summary = summary.model_copy(update={"eval_reward_before": await self.evaluate()})
-            self.metrics.write(0, {"eval_reward": summary.eval_reward_before,
-                                   "eval_policy_version": self.server_version})
+            before = await self.evaluate()
+            summary = summary.model_copy(update={"eval_reward_before": before["eval_reward"]})
+            self.metrics.write(0, before)
             summary.write(summary_path)
         log.info("eval reward before RL: %.4f; starting at step %d", summary.eval_reward_before, start)
+        if self.eval_cut_short(start - 1):  # killed after the batch, before its eval: the curve keeps its point
+            self.metrics.write(start - 1, await self.evaluate())
 
-        pool = RolloutPool(self.groups_per_step, cfg.max_off_policy_steps, next_step=start)
+        pool = RolloutPool(self.groups_per_step, cfg.max_off_policy_steps, next_step=start,
+                           max_failed_in_a_row=cfg.max_failed_groups_in_a_row)
         seq = self.next_group_after(start)
         last_batch_at, idle_at_last = time.monotonic(), (self.requests.seconds(), pool.idle.seconds())
         try:
@@ -256,10 +280,9 @@ class Orchestrator:
                 self.metrics.write(step, self.step_metrics(step, groups, batch, pool, now - last_batch_at,
                                                            [a - b for a, b in zip(idle, idle_at_last, strict=True)]))
                 last_batch_at, idle_at_last = now, idle
-                pool.dropped = 0
+                pool.dropped = pool.failed = 0
                 if cfg.eval_every and step % cfg.eval_every == 0:
-                    self.metrics.write(step, {"eval_reward": await self.evaluate(),
-                                              "eval_policy_version": self.server_version})
+                    self.metrics.write(step, await self.evaluate())
         finally:
             await pool.cancel()  # groups in no batch: a resumed run starts after the last group written
 
@@ -268,11 +291,12 @@ class Orchestrator:
         served = await asyncio.gather(*(c.version() for c in self.servers.active()))
         if set(served) != {final}:  # the final eval must see the weights of the last trained step
             raise RuntimeError(f"servers serve policy versions {sorted(set(served))} after syncing to {final}")
+        after = await self.evaluate()
         summary = OrchestratorSummary.model_validate({
-            **summary.model_dump(), "eval_reward_after": await self.evaluate(), "eval_reward_after_step": final,
+            **summary.model_dump(), "eval_reward_after": after["eval_reward"], "eval_reward_after_step": final,
             "inference_engine": await self.servers.active()[0].engine(),
             "orchestrator_seconds": round(time.monotonic() - started, 2)})
-        self.metrics.write(cfg.max_steps, {"eval_reward": summary.eval_reward_after, "eval_policy_version": final})
+        self.metrics.write(cfg.max_steps, after)
         summary.write(summary_path)
         log.info("eval reward after RL: %.4f (weights of step %d)", summary.eval_reward_after, final)
         tending.cancel()
@@ -302,7 +326,7 @@ class Orchestrator:
             "environment_tokens": sum(r.transcript.environment_tokens for r in rollouts),
             "turns_mean": sum(turns) / len(turns), "turns_max": max(turns),
             "rollout_seconds_mean": sum(seconds) / len(seconds), "rollout_seconds_max": max(seconds),
-            "stale_groups_dropped": pool.dropped, "groups_running": len(pool.running),
+            "stale_groups_dropped": pool.dropped, "failed_groups": pool.failed, "groups_running": len(pool.running),
             **routing_bytes(batch.samples),
         }
 
@@ -320,7 +344,7 @@ def run_orchestrator(config: OrchestratorConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     return config_main(argv, prog="python -m primebuild.runtime.orchestrator.main", config_class=OrchestratorConfig,
-                       run=run_orchestrator, log_format="%(levelname)s %(message)s")
+                       run=run_orchestrator, log_format="%(levelname)s %(message)s", failures=(RolloutsFailing,))
 
 
 if __name__ == "__main__":

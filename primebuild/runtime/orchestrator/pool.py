@@ -15,6 +15,8 @@ Policy (docs/async.md):
 - Drop: a group that no batch can accept any more (its oldest token too old) is dropped, whether it has
   finished or is still running (a running one stops at its next turn), and counted; a new group of a
   new task takes its place. Nothing is resampled for the same task.
+- Failure: a group whose environment or server raised is dropped and counted the same way, and too many
+  in a row end the run (failures.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from primebuild.runtime.envs.base import Environment, Task
+from primebuild.runtime.orchestrator.failures import GroupFailures, costs_the_run
 from primebuild.runtime.orchestrator.rollout import Rollout, StaleRollout
 
 
@@ -43,13 +46,15 @@ class Group:
 
 
 class RolloutPool:
-    def __init__(self, groups_per_step: int, max_off_policy_steps: int, next_step: int):
+    def __init__(self, groups_per_step: int, max_off_policy_steps: int, next_step: int, max_failed_in_a_row: int):
         self.groups_per_step = groups_per_step
         self.max_off = max_off_policy_steps
         self.next_step = next_step  # the first batch not yet written
         self.running: dict[asyncio.Task, Group] = {}
         self.finished: list[Group] = []  # in the order they finished
         self.dropped = 0  # groups dropped as too stale, since the last batch
+        self.failed = 0  # groups dropped because a rollout raised, since the last batch
+        self.failures = GroupFailures(max_failed_in_a_row)
         self.idle = IdleClock()  # time with no group running: the inference side has nothing to do
 
     def accepts(self, step: int, version: int) -> bool:
@@ -79,10 +84,17 @@ class RolloutPool:
             group = self.running.pop(task)
             self.idle.leave()
             try:
-                group.rollouts = task.result()  # an environment or engine error ends the run here
+                group.rollouts = task.result()
             except StaleRollout:
                 self.dropped += 1
                 continue
+            except Exception as err:  # noqa: BLE001 (an environment's or a server's error costs the group)
+                if costs_the_run(err):
+                    raise
+                self.failed += 1
+                self.failures.failed(f"{group.seq} ({group.env.id})", err)
+                continue
+            self.failures.finished()
             self.finished.append(group)
 
     def take_batch(self) -> list[Group] | None:

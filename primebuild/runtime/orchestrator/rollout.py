@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +59,19 @@ class Rollout:
                       routed_experts=None if self.routes is None else torch.from_numpy(self.routes))
 
 
+async def all_episodes(episodes: Iterable[Awaitable[Rollout]]) -> list[Rollout]:
+    """Every episode of a group, or the first error with the others cancelled: a group is dropped whole
+    (stale or failed), and its other episodes would only spend inference and environment time."""
+    tasks = [asyncio.ensure_future(e) for e in episodes]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class RolloutRunner:
     def __init__(self, tokenizer, *, max_tokens_per_turn: int, seq_len: int,
                  routes_of: Callable[[SampledChoice], np.ndarray] | None = None):
@@ -80,10 +93,10 @@ class RolloutRunner:
         started = time.monotonic()
         first = await sample(prompt_ids, n=n, temperature=temperature, max_tokens=min(self.max_tokens_per_turn, room),
                              seed=seed)
-        return await asyncio.gather(*(
+        return await all_episodes(
             self._episode(sample, env, framed, task, prompt_ids, choice, started, temperature=temperature,
                           seed=None if seed is None else seed + 7919 * (j + 1), is_useful=is_useful)
-            for j, choice in enumerate(first.choices)))
+            for j, choice in enumerate(first.choices))
 
     async def _episode(self, sample: SampleFn, env: Environment, framed, task: Task, prompt_ids: list[int],
                        choice: SampledChoice, started: float, *, temperature: float, seed: int | None,

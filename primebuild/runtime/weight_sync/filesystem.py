@@ -8,6 +8,12 @@ reader can tell a complete folder from a damaged one (a truncated file, flipped 
 the rename alone is atomic on a local disk, the marker keeps the contract on shared filesystems where a
 directory rename is not a guarantee that every file inside is visible. Never a half-written folder.
 
+Removal is the mirror image: a folder is renamed to a hidden trash name of its own, then deleted, so a
+reader never finds a half-deleted folder under a step name. A process killed at any instant leaves one of
+a few states (a staging folder, a trash folder, a renamed folder without its marker yet), each of which
+``finish_interrupted`` completes at the next start, and none of which a later rename can trip over: trash
+names are unique, so a leftover never blocks the next removal of the same step.
+
 Used for published weights (``weights/step_k``) and trainer checkpoints (``checkpoints/step_k``).
 """
 
@@ -16,6 +22,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
+import secrets
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -49,6 +57,62 @@ def staging_dir(final: str | os.PathLike) -> Path:
     """Deterministic hidden sibling of ``final`` (so every rank of a job agrees on it without talking)."""
     final = Path(final)
     return final.parent / f".{final.name}.staging"
+
+
+def trash_dir(folder: str | os.PathLike) -> Path:
+    """A fresh hidden sibling to move ``folder`` to before deleting it. Unique, because a process killed
+    while deleting leaves its trash behind, and renaming a folder onto a non-empty one fails (ENOTEMPTY)."""
+    folder = Path(folder)
+    return folder.parent / f".{folder.name}.trash-{secrets.token_hex(4)}"
+
+
+# What a killed writer or remover leaves beside the step folders (names from staging_dir and trash_dir).
+_UNFINISHED = re.compile(r"^\.step_\d+\.(staging|trash(-[0-9a-f]+)?)$")
+
+
+def _delete(path: Path) -> None:
+    """Delete a folder nobody reads any more. Best effort: what is left (a file still open on a network
+    filesystem) is a trash folder that ``finish_interrupted`` deletes at the next start."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def discard(folder: str | os.PathLike) -> None:
+    """Remove a step folder: renamed away first, so a reader never finds it half-deleted under its step
+    name; a folder already gone is no error (a removal that was killed, or repeated)."""
+    trash = trash_dir(folder)
+    try:
+        os.rename(folder, trash)
+    except FileNotFoundError:
+        return
+    _delete(trash)
+
+
+def finish_interrupted(root: str | os.PathLike) -> list[str]:
+    """Complete what a killed process left under ``root`` (only while no process writes there: at the
+    start of a session). Returns one line per thing done, for the person resuming.
+
+    - a staging folder: a write that never finished (its marker is written after the rename): deleted;
+    - a trash folder: a removal, or the old copy of a replaced step, that was not deleted yet: deleted;
+    - the newest step folder without a marker: the writer was killed between its rename and its marker
+      (the marker comes right after the rename, so no older folder can be in that state): removed, so
+      the step is written again. An older unmarked folder is damage, not a crash: it is left to
+      ``latest_verified`` and ``primebuild verify`` to name."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    done = []
+    for path in sorted(root.iterdir()):
+        match = _UNFINISHED.match(path.name)
+        if match and path.is_dir():
+            _delete(path)
+            what = "an unfinished write" if match.group(1) == "staging" else "an unfinished removal"
+            done.append(f"{'could not delete' if path.exists() else 'deleted'} {root.name}/{path.name} ({what})")
+    steps = step_folders(root)
+    if steps and not is_stable(step_folder(root, steps[-1])):
+        discard(step_folder(root, steps[-1]))
+        done.append(f"removed {root.name}/{step_folder(root, steps[-1]).name}: its {STABLE} marker was never "
+                    "written (stopped between its rename and its marker)")
+    return done
 
 
 def _fsync_tree(path: Path) -> None:
@@ -136,12 +200,10 @@ def commit(final: str | os.PathLike, step: int | None = None) -> Path:
     stage = staging_dir(final)
     _fsync_tree(stage)
     if final.exists():
-        trash = final.parent / f".{final.name}.trash"
-        if trash.exists():
-            shutil.rmtree(trash)
+        trash = trash_dir(final)
         os.rename(final, trash)
         os.rename(stage, final)
-        shutil.rmtree(trash)
+        _delete(trash)
     else:
         os.rename(stage, final)
     _write_marker(final, {"step": step, "time": time.time()})
@@ -208,13 +270,9 @@ def prune(root: str | os.PathLike, keep_last: int) -> None:
 
 
 def remove_steps(root: str | os.PathLike, steps: list[int]) -> None:
-    """Remove these step folders, each renamed away first, so a reader never finds a folder that is being
-    deleted under a stable name."""
+    """Remove these step folders (``discard``: renamed away first, then deleted)."""
     for s in steps:
-        folder = step_folder(root, s)
-        trash = folder.parent / f".{folder.name}.trash"
-        os.rename(folder, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        discard(step_folder(root, s))
 
 
 def write_hf_folder(
