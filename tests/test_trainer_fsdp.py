@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import free_port
 from safetensors.torch import load_file
-from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
+from trainer_fixtures import attach_routes, make_tiny_model, trainer_config, write_rollouts
 
 from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.main import run_trainer
@@ -80,29 +80,6 @@ def test_two_ranks_match_one_rank(offload, tmp_path):
     assert two[4]["grad_norm"] == pytest.approx(one[4]["grad_norm"], rel=1e-5)
 
 
-def _with_routes(batch_path, model_path, seed: int) -> None:
-    """Attach routes to every sample: the HF router's own choice, with every 4th position's experts
-    replaced (so replay changes the function), as uint8 [fed positions, moe_layers, top_k]."""
-    from transformers import AutoModelForCausalLM
-
-    from primebuild.runtime.rollout_file import load_batch, save_batch
-
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    batch = load_batch(batch_path)
-    g = torch.Generator().manual_seed(seed)
-    k, experts = hf.config.num_experts_per_tok, hf.config.num_experts
-    for s in batch.samples:
-        ids = torch.tensor([s.prompt_ids + s.completion_ids[:-1]])
-        with torch.no_grad():
-            logits = hf(ids, output_router_logits=True).router_logits
-        routes = torch.stack([r.topk(k, -1).indices for r in logits], dim=1)  # [fed, layers, k]
-        other = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(routes.shape[0] * routes.shape[1])])
-        other = other.view_as(routes)
-        routes[::4] = other[::4]
-        s.routed_experts = routes.to(torch.uint8)
-    save_batch(batch_path, batch)
-
-
 # The replay hooks sit inside FSDP-wrapped blocks and must hold their routes through the backward's
 # recomputation; with context parallelism each rank replays the routes of its own positions, and with
 # expert parallelism the experts run (in FP8 too) whatever top-k the hooks chose.
@@ -125,7 +102,7 @@ def test_router_replay_on_two_ranks_with_activation_checkpointing_matches_one_pl
     for run in runs.values():
         write_rollouts(run, model, range(1, 3), num_prompts=4, group_size=3)
         for step in (1, 2):
-            _with_routes(run / "rollouts" / f"step_{step:06d}.pt", model, seed=step)
+            attach_routes(run / "rollouts" / f"step_{step:06d}.pt", model, seed=step)
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
     cfg = tmp_path / "two.json"
     cfg.write_text(trainer_config(run_dir=str(runs["two"]), parallel=spec["parallel"], activation_checkpointing=True,

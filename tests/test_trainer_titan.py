@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import free_port, plan_json, run_cli
 from safetensors.torch import load_file
-from trainer_fixtures import make_batch, make_tiny_model, trainer_config, write_rollouts
+from trainer_fixtures import attach_routes, make_batch, make_tiny_model, trainer_config, write_rollouts
 
 from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.batch import pack
@@ -61,6 +61,9 @@ LAYOUTS = {
     "fsdp2-ac": dict(moe=False, parallel={"dp_shard": 2}, activation_checkpointing=True),
     "hsdp": dict(moe=False, parallel={"dp_replicate": 2}),
     "ep2-ac": dict(moe=True, parallel={"dp_shard": 2, "ep": 2}, activation_checkpointing=True),
+    # routes replayed at torchtitan's routers, before its token dispatcher: every 4th position's experts
+    # differ from the router's own choice (trainer_fixtures.attach_routes)
+    "ep2-replay": dict(moe=True, parallel={"dp_shard": 2, "ep": 2}, router_replay=True),
 }
 
 
@@ -76,10 +79,13 @@ def test_two_ranks_train_as_one_and_as_transformers(tmp_path, layout):
     # eps 1e-4: AdamW's first steps move every weight by ~lr * sign(g); where g is a rounding error (an
     # expert few tokens reached) summing over 2 ranks instead of 1 flips that sign, and the weights compare
     # nothing but rounding. With eps above those gradients they move by ~lr * g / eps: the comparison holds.
-    common = dict(model_path=str(model), max_steps=3, lr=1e-3, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl")
+    common = dict(model_path=str(model), max_steps=3, lr=1e-3, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl",
+                  router_replay=spec.get("router_replay", False))
     runs = {name: tmp_path / name for name in ("hf", "titan", "titan2")}
     for run in runs.values():
         write_rollouts(run, model, range(1, 4), num_prompts=5, group_size=3)
+        for step in range(1, 4) if common["router_replay"] else ():
+            attach_routes(run / "rollouts" / f"step_{step:06d}.pt", model, seed=step)
     run_trainer(trainer_config(run_dir=str(runs["hf"]), engine="hf", **common))
     run_trainer(trainer_config(run_dir=str(runs["titan"]), engine="torchtitan", **common))
     cfg = tmp_path / "titan2.json"
@@ -94,7 +100,12 @@ def test_two_ranks_train_as_one_and_as_transformers(tmp_path, layout):
     metrics = {name: read_metrics(run / "metrics.jsonl") for name, run in runs.items()}
     engines = 10 * MOE_FP32_TOLERANCE if spec["moe"] else 1e-4  # hf vs torchtitan
     for step in (1, 2, 3):
-        for name in ("loss", "grad_norm", "behaviour_kl", "entropy", "tokens"):
+        names = ["loss", "grad_norm", "behaviour_kl", "entropy", "tokens"]
+        if common["router_replay"]:  # replay changed the function; the trainer's own routes agree elsewhere
+            names += ["behaviour_kl_no_replay", "routing_agreement"]
+            assert metrics["titan"][step]["routing_agreement"] < 0.95
+            assert metrics["titan"][step]["behaviour_kl_no_replay"] != metrics["titan"][step]["behaviour_kl"]
+        for name in names:
             one = metrics["titan"][step][name]
             assert metrics["titan2"][step][name] == pytest.approx(one, rel=1e-4, abs=1e-6), (step, name)
             assert metrics["hf"][step][name] == pytest.approx(one, rel=engines, abs=1e-6), (step, name)
@@ -116,9 +127,10 @@ def test_the_plan_chooses_torchtitan_where_it_is_built_and_says_why_not_elsewher
 
     dense = plan_json("manifests/reverse-text.yaml", design=False)
     assert engine(dense) == "torchtitan" and not any("torchtitan" in w for w in dense["warnings"])
-    replay = plan_json("manifests/reverse-text-moe.yaml", design=False)  # router replay: the hf engine
-    assert engine(replay) == "hf"
-    assert any(w.startswith("trainer: transformers' eager layers") and "router replay" in w for w in replay["warnings"])
+    assert engine(plan_json("manifests/reverse-text-moe.yaml", design=False)) == "torchtitan"  # router replay too
+    fp8 = plan_json("manifests/reverse-text-moe.yaml", ["trainer.precision=fp8"], design=False)
+    assert engine(fp8) == "hf"
+    assert any(w.startswith("trainer: transformers' eager layers") and "FP8" in w for w in fp8["warnings"])
     assert engine(plan_json("manifests/reverse-text.yaml", ["trainer.engine=hf"], design=False)) == "hf"
     refused = run_cli("plan", "manifests/reverse-text-lora.yaml", "--set", "trainer.engine=torchtitan")
     assert refused.code == 2

@@ -13,7 +13,7 @@ import torch
 from primebuild.contracts.rollout import RolloutBatch, Sample
 from primebuild.contracts.trainer import TrainerConfig
 from primebuild.runtime.orchestrator.advantages import group_relative_advantages
-from primebuild.runtime.rollout_file import save_batch
+from primebuild.runtime.rollout_file import load_batch, save_batch
 
 # What the plan compiler always sets and tests rarely care about.
 CONFIG_DEFAULTS = {"max_completion_tokens": 16, "temperature": 1.0, "lr": 1e-3, "max_steps": 3,
@@ -98,3 +98,24 @@ def write_rollouts(run_dir: str | Path, model_path: str | Path, steps: range, **
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     for k in steps:
         save_batch(Path(run_dir) / "rollouts" / f"step_{k:06d}.pt", make_batch(model, k, **kwargs))
+
+
+def attach_routes(batch_path, model_path, seed: int) -> None:
+    """Attach routes to every sample: the HF router's own choice, with every 4th position's experts
+    replaced (so replay changes the function), as uint8 [fed positions, moe_layers, top_k]."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    batch = load_batch(batch_path)
+    g = torch.Generator().manual_seed(seed)
+    k, experts = hf.config.num_experts_per_tok, hf.config.num_experts
+    for s in batch.samples:
+        ids = torch.tensor([s.prompt_ids + s.completion_ids[:-1]])
+        with torch.no_grad():
+            logits = hf(ids, output_router_logits=True).router_logits
+        routes = torch.stack([r.topk(k, -1).indices for r in logits], dim=1)  # [fed, layers, k]
+        other = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(routes.shape[0] * routes.shape[1])])
+        other = other.view_as(routes)
+        routes[::4] = other[::4]
+        s.routed_experts = routes.to(torch.uint8)
+    save_batch(batch_path, batch)

@@ -11,15 +11,12 @@ from __future__ import annotations
 TITAN_MODELS = {"qwen3": "torchtitan's Qwen3", "qwen3_moe": "torchtitan's Qwen3 MoE (grouped experts)"}
 
 
-def titan_gaps(router_replay: bool, precision: str, lora: bool, cp: int, tp: int,
-               model_type: str | None) -> list[str]:
+def titan_gaps(precision: str, lora: bool, cp: int, tp: int, model_type: str | None) -> list[str]:
     """What the torchtitan engine does not do yet for this model and layout (empty: it does it all).
     `model_type` None: not known here (a hand-written trainer config; the trainer's model load checks)."""
     gaps = []
     if model_type is not None and model_type not in TITAN_MODELS:
         gaps.append(f"model_type {model_type or '?'!r} is not built for it (it builds {', '.join(TITAN_MODELS)})")
-    if router_replay:
-        gaps.append("router replay hooks transformers' routers (runtime/trainer/router_replay.py)")
     if precision == "fp8":
         gaps.append("FP8 training swaps transformers' linear layers (runtime/trainer/fp8.py)")
     if lora:
@@ -33,7 +30,7 @@ def titan_gaps(router_replay: bool, precision: str, lora: bool, cp: int, tp: int
 
 def manifest_gaps(m, model_type: str) -> list[str]:
     t = m.trainer
-    return titan_gaps(m.inference.router_replay, t.precision, t.lora is not None, t.cp, t.tp, model_type)
+    return titan_gaps(t.precision, t.lora is not None, t.cp, t.tp, model_type)
 
 
 def trainer_engine(m, model_type: str) -> tuple[str, str]:

@@ -365,8 +365,7 @@ def check_launch(config: TrainerConfig, env: DistEnv) -> None:
     if config.engine == "torchtitan":
         from primebuild.builders.trainer_engine import titan_gaps
 
-        gaps = titan_gaps(config.router_replay, config.precision, config.lora is not None,
-                          config.parallel.cp, config.parallel.tp, None)
+        gaps = titan_gaps(config.precision, config.lora is not None, config.parallel.cp, config.parallel.tp, None)
         if gaps:
             raise UserError(f"the torchtitan engine: {'; '.join(gaps)}", hint="set engine: hf")
     if config.lora is not None and config.weight_sync.mode != "filesystem":
@@ -407,7 +406,7 @@ def run_trainer(config: TrainerConfig) -> None:
 
         model = load_titan_model(config.model_path, env, compute_dtype(config, env.device),
                                  config.activation_checkpointing, config.logprob_chunk_tokens, config.parallel,
-                                 cpu_offload=config.optimizer_cpu_offload)
+                                 cpu_offload=config.optimizer_cpu_offload, router_replay=config.router_replay)
     else:
         model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,
                            config.logprob_chunk_tokens, config.router_replay, fp8=config.precision == "fp8",

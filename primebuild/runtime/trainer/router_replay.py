@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -46,27 +47,61 @@ def _glm_moe_dsa_gate(router: nn.Module, logits: Tensor, indices: Tensor) -> Ten
     return weights * router.routed_scaling_factor
 
 
-# model_type -> (router class name, gate weights of given experts from the router's logits). Keep the
-# keys equal to primebuild/builders/capabilities.py's REPLAYABLE_ROUTERS: the plan accepts exactly these.
-GATES: dict[str, tuple[str, Callable[[nn.Module, Tensor, Tensor], Tensor]]] = {
-    "qwen3_moe": ("Qwen3MoeTopKRouter", _qwen3_moe_gate),
-    "glm_moe_dsa": ("GlmMoeDsaTopkRouter", _glm_moe_dsa_gate),
+@dataclass(frozen=True)
+class RouterKind:
+    """How to replay one library's router: its class name, where its output holds its own top-k choice
+    ([tokens, top_k]), and its output rebuilt around given top-k indices (gate weights recomputed)."""
+
+    class_name: str
+    own_choice: Callable[[tuple], Tensor]
+    replayed: Callable[[nn.Module, tuple, Tensor], tuple]
+
+
+def _hf_router(class_name: str, gate: Callable[[nn.Module, Tensor, Tensor], Tensor]) -> RouterKind:
+    """transformers' routers return (logits [T, E], top-k weights [T, K], top-k indices [T, K])."""
+    return RouterKind(class_name, own_choice=lambda out: out[2],
+                      replayed=lambda router, out, idx: (out[0], gate(router, out[0], idx), idx))
+
+
+def _titan_replayed(router: nn.Module, out: tuple, idx: Tensor) -> tuple:
+    """torchtitan's TokenChoiceTopKRouter returns (top-k scores [B, L, K], top-k ids [B, L, K], scores of
+    every expert [B, L, E]): the chosen experts' scores, renormalised if it does, times its scale."""
+    _, own, scores = out
+    idx = idx.view_as(own)
+    top = scores.gather(-1, idx)
+    if router.route_norm:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * router.route_scale, idx, scores
+
+
+# model_type -> how the hf engine replays its router. Keep the keys equal to
+# primebuild/builders/capabilities.py's REPLAYABLE_ROUTERS: the plan accepts exactly these.
+GATES: dict[str, RouterKind] = {
+    "qwen3_moe": _hf_router("Qwen3MoeTopKRouter", _qwen3_moe_gate),
+    "glm_moe_dsa": _hf_router("GlmMoeDsaTopkRouter", _glm_moe_dsa_gate),
 }
+# torchtitan's router, whatever the model (the torchtitan engine: titan_policy.py)
+TITAN_ROUTER = RouterKind("TokenChoiceTopKRouter", own_choice=lambda out: out[1].reshape(-1, out[1].shape[-1]),
+                          replayed=_titan_replayed)
 
 
 class RouterReplay:
-    """Hooks on every router of an HF MoE model, in decoder-layer order (the order of the routes' layer
-    axis). Inert unless `replaying(routes)` is active; counts how often the own choice agreed."""
+    """Hooks on every router of a MoE model, in decoder-layer order (the order of the routes' layer
+    axis). Inert unless `replaying(routes)` is active; counts how often the own choice agreed.
 
-    def __init__(self, hf_model: nn.Module):
-        model_type = hf_model.config.model_type
-        if model_type not in GATES:
-            raise UserError(f"router replay: model_type {model_type!r} has no replayable router here",
-                            hint=f"router replay supports {', '.join(sorted(GATES))}")
-        class_name, self.gate = GATES[model_type]
-        self.routers = [m for m in hf_model.modules() if type(m).__name__ == class_name]
+    `kind` None: a transformers model, its router known by its config's model_type."""
+
+    def __init__(self, model: nn.Module, kind: RouterKind | None = None):
+        if kind is None:
+            model_type = model.config.model_type
+            if model_type not in GATES:
+                raise UserError(f"router replay: model_type {model_type!r} has no replayable router here",
+                                hint=f"router replay supports {', '.join(sorted(GATES))}")
+            kind = GATES[model_type]
+        self.kind = kind
+        self.routers = [m for m in model.modules() if type(m).__name__ == kind.class_name]
         if not self.routers:
-            raise UserError(f"router replay: no {class_name} module in this {model_type} model")
+            raise UserError(f"router replay: no {kind.class_name} module in this {type(model).__name__}")
         self.routes: Tensor | None = None  # [rows, moe_layers, top_k] long, -1 = not recorded
         # (replayed positions x layers whose own top-k set was the record, all replayed), on the device:
         # no host sync per router call. Recomputation under activation checkpointing counts both twice.
@@ -93,7 +128,7 @@ class RouterReplay:
         def replay(router: nn.Module, _inputs, output):
             if self.routes is None:
                 return None
-            logits, _, own = output
+            own = self.kind.own_choice(output)
             recorded = self.routes[:, layer].to(own.device)
             if recorded.shape != own.shape:
                 raise UserError(f"router replay: {tuple(recorded.shape)} recorded routes for a router choosing "
@@ -104,7 +139,7 @@ class RouterReplay:
                 same = (indices.sort(-1).values == own.sort(-1).values).all(-1) & known[:, 0]
                 counts = torch.stack([same.sum(), known.sum()]).double()
                 self.agree = counts if self.agree is None else self.agree + counts
-            return logits, self.gate(router, logits, indices), indices
+            return self.kind.replayed(router, output, indices)
 
         return replay
 

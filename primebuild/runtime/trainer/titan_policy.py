@@ -23,6 +23,7 @@ from primebuild.kernels.dtypes import DTYPES
 
 from .context_parallel import ContextShard
 from .model import DistEnv
+from .router_replay import TITAN_ROUTER, RouterReplay
 from .titan_model import DocumentLayout, titan_config
 from .titan_parallelize import apply_block_checkpointing, build_titan_dims, configure, parallelize_titan
 from .weight_stream import PublishedWeights
@@ -40,7 +41,7 @@ class TitanPolicy(nn.Module):
         self.adapter = adapter
         self.chunk_tokens = chunk_tokens
         self.on_gpu = on_gpu
-        self.replay = None  # router replay runs on the hf engine (the plan chooses it)
+        self.replay: RouterReplay | None = None  # hooks on torchtitan's routers (load_titan_model)
         # FSDP sums gradients over ranks here (titan_parallelize.py); the hf engine's FSDP averages them
         self.sums_gradients = True
         self.context_split = None  # CP runs on the hf engine (the plan chooses it)
@@ -84,10 +85,12 @@ class TitanPolicy(nn.Module):
 
 def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
                      logprob_chunk_tokens: int, dims: ParallelDims | None = None,
-                     cpu_offload: bool = False) -> TitanPolicy:
+                     cpu_offload: bool = False, router_replay: bool = False) -> TitanPolicy:
     """torchtitan's Qwen3 for the checkpoint at `model_path`: fp32 master weights, computed in
     `compute_dtype` (FSDP's mixed precision, or autocast on one rank: model.autocast_context), laid out
-    over the ranks by `dims` (titan_parallelize.py), each rank holding only its shards from the start."""
+    over the ranks by `dims` (titan_parallelize.py), each rank holding only its shards from the start.
+    With `router_replay` the routers replay recorded routes (router_replay.py; hooked at their output,
+    before the token dispatcher, so with expert parallelism too)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -113,6 +116,8 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
         if isinstance(module, Module) and module._buffers:
             module._init_self_buffers(buffer_device=env.device)
     load_hf_weights(policy, model_path)
+    if router_replay:
+        policy.replay = RouterReplay(titan, TITAN_ROUTER)
     policy.train()
     return policy
 
