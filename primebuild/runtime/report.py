@@ -32,6 +32,11 @@ def series(rows: list[dict], role: str, name: str) -> tuple[list[int], list[floa
     return steps, [points[s] for s in steps]
 
 
+def _legend_below(ax) -> None:
+    """Under the panel, not on it: inside, it covered the start of the curves (the eval curve's first point)."""
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize="small", frameon=False)
+
+
 def write_report(run: RunDir) -> Path | None:
     import matplotlib
 
@@ -50,8 +55,9 @@ def write_report(run: RunDir) -> Path | None:
         ax.plot(xs, ys, marker=".", linewidth=1)
         if name == "reward_mean":
             ex, ey = series(rows, "orchestrator", "eval_reward")
+            ax.lines[-1].set_label("rollouts (sampled)")
             ax.plot(ex, ey, "o-", label="held-out eval (greedy, every orchestrator.eval_every steps)")
-            ax.legend()
+            _legend_below(ax)
         if name == "behaviour_kl":
             ax.lines[-1].set_label("behaviour (all samples)")
             mx, my = series(rows, "trainer", "mismatch_kl")
@@ -60,7 +66,7 @@ def write_report(run: RunDir) -> Path | None:
             if ny:  # router replay: the same samples scored without replaying the routes
                 ax.plot(nx, ny, "x", label="mismatch without router replay")
                 my = my + ny
-            ax.legend()
+            _legend_below(ax)
             if ys and min(ys + my) > 0:
                 ax.set_yscale("log")
         ax.set_title(title)
