@@ -87,3 +87,13 @@ def test_the_screenshot_shows_the_map_and_the_bars(glm5_page: Path, tmp_path: Pa
     assert pixels(ROLE_COLOURS["trainer"]) > 96 * 400
     assert pixels(ROLE_COLOURS["prefill"]) > 32 * 400
     assert pixels(ROLE_COLOURS["orchestrator"]) > 200  # its chip on node 0
+
+
+def test_the_headline_is_the_expected_asynchronous_step(glm5_page: Path):
+    """The figure people compare with runs leads; the full-length worst case is the line under it."""
+    from conftest import plan_json
+
+    profile = plan_json("manifests/glm5.yaml")["estimates"]["profile"]
+    html = glm5_page.read_text()
+    assert f'class="big">~{profile["async_step_seconds"]:.0f} s' in html
+    assert 'id="step-expected"' in html and f'~{profile["sync_step_seconds"]:.0f} s' in html

@@ -106,7 +106,13 @@ def _step(estimates: Estimates) -> dict[str, Any] | None:
               ("train", step.train_seconds, ROLE_COLOURS["trainer"]),
               ("weight sync", sync, "#6B7280")]
     longest = max(s for _, s, _ in phases) or 1.0
-    return {"seconds": step.step_seconds, "idle_side": step.idle_side, "idle_percent": 100 * step.idle_fraction,
+    # The headline is the step people compare with runs: the expected asynchronous one where the manifest
+    # gives a rollout profile; the worst case (every rollout full-length) is the line under it.
+    profile = estimates.profile
+    headline = profile.async_step_seconds if profile else step.step_seconds
+    return {"seconds": headline, "expected": profile is not None, "worst_seconds": step.step_seconds,
+            "sync_seconds": profile.sync_step_seconds if profile else None,
+            "idle_side": step.idle_side, "idle_percent": 100 * step.idle_fraction,
             "tokens": step.tokens_per_step,
             "phases": [{"label": label, "seconds": s, "colour": c, "percent": 100 * s / longest}
                        for label, s, c in phases]}
