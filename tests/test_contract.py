@@ -75,7 +75,7 @@ def check_configs(m: Manifest, plan: dict) -> None:
     c = OrchestratorConfig.model_validate(orch["config"])
     for name in ("rollouts_per_step", "group_size", "max_off_policy_steps", "max_completion_tokens", "max_steps",
                  "temperature", "top_p", "normalize_advantage_std", "eval_every", "eval_prompts",
-                 "max_failed_groups_in_a_row"):
+                 "max_failed_groups_in_a_row", "filter_zero_advantage"):
         assert getattr(c, name) == getattr(o, name), name
     assert [(e.id, e.version, e.args, e.weight) for e in c.environments] == [
         (e.id, None if e.version == "latest" else e.version, e.args, e.weight) for e in m.environments]
@@ -444,6 +444,8 @@ FIELDS: dict[str, list] = {
     "orchestrator.eval_prompts": [Reaches(config_of(O, "eval_prompts"), ("orchestrator.eval_prompts=50",), 50)],
     "orchestrator.max_failed_groups_in_a_row": [Reaches(config_of(O, "max_failed_groups_in_a_row"),
                                                         ("orchestrator.max_failed_groups_in_a_row=3",), 3)],
+    "orchestrator.filter_zero_advantage": [Reaches(config_of(O, "filter_zero_advantage"),
+                                                   ("orchestrator.filter_zero_advantage=false",), False)],
     "sft.steps": [Builds(build_config("steps"), ("sft.steps=99",), 99)],
     "sft.stop_at_reward": [Builds(build_config("stop_at_reward"), ("sft.stop_at_reward=0.5",), 0.5)],
     "sft.batch_size": [Builds(build_config("batch_size"), ("sft.batch_size=32",), 32)],

@@ -55,6 +55,7 @@ class OrchestratorConfig(Contract):
     eval_every: int = Field(0, ge=0)  # 0 = evaluate only before and after
     eval_prompts: int = Field(ge=1)
     max_failed_groups_in_a_row: int = Field(ge=1)  # failed rollout groups are dropped; this many in a row end the run
+    filter_zero_advantage: bool = True  # equal-reward groups are set aside and refilled, not trained on (pool.py)
 
     engine: Literal["embedded", "vllm"] = "embedded"  # which API the endpoints speak (the client adapts)
     weight_sync: Literal["filesystem", "broadcast"] = "filesystem"

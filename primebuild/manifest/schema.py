@@ -300,6 +300,13 @@ class Orchestrator(Strict):
         description="A rollout group whose environment or inference server raised is dropped (counted in the "
         "metrics as failed_groups, logged with its cause); this many failed groups in a row end the run, "
         "naming the last cause.")
+    filter_zero_advantage: bool = Field(
+        True,
+        description="Difficulty filtering: a rollout group whose rewards are all equal (advantage 0 for every "
+        "sample) is not trained on; another group is sampled in its place, so a step still trains "
+        "rollouts_per_step samples. Counted per step as filtered_groups and filtered_fraction. A step that "
+        "has set aside 4 steps' worth of such groups (a solved or hopeless task) trains on the newest of them "
+        "(counted as equal_reward_groups_trained) rather than sampling on.")
     rollout_profile: RolloutProfile | None = Field(
         None, description="Expected rollout lengths, turns and tool latency, for the plan's time model.")
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan daaf37286d3386b2c6ac70623e716c324b409a50e1b385c19414cd3be936d916, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 1b87781c708bc4539f08d1bfe7846f1bd774bad0e82d70335f4fa159ef554116, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is

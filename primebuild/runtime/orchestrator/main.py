@@ -257,7 +257,8 @@ class Orchestrator:
             self.metrics.write(start - 1, await self.evaluate())
 
         pool = RolloutPool(self.groups_per_step, cfg.max_off_policy_steps, next_step=start,
-                           max_failed_in_a_row=cfg.max_failed_groups_in_a_row)
+                           max_failed_in_a_row=cfg.max_failed_groups_in_a_row,
+                           filter_equal_rewards=cfg.filter_zero_advantage)
         seq = self.next_group_after(start)
         last_batch_at, idle_at_last = time.monotonic(), (self.requests.seconds(), pool.idle.seconds())
         try:
@@ -327,6 +328,9 @@ class Orchestrator:
             "turns_mean": sum(turns) / len(turns), "turns_max": max(turns),
             "rollout_seconds_mean": sum(seconds) / len(seconds), "rollout_seconds_max": max(seconds),
             "stale_groups_dropped": pool.dropped, "failed_groups": pool.failed, "groups_running": len(pool.running),
+            # equal-reward groups sampled for this step and not trained on, and their share of the finished ones
+            "filtered_groups": pool.filtered, "filtered_fraction": pool.filtered / (pool.filtered + len(groups)),
+            "equal_reward_groups_trained": pool.equal_trained,  # > 0: the filter's budget ran out (pool.py)
             **routing_bytes(batch.samples),
         }
 

@@ -17,6 +17,11 @@ Policy (docs/async.md):
   new task takes its place. Nothing is resampled for the same task.
 - Failure: a group whose environment or server raised is dropped and counted the same way, and too many
   in a row end the run (failures.py).
+- Difficulty filter (orchestrator.filter_zero_advantage): a finished group whose rewards are all equal has
+  advantage 0 for every sample, so it is set aside and counted instead of trained on; setting it aside
+  frees its slot, so another group is sampled to fill the batch. Refilling is bounded: once a step has
+  set aside FILTER_BUDGET batches' worth of groups, the batch is completed from the newest of them (see
+  FILTER_BUDGET for why the run goes on rather than ends).
 """
 
 from __future__ import annotations
@@ -31,6 +36,14 @@ from primebuild.runtime.envs.base import Environment, Task
 from primebuild.runtime.orchestrator.failures import GroupFailures, costs_the_run
 from primebuild.runtime.orchestrator.rollout import Rollout, StaleRollout
 
+# A step sets aside at most this many batches' worth of equal-reward groups; then it trains on the newest
+# of them instead of sampling on. Why go on rather than end the run: a task the policy has solved (or not
+# yet begun to solve) gives equal groups too, and that run is still worth finishing, with its last eval
+# and summary; the metrics show it (equal_reward_groups_trained > 0). Why 4: a step then samples at most
+# 4x its groups, enough while at most 3 in 4 groups are equal: with group_size 8 and a 0/1 reward, pass
+# rates from ~4% to ~96%.
+FILTER_BUDGET = 4
+
 
 @dataclass
 class Group:
@@ -44,16 +57,26 @@ class Group:
     def oldest_version(self) -> int:
         return min(min(r.transcript.turn_versions) for r in self.rollouts)
 
+    @property
+    def rewards_all_equal(self) -> bool:
+        """Exactly equal: the group-relative advantage of every sample is then 0 (advantages.py)."""
+        return len({r.reward for r in self.rollouts}) <= 1
+
 
 class RolloutPool:
-    def __init__(self, groups_per_step: int, max_off_policy_steps: int, next_step: int, max_failed_in_a_row: int):
+    def __init__(self, groups_per_step: int, max_off_policy_steps: int, next_step: int, max_failed_in_a_row: int,
+                 filter_equal_rewards: bool = False):
         self.groups_per_step = groups_per_step
+        self.filter_equal_rewards = filter_equal_rewards
         self.max_off = max_off_policy_steps
         self.next_step = next_step  # the first batch not yet written
         self.running: dict[asyncio.Task, Group] = {}
         self.finished: list[Group] = []  # in the order they finished
         self.dropped = 0  # groups dropped as too stale, since the last batch
         self.failed = 0  # groups dropped because a rollout raised, since the last batch
+        self.equal: list[Group] = []  # equal-reward groups set aside since the last batch, in the order they finished
+        self.filtered = 0  # equal-reward groups left out of the last batch cut
+        self.equal_trained = 0  # equal-reward groups the last batch took because the budget ran out
         self.failures = GroupFailures(max_failed_in_a_row)
         self.idle = IdleClock()  # time with no group running: the inference side has nothing to do
 
@@ -95,7 +118,10 @@ class RolloutPool:
                 self.failures.failed(f"{group.seq} ({group.env.id})", err)
                 continue
             self.failures.finished()
-            self.finished.append(group)
+            if self.filter_equal_rewards and group.rewards_all_equal:
+                self.equal.append(group)  # out of running and finished: its slot goes to a new group
+            else:
+                self.finished.append(group)
 
     def take_batch(self) -> list[Group] | None:
         """The groups of batch `next_step` once enough have finished (dropping the stale ones), else None."""
@@ -106,11 +132,18 @@ class RolloutPool:
             else:
                 self.dropped += 1
         self.finished = kept
-        if len(kept) < self.groups_per_step:
+        equal = [g for g in self.equal if self.accepts(self.next_step, g.oldest_version)]
+        short = self.groups_per_step - len(kept)
+        top_up = []
+        if short > 0 and len(equal) >= FILTER_BUDGET * self.groups_per_step:
+            top_up = equal[-short:]  # the newest: the least off-policy of them
+        if len(kept) + len(top_up) < self.groups_per_step:
             return None
         # oldest first (stable: then in the order they finished): a group that waits goes stale first
         kept.sort(key=lambda g: g.oldest_version)
-        batch, self.finished = kept[: self.groups_per_step], kept[self.groups_per_step:]
+        batch, self.finished = kept[: self.groups_per_step] + top_up, kept[self.groups_per_step:]
+        # every set-aside group counts for this step, stale ones too: each was sampled and not trained on
+        self.filtered, self.equal_trained, self.equal = len(self.equal) - len(top_up), len(top_up), []
         self.next_step += 1
         return batch
 
