@@ -4,7 +4,9 @@ Once, a run whose 3 steps had all trained failed anyway: rank 1 aborted at exit 
 an active exception": a std::thread destroyed while joinable) and torchrun reported the group failed.
 One exit is a coin toss, so each layout is ended several times; every exit must also have ended its gloo
 threads before the interpreter's own end (teardown.py warns when some still run), which fails
-deterministically where the abort is only likely."""
+deterministically where the abort is only likely: before the fix 15 exits (5 a layout, 2 loaded cores) all
+returned 0, yet every rank left its gloo threads to the interpreter's shutdown (12 with CP or hf EP, 6 with
+torchtitan EP); after it, 15 of 15 and 0 threads."""
 
 import os
 import subprocess
