@@ -66,6 +66,7 @@ from .model import (
 )
 from .parallel_dims import Meshes, build_meshes, check_dims
 from .step_sums import StepSums
+from .teardown import ProcessGroups
 from .weight_stream import PublishedWeights
 
 __all__ = ["TrainerConfig", "run_trainer", "main"]
@@ -394,19 +395,32 @@ def resume(ckpt_dir: Path, model, optimizer, env: DistEnv) -> int:
 def run_trainer(config: TrainerConfig) -> None:
     env = init_distributed()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [trainer rank {env.rank}] %(message)s")
-    check_launch(config, env)
-    torch.manual_seed(config.seed)
-    run = RunDir(config.run_dir)
-    if env.is_main:
-        run.root.mkdir(parents=True, exist_ok=True)
+    groups = ProcessGroups()
+    finished = False
+    try:
+        check_launch(config, env)
+        torch.manual_seed(config.seed)
+        run = RunDir(config.run_dir)
+        if env.is_main:
+            run.root.mkdir(parents=True, exist_ok=True)
+        meshes = build_meshes(config.parallel, env.world_size, env.rank, env.device.type)
+        groups.track(meshes.world)
+        _train(config, env, run, meshes, groups)
+        finished = True
+    finally:
+        # after _train returned: the model, its FSDP state and the optimizer hold groups too, and are gone
+        groups.close(finished, default_group=env.distributed)
+
+
+def _train(config: TrainerConfig, env: DistEnv, run: RunDir, meshes: Meshes, groups: ProcessGroups) -> None:
     loss_fn = resolve_loss(config.loss)
-    meshes = build_meshes(config.parallel, env.world_size, env.rank, env.device.type)
     if config.engine == "torchtitan":
         from .titan_policy import load_titan_model
 
         model = load_titan_model(config.model_path, env, compute_dtype(config, env.device),
                                  config.activation_checkpointing, config.logprob_chunk_tokens, config.parallel,
                                  cpu_offload=config.optimizer_cpu_offload, router_replay=config.router_replay)
+        groups.track(model.world_mesh)
     else:
         model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,
                            config.logprob_chunk_tokens, config.router_replay, fp8=config.precision == "fp8",
@@ -458,8 +472,6 @@ def run_trainer(config: TrainerConfig) -> None:
     finally:
         metrics.close()
         publisher.close()
-        if env.distributed and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

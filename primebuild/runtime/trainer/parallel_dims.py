@@ -46,6 +46,7 @@ class Meshes:
     ep_mesh: DeviceMesh | None = None
     efsdp: DeviceMesh | None = None  # the experts' fully_shard mesh: `efsdp`, or (dp_replicate, efsdp)
     replica: DeviceMesh | None = None  # the ranks of this rank's replica; None without HSDP (all ranks)
+    world: DeviceMesh | None = None  # the root every mesh above is cut from; it holds their groups (teardown.py)
 
     @property
     def dp_degree(self) -> int:
@@ -106,7 +107,7 @@ def build_meshes(dims: ParallelDims, world_size: int, rank: int, device_type: st
         fsdp, efsdp = DeviceMesh._concatenate([replicate, shard]), DeviceMesh._concatenate([replicate, efsdp])
     return Meshes(dims, dp_rank, cp_rank, fsdp=fsdp, cp_mesh=cp_mesh if cp > 1 else None,
                   ep_mesh=ep_mesh if ep > 1 else None, efsdp=efsdp if ep > 1 else None,
-                  replica=shard if replicas > 1 else None)
+                  replica=shard if replicas > 1 else None, world=world)
 
 
 def _flat(mesh: DeviceMesh, names: tuple[str, ...], flat_name: str) -> DeviceMesh:

@@ -42,6 +42,7 @@ class TitanPolicy(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.on_gpu = on_gpu
         self.replay: RouterReplay | None = None  # hooks on torchtitan's routers (load_titan_model)
+        self.world_mesh = None  # torchtitan's root mesh when parallelized: it holds its groups (teardown.py)
         # FSDP sums gradients over ranks here (titan_parallelize.py); the hf engine's FSDP averages them
         self.sums_gradients = True
         self.context_split = None  # CP runs on the hf engine (the plan chooses it)
@@ -105,6 +106,7 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
     policy = TitanPolicy(titan, config, Qwen3StateDictAdapter(model_config, None), logprob_chunk_tokens, on_gpu)
     titan_dims = build_titan_dims(dims, env.world_size, env.device.type) if env.distributed else None
     if titan_dims is not None:
+        policy.world_mesh = titan_dims.world_mesh
         parallelize_titan(policy, titan, titan_dims, DTYPES[compute_dtype], activation_checkpointing, cpu_offload)
     elif activation_checkpointing:
         apply_block_checkpointing(titan)
