@@ -18,8 +18,8 @@ from primebuild.runtime.trainer.titan_policy import TitanPolicy, load_titan_mode
 from primebuild.runtime.weight_sync.filesystem import step_folder
 
 ONE_RANK = DistEnv(0, 1, torch.device("cpu"))
-# torchtitan's grouped experts and transformers' per-expert loop sum in other orders (fp32 both)
-MOE_FP32_TOLERANCE = 2e-4
+# fp32 MoE: torchtitan's experts in fp32 (titan_model.ExactGroupedExperts) vs transformers' own loop
+MOE_FP32_TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

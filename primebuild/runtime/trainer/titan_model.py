@@ -30,6 +30,7 @@ from torchtitan.models.common.config_utils import (
     make_routed_experts_config,
     make_router_config,
 )
+from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock
@@ -92,6 +93,29 @@ class DocumentAttention(Module):
         return packed.view(b, t, *out.shape[2:])
 
 
+class ExactGroupedExperts(GroupedExperts):
+    """torchtitan's grouped experts (same parameters, names and sharding), computed in the parameters'
+    own dtype, one expert's rows at a time: torchtitan's computes in bf16 whatever the model's precision,
+    which an fp32 trainer would not be (its log-probs drifted ~1e-4 from the fp32 engines'; measured).
+    Chosen for fp32 training only (`titan_config(exact_experts=True)`); bf16 keeps torchtitan's."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        ends = torch.cumsum(num_tokens_per_expert_E, dim=0).tolist()
+        out = x_RD.new_zeros(x_RD.shape[0], w2.shape[1])
+        start = 0
+        for e, end in enumerate(ends):
+            if end > start:
+                x = x_RD[start:end]
+                out[start:end] = (F.silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T
+            start = end
+        return out
+
+
 def _rope_theta(hf_config) -> float:
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
@@ -100,8 +124,9 @@ def _rope_theta(hf_config) -> float:
     return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def titan_config(hf_config, on_gpu: bool):
-    """torchtitan's Qwen3Model.Config for a Hugging Face Qwen3 / Qwen3-MoE config."""
+def titan_config(hf_config, on_gpu: bool, exact_experts: bool = False):
+    """torchtitan's Qwen3Model.Config for a Hugging Face Qwen3 / Qwen3-MoE config; `exact_experts`: MoE
+    experts in the parameters' dtype (ExactGroupedExperts), for fp32 training."""
     c = hf_config
     if c.model_type not in TITAN_MODEL_TYPES:
         raise UserError(f"model_type {c.model_type!r}: the torchtitan engine builds {', '.join(TITAN_MODEL_TYPES)}",
@@ -131,6 +156,11 @@ def titan_config(hf_config, on_gpu: bool):
                     dim=dim, hidden_dim=c.moe_intermediate_size, num_experts=experts, top_k=top_k,
                     param_init={w: normal["weight"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")}, comm_backend="standard"),
                 load_balance_coeff=None)  # RL trains the checkpoint's routers as they are: no bias updates
+            if exact_experts:
+                grouped = block["moe"].routed_experts.inner_experts
+                block["moe"].routed_experts.inner_experts = ExactGroupedExperts.Config(
+                    dim=grouped.dim, hidden_dim=grouped.hidden_dim, num_experts=grouped.num_experts,
+                    param_init=grouped.param_init)
         else:
             block["feed_forward"] = make_ffn_config(dim=dim, hidden_dim=c.intermediate_size, w1_param_init=normal,
                                                     w2w3_param_init=normal)

@@ -96,7 +96,7 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
 
     config = AutoConfig.from_pretrained(model_path)
     on_gpu = env.device.type == "cuda"
-    model_config = titan_config(config, on_gpu)
+    model_config = titan_config(config, on_gpu, exact_experts=compute_dtype == "float32")
     dims = dims or ParallelDims(dp_shard=env.world_size)
     if env.distributed:
         configure(model_config, dims)
