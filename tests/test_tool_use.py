@@ -72,7 +72,7 @@ def test_a_short_run_records_tool_calls_trained_and_tool_results_masked(tmp_path
                      "--runs-dir", root / "runs", timeout=900, env={"PRIMEBUILD_STORE": str(root / "store")})
     assert result.code == 0, result.text
     tokenizer = build_chat_tokenizer()
-    (rollout,) = (root / "runs").glob("*/rollouts/step_000001.pt")
+    (rollout,) = (root / "runs").glob("*/rollouts/step_000001.safetensors")
     samples = torch.load(rollout, weights_only=True)["samples"]
     call, response = (tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "<tool_response>"))
     with_tool = [s for s in samples if response in s["completion_ids"]]

@@ -28,15 +28,16 @@ import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from primebuild.contracts.run_dir import STEP_NAME, step_folder
 from primebuild.errors import UserError
 from primebuild.hashing import sha256_file
 
-from .safetensors_stream import write_safetensors
-from .stream import StreamedWeights, as_stream
+if TYPE_CHECKING:  # readers of step folders (the orchestrator, `verify`) never load torch
+    import torch
+
+    from .stream import StreamedWeights
 
 STABLE = "STABLE"
 TOKENIZER_FILES = (
@@ -284,6 +285,9 @@ def write_hf_folder(
     """Write ``config.json``, ``model.safetensors`` and the base model's tokenizer files into ``folder``.
     ``config`` is a transformers PretrainedConfig; its ``dtype`` is set to the tensors' dtype. Streamed
     weights are written as they come (safetensors_stream.py): one group in memory at a time."""
+    from .safetensors_stream import write_safetensors
+    from .stream import as_stream
+
     weights = as_stream(weights)
     config = copy.deepcopy(config)
     dtypes = {spec.dtype for spec in weights.layout if spec.dtype.is_floating_point}
