@@ -35,7 +35,7 @@ from primebuild.contracts.run_dir import STEP_NAME, step_folder
 from primebuild.errors import UserError
 from primebuild.hashing import sha256_file
 
-from .safetensors_stream import write_safetensors
+from .safetensors_stream import write_safetensors, write_sharded_safetensors
 from .stream import StreamedWeights, as_stream
 
 STABLE = "STABLE"
@@ -280,17 +280,23 @@ def write_hf_folder(
     weights: Mapping[str, torch.Tensor] | StreamedWeights,
     config,
     tokenizer_src: str | os.PathLike | None,
+    max_shard_bytes: int | None = None,
 ) -> None:
     """Write ``config.json``, ``model.safetensors`` and the base model's tokenizer files into ``folder``.
     ``config`` is a transformers PretrainedConfig; its ``dtype`` is set to the tensors' dtype. Streamed
-    weights are written as they come (safetensors_stream.py): one group in memory at a time."""
+    weights are written as they come (safetensors_stream.py): one group in memory at a time. With
+    ``max_shard_bytes`` the weights are cut into shards with an index above that size (an export:
+    a step folder stays one file, which the servers' reload reads)."""
     weights = as_stream(weights)
     config = copy.deepcopy(config)
     dtypes = {spec.dtype for spec in weights.layout if spec.dtype.is_floating_point}
     if len(dtypes) == 1:
         config.dtype = next(iter(dtypes))
     config.save_pretrained(folder)
-    write_safetensors(folder / "model.safetensors", weights, metadata={"format": "pt"})
+    if max_shard_bytes is None:
+        write_safetensors(folder / "model.safetensors", weights, metadata={"format": "pt"})
+    else:
+        write_sharded_safetensors(folder, weights, max_shard_bytes, metadata={"format": "pt"})
     if tokenizer_src is not None:
         for name in TOKENIZER_FILES:
             src = Path(tokenizer_src) / name
