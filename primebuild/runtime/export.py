@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from primebuild.builders.export import DEFAULT_MAX_SHARD_BYTES, ExportSource, export_derivation
+from primebuild.builders.store import Store
+from primebuild.contracts.run_dir import RunDir
 from primebuild.contracts.trainer import TrainerConfig
 from primebuild.kernels.dtypes import DTYPES
 from primebuild.runtime.trainer.checkpoint import load_model_weights
@@ -91,19 +94,15 @@ def write_export(trainer: TrainerConfig, checkpoint: str | Path, out: Path, *, a
 def newest_verified_step(run_dir: str | Path, warn=log.warning) -> int | None:
     """The newest checkpoint step of the run that verifies (newer damaged ones are named to `warn`);
     None when there is none (export_source then says what there is)."""
-    from primebuild.contracts.run_dir import RunDir
-
     latest = fs.latest_verified(RunDir(run_dir).checkpoints, warn=warn)
     return latest[0] if latest is not None else None
 
 
-def export_into_store(source, store, *, adapter: bool = False, max_shard_bytes: int | None = None
-                      ) -> tuple[Path, bool]:
-    """The store entry of `source` (builders/export.ExportSource): (its path, whether it existed).
-    The checkpoint is verified before anything is written; an existing entry is verified too (the
-    store refuses one whose content is not what it was built with), so bad input changes nothing."""
-    from primebuild.builders.export import DEFAULT_MAX_SHARD_BYTES, export_derivation
-
+def export_into_store(source: ExportSource, store: Store, *, adapter: bool = False,
+                      max_shard_bytes: int | None = None) -> tuple[Path, bool]:
+    """The store entry of `source`: (its path, whether it existed). The checkpoint is verified before
+    anything is written; an existing entry is verified too (the store refuses one whose content is not
+    what it was built with), so bad input changes nothing."""
     shard = max_shard_bytes or DEFAULT_MAX_SHARD_BYTES
     derivation = export_derivation(source, store.root, adapter=adapter, max_shard_bytes=shard)
     fs.verify(source.checkpoint)
