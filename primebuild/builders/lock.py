@@ -163,6 +163,8 @@ def model_request(loaded: LoadedManifest) -> dict:
     if kind == "init":
         return {"source": "init", "init": model.init, "facts": model.facts, "tokenizer": model.tokenizer,
                 "seed": loaded.manifest.seed}
+    if kind == "from_run":
+        return {"source": "from_run", "run": model.from_run, "step": model.step}
     return {"source": "from_manifest", "manifest": model.from_manifest}
 
 
@@ -263,6 +265,8 @@ def resolve_model(loaded: LoadedManifest, *, offline: bool = False, _depth: int 
     if kind == "init":
         key, facts_sha = random_init_key(loaded)
         return {"request": request, "pinned": True, "store_key": key, "facts_sha256": facts_sha}
+    if kind == "from_run":
+        return _resolve_run(loaded, request)
     if _depth > 8:
         raise UserError(Problem("model.from_manifest chain is longer than 8", file=str(loaded.path),
                                 field="model.from_manifest"))
@@ -275,6 +279,20 @@ def resolve_model(loaded: LoadedManifest, *, offline: bool = False, _depth: int 
         return {**entry, "pinned": False, "reason": reason}
     return {**entry, "pinned": bool(base.get("pinned")), "store_key": key,
             **({} if base.get("pinned") else {"reason": f"its base model is not pinned: {base.get('reason')}"})}
+
+
+def _resolve_run(loaded: LoadedManifest, request: dict) -> dict:
+    """A run's exported policy: the store key of its checkpoint's export (builders/export.py), pinned by
+    the checkpoint's bytes; the step is the newest complete checkpoint when the manifest names none."""
+    from primebuild.builders.export import checkpoint_hash, export_derivation
+    from primebuild.builders.model_ref import export_source_located
+    from primebuild.builders.store import Store
+
+    source = export_source_located(loaded)
+    store = Store()
+    return {"request": request, "pinned": True, "step": source.step,
+            "checkpoint": checkpoint_hash(source.checkpoint),
+            "store_key": export_derivation(source, store.root).key}
 
 
 def _load_parent(loaded: LoadedManifest) -> LoadedManifest:

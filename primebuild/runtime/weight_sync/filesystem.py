@@ -281,11 +281,14 @@ def write_hf_folder(
     weights: Mapping[str, torch.Tensor] | StreamedWeights,
     config,
     tokenizer_src: str | os.PathLike | None,
+    max_shard_bytes: int | None = None,
 ) -> None:
     """Write ``config.json``, ``model.safetensors`` and the base model's tokenizer files into ``folder``.
     ``config`` is a transformers PretrainedConfig; its ``dtype`` is set to the tensors' dtype. Streamed
-    weights are written as they come (safetensors_stream.py): one group in memory at a time."""
-    from .safetensors_stream import write_safetensors
+    weights are written as they come (safetensors_stream.py): one group in memory at a time. With
+    ``max_shard_bytes`` the weights are cut into shards with an index above that size (an export:
+    a step folder stays one file, which the servers' reload reads)."""
+    from .safetensors_stream import write_safetensors, write_sharded_safetensors
     from .stream import as_stream
 
     weights = as_stream(weights)
@@ -294,7 +297,10 @@ def write_hf_folder(
     if len(dtypes) == 1:
         config.dtype = next(iter(dtypes))
     config.save_pretrained(folder)
-    write_safetensors(folder / "model.safetensors", weights, metadata={"format": "pt"})
+    if max_shard_bytes is None:
+        write_safetensors(folder / "model.safetensors", weights, metadata={"format": "pt"})
+    else:
+        write_sharded_safetensors(folder, weights, max_shard_bytes, metadata={"format": "pt"})
     if tokenizer_src is not None:
         for name in TOKENIZER_FILES:
             src = Path(tokenizer_src) / name
