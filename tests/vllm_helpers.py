@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -123,6 +124,19 @@ class VllmServer:
         response = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
         assert response.status_code == 200, response.text
         return response.json()
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until something listens on `port` (a weight sender hosting its group's store), while `proc` lives:
+    a receiver asked to join before the store exists would wait on its own timeout, or fail."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, f"nothing listens on {port} after {timeout_s:.0f} s"
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager
