@@ -85,6 +85,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free block of ports below {floor} on {host}")
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` bases as free_port gives them, whose neighbourhoods do not overlap: for runs started side by side."""
+    picked: list[int] = []
+    while len(picked) < n:
+        base = free_port(host)
+        if all(abs(base - other) > max(_DERIVED) for other in picked):
+            picked.append(base)
+    return picked
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     """A scratch folder holding a copy of manifests/models/ so that `facts: models/x.json` resolves."""
