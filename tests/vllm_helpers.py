@@ -139,15 +139,9 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-@contextlib.contextmanager
-def shared_tiny_server(root: Path):
+def launch_shared_tiny(root: Path) -> VllmServer:
     """The seed-0 tiny model served by vLLM with every feature the `vllm` modules use (admin token,
-    weight broadcast); conftest's session fixture `vllm_tiny` holds one for all of them."""
+    weight broadcast), launched and not waited for; conftest's session fixture `vllm_tiny` holds one for
+    all of them."""
     model = save_tiny_model(root / "model", seed=0)
-    server = VllmServer(model, root / "server.log", admin_token=VLLM_ADMIN_TOKEN, weight_broadcast=True)
-    try:
-        seconds = server.wait_healthy(START_TIMEOUT_S)
-        print(f"\nvLLM server healthy after {seconds:.1f} s")
-        yield server
-    finally:
-        server.stop()
+    return VllmServer(model, root / "server.log", admin_token=VLLM_ADMIN_TOKEN, weight_broadcast=True)
