@@ -21,8 +21,6 @@ def titan_gaps(precision: str, lora: bool, cp: int, tp: int, model_type: str | N
         gaps.append("FP8 training swaps transformers' linear layers (runtime/trainer/fp8.py)")
     if lora:
         gaps.append("LoRA injects peft's adapters into transformers' modules")
-    if cp > 1:
-        gaps.append("context parallelism runs as a transformers attention function (runtime/trainer/context_parallel.py)")
     if tp > 1:
         gaps.append("tensor parallelism is not built on either engine")
     return gaps

@@ -110,6 +110,12 @@ class _GatherSeq(torch.autograd.Function):
         return grad[:, :, ctx.rank * ctx.local:(ctx.rank + 1) * ctx.local].contiguous(), None
 
 
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, H, T_local, D] of every rank of `group`, concatenated along T in rank order (the order of
+    `ContextShard.all_positions`); its backward hands each rank the gradient of its own part, summed."""
+    return _GatherSeq.apply(x, group)
+
+
 def context_parallel_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                indices=None, **kwargs):
     """transformers attention function: [B, H, Tq, D] queries -> [B, Tq, H, D] outputs.
@@ -127,8 +133,8 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
                                              scale=scaling, is_causal=attention_mask is None and query.shape[2] > 1,
                                              enable_gqa=groups > 1)
         return out.transpose(1, 2).contiguous(), None
-    key = _GatherSeq.apply(key, shard.group)
-    value = _GatherSeq.apply(value, shard.group)
+    key = gather_sequence(key, shard.group)
+    value = gather_sequence(value, shard.group)
     visible = shard.visible(shard.all_positions)  # [Tq, T], in gathered order
     if indices is not None:
         chosen = torch.zeros(*indices.shape[:2], shard.length, dtype=torch.bool, device=indices.device)

@@ -41,9 +41,13 @@ class _RuntimeConfig:
 
 
 def _parallelism(dims: ParallelDims) -> ParallelismConfig:
-    return ParallelismConfig(data_parallel_replicate_degree=dims.dp_replicate, data_parallel_shard_degree=dims.dp_shard,
-                             context_parallel_degree=dims.cp, tensor_parallel_degree=dims.tp,
-                             expert_parallel_degree=dims.ep, spmd_backend=SPMD_BACKEND)
+    # CP ranks are FSDP ranks to torchtitan (its own `fsdp` folds dp_shard and cp the same way); the
+    # sequence split is ours (titan_model.DocumentAttention with a ContextShard), so torchtitan is told
+    # cp = 1 and never wraps the attention for its ring CP.
+    return ParallelismConfig(data_parallel_replicate_degree=dims.dp_replicate,
+                             data_parallel_shard_degree=dims.dp_shard * dims.cp, context_parallel_degree=1,
+                             tensor_parallel_degree=dims.tp, expert_parallel_degree=dims.ep,
+                             spmd_backend=SPMD_BACKEND)
 
 
 def configure(model_config, dims: ParallelDims) -> None:
@@ -78,7 +82,7 @@ def parallelize_titan(root: nn.Module, titan: nn.Module, dims: TitanDims, comput
         titan.parallelize(dims)
     if activation_checkpointing:
         apply_block_checkpointing(titan)
-    if not dims.dp_enabled and not dims.cp_enabled:
+    if not dims.dp_enabled:
         return
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
