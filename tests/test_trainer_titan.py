@@ -67,6 +67,8 @@ LAYOUTS = {
     # each packed row split head-and-tail over 2 ranks (4 chunks of a 48-token row of several documents:
     # documents cross the split), k/v gathered (titan_model.DocumentAttention with a ContextShard)
     "cp2": dict(moe=False, parallel={"dp_shard": 1, "cp": 2}),
+    # torchtitan's Qwen3 TP plan (heads and MLP columns split, sequence parallel between them)
+    "tp2": dict(moe=False, parallel={"dp_shard": 1, "tp": 2}),
     "cp2-ep2-ac": dict(moe=True, parallel={"dp_shard": 1, "cp": 2, "ep": 2}, activation_checkpointing=True),
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 TITAN_MODELS = {"qwen3": "torchtitan's Qwen3", "qwen3_moe": "torchtitan's Qwen3 MoE (grouped experts)"}
 
 
-def titan_gaps(precision: str, lora: bool, cp: int, tp: int, model_type: str | None) -> list[str]:
+def titan_gaps(precision: str, lora: bool, model_type: str | None) -> list[str]:
     """What the torchtitan engine does not do yet for this model and layout (empty: it does it all).
     `model_type` None: not known here (a hand-written trainer config; the trainer's model load checks)."""
     gaps = []
@@ -21,14 +21,12 @@ def titan_gaps(precision: str, lora: bool, cp: int, tp: int, model_type: str | N
         gaps.append("FP8 training swaps transformers' linear layers (runtime/trainer/fp8.py)")
     if lora:
         gaps.append("LoRA injects peft's adapters into transformers' modules")
-    if tp > 1:
-        gaps.append("tensor parallelism is not built on either engine")
     return gaps
 
 
 def manifest_gaps(m, model_type: str) -> list[str]:
     t = m.trainer
-    return titan_gaps(t.precision, t.lora is not None, t.cp, t.tp, model_type)
+    return titan_gaps(t.precision, t.lora is not None, model_type)
 
 
 def trainer_engine(m, model_type: str) -> tuple[str, str]:

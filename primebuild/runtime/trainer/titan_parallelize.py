@@ -80,6 +80,10 @@ def parallelize_titan(root: nn.Module, titan: nn.Module, dims: TitanDims, comput
 
     if dims.ep_enabled or dims.tp_enabled:
         titan.parallelize(dims)
+        if dims.tp_enabled and titan.enable_weight_tying:
+            # TP gave the embedding and the head a DTensor parameter each (both split along the vocabulary,
+            # Shard(0)): tie them again, or each would train on half of the tied weight's gradient
+            titan.tok_embeddings.weight = titan.lm_head.weight
     if activation_checkpointing:
         apply_block_checkpointing(titan)
     if not dims.dp_enabled:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.module import Module
 
@@ -68,12 +69,12 @@ class TitanPolicy(nn.Module):
         hidden = t.tok_embeddings(ids)
         for layer in t.layers.values():
             hidden = layer(hidden, masks, positions)
-        hidden = t.norm(hidden)
+        hidden, head = _replicated(t.norm(hidden)), _replicated(t.lm_head.weight)
         if shard is None:
             sources, targets = hidden[:, :-1], torch.arange(1, n, device=input_ids.device)
         else:
             sources, targets = hidden[:, shard.positions + 1 < n], shard.targets
-        lp, entropy = chunked_token_logprobs(sources.reshape(-1, hidden.shape[-1]), t.lm_head.weight,
+        lp, entropy = chunked_token_logprobs(sources.reshape(-1, hidden.shape[-1]), head,
                                              input_ids[:, targets].reshape(-1), temperature, self.chunk_tokens)
         full_lp = lp.new_zeros(b, n).index_copy(1, targets, lp.view(b, -1))
         full_entropy = entropy.new_zeros(b, n).index_copy(1, targets, entropy.view(b, -1))
@@ -89,6 +90,26 @@ class TitanPolicy(nn.Module):
         if self.titan.enable_weight_tying and "model.embed_tokens.weight" in out:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
         return out
+
+
+def _init_buffers(module: Module, device: torch.device) -> None:
+    """Recompute `module`'s buffers on `device`, keeping the DTensor layout TP gave them: torchtitan's
+    initialiser assigns plain tensors, and a plain RoPE cache indexed by DTensor positions fails."""
+    before = dict(module._buffers)
+    module._init_self_buffers(buffer_device=device)
+    for name, old in before.items():
+        new = module._buffers[name]
+        if isinstance(old, DTensor) and not isinstance(new, DTensor):
+            assert all(p.is_replicate() for p in old.placements), (name, old.placements)
+            module._buffers[name] = DTensor.from_local(new, old.device_mesh, old.placements, run_check=False)
+
+
+def _replicated(x: torch.Tensor) -> torch.Tensor:
+    """Under TP, the final norm's output is split along the sequence and the head along the vocabulary
+    (torchtitan's plan): the log-probs kernel takes them whole (gathered, differentiably). Otherwise
+    unchanged. A vocab-parallel log-softmax would keep the head split; not built: the plan's memory
+    model counts the whole head's logits chunk."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
@@ -123,7 +144,7 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
         titan.tok_embeddings.weight = titan.lm_head.weight
     for module in titan.modules():  # computed buffers (RoPE caches) are not in the checkpoint
         if isinstance(module, Module) and module._buffers:
-            module._init_self_buffers(buffer_device=env.device)
+            _init_buffers(module, env.device)
     load_hf_weights(policy, model_path)
     if router_replay:
         policy.replay = RouterReplay(titan, TITAN_ROUTER)
