@@ -143,3 +143,23 @@ def test_the_plan_chooses_torchtitan_where_it_is_built_and_says_why_not_elsewher
     refused = run_cli("plan", "manifests/reverse-text-lora.yaml", "--set", "trainer.engine=torchtitan")
     assert refused.code == 2
     assert "trainer.engine" in refused.err and "LoRA" in refused.err and "Traceback" not in refused.err
+
+
+def test_context_and_tensor_parallel_plans_train_on_torchtitan_and_glm5_says_why_not():
+    def trainer(plan):  # a multi-node trainer's processes are trainer-n0, trainer-n1, ...
+        return next(p for p in plan["processes"] if p["name"].split("-")[0] == "trainer")["config"]
+
+    mini = plan_json("manifests/glm5-mini.yaml", design=False)  # FSDP x CP (dp_shard 2 x cp 2)
+    assert trainer(mini)["engine"] == "torchtitan" and trainer(mini)["parallel"]["cp"] == 2
+    assert not any("torchtitan" in w for w in mini["warnings"])
+    tp = plan_json("manifests/reverse-text.yaml", ["trainer.dp_shard=1", "trainer.tp=2", "trainer.ranks=2"],
+                   design=False)
+    assert trainer(tp)["engine"] == "torchtitan" and trainer(tp)["parallel"]["tp"] == 2
+    # TP is torchtitan's plan: where the trainer runs on transformers' layers it is refused, located
+    refused = run_cli("plan", "manifests/reverse-text.yaml", "--set", "trainer.dp_shard=1", "--set", "trainer.tp=2",
+                      "--set", "trainer.ranks=2", "--set", "trainer.engine=hf")
+    assert refused.code == 2 and "trainer.tp" in refused.err and "Traceback" not in refused.err
+    glm5 = plan_json("manifests/glm5.yaml")
+    (why,) = [w for w in glm5["warnings"] if w.startswith("trainer: transformers' eager layers")]
+    assert "no GLM model" in why and "spmd_types" in why and "torch 2.13" in why
+    assert trainer(glm5)["engine"] == "hf"
