@@ -3,7 +3,8 @@ parallelism: its token dispatcher's all-to-all and grouped experts), then FSDP2 
 meta-device model before any rank allocates its shards (titan_policy.load_titan_model).
 
 Order, as torchtitan's parallelize_qwen3 applies them: the model's sharding configs (set on its config
-before it is built: `configure`), `Module.parallelize` (EP), activation checkpointing per block, then
+before it is built: `configure`), `Module.parallelize` (TP: torchtitan's Qwen3 plan, sequence parallel
+between blocks; EP), activation checkpointing per block, then
 FSDP: each block's routed experts over the EP-FSDP mesh (efsdp: dp_shard / ep ranks own the same
 experts), each block and the root over the FSDP mesh (2-D with dp_replicate > 1: HSDP).
 
