@@ -159,6 +159,9 @@ def test_context_and_tensor_parallel_plans_train_on_torchtitan_and_glm5_says_why
     refused = run_cli("plan", "manifests/reverse-text.yaml", "--set", "trainer.dp_shard=1", "--set", "trainer.tp=2",
                       "--set", "trainer.ranks=2", "--set", "trainer.engine=hf")
     assert refused.code == 2 and "trainer.tp" in refused.err and "Traceback" not in refused.err
+    moe = run_cli("plan", "manifests/reverse-text-moe.yaml", "--set", "trainer.dp_shard=1", "--set", "trainer.tp=2",
+                  "--set", "trainer.ranks=2")  # TP of a MoE: not verified against one rank (trainer_engine.py)
+    assert moe.code == 2 and "trainer.tp" in moe.err and "MoE" in moe.err
     glm5 = plan_json("manifests/glm5.yaml")
     (why,) = [w for w in glm5["warnings"] if w.startswith("trainer: transformers' eager layers")]
     assert "no GLM model" in why and "spmd_types" in why and "torch 2.13" in why

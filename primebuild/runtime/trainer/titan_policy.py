@@ -20,6 +20,7 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.module import Module
 
 from primebuild.contracts.trainer import ParallelDims
+from primebuild.errors import UserError
 from primebuild.kernels.dtypes import DTYPES
 
 from .context_parallel import ContextShard
@@ -124,6 +125,8 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
 
     config = AutoConfig.from_pretrained(model_path)
     dims = dims or ParallelDims(dp_shard=env.world_size)
+    if dims.tp > 1 and config.model_type == "qwen3_moe":  # the plan refuses it first (builders/trainer_engine.py)
+        raise UserError("tp > 1 with a MoE on the torchtitan engine: not verified to match one rank", hint="use ep")
     flex = env.device.type == "cuda" and dims.cp == 1  # CP: DocumentAttention (titan_model.py says why)
     model_config = titan_config(config, flex, exact_experts=compute_dtype == "float32")
     if env.distributed:
