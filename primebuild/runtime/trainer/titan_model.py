@@ -112,8 +112,13 @@ def _context_parallel_attention(q_BLNH, k_BLNH, v_BLNH, shard: ContextShard, sca
     """This rank's queries over the keys of every CP rank, masked by document and global position."""
     q, k, v = (x.transpose(1, 2) for x in (q_BLNH, k_BLNH, v_BLNH))  # (B, N, L, H)
     k, v = gather_sequence(k, shard.group), gather_sequence(v, shard.group)
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        # heads expanded here rather than SDPA's enable_gqa: with a mask the fused CUDA kernel is the memory-
+        # efficient one, whose GQA support is not what SDPA's dispatch promises (not checked on a GPU here);
+        # the math fallback would hold the full score matrix. Same numbers either way (tested on CPU).
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     visible = shard.visible(shard.all_positions)  # [L_local, L], keys in gathered order
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=enable_gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
     return out.transpose(1, 2)
 
 
