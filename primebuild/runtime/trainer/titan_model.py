@@ -113,9 +113,9 @@ def _context_parallel_attention(q_BLNH, k_BLNH, v_BLNH, shard: ContextShard, sca
     q, k, v = (x.transpose(1, 2) for x in (q_BLNH, k_BLNH, v_BLNH))  # (B, N, L, H)
     k, v = gather_sequence(k, shard.group), gather_sequence(v, shard.group)
     if enable_gqa and k.shape[1] != q.shape[1]:
-        # heads expanded here rather than SDPA's enable_gqa: with a mask the fused CUDA kernel is the memory-
-        # efficient one, whose GQA support is not what SDPA's dispatch promises (not checked on a GPU here);
-        # the math fallback would hold the full score matrix. Same numbers either way (tested on CPU).
+        # heads expanded here, not through enable_gqa: with a mask the fused CUDA kernel is the memory-efficient
+        # one, and whether it takes enable_gqa was not checked on a GPU here; where it does not, SDPA falls
+        # back to the math kernel and its full score matrix. The same numbers either way (CPU tests).
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     visible = shard.visible(shard.all_positions)  # [L_local, L], keys in gathered order
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
