@@ -1,5 +1,6 @@
 """The torchtitan engine: torchtitan's Qwen3 modules score, train and publish as transformers' model does."""
 
+import math
 import os
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def test_published_weights_are_the_checkpoint_in_its_own_naming(tmp_path, moe):
     assert torch.equal(published["lm_head.weight"], checkpoint["model.embed_tokens.weight"])
 
 
-# 2 ranks, each layout through torchtitan's meshes (titan_parallelize.py)
+# 2 ranks (4 where the layout says so), each layout through torchtitan's meshes (titan_parallelize.py)
 LAYOUTS = {
     "fsdp2-ac": dict(moe=False, parallel={"dp_shard": 2}, activation_checkpointing=True),
     "hsdp": dict(moe=False, parallel={"dp_replicate": 2}),
@@ -69,6 +70,8 @@ LAYOUTS = {
     "cp2": dict(moe=False, parallel={"dp_shard": 1, "cp": 2}),
     # torchtitan's Qwen3 TP plan (heads and MLP columns split, sequence parallel between them)
     "tp2": dict(moe=False, parallel={"dp_shard": 1, "tp": 2}),
+    # glm5-mini's layout on 4 ranks: FSDP over dp_shard x cp, each pair of CP ranks splitting its rows
+    "fsdp2-cp2": dict(moe=False, parallel={"dp_shard": 2, "cp": 2}),
     "cp2-ep2-ac": dict(moe=True, parallel={"dp_shard": 1, "cp": 2, "ep": 2}, activation_checkpointing=True),
 }
 
@@ -98,7 +101,8 @@ def test_two_ranks_train_as_one_and_as_transformers(tmp_path, layout):
     cfg.write_text(trainer_config(run_dir=str(runs["titan2"]), engine="torchtitan", parallel=spec["parallel"],
                                   activation_checkpointing=spec.get("activation_checkpointing", False),
                                   **common).model_dump_json())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    ranks = math.prod(spec["parallel"].get(d, 1) for d in ("dp_replicate", "dp_shard", "cp", "tp"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                            f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
                            str(cfg)], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=240)
