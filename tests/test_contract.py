@@ -471,7 +471,9 @@ FIELDS: dict[str, list] = {
                                      ("hardware.cpus_per_node=4", "trainer.ranks=4", "trainer.dp_replicate=2",
                                       "trainer.dp_shard=2"), 2)],  # its memory (none saved): tests/test_plan.py
     "trainer.cp": [Reaches(config_of(T, "parallel.cp"), ("trainer.ranks=2", "trainer.cp=2"), 2)],
-    "trainer.tp": [Refused(("trainer.tp=2",))],
+    # torchtitan's TP plan on the torchtitan engine; refused where the trainer runs on transformers' layers
+    "trainer.tp": [Reaches(config_of(T, "parallel.tp"), ("trainer.ranks=2", "trainer.tp=2"), 2),
+                   Refused(("trainer.ranks=2", "trainer.tp=2", "trainer.engine=hf"))],
     "trainer.ep": [Shapes(("trainer.ep=1",), "memory"), Refused(("trainer.ranks=2", "trainer.dp_shard=2", "trainer.ep=2"))],
     "trainer.engine": [Reaches(config_of(T, "engine"), ("trainer.engine=hf",), "hf")],  # auto: torchtitan here
     "trainer.precision": [Reaches(config_of(T, "precision"), ("trainer.precision=bf16",), "bf16"),

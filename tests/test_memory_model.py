@@ -92,11 +92,16 @@ def test_trainer_cpu_offload_moves_every_shard_to_host():
 def test_trainer_cp_and_tp_split_tokens_params_and_vocab():
     cp = trainer(cp=2, micro_batch_tokens=4)
     assert cp.tokens_per_gpu == 2 and cp.params == 2 * 338  # FSDP over dp_shard·cp = 4
-    assert cp.activations == 2 * 240
+    # + one layer's CP visibility mask (2 local queries x 4 keys, bool + bf16 additive copy)
+    assert cp.activations == 2 * 240 + 2 * 4 * (1 + 2)
+    no_ac = dict(activation_checkpointing=False)  # every layer keeps its mask for backward
+    assert trainer(cp=2, **no_ac).activations == (trainer(micro_batch_tokens=2, seq_len=2, **no_ac).activations
+                                                  + 2 * 4 * (1 + 2) * DENSE.num_layers)
     tp = trainer(tp=2)
     assert tp.params == 2 * 338
     assert tp.activations == 4 * 240 // 2  # sequence parallel splits the activations
-    assert tp.logits == 4 * 5 * 12  # vocab-parallel loss
+    # the torchtitan engine gathers the vocab-split head: whole-vocab logits, plus the head (bf16 + fp32 grad)
+    assert tp.logits == 4 * DENSE.vocab_size * 12 + DENSE.vocab_size * DENSE.hidden_size * (2 + 4)
     assert tp.fsdp_buffers == math.ceil(592 / 2) * 8
 
 

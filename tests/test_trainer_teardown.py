@@ -21,8 +21,11 @@ LAYOUTS = {
     "cp2-hf": dict(moe=False, engine="hf", parallel={"dp_shard": 1, "cp": 2}),
     "ep2-hf": dict(moe=True, engine="hf", parallel={"dp_shard": 2, "ep": 2}),
     "ep2-torchtitan": dict(moe=True, engine="torchtitan", parallel={"dp_shard": 2, "ep": 2}),
+    # our data meshes beside torchtitan's (parallel_dims.build_meshes with cp / tp)
+    "cp2-torchtitan": dict(moe=False, engine="torchtitan", parallel={"dp_shard": 1, "cp": 2}),
+    "tp2-torchtitan": dict(moe=False, engine="torchtitan", parallel={"dp_shard": 1, "tp": 2}),
 }
-# per layout: 2 keeps the test near 90 s (a torchtitan run takes ~25 s on 2 loaded cores); raise
+# per layout: 2 keeps the test near 5 min (a torchtitan run takes 30-45 s on 2 loaded cores); raise
 # it to measure a rate
 RUNS = int(os.environ.get("PRIMEBUILD_TEARDOWN_RUNS", "2"))
 

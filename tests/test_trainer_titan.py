@@ -1,5 +1,6 @@
 """The torchtitan engine: torchtitan's Qwen3 modules score, train and publish as transformers' model does."""
 
+import math
 import os
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def test_published_weights_are_the_checkpoint_in_its_own_naming(tmp_path, moe):
     assert torch.equal(published["lm_head.weight"], checkpoint["model.embed_tokens.weight"])
 
 
-# 2 ranks, each layout through torchtitan's meshes (titan_parallelize.py)
+# 2 ranks (4 where the layout says so), each layout through torchtitan's meshes (titan_parallelize.py)
 LAYOUTS = {
     "fsdp2-ac": dict(moe=False, parallel={"dp_shard": 2}, activation_checkpointing=True),
     "hsdp": dict(moe=False, parallel={"dp_replicate": 2}),
@@ -64,6 +65,14 @@ LAYOUTS = {
     # routes replayed at torchtitan's routers, before its token dispatcher: every 4th position's experts
     # differ from the router's own choice (trainer_fixtures.attach_routes)
     "ep2-replay": dict(moe=True, parallel={"dp_shard": 2, "ep": 2}, router_replay=True),
+    # each packed row split head-and-tail over 2 ranks (4 chunks of a 48-token row of several documents:
+    # documents cross the split), k/v gathered (titan_model.DocumentAttention with a ContextShard)
+    "cp2": dict(moe=False, parallel={"dp_shard": 1, "cp": 2}),
+    # torchtitan's Qwen3 TP plan (heads and MLP columns split, sequence parallel between them)
+    "tp2": dict(moe=False, parallel={"dp_shard": 1, "tp": 2}),
+    # glm5-mini's layout on 4 ranks: FSDP over dp_shard x cp, each pair of CP ranks splitting its rows
+    "fsdp2-cp2": dict(moe=False, parallel={"dp_shard": 2, "cp": 2}),
+    "cp2-ep2-ac": dict(moe=True, parallel={"dp_shard": 1, "cp": 2, "ep": 2}, activation_checkpointing=True),
 }
 
 
@@ -92,7 +101,8 @@ def test_two_ranks_train_as_one_and_as_transformers(tmp_path, layout):
     cfg.write_text(trainer_config(run_dir=str(runs["titan2"]), engine="torchtitan", parallel=spec["parallel"],
                                   activation_checkpointing=spec.get("activation_checkpointing", False),
                                   **common).model_dump_json())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    ranks = math.prod(spec["parallel"].get(d, 1) for d in ("dp_replicate", "dp_shard", "cp", "tp"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                            f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
                            str(cfg)], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=240)
@@ -109,7 +119,9 @@ def test_two_ranks_train_as_one_and_as_transformers(tmp_path, layout):
             one = metrics["titan"][step][name]
             assert metrics["titan2"][step][name] == pytest.approx(one, rel=1e-4, abs=1e-6), (step, name)
             assert metrics["hf"][step][name] == pytest.approx(one, rel=engines, abs=1e-6), (step, name)
-        assert metrics["titan2"][step]["padding_fraction"] == 0.0  # packed documents
+        # packed documents; CP pads a row's tail to a multiple of 2 x cp columns (context_parallel.py)
+        padding = metrics["titan2"][step]["padding_fraction"]
+        assert (0.0 < padding < 0.05) if spec["parallel"].get("cp", 1) > 1 else padding == 0.0
     assert metrics["titan"][3]["loss"] != metrics["titan"][1]["loss"]  # the trajectory moved
     weights = {name: load_file(step_folder(run / "weights", 3) / "model.safetensors") for name, run in runs.items()}
     assert weights["titan2"].keys() == weights["titan"].keys() == weights["hf"].keys()
@@ -135,3 +147,26 @@ def test_the_plan_chooses_torchtitan_where_it_is_built_and_says_why_not_elsewher
     refused = run_cli("plan", "manifests/reverse-text-lora.yaml", "--set", "trainer.engine=torchtitan")
     assert refused.code == 2
     assert "trainer.engine" in refused.err and "LoRA" in refused.err and "Traceback" not in refused.err
+
+
+def test_context_and_tensor_parallel_plans_train_on_torchtitan_and_glm5_says_why_not():
+    def trainer(plan):  # a multi-node trainer's processes are trainer-n0, trainer-n1, ...
+        return next(p for p in plan["processes"] if p["name"].split("-")[0] == "trainer")["config"]
+
+    mini = plan_json("manifests/glm5-mini.yaml", design=False)  # FSDP x CP (dp_shard 2 x cp 2)
+    assert trainer(mini)["engine"] == "torchtitan" and trainer(mini)["parallel"]["cp"] == 2
+    assert not any("torchtitan" in w for w in mini["warnings"])
+    tp = plan_json("manifests/reverse-text.yaml", ["trainer.dp_shard=1", "trainer.tp=2", "trainer.ranks=2"],
+                   design=False)
+    assert trainer(tp)["engine"] == "torchtitan" and trainer(tp)["parallel"]["tp"] == 2
+    # TP is torchtitan's plan: where the trainer runs on transformers' layers it is refused, located
+    refused = run_cli("plan", "manifests/reverse-text.yaml", "--set", "trainer.dp_shard=1", "--set", "trainer.tp=2",
+                      "--set", "trainer.ranks=2", "--set", "trainer.engine=hf")
+    assert refused.code == 2 and "trainer.tp" in refused.err and "Traceback" not in refused.err
+    moe = run_cli("plan", "manifests/reverse-text-moe.yaml", "--set", "trainer.dp_shard=1", "--set", "trainer.tp=2",
+                  "--set", "trainer.ranks=2")  # TP of a MoE: not verified against one rank (trainer_engine.py)
+    assert moe.code == 2 and "trainer.tp" in moe.err and "MoE" in moe.err
+    glm5 = plan_json("manifests/glm5.yaml")
+    (why,) = [w for w in glm5["warnings"] if w.startswith("trainer: transformers' eager layers")]
+    assert "no GLM model" in why and "spmd_types" in why and "torch 2.13" in why
+    assert trainer(glm5)["engine"] == "hf"

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from primebuild.builders.environments import environment_problems, sandbox_problems
 from primebuild.builders.model_facts import ModelFacts
-from primebuild.builders.trainer_engine import manifest_gaps
+from primebuild.builders.trainer_engine import manifest_gaps, trainer_engine
 from primebuild.contracts.inference import EMBEDDED_MODEL_TYPES
 from primebuild.errors import Problem
 from primebuild.manifest.schema import Manifest
@@ -233,10 +233,6 @@ def _vllm_pd(m: Manifest) -> Iterator[Refusal]:
 def _trainer(m: Manifest) -> Iterator[Refusal]:
     t = m.trainer
     yield from _lora(m)
-    if t.tp != 1:
-        yield Refusal("trainer.tp", f"tp={t.tp}: the fsdp2 trainer applies dp_replicate, dp_shard, cp and ep; "
-                      "tensor parallelism is applied by no trainer backend yet", "set tp: 1 and shard with dp_shard "
-                      "(and cp for long sequences)")
     if t.optimizer.cpu_offload and t.world_size < 2:
         yield Refusal("trainer.optimizer.cpu_offload", "the fsdp2 trainer offloads FSDP's shards (CPUOffloadPolicy), "
                       "and one rank has none", "use at least 2 trainer ranks, or set cpu_offload: false")
@@ -292,6 +288,10 @@ def _model(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
     if m.trainer.engine == "torchtitan" and (gaps := manifest_gaps(m, f.model_type)):
         yield Refusal("trainer.engine", f"the torchtitan engine: {'; '.join(gaps)}",
                       "set trainer.engine: auto (or hf) to train on transformers' layers")
+    elif m.trainer.tp != 1 and (engine := trainer_engine(m, f.model_type))[0] != "torchtitan":
+        yield Refusal("trainer.tp", f"tp={m.trainer.tp}: tensor parallelism is torchtitan's Qwen3 plan, applied on "
+                      f"the torchtitan engine only, and this trainer runs {engine[1]}",
+                      "set tp: 1 and shard with dp_shard (and cp for long sequences)")
     if m.inference.router_replay:
         if not f.is_moe:
             yield Refusal("inference.router_replay", f"{f.architecture} is a dense model: it routes nothing",

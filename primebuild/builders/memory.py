@@ -222,8 +222,15 @@ def trainer_memory_per_gpu(
                         tokens_per_gpu / tp · f · Σ_layers layer_activation without it (TP with sequence
                         parallelism splits every activation); f = activation_factor (measured eager 1.85)
                         ep > 1 adds, per MoE layer, the received copy of each routed token (k · h · act_bytes)
-                        that the local experts keep for backward beside the sender's
-    logits            = min(tokens_per_gpu, logits_chunk_tokens) · ceil(vocab / tp) · 12  (measured peak)
+                        that the local experts keep for backward beside the sender's;
+                        cp > 1 (not DSA: sparse_index counts it there) adds the attention's visibility mask,
+                        tokens_per_gpu · micro_batch_tokens · (1 + act_bytes) (bool + SDPA's additive copy;
+                        runtime/trainer/context_parallel.py), one layer's with checkpointing, every layer's
+                        without (attention keeps its mask for backward)
+    logits            = min(tokens_per_gpu, logits_chunk_tokens) · vocab · 12  (measured peak); with tp > 1
+                        + vocab · h · (bytes(param) + bytes(grad)): the torchtitan engine gathers the
+                        vocab-split head for its log-probs (runtime/trainer/titan_policy.py), so neither
+                        the chunk's logits nor the head are divided by tp
     sparse_index      = DSA models: B·C·H·T·4 (one query chunk's fp32 scores, index_query_chunk) + B·S·T·m,
                         B = ceil(micro_batch_tokens / seq_len), S = seq_len / cp local queries, T = seq_len
                         keys, H = index_n_heads; m bool/act bytes per (query, key) of the selection masks:
@@ -265,8 +272,14 @@ def trainer_memory_per_gpu(
                                     activation_checkpointing=activation_checkpointing,
                                     activation_factor=activation_factor)
 
+    if cp > 1 and not facts.index_topk:
+        kept_layers = 1 if activation_checkpointing else facts.num_layers
+        activations += tokens * micro_batch_tokens * (1 + a_bytes) * kept_layers
+
     logit_tokens = min(tokens, logits_chunk_tokens) if logits_chunk_tokens else tokens
-    logits = logit_tokens * _ceil_div(facts.vocab_size, tp) * LOGITS_BYTES_PER_ELEMENT
+    logits = logit_tokens * facts.vocab_size * LOGITS_BYTES_PER_ELEMENT
+    if tp > 1:
+        logits += math.ceil(facts.vocab_size * facts.hidden_size * (p_bytes + g_bytes))
 
     sparse_index = _sparse_index_bytes(facts, micro_batch_tokens=micro_batch_tokens, seq_len=seq_len, cp=cp,
                                        act_bytes=a_bytes)

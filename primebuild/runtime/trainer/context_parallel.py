@@ -1,5 +1,10 @@
 """Context parallelism: one micro-batch's sequence split over the CP ranks, attention over all keys.
 
+Both engines share the split (`make_shard`, `ContextShard`) and the k/v gather (`gather_sequence`): the
+torchtitan engine's `titan_model.DocumentAttention` takes the shard as its mask. The transformers
+attention function below (`context_parallel_attention`, with `ContextSplit`) is the hf engine's only,
+kept for what torchtitan cannot run here: GLM-5 (builders/trainer_engine.py says why), FP8, LoRA.
+
 Split (load-balanced): the padded length T is cut into 2·cp chunks and CP rank i keeps chunks i and
 2·cp−1−i, so under a causal mask every rank gets the same amount of attention work (a plain split
 gives the last rank ~2·cp−1 times the first's).
@@ -110,6 +115,12 @@ class _GatherSeq(torch.autograd.Function):
         return grad[:, :, ctx.rank * ctx.local:(ctx.rank + 1) * ctx.local].contiguous(), None
 
 
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, H, T_local, D] of every rank of `group`, concatenated along T in rank order (the order of
+    `ContextShard.all_positions`); its backward hands each rank the gradient of its own part, summed."""
+    return _GatherSeq.apply(x, group)
+
+
 def context_parallel_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                indices=None, **kwargs):
     """transformers attention function: [B, H, Tq, D] queries -> [B, Tq, H, D] outputs.
@@ -127,8 +138,8 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
                                              scale=scaling, is_causal=attention_mask is None and query.shape[2] > 1,
                                              enable_gqa=groups > 1)
         return out.transpose(1, 2).contiguous(), None
-    key = _GatherSeq.apply(key, shard.group)
-    value = _GatherSeq.apply(value, shard.group)
+    key = gather_sequence(key, shard.group)
+    value = gather_sequence(value, shard.group)
     visible = shard.visible(shard.all_positions)  # [Tq, T], in gathered order
     if indices is not None:
         chosen = torch.zeros(*indices.shape[:2], shard.length, dtype=torch.bool, device=indices.device)

@@ -115,19 +115,45 @@ def _grad_norm(model: torch.nn.Module, max_norm: float, env: DistEnv, meshes: Me
     """Clip to `max_norm` (as clip_grad_norm_ does) and return the norm before clipping.
 
     With several ranks every element of every gradient lives on exactly one rank of a replica (FSDP
-    shards, EP owns whole experts; HSDP's replicas hold the same reduced gradients), so the global norm
-    is one all-reduce of local sums of squares over the replica; clip_grad_norm_ cannot stack DTensors
-    of different meshes (EP's experts vs the rest)."""
+    shards, EP owns whole experts; HSDP's replicas hold the same reduced gradients; what TP replicates is
+    counted once: _tp_copies), so the global norm is one all-reduce of local sums of squares over the
+    replica; clip_grad_norm_ cannot stack DTensors of different meshes (EP's experts vs the rest)."""
     if not env.distributed:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    grads = [finite.local(p.grad) for p in model.parameters() if p.grad is not None]
-    squares = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
+    _reduce_partial_grads(model)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    squares = torch.stack([finite.local(g).detach().double().pow(2).sum() / _tp_copies(g) for g in grads]).sum()
     dist.all_reduce(squares, group=meshes.replica_group)
     norm = squares.sqrt().float()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(scale.to(g.dtype))
+        finite.local(g).mul_(scale.to(g.dtype))
     return norm
+
+
+def _reduce_partial_grads(model: torch.nn.Module) -> None:
+    """Under TP a weight replicated over the TP group but applied to head- or sequence-split activations
+    (the norms) ends backward with a partial gradient on each rank (DTensor's Partial): sum it now, so
+    the norm and the optimizer see the whole gradient."""
+    from torch.distributed.tensor import Replicate
+
+    for p in model.parameters():
+        g = p.grad
+        if g is not None and any(pl.is_partial() for pl in getattr(g, "placements", ())):
+            p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+
+def _tp_copies(grad: torch.Tensor) -> int:
+    """How many ranks of a TP group hold this same gradient (a norm weight is replicated over tp; a
+    column of a TP-sharded matrix is not): the norm's all-reduce would count it that many times."""
+    mesh = getattr(grad, "device_mesh", None)
+    if mesh is None:
+        return 1
+    copies = 1
+    for i, placement in enumerate(grad.placements):
+        if placement.is_replicate() and mesh.mesh_dim_names and mesh.mesh_dim_names[i] == "tp":
+            copies *= mesh.size(i)
+    return copies
 
 
 def fresh_mask(mb, samples, mask: torch.Tensor, step: int, device) -> torch.Tensor:
@@ -198,7 +224,7 @@ def train_step(model, optimizer, batch, config: TrainerConfig, loss_fn, env: Dis
     check_seconds = time.perf_counter() - started
     totals, bad_loss = _backward_micro_batches(model, mine, free, samples, config, loss_fn, env, step,
                                                normalizer, replayed)
-    sums = StepSums.from_tensor(_sum_over_ranks(totals, env))
+    sums = StepSums.from_tensor(_sum_over_ranks(totals, env, meshes.dims.tp))
     grad_norm, lr = _optimizer_step(model, optimizer, config, env, meshes, step, bad_loss)
     metrics = _step_metrics(sums, samples, normalizer, step, grad_norm.item(), lr)
     if replayed:
@@ -251,10 +277,13 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
     return totals, bad_loss
 
 
-def _sum_over_ranks(totals: torch.Tensor, env: DistEnv) -> torch.Tensor:
+def _sum_over_ranks(totals: torch.Tensor, env: DistEnv, tp: int = 1) -> torch.Tensor:
+    """The step's sums over every rank; the `tp` ranks of a TP group computed the same micro-batches,
+    so each holds 1/tp of them (exact: tp is a power of two in practice, and a float division by it
+    rounds nothing)."""
     if not env.distributed:
         return totals
-    t = totals.to(env.device)
+    t = (totals / tp).to(env.device)
     dist.all_reduce(t)
     return t.cpu()
 
@@ -363,10 +392,13 @@ def compute_dtype(config: TrainerConfig, device: torch.device | None = None) -> 
 def check_launch(config: TrainerConfig, env: DistEnv) -> None:
     """What the plan's capability check refuses, refused again here: a hand-written config is no way round."""
     check_dims(config.parallel, env.world_size)
+    if config.parallel.tp > 1 and config.engine != "torchtitan":
+        raise UserError(f"parallel tp={config.parallel.tp}: tensor parallelism is torchtitan's Qwen3 plan, applied "
+                        "on the torchtitan engine only", hint="set engine: torchtitan, or tp: 1")
     if config.engine == "torchtitan":
         from primebuild.builders.trainer_engine import titan_gaps
 
-        gaps = titan_gaps(config.precision, config.lora is not None, config.parallel.cp, config.parallel.tp, None)
+        gaps = titan_gaps(config.precision, config.lora is not None, None)
         if gaps:
             raise UserError(f"the torchtitan engine: {'; '.join(gaps)}", hint="set engine: hf")
     if config.lora is not None and config.weight_sync.mode != "filesystem":

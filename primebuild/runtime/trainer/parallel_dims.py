@@ -22,7 +22,10 @@ EP ranks are carved from the FSDP dimension: with ep a multiple of cp an EP grou
 groups (torchtitan's layout: dp_shard = efsdp * ep/cp); with cp a multiple of ep it lies inside one CP
 group. Either way ep | dp_shard * cp (the plan checks it, and num_experts % ep).
 
-TP is not applied: the plan refuses it (primebuild/builders/capabilities.py).
+TP (the torchtitan engine only: torchtitan's Qwen3 plan, titan_parallelize.py) is the innermost
+dimension, as in torchtitan's meshes: the tp ranks of a group are consecutive and compute the same
+micro-batches, so the batch is dealt over rank // (cp * tp). torchtitan builds the meshes it shards
+over itself; from these it needs only the data layout, the CP group and the replica.
 """
 
 from __future__ import annotations
@@ -64,12 +67,10 @@ class Meshes:
 
 
 def check_dims(dims: ParallelDims, world_size: int) -> None:
-    """What the trainer applies; everything else is refused (the plan refuses it first)."""
-    if dims.tp != 1:
-        raise UserError(f"parallel {dims.model_dump()}: this trainer applies dp_replicate, dp_shard, cp and ep "
-                        "(tp is not built)")
+    """What the trainer applies; everything else is refused (the plan refuses it first). tp > 1 is
+    the torchtitan engine's alone (main.check_launch)."""
     if dims.world_size != world_size:
-        raise UserError(f"parallel dp_replicate*dp_shard*cp = {dims.world_size} but the launch has {world_size} "
+        raise UserError(f"parallel dp_replicate*dp_shard*cp*tp = {dims.world_size} but the launch has {world_size} "
                         "rank(s)")
     shards = dims.dp_shard * dims.cp
     if shards % dims.ep:
@@ -83,10 +84,16 @@ def check_dims(dims: ParallelDims, world_size: int) -> None:
 def build_meshes(dims: ParallelDims, world_size: int, rank: int, device_type: str) -> Meshes:
     """The one device mesh of the run and its named sub-meshes."""
     check_dims(dims, world_size)
-    dp_rank, cp_rank = divmod(rank, dims.cp)  # dp_rank = replica * dp_shard + dp_index
+    dp_rank, inner = divmod(rank, dims.cp * dims.tp)  # dp_rank = replica * dp_shard + dp_index
+    cp_rank = inner // dims.tp
     if world_size == 1:
         return Meshes(dims, 0, 0)
     replicas, dp, cp, ep = dims.dp_replicate, dims.dp_shard, dims.cp, dims.ep
+    if dims.tp > 1:  # torchtitan's meshes shard the model (titan_parallelize.py): here the data layout only
+        world = init_device_mesh(device_type, (replicas, dp, cp, dims.tp),
+                                 mesh_dim_names=("dp_replicate", "dp", "cp", "tp"))
+        replica = _flat(world, ("dp", "cp", "tp"), "replica") if replicas > 1 else None
+        return Meshes(dims, dp_rank, cp_rank, cp_mesh=world["cp"] if cp > 1 else None, replica=replica, world=world)
     if ep % cp == 0:  # (efsdp, ep/cp, cp): an EP group is ep/cp whole CP groups
         world = init_device_mesh(device_type, (replicas, dp * cp // ep, ep // cp, cp),
                                  mesh_dim_names=("dp_replicate", "efsdp", "ep_dp", "cp"))

@@ -16,7 +16,8 @@
    inside a replica and all-reduce the gradient shards across replicas.
 
 Everything runs on the meta-device model, before any rank allocates its shards (model.load_model).
-One rank (no meshes) stops after step 2. TP is not built: the plan refuses it (primebuild/builders/capabilities.py).
+One rank (no meshes) stops after step 2. This is the hf engine's; the torchtitan engine's is
+titan_parallelize.py. TP is the torchtitan engine's only: the plan refuses it here (builders/capabilities.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,15 @@ FlexAttention has no backward on CPU (torch 2.13), so on a CPU the inner attenti
 `DocumentAttention`: the same block-causal document mask, computed document by document through
 scaled_dot_product_attention (a dense mask over a packed row would cost its length squared). Only the
 inner attention differs; projections, norms, RoPE and the rest are torchtitan's either way.
+
+Context parallelism (cp > 1) runs `DocumentAttention` on GPUs too, with a `ContextShard` as its mask:
+each rank holds the head-and-tail balanced slice of the packed row that the hf engine's CP uses
+(context_parallel.py), all-gathers k and v over its CP group and attends its queries to the keys of
+its own document at or before it, by global position. Not torch's `context_parallel` (which torchtitan
+applies): its ring SDPA takes no mask but `is_causal` ("attn_bias is not supported yet", torch 2.13),
+so packed documents would attend across their boundaries, and its FlexAttention path has no backward
+on CPU. The gathered mask is dense, [T_local, T] per micro-batch: the price of one code path that is
+exact on both devices.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 from torchtitan.protocols.module import Module
 
 from primebuild.errors import UserError
+
+from .context_parallel import ContextShard, gather_sequence
 
 # model_type -> what torchtitan builds for it here (keep equal to builders/trainer_engine.py's TITAN_MODELS)
 TITAN_MODEL_TYPES = ("qwen3", "qwen3_moe")
@@ -67,8 +78,9 @@ class DocumentLayout:
 
 
 class DocumentAttention(Module):
-    """CPU inner attention over (B, L, N, H) q/k/v: causal attention within each document of a
-    `DocumentLayout`, through scaled_dot_product_attention."""
+    """Inner attention over (B, L, N, H) q/k/v: causal attention within each document, through
+    scaled_dot_product_attention. The mask is a `DocumentLayout` (the whole row on this rank: CPU) or a
+    `ContextShard` (this rank's slice of it under context parallelism: CPU and GPU)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -80,6 +92,8 @@ class DocumentAttention(Module):
     # q/k/v are named as torchtitan's attentions name them: its sharding configs (TP, CP) address them so
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks: DocumentLayout, scale: float | None = None,
                 enable_gqa: bool = False, **_) -> torch.Tensor:
+        if isinstance(attention_masks, ContextShard):
+            return _context_parallel_attention(q_BLNH, k_BLNH, v_BLNH, attention_masks, scale, enable_gqa)
         layout = attention_masks
         b, t = q_BLNH.shape[:2]
 
@@ -91,6 +105,21 @@ class DocumentAttention(Module):
         packed = out.new_empty(b * t, *out.shape[2:])  # (B*T, N, H)
         packed[layout.index[layout.real]] = out[layout.real]
         return packed.view(b, t, *out.shape[2:])
+
+
+def _context_parallel_attention(q_BLNH, k_BLNH, v_BLNH, shard: ContextShard, scale: float | None,
+                                enable_gqa: bool) -> torch.Tensor:
+    """This rank's queries over the keys of every CP rank, masked by document and global position."""
+    q, k, v = (x.transpose(1, 2) for x in (q_BLNH, k_BLNH, v_BLNH))  # (B, N, L, H)
+    k, v = gather_sequence(k, shard.group), gather_sequence(v, shard.group)
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        # heads expanded here, not through enable_gqa: with a mask the fused CUDA kernel is the memory-efficient
+        # one, and whether it takes enable_gqa was not checked on a GPU here; where it does not, SDPA falls
+        # back to the math kernel and its full score matrix. The same numbers either way (CPU tests).
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    visible = shard.visible(shard.all_positions)  # [L_local, L], keys in gathered order
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    return out.transpose(1, 2)
 
 
 class ExactGroupedExperts(GroupedExperts):
@@ -124,9 +153,10 @@ def _rope_theta(hf_config) -> float:
     return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def titan_config(hf_config, on_gpu: bool, exact_experts: bool = False):
-    """torchtitan's Qwen3Model.Config for a Hugging Face Qwen3 / Qwen3-MoE config; `exact_experts`: MoE
-    experts in the parameters' dtype (ExactGroupedExperts), for fp32 training."""
+def titan_config(hf_config, flex_attention: bool, exact_experts: bool = False):
+    """torchtitan's Qwen3Model.Config for a Hugging Face Qwen3 / Qwen3-MoE config. `flex_attention`:
+    torchtitan's FlexAttention (a GPU without CP), else DocumentAttention; `exact_experts`: MoE experts in
+    the parameters' dtype (ExactGroupedExperts), for fp32 training."""
     c = hf_config
     if c.model_type not in TITAN_MODEL_TYPES:
         raise UserError(f"model_type {c.model_type!r}: the torchtitan engine builds {', '.join(TITAN_MODEL_TYPES)}",
@@ -138,7 +168,7 @@ def titan_config(hf_config, on_gpu: bool, exact_experts: bool = False):
     def norm(size: int):
         return RMSNorm.Config(normalized_shape=size, eps=c.rms_norm_eps, param_init={"weight": nn.init.ones_})
 
-    inner = get_attention_config("flex") if on_gpu else DocumentAttention.Config()
+    inner = get_attention_config("flex") if flex_attention else DocumentAttention.Config()
     rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=c.max_position_embeddings, theta=_rope_theta(c))
     layers = []
     for _ in range(c.num_hidden_layers):

@@ -3,7 +3,8 @@ parallelism: its token dispatcher's all-to-all and grouped experts), then FSDP2 
 meta-device model before any rank allocates its shards (titan_policy.load_titan_model).
 
 Order, as torchtitan's parallelize_qwen3 applies them: the model's sharding configs (set on its config
-before it is built: `configure`), `Module.parallelize` (EP), activation checkpointing per block, then
+before it is built: `configure`), `Module.parallelize` (TP: torchtitan's Qwen3 plan, sequence parallel
+between blocks; EP), activation checkpointing per block, then
 FSDP: each block's routed experts over the EP-FSDP mesh (efsdp: dp_shard / ep ranks own the same
 experts), each block and the root over the FSDP mesh (2-D with dp_replicate > 1: HSDP).
 
@@ -41,9 +42,13 @@ class _RuntimeConfig:
 
 
 def _parallelism(dims: ParallelDims) -> ParallelismConfig:
-    return ParallelismConfig(data_parallel_replicate_degree=dims.dp_replicate, data_parallel_shard_degree=dims.dp_shard,
-                             context_parallel_degree=dims.cp, tensor_parallel_degree=dims.tp,
-                             expert_parallel_degree=dims.ep, spmd_backend=SPMD_BACKEND)
+    # CP ranks are FSDP ranks to torchtitan (its own `fsdp` folds dp_shard and cp the same way); the
+    # sequence split is ours (titan_model.DocumentAttention with a ContextShard), so torchtitan is told
+    # cp = 1 and never wraps the attention for its ring CP.
+    return ParallelismConfig(data_parallel_replicate_degree=dims.dp_replicate,
+                             data_parallel_shard_degree=dims.dp_shard * dims.cp, context_parallel_degree=1,
+                             tensor_parallel_degree=dims.tp, expert_parallel_degree=dims.ep,
+                             spmd_backend=SPMD_BACKEND)
 
 
 def configure(model_config, dims: ParallelDims) -> None:
@@ -76,9 +81,13 @@ def parallelize_titan(root: nn.Module, titan: nn.Module, dims: TitanDims, comput
 
     if dims.ep_enabled or dims.tp_enabled:
         titan.parallelize(dims)
+        if dims.tp_enabled and titan.enable_weight_tying:
+            # TP gave the embedding and the head a DTensor parameter each (both split along the vocabulary,
+            # Shard(0)): tie them again, or each would train on half of the tied weight's gradient
+            titan.tok_embeddings.weight = titan.lm_head.weight
     if activation_checkpointing:
         apply_block_checkpointing(titan)
-    if not dims.dp_enabled and not dims.cp_enabled:
+    if not dims.dp_enabled:
         return
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()

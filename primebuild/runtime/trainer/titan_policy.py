@@ -15,10 +15,12 @@ from __future__ import annotations
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.module import Module
 
 from primebuild.contracts.trainer import ParallelDims
+from primebuild.errors import UserError
 from primebuild.kernels.dtypes import DTYPES
 
 from .context_parallel import ContextShard
@@ -34,18 +36,17 @@ class TitanPolicy(nn.Module):
     its final hidden states, `chunk_tokens` at a time, never from the whole [tokens x vocab] logits."""
 
     def __init__(self, titan: nn.Module, hf_config, adapter: Qwen3StateDictAdapter, chunk_tokens: int,
-                 on_gpu: bool):
+                 flex_attention: bool):
         super().__init__()
         self.titan = titan
         self.hf_config = hf_config
         self.adapter = adapter
         self.chunk_tokens = chunk_tokens
-        self.on_gpu = on_gpu
+        self.flex_attention = flex_attention  # torchtitan's FlexAttention (its BlockMask), else DocumentAttention
         self.replay: RouterReplay | None = None  # hooks on torchtitan's routers (load_titan_model)
         self.world_mesh = None  # torchtitan's root mesh when parallelized: it holds its groups (teardown.py)
         # FSDP sums gradients over ranks here (titan_parallelize.py); the hf engine's FSDP averages them
         self.sums_gradients = True
-        self.context_split = None  # CP runs on the hf engine (the plan chooses it)
 
     @property
     def config(self):
@@ -54,23 +55,31 @@ class TitanPolicy(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float,
                 shard: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As model.Policy.forward: [B, T] log-probs and entropies, column t for token t (predicted at
-        t-1 of its document); column 0 is 0."""
+        t-1 of its document); column 0 is 0. With a context-parallel `shard` this rank computes only its
+        positions (the shard is the attention's mask: titan_model.DocumentAttention) and fills only the
+        columns of `shard.targets`."""
         from primebuild.kernels.logprobs import chunked_token_logprobs
 
-        if shard is not None:
-            raise NotImplementedError("context parallelism on the torchtitan engine is not built: the plan "
-                                      "chooses the hf engine for cp > 1")
         t = self.titan
-        masks = t.get_attention_masks(position_ids) if self.on_gpu else DocumentLayout.of(position_ids)
-        hidden = t.tok_embeddings(input_ids)
-        for layer in t.layers.values():
-            hidden = layer(hidden, masks, position_ids)
-        hidden = t.norm(hidden)
         b, n = input_ids.shape
-        lp, entropy = chunked_token_logprobs(hidden[:, :-1].reshape(-1, hidden.shape[-1]), t.lm_head.weight,
-                                             input_ids[:, 1:].reshape(-1), temperature, self.chunk_tokens)
-        zero = lp.new_zeros(b, 1)
-        return torch.cat([zero, lp.view(b, n - 1)], 1), torch.cat([zero, entropy.view(b, n - 1)], 1)
+        if shard is None:
+            masks = t.get_attention_masks(position_ids) if self.flex_attention else DocumentLayout.of(position_ids)
+            ids, positions = input_ids, position_ids
+        else:
+            masks, ids, positions = shard, input_ids[:, shard.positions], position_ids[:, shard.positions]
+        hidden = t.tok_embeddings(ids)
+        for layer in t.layers.values():
+            hidden = layer(hidden, masks, positions)
+        hidden, head = _replicated(t.norm(hidden)), _replicated(t.lm_head.weight)
+        if shard is None:
+            sources, targets = hidden[:, :-1], torch.arange(1, n, device=input_ids.device)
+        else:
+            sources, targets = hidden[:, shard.positions + 1 < n], shard.targets
+        lp, entropy = chunked_token_logprobs(sources.reshape(-1, hidden.shape[-1]), head,
+                                             input_ids[:, targets].reshape(-1), temperature, self.chunk_tokens)
+        full_lp = lp.new_zeros(b, n).index_copy(1, targets, lp.view(b, -1))
+        full_entropy = entropy.new_zeros(b, n).index_copy(1, targets, entropy.view(b, -1))
+        return full_lp, full_entropy
 
     def published_weights(self, dtype: torch.dtype) -> PublishedWeights:
         return PublishedWeights(self.titan, dtype, self.to_checkpoint_naming)
@@ -84,6 +93,26 @@ class TitanPolicy(nn.Module):
         return out
 
 
+def _init_buffers(module: Module, device: torch.device) -> None:
+    """Recompute `module`'s buffers on `device`, keeping the DTensor layout TP gave them: torchtitan's
+    initialiser assigns plain tensors, and a plain RoPE cache indexed by DTensor positions fails."""
+    before = dict(module._buffers)
+    module._init_self_buffers(buffer_device=device)
+    for name, old in before.items():
+        new = module._buffers[name]
+        if isinstance(old, DTensor) and not isinstance(new, DTensor):
+            assert all(p.is_replicate() for p in old.placements), (name, old.placements)
+            module._buffers[name] = DTensor.from_local(new, old.device_mesh, old.placements, run_check=False)
+
+
+def _replicated(x: torch.Tensor) -> torch.Tensor:
+    """Under TP, the final norm's output is split along the sequence and the head along the vocabulary
+    (torchtitan's plan): the log-probs kernel takes them whole (gathered, differentiably). Otherwise
+    unchanged. A vocab-parallel log-softmax would keep the head split; not built: the plan's memory
+    model counts the whole head's logits chunk."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
 def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
                      logprob_chunk_tokens: int, dims: ParallelDims | None = None,
                      cpu_offload: bool = False, router_replay: bool = False) -> TitanPolicy:
@@ -95,15 +124,17 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
-    on_gpu = env.device.type == "cuda"
-    model_config = titan_config(config, on_gpu, exact_experts=compute_dtype == "float32")
     dims = dims or ParallelDims(dp_shard=env.world_size)
+    if dims.tp > 1 and config.model_type == "qwen3_moe":  # the plan refuses it first (builders/trainer_engine.py)
+        raise UserError("tp > 1 with a MoE on the torchtitan engine: not verified to match one rank", hint="use ep")
+    flex = env.device.type == "cuda" and dims.cp == 1  # CP: DocumentAttention (titan_model.py says why)
+    model_config = titan_config(config, flex, exact_experts=compute_dtype == "float32")
     if env.distributed:
         configure(model_config, dims)
     with torch.device("meta"):
         titan = model_config.build()
     # no hf_assets_path: the adapter would look for an index of shards only a save in HF layout uses
-    policy = TitanPolicy(titan, config, Qwen3StateDictAdapter(model_config, None), logprob_chunk_tokens, on_gpu)
+    policy = TitanPolicy(titan, config, Qwen3StateDictAdapter(model_config, None), logprob_chunk_tokens, flex)
     titan_dims = build_titan_dims(dims, env.world_size, env.device.type) if env.distributed else None
     if titan_dims is not None:
         policy.world_mesh = titan_dims.world_mesh
@@ -116,7 +147,7 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
         titan.tok_embeddings.weight = titan.lm_head.weight
     for module in titan.modules():  # computed buffers (RoPE caches) are not in the checkpoint
         if isinstance(module, Module) and module._buffers:
-            module._init_self_buffers(buffer_device=env.device)
+            _init_buffers(module, env.device)
     load_hf_weights(policy, model_path)
     if router_replay:
         policy.replay = RouterReplay(titan, TITAN_ROUTER)
