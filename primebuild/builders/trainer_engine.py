@@ -11,16 +11,13 @@ from __future__ import annotations
 TITAN_MODELS = {"qwen3": "torchtitan's Qwen3", "qwen3_moe": "torchtitan's Qwen3 MoE (grouped experts)"}
 
 
-def titan_gaps(precision: str, lora: bool, cp: int, tp: int, model_type: str | None) -> list[str]:
+def titan_gaps(cp: int, tp: int, model_type: str | None) -> list[str]:
     """What the torchtitan engine does not do yet for this model and layout (empty: it does it all).
-    `model_type` None: not known here (a hand-written trainer config; the trainer's model load checks)."""
+    `model_type` None: not known here (a hand-written trainer config; the trainer's model load checks).
+    FP8 training and LoRA run on both engines (runtime/trainer/titan_fp8.py, titan_lora.py)."""
     gaps = []
     if model_type is not None and model_type not in TITAN_MODELS:
         gaps.append(f"model_type {model_type or '?'!r} is not built for it (it builds {', '.join(TITAN_MODELS)})")
-    if precision == "fp8":
-        gaps.append("FP8 training swaps transformers' linear layers (runtime/trainer/fp8.py)")
-    if lora:
-        gaps.append("LoRA injects peft's adapters into transformers' modules")
     if cp > 1:
         gaps.append("context parallelism runs as a transformers attention function (runtime/trainer/context_parallel.py)")
     if tp > 1:
@@ -30,7 +27,7 @@ def titan_gaps(precision: str, lora: bool, cp: int, tp: int, model_type: str | N
 
 def manifest_gaps(m, model_type: str) -> list[str]:
     t = m.trainer
-    return titan_gaps(t.precision, t.lora is not None, t.cp, t.tp, model_type)
+    return titan_gaps(t.cp, t.tp, model_type)
 
 
 def trainer_engine(m, model_type: str) -> tuple[str, str]:
