@@ -67,11 +67,11 @@ def titan_targets(from_hf_map: dict[str, str | None], targets: list[str]) -> dic
     return out
 
 
-def apply_titan_lora(titan: nn.Module, from_hf_map: dict[str, str | None], lora: LoraConfig) -> int:
+def apply_titan_lora(titan: nn.Module, from_hf_map: dict[str, str | None], lora: LoraConfig) -> set[str]:
     """Add adapters to every target module of `titan` (on the meta device, before checkpointing and FSDP)
-    and freeze everything else; returns how many modules were adapted."""
+    and freeze everything else; returns the names of the targets (each adapts at least one module)."""
     patterns = titan_targets(from_hf_map, list(lora.targets))
-    adapted = 0
+    adapted: set[str] = set()
     for name, module in list(titan.named_modules()):
         layer = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
         if layer is None:
@@ -81,7 +81,10 @@ def apply_titan_lora(titan: nn.Module, from_hf_map: dict[str, str | None], lora:
             if type(module) is not Linear:
                 raise UserError(f"trainer.lora.targets: {name} is a {type(module).__name__}, not a linear module")
             add_adapter(module, lora.rank, lora.alpha, hf.format(layer.group(1)))
-            adapted += 1
+            adapted.add(hf.rsplit(".", 1)[1])
+    unused = [t for t in lora.targets if t not in adapted]
+    if unused:  # a MoE's MLP names: its experts are grouped weights (as on the hf engine, lora.apply_lora)
+        raise UserError(f"trainer.lora.targets: no linear module named {', '.join(unused)} in the model's layers")
     for name, param in titan.named_parameters():
         param.requires_grad_(is_titan_adapter(name))
     return adapted
