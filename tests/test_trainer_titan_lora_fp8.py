@@ -158,6 +158,39 @@ def test_two_fsdp_ranks_train_torchtitan_s_adapters_as_one_rank(tmp_path):
     assert two[4]["loss"] == pytest.approx(one[4]["loss"], rel=1e-5, abs=1e-7)
 
 
+# expert parallelism: torchtitan's token dispatcher, its experts sharded over EP then FSDP
+EP_LAYOUTS = {"lora": dict(lora=MOE_LORA), "fp8": dict(precision="fp8")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("switch", list(EP_LAYOUTS))
+def test_expert_parallel_ranks_train_as_one_rank_with_lora_or_fp8(tmp_path, switch):
+    """A Qwen3-MoE over 2 gloo ranks (ep 2, dp_shard 2) follows 1 rank: LoRA's adapters beside experts that
+    EP shards, or FP8 experts fed by the all-to-all (tolerance as test_trainer_titan.py's EP layouts)."""
+    model = make_tiny_model(tmp_path / "model", moe=True)
+    common = dict(model_path=str(model), max_steps=2, lr=1e-3, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl",
+                  engine="torchtitan", **EP_LAYOUTS[switch])
+    runs = _runs(tmp_path, model, ("one", "two"), steps=2)
+    run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
+    cfg = tmp_path / "two.json"
+    cfg.write_text(trainer_config(run_dir=str(runs["two"]), parallel={"dp_shard": 2, "ep": 2},
+                                  **common).model_dump_json())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config", str(cfg)],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=250)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
+    for step in (1, 2):
+        for name in ("loss", "grad_norm", "behaviour_kl", "entropy"):
+            assert two[step][name] == pytest.approx(one[step][name], rel=1e-4, abs=1e-6), (step, name)
+    if switch == "lora":
+        a1, a2 = (load_file(step_folder(runs[n] / "weights", 2) / "adapter_model.safetensors") for n in ("one", "two"))
+        assert a1.keys() == a2.keys() and all("self_attn" in k for k in a1)
+        for key in a1:
+            torch.testing.assert_close(a2[key], a1[key], rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_fp8_on_torchtitan_computes_as_fp8_on_the_hf_engine(tmp_path, moe):
     """FP8 forwards on torchtitan's linears and experts: the hf engine's log-probs and gradients (same
