@@ -141,12 +141,14 @@ def test_the_plan_chooses_torchtitan_where_it_is_built_and_says_why_not_elsewher
     assert engine(dense) == "torchtitan" and not any("torchtitan" in w for w in dense["warnings"])
     assert engine(plan_json("manifests/reverse-text-moe.yaml", design=False)) == "torchtitan"  # router replay too
     fp8 = plan_json("manifests/reverse-text-moe.yaml", ["trainer.precision=fp8"], design=False)
-    assert engine(fp8) == "hf"
-    assert any(w.startswith("trainer: transformers' eager layers") and "FP8" in w for w in fp8["warnings"])
+    assert engine(fp8) == "torchtitan"  # FP8 on torchtitan's linears and experts (titan_fp8.py)
+    lora = plan_json("manifests/reverse-text-lora.yaml", design=False)  # LoRA on torchtitan's linears (titan_lora.py)
+    assert engine(lora) == "torchtitan" and not any("torchtitan" in w for w in lora["warnings"])
     assert engine(plan_json("manifests/reverse-text.yaml", ["trainer.engine=hf"], design=False)) == "hf"
-    refused = run_cli("plan", "manifests/reverse-text-lora.yaml", "--set", "trainer.engine=torchtitan")
+    refused = run_cli("plan", "manifests/reverse-text-moe.yaml", "--set", "trainer.engine=torchtitan",
+                      "--set", "trainer.dp_shard=1", "--set", "trainer.tp=2", "--set", "trainer.ranks=2")
     assert refused.code == 2
-    assert "trainer.engine" in refused.err and "LoRA" in refused.err and "Traceback" not in refused.err
+    assert "trainer.engine" in refused.err and "MoE" in refused.err and "Traceback" not in refused.err
 
 
 def test_context_and_tensor_parallel_plans_train_on_torchtitan_and_glm5_says_why_not():

@@ -37,6 +37,15 @@ def _options(model: nn.Module) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
+def _model_state(model: nn.Module, model_sd: dict) -> dict:
+    """The model's entries to save and load: without its frozen parameters. ignore_frozen_params misses a
+    frozen tied weight (the head shares the embedding's parameter and is listed once by named_parameters),
+    so every frozen name, shared ones included, is dropped here."""
+    frozen = {name.replace("_checkpoint_wrapped_module.", "")
+              for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}
+
+
 def _barrier(env: DistEnv) -> None:
     if env.distributed:
         dist.barrier()
@@ -55,7 +64,7 @@ def save_checkpoint(
         fs.begin(final)
     _barrier(env)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(fs.staging_dir(final)))
+    dcp.save({"model": _model_state(model, model_sd), "optim": optim_sd}, checkpoint_id=str(fs.staging_dir(final)))
     _barrier(env)
     if env.is_main:
         state = {"step": step, "world_size": env.world_size}
@@ -72,7 +81,7 @@ def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
     folder = Path(folder)
     options = _options(model)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": _model_state(model, model_sd), "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     return int(json.loads((folder / STATE_FILE).read_text())["step"])

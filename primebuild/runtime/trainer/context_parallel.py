@@ -3,7 +3,7 @@
 Both engines share the split (`make_shard`, `ContextShard`) and the k/v gather (`gather_sequence`): the
 torchtitan engine's `titan_model.DocumentAttention` takes the shard as its mask. The transformers
 attention function below (`context_parallel_attention`, with `ContextSplit`) is the hf engine's only,
-kept for what torchtitan cannot run here: GLM-5 (builders/trainer_engine.py says why), FP8, LoRA.
+kept for what torchtitan cannot run here: GLM-5 (builders/trainer_engine.py says why).
 
 Split (load-balanced): the padded length T is cut into 2·cp chunks and CP rank i keeps chunks i and
 2·cp−1−i, so under a causal mask every rank gets the same amount of attention work (a plain split

@@ -56,16 +56,22 @@ def apply_lora(hf: nn.Module, lora: LoraConfig) -> None:
         param.requires_grad_(is_adapter(name))
 
 
+def adapter_parameters(hf: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(PEFT name, parameter) of every adapter tensor of a peft-injected model, sorted by name: the order
+    init_adapters draws in, the same on both engines (titan_lora.py)."""
+    return sorted(((PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", "."), param)
+                   for name, param in hf.named_parameters() if is_adapter(name)), key=lambda item: item[0])
+
+
 @torch.no_grad()
-def init_adapters(hf: nn.Module, seed: int) -> None:
-    """peft's initialisation, the same on every rank: A Kaiming-uniform (a=sqrt(5), as nn.Linear), B zero,
-    so the adapted model starts as the base model. Each rank copies its block of the full tensor."""
+def init_adapters(adapters: list[tuple[str, nn.Parameter]], seed: int) -> None:
+    """peft's initialisation, the same on every rank and engine: A Kaiming-uniform (a=sqrt(5), as
+    nn.Linear), B zero, so the adapted model starts as the base model. `adapters`: (PEFT name, parameter),
+    drawn in that order; each rank copies its block of the full tensor."""
     from .sharded_load import _local_block
 
     generator = torch.Generator().manual_seed(seed)
-    for name, param in hf.named_parameters():
-        if not is_adapter(name):
-            continue
+    for name, param in adapters:
         local, ranges = _local_block(param)
         full = torch.zeros(param.shape)
         if ".lora_A." in name:
@@ -78,16 +84,11 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def adapter_tensors(hf: nn.Module) -> dict[str, torch.Tensor]:
-    """The full adapter tensors in PEFT naming (on every rank: each DTensor is all-gathered)."""
+def adapter_tensors(adapters: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """The full adapter tensors by PEFT name (on every rank: each DTensor is all-gathered)."""
     from .weight_stream import _full
 
-    out = {}
-    for name, param in hf.named_parameters():
-        if is_adapter(name):
-            key = PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", ".")
-            out[key] = _full(param).to("cpu", torch.float32).contiguous()
-    return out
+    return {name: _full(param).to("cpu", torch.float32).contiguous() for name, param in adapters}
 
 
 def write_adapter_folder(folder: Path, tensors: dict[str, torch.Tensor], lora: LoraConfig, base_model: str) -> None:

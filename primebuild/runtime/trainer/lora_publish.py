@@ -15,13 +15,6 @@ from .lora import ADAPTER_WEIGHTS, adapter_tensors, write_adapter_folder
 log = logging.getLogger("primebuild.trainer")
 
 
-def full_weight_bytes(model, dtype_bytes: int) -> int:
-    """What a full-weight folder of the base model would hold (adapters excluded)."""
-    from .lora import is_adapter
-
-    return sum(p.numel() * dtype_bytes for n, p in model.hf.named_parameters() if not is_adapter(n))
-
-
 class AdapterPublisher:
     def __init__(self, config: TrainerConfig, env):
         self.config, self.env = config, env
@@ -29,7 +22,8 @@ class AdapterPublisher:
         self.bytes_logged = False
 
     def publish(self, model, step: int) -> None:
-        tensors = adapter_tensors(model.hf)  # a collective under FSDP: every rank gathers
+        # either engine's policy names its adapters in PEFT's names (model.py, titan_policy.py)
+        tensors = adapter_tensors(model.adapter_parameters())  # a collective under FSDP: every rank gathers
         if not self.env.is_main:
             return
         folder = fs.publish_dir(fs.step_folder(self.weights_dir, step),
@@ -39,7 +33,7 @@ class AdapterPublisher:
             import torch
 
             adapter = (folder / ADAPTER_WEIGHTS).stat().st_size
-            full = full_weight_bytes(model, torch.finfo(getattr(torch, self.config.weight_dtype)).bits // 8)
+            full = model.base_numel() * torch.finfo(getattr(torch, self.config.weight_dtype)).bits // 8
             log.info("LoRA: publishing the adapter, %d bytes a step (%d tensors); full %s weights: %d bytes "
                      "(ratio %.4f)", adapter, len(tensors), self.config.weight_dtype, full, adapter / full)
             self.bytes_logged = True

@@ -398,7 +398,7 @@ def check_launch(config: TrainerConfig, env: DistEnv) -> None:
     if config.engine == "torchtitan":
         from primebuild.builders.trainer_engine import titan_gaps
 
-        gaps = titan_gaps(config.precision, config.lora is not None, None)
+        gaps = titan_gaps(None, config.parallel.tp)
         if gaps:
             raise UserError(f"the torchtitan engine: {'; '.join(gaps)}", hint="set engine: hf")
     if config.lora is not None and config.weight_sync.mode != "filesystem":
@@ -451,7 +451,8 @@ def _train(config: TrainerConfig, env: DistEnv, run: RunDir, meshes: Meshes, gro
 
         model = load_titan_model(config.model_path, env, compute_dtype(config, env.device),
                                  config.activation_checkpointing, config.logprob_chunk_tokens, config.parallel,
-                                 cpu_offload=config.optimizer_cpu_offload, router_replay=config.router_replay)
+                                 cpu_offload=config.optimizer_cpu_offload, router_replay=config.router_replay,
+                                 fp8=config.precision == "fp8", lora=config.lora, seed=config.seed)
         groups.track(model.world_mesh)
     else:
         model = load_model(config.model_path, env, compute_dtype(config, env.device), config.activation_checkpointing,

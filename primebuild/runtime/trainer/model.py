@@ -15,7 +15,7 @@ from primebuild.contracts.trainer import LoraConfig, ParallelDims
 from primebuild.kernels.dtypes import DTYPES
 
 from .context_parallel import ContextShard, ContextSplit
-from .lora import apply_lora, init_adapters
+from .lora import adapter_parameters, apply_lora, init_adapters
 from .parallel_dims import Meshes, build_meshes
 from .parallelize import Parallelism, parallelize
 from .router_replay import RouterReplay
@@ -101,6 +101,16 @@ class Policy(nn.Module):
 
         return PublishedWeights(self.hf, dtype)
 
+    def adapter_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """LoRA: (PEFT name, parameter) of each adapter tensor, sorted (lora.py); [] without LoRA."""
+        return adapter_parameters(self.hf)
+
+    def base_numel(self) -> int:
+        """Elements of the base model's parameters (adapters excluded)."""
+        from .lora import is_adapter
+
+        return sum(p.numel() for n, p in self.hf.named_parameters() if not is_adapter(n))
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float,
                 shard: ContextShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob of every token given its prefix in its document, and the policy's entropy there (no
@@ -174,7 +184,7 @@ def load_model(model_path: str, env: DistEnv, compute_dtype: str, activation_che
     load_shards(hf, model_path)
     init_computed_buffers(hf)
     if lora is not None:
-        init_adapters(hf, seed)
+        init_adapters(model.adapter_parameters(), seed)
     if cpu_offload:  # buffers (rotary frequencies) are not FSDP's: they stay where the compute is
         for module in hf.modules():
             for name, buffer in module.named_buffers(recurse=False):

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.module import Module
 
-from primebuild.contracts.trainer import ParallelDims
+from primebuild.contracts.trainer import LoraConfig, ParallelDims
 from primebuild.errors import UserError
 from primebuild.kernels.dtypes import DTYPES
 
@@ -84,6 +84,18 @@ class TitanPolicy(nn.Module):
     def published_weights(self, dtype: torch.dtype) -> PublishedWeights:
         return PublishedWeights(self.titan, dtype, self.to_checkpoint_naming)
 
+    def adapter_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """LoRA: (PEFT name, parameter) of each adapter tensor, sorted (titan_lora.py); [] without LoRA."""
+        from .titan_lora import adapter_parameters
+
+        return adapter_parameters(self.titan)
+
+    def base_numel(self) -> int:
+        """Elements of the base model's parameters (adapters excluded)."""
+        from .titan_lora import is_titan_adapter
+
+        return sum(p.numel() for n, p in self.titan.named_parameters() if not is_titan_adapter(n))
+
     def to_checkpoint_naming(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A group of the model's tensors in the checkpoint's names. A tied head is published under its
         own name too (weight_stream.py says why)."""
@@ -115,12 +127,15 @@ def _replicated(x: torch.Tensor) -> torch.Tensor:
 
 def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activation_checkpointing: bool,
                      logprob_chunk_tokens: int, dims: ParallelDims | None = None,
-                     cpu_offload: bool = False, router_replay: bool = False) -> TitanPolicy:
+                     cpu_offload: bool = False, router_replay: bool = False, fp8: bool = False,
+                     lora: LoraConfig | None = None, seed: int = 0) -> TitanPolicy:
     """torchtitan's Qwen3 for the checkpoint at `model_path`: fp32 master weights, computed in
     `compute_dtype` (FSDP's mixed precision, or autocast on one rank: model.autocast_context), laid out
     over the ranks by `dims` (titan_parallelize.py), each rank holding only its shards from the start.
     With `router_replay` the routers replay recorded routes (router_replay.py; hooked at their output,
-    before the token dispatcher, so with expert parallelism too)."""
+    before the token dispatcher, so with expert parallelism too). `fp8` switches the blocks' linear layers
+    and experts to FP8 forwards (titan_fp8.py); `lora` adds adapters and freezes the base (titan_lora.py):
+    both on the meta model, before activation checkpointing and FSDP."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -135,6 +150,14 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
         titan = model_config.build()
     # no hf_assets_path: the adapter would look for an index of shards only a save in HF layout uses
     policy = TitanPolicy(titan, config, Qwen3StateDictAdapter(model_config, None), logprob_chunk_tokens, flex)
+    if fp8:
+        from .titan_fp8 import apply_titan_fp8
+
+        apply_titan_fp8(titan)
+    if lora is not None:
+        from .titan_lora import apply_titan_lora
+
+        apply_titan_lora(titan, policy.adapter.from_hf_map, lora)
     titan_dims = build_titan_dims(dims, env.world_size, env.device.type) if env.distributed else None
     if titan_dims is not None:
         policy.world_mesh = titan_dims.world_mesh
@@ -149,6 +172,10 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
         if isinstance(module, Module) and module._buffers:
             _init_buffers(module, env.device)
     load_hf_weights(policy, model_path)
+    if lora is not None:
+        from .lora import init_adapters
+
+        init_adapters(policy.adapter_parameters(), seed)
     if router_replay:
         policy.replay = RouterReplay(titan, TITAN_ROUTER)
     policy.train()
@@ -163,4 +190,10 @@ def load_hf_weights(policy: TitanPolicy, model_path: str) -> None:
     sharded = policy.titan.state_dict()
     wanted = policy.adapter.to_hf(sharded)
     dcp.load(wanted, storage_reader=HuggingFaceStorageReader(model_path))
-    policy.titan.load_state_dict(policy.adapter.from_hf(wanted))
+    # LoRA's adapters are not in the checkpoint (the adapter's map skips them): init_adapters fills them
+    missing, unexpected = policy.titan.load_state_dict(policy.adapter.from_hf(wanted), strict=False)
+    from .titan_lora import is_titan_adapter
+
+    if unexpected or any(not is_titan_adapter(name) for name in missing):
+        raise RuntimeError(f"{model_path}: not loaded into torchtitan's model: {[n for n in missing if not is_titan_adapter(n)]}"
+                           f"; not the model's: {unexpected}")

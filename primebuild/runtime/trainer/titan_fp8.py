@@ -1,0 +1,68 @@
+"""FP8 training (`trainer.precision: fp8`) on the torchtitan engine: the same block-scaled FP8 matmuls as
+on the hf engine (fp8.py: the input per 1 x 128 tile, the weight per 128 x 128 block, e4m3, fp32
+accumulation; straight-through backward), applied to torchtitan's modules.
+
+What is FP8, as fp8.py says for transformers' layers: every linear layer inside the blocks (attention
+projections, dense feed-forward) and the routed experts (w1, w3 and w2 each on its own blocks, as the
+checkpoint's gate, up and down weights). Not FP8: the routers' gates, the embedding, the head and the norms.
+Modules switch class in place (same parameters and names), before activation checkpointing and FSDP.
+
+Why not torchtitan's Float8 converter (torchao's Float8Linear, tensorwise or rowwise scales): the trainer
+must quantise as the FP8 inference engine does (128-blocks, e4m3), so that it scores what the server
+samples; torchao's recipes scale per tensor or per row, and torchao is not installed here. On a Hopper-class
+GPU the 128-block product is cuBLAS's block-scaled GEMM (kernels/fp8.py's fast path); elsewhere the
+reference function (on a CPU: the fp32 product of the rounded operands).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchtitan.models.common import Linear
+from torchtitan.models.common.moe import GroupedExperts
+
+from .fp8 import fp8_linear
+
+
+class Fp8TitanLinear(Linear):
+    """torchtitan's Linear whose forward is block-scaled FP8."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias)
+
+
+class Fp8GroupedExperts(GroupedExperts):
+    """torchtitan's grouped experts (same parameters, names and sharding), each expert's rows through FP8
+    matmuls: SwiGLU(x @ w1^T, x @ w3^T) @ w2^T, in the compute dtype around them."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        ends = torch.cumsum(num_tokens_per_expert_E, dim=0).tolist()
+        out = x_RD.new_zeros(x_RD.shape[0], w2.shape[1])
+        start = 0
+        for e, end in enumerate(ends):
+            if end > start:
+                x = x_RD[start:end]
+                out[start:end] = fp8_linear(nn.functional.silu(fp8_linear(x, w1[e])) * fp8_linear(x, w3[e]), w2[e])
+            start = end
+        return out
+
+
+def apply_titan_fp8(titan: nn.Module) -> dict[str, int]:
+    """Switch the blocks' linear layers (routers' gates excepted) and routed experts of `titan` to FP8
+    forwards; returns how many of each were switched."""
+    counts = {"linear": 0, "experts": 0}
+    for name, module in titan.layers.named_modules():
+        if isinstance(module, GroupedExperts):
+            module.__class__ = Fp8GroupedExperts
+            counts["experts"] += 1
+        elif type(module) is Linear and ".router." not in f".{name}.":
+            module.__class__ = Fp8TitanLinear
+            counts["linear"] += 1
+    return counts

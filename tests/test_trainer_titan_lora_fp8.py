@@ -1,0 +1,231 @@
+"""LoRA and FP8 training on the torchtitan engine: the same adapters, trajectory and published folders as on
+the hf engine (peft's adapters, transformers' layers), and the same FP8 numerics."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import free_port
+from safetensors.torch import load_file
+from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
+
+from primebuild.errors import UserError
+from primebuild.runtime.inference.engine import Engine
+from primebuild.runtime.inference.sampling import SamplingParams
+from primebuild.runtime.metrics import read_metrics
+from primebuild.runtime.trainer.main import run_trainer
+from primebuild.runtime.trainer.model import DistEnv, load_model
+from primebuild.runtime.trainer.titan_policy import load_titan_model
+from primebuild.runtime.weight_sync.filesystem import step_folder
+
+torch.set_num_threads(2)
+ONE_RANK = DistEnv(0, 1, torch.device("cpu"))
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
+# fp32 on a CPU: the same operations in the same order on both engines; what is left is summation order
+# inside different kernels (attention, the MoE's gather/scatter)
+FP32 = 1e-5
+
+
+# a MoE's routed experts are grouped weights, no linear modules, on either engine: attention only
+MOE_LORA = {**LORA, "targets": ["q_proj", "k_proj", "o_proj"]}
+
+
+def lora_config(lora=None):
+    return trainer_config(model_path="m", run_dir="r", lora=lora or LORA).lora
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_adapters_are_peft_s_on_torchtitan_s_modules(tmp_path, moe):
+    """Same adapted modules, same PEFT names, same initial values, only they train; with the same (random)
+    adapter values both engines score the same log-probs."""
+    path = make_tiny_model(tmp_path / "model", moe=moe, seed=7)
+    lora = lora_config(MOE_LORA if moe else LORA)
+    titan = load_titan_model(str(path), ONE_RANK, "float32", False, 16, lora=lora, seed=3)
+    hf = load_model(str(path), ONE_RANK, "float32", False, 16, lora=lora, seed=3)
+    ours, theirs = titan.adapter_parameters(), hf.adapter_parameters()
+    assert [n for n, _ in ours] == [n for n, _ in theirs]
+    assert len(ours) == 2 * 2 * len(lora.targets)  # A and B, 2 layers
+    if moe:  # an MLP target adapts nothing on a MoE: refused, on both engines
+        for load in (load_titan_model, load_model):
+            with pytest.raises(UserError, match="down_proj"):
+                load(str(path), ONE_RANK, "float32", False, 16, lora=lora_config())
+    for (name, a), (_, b) in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b), name
+    trainable = [n for n, p in titan.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(8), torch.arange(12)])[None].expand(2, -1)  # two documents a row
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(ours, theirs, strict=True):
+            a.copy_(torch.randn(a.shape, generator=generator) * 0.1)
+            b.copy_(a)
+        lp_ours, _ = titan(ids, positions, 1.0)
+        lp_theirs, _ = hf(ids, positions, 1.0)
+        base, _ = load_titan_model(str(path), ONE_RANK, "float32", False, 16)(ids, positions, 1.0)
+    assert (lp_ours - base).abs().max() > 1e-3  # the adapters change the function
+    assert (lp_ours - lp_theirs)[positions > 0].abs().max() <= FP32
+
+
+def _runs(tmp_path, model, names, steps=3):
+    runs = {name: tmp_path / name for name in names}
+    for run in runs.values():
+        write_rollouts(run, model, range(1, steps + 1), num_prompts=5, group_size=3)
+    return runs
+
+
+def test_lora_trains_on_torchtitan_as_on_the_hf_engine_and_the_engine_serves_it(tmp_path):
+    """Three steps on the same rollouts: the torchtitan engine's LoRA follows the hf engine's (fp32), both
+    publish the same PEFT folder, and the embedded engine with it merged samples with the log-probs the
+    torchtitan trainer computes for the same adapter."""
+    model = make_tiny_model(tmp_path / "model")
+    # eps 1e-4: AdamW moves a weight by ~lr * sign(g) where g is a rounding error of either engine's kernels;
+    # above those gradients, weights move by ~lr * g / eps and the two engines' adapters compare
+    common = dict(model_path=str(model), max_steps=3, lr=1e-2, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl",
+                  lora=LORA)
+    runs = _runs(tmp_path, model, ("hf", "titan"))
+    for engine, run in runs.items():
+        run_trainer(trainer_config(run_dir=str(run), engine="hf" if engine == "hf" else "torchtitan", **common))
+    metrics = {name: read_metrics(run / "metrics.jsonl") for name, run in runs.items()}
+    for step in (1, 2, 3):
+        for name in ("loss", "grad_norm", "behaviour_kl", "entropy"):
+            assert metrics["titan"][step][name] == pytest.approx(metrics["hf"][step][name], rel=1e-4, abs=1e-6), \
+                (step, name)
+    assert metrics["titan"][3]["loss"] != metrics["titan"][1]["loss"]
+    folders = {name: step_folder(run / "weights", 3) for name, run in runs.items()}
+    assert {p.name for p in folders["titan"].iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "STABLE"}
+    assert (folders["titan"] / "adapter_config.json").read_text() == (folders["hf"] / "adapter_config.json").read_text()
+    ours, theirs = (load_file(folders[n] / "adapter_model.safetensors") for n in ("titan", "hf"))
+    assert ours.keys() == theirs.keys()
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in ours.items())  # B moved off 0
+    for key, tensor in theirs.items():
+        torch.testing.assert_close(ours[key], tensor, rtol=1e-4, atol=1e-6)
+
+    # the trainer's log-probs, with the published adapter, of what the engine samples with it merged
+    titan = load_titan_model(str(model), ONE_RANK, "float32", False, 16, lora=lora_config())
+    with torch.no_grad():
+        for name, param in titan.adapter_parameters():
+            param.copy_(ours[name])
+    engine = Engine(str(model), max_num_seqs=2, max_model_len=64)
+    try:
+        engine.update_weights(folders["titan"], version=3)
+        prompt = [3, 17, 42, 5]
+        out = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=1))[0][0]
+    finally:
+        engine.shutdown()
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        lp, _ = titan(ids, torch.arange(ids.shape[1])[None], 1.0)
+    assert torch.allclose(torch.tensor(out.logprobs), lp[0, len(prompt):], atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_fsdp_ranks_train_torchtitan_s_adapters_as_one_rank(tmp_path):
+    """Adapters added before FSDP wraps torchtitan's blocks (activation checkpointing too): 2 gloo ranks
+    follow 1 rank, publish the same adapter, and their adapter-only checkpoint resumes on 1 rank."""
+    model = make_tiny_model(tmp_path / "model")
+    # eps 1e-4: as above (a rounding-level gradient summed over 2 ranks, not 1, would flip AdamW's sign)
+    common = dict(model_path=str(model), max_steps=3, lr=1e-2, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl",
+                  lora=LORA, engine="torchtitan")
+    runs = _runs(tmp_path, model, ("one", "two"), steps=4)
+    run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
+    cfg = tmp_path / "two.json"
+    cfg.write_text(trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2},
+                                  activation_checkpointing=True, **common).model_dump_json())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config", str(cfg)],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=250)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
+    for step in (1, 2, 3):
+        for name in ("loss", "grad_norm", "behaviour_kl"):
+            assert two[step][name] == pytest.approx(one[step][name], rel=1e-5, abs=1e-7), (step, name)
+    a1, a2 = (load_file(step_folder(runs[n] / "weights", 3) / "adapter_model.safetensors") for n in ("one", "two"))
+    assert a1.keys() == a2.keys()
+    for key in a1:
+        torch.testing.assert_close(a2[key], a1[key], rtol=1e-5, atol=1e-6)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(step_folder(runs["two"] / "checkpoints", 3))).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)  # no frozen base
+    for name in ("one", "two"):  # the 2-rank adapter checkpoint re-shards onto 1 rank
+        run_trainer(trainer_config(run_dir=str(runs[name]), resume=True, **{**common, "max_steps": 4}))
+    one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
+    assert two[4]["loss"] == pytest.approx(one[4]["loss"], rel=1e-5, abs=1e-7)
+
+
+# expert parallelism: torchtitan's token dispatcher, its experts sharded over EP then FSDP
+EP_LAYOUTS = {"lora": dict(lora=MOE_LORA), "fp8": dict(precision="fp8")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("switch", list(EP_LAYOUTS))
+def test_expert_parallel_ranks_train_as_one_rank_with_lora_or_fp8(tmp_path, switch):
+    """A Qwen3-MoE over 2 gloo ranks (ep 2, dp_shard 2) follows 1 rank: LoRA's adapters beside experts that
+    EP shards, or FP8 experts fed by the all-to-all (tolerance as test_trainer_titan.py's EP layouts)."""
+    model = make_tiny_model(tmp_path / "model", moe=True)
+    common = dict(model_path=str(model), max_steps=2, lr=1e-3, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl",
+                  engine="torchtitan", **EP_LAYOUTS[switch])
+    runs = _runs(tmp_path, model, ("one", "two"), steps=2)
+    run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
+    cfg = tmp_path / "two.json"
+    cfg.write_text(trainer_config(run_dir=str(runs["two"]), parallel={"dp_shard": 2, "ep": 2},
+                                  **common).model_dump_json())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config", str(cfg)],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=250)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
+    for step in (1, 2):
+        for name in ("loss", "grad_norm", "behaviour_kl", "entropy"):
+            assert two[step][name] == pytest.approx(one[step][name], rel=1e-4, abs=1e-6), (step, name)
+    if switch == "lora":
+        a1, a2 = (load_file(step_folder(runs[n] / "weights", 2) / "adapter_model.safetensors") for n in ("one", "two"))
+        assert a1.keys() == a2.keys() and all("self_attn" in k for k in a1)
+        for key in a1:
+            torch.testing.assert_close(a2[key], a1[key], rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_fp8_on_torchtitan_computes_as_fp8_on_the_hf_engine(tmp_path, moe):
+    """FP8 forwards on torchtitan's linears and experts: the hf engine's log-probs and gradients (same
+    quantisation, same order: equal to fp32 tolerance on a CPU), and far from the fp32 model's, so FP8 ran."""
+    path = make_tiny_model(tmp_path / "model", moe=moe, seed=8)
+    titan = load_titan_model(str(path), ONE_RANK, "float32", False, 16, fp8=True)
+    hf = load_model(str(path), ONE_RANK, "float32", False, 16, fp8=True)
+    kinds = {type(m).__name__ for m in titan.modules()}
+    assert "Fp8TitanLinear" in kinds and ("Fp8GroupedExperts" in kinds) == moe
+    assert all(type(m.gate).__name__ == "Linear" for m in titan.modules() if hasattr(m, "gate"))  # routers stay
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(24)[None].expand(2, -1)
+    ours, _ = titan(ids, positions, 1.0)
+    theirs, _ = hf(ids, positions, 1.0)
+    with torch.no_grad():
+        exact, _ = load_titan_model(str(path), ONE_RANK, "float32", False, 16)(ids, positions, 1.0)
+    assert (ours - theirs)[:, 1:].abs().max() <= FP32
+    assert (ours - exact)[:, 1:].abs().max() > 1e-3
+    ours.sum().backward()
+    theirs.sum().backward()
+    ours_grads = titan.to_checkpoint_naming({n: p.grad for n, p in titan.titan.named_parameters()})
+    theirs_grads = {n.removeprefix("hf."): p.grad for n, p in hf.named_parameters()}
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
+        torch.testing.assert_close(ours_grads[name], theirs_grads[name], rtol=1e-4, atol=FP32)
+
+
+def test_fp8_trains_on_torchtitan_as_on_the_hf_engine(tmp_path):
+    model = make_tiny_model(tmp_path / "model")
+    common = dict(model_path=str(model), max_steps=2, lr=1e-3, micro_batch_tokens=48, loss="dppo-kl",
+                  precision="fp8")
+    runs = _runs(tmp_path, model, ("hf", "titan"))
+    for engine, run in runs.items():
+        run_trainer(trainer_config(run_dir=str(run), engine="hf" if engine == "hf" else "torchtitan", **common))
+    metrics = {name: read_metrics(run / "metrics.jsonl") for name, run in runs.items()}
+    for step in (1, 2):
+        for name in ("loss", "grad_norm", "behaviour_kl", "entropy"):
+            assert metrics["titan"][step][name] == pytest.approx(metrics["hf"][step][name], rel=1e-4, abs=1e-6), \
+                (step, name)
