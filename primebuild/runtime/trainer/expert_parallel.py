@@ -4,7 +4,7 @@ experts; tokens travel to the rank owning their expert and back with two all-to-
 The hf engine's only (parallelize.py). Where torchtitan runs the model, its own EP does this job
 (titan_parallelize.py); this stays for what runs on transformers' layers: GLM-5 (torchtitan 0.3.0 has no
 GLM model, and its transformers backend fails with FSDP on torch 2.13: builders/trainer_engine.py), and
-FP8 or LoRA on a MoE.
+whatever a manifest runs with `trainer.engine: hf`.
 
 The router is not touched: an expert module is called as `experts(hidden, top_k_index, top_k_weights)`
 and executes exactly the top-k it is given, so whatever replaces the router's indices at the gate's
