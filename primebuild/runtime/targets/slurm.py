@@ -4,10 +4,8 @@
 - launch: primebuild/builders/render/slurm.py -> RUN_DIR/job.sbatch, `sbatch --parsable --output …` -> job id;
 - follow: poll `squeue`/`scontrol show job` (bounded by the job itself: it has a time limit), print the
   job's own output (the in-job supervisor's progress and attention lines) as it grows; a requeued job
-  goes back to PENDING and is followed on; at the end (or once the job is COMPLETING with the in-job
-  supervisor's verdict written: a node behind a cut link keeps it COMPLETING for minutes) read
-  outcome.json (the in-job supervisor's), or the job's state when it never got that far (cancelled, out
-  of time, node failure);
+  goes back to PENDING and is followed on; at the end read outcome.json (the in-job supervisor's), or
+  the job's state when it never got that far (cancelled, out of time, node failure);
 - stop: `scancel` (after `primebuild stop` has given the STOP file its grace);
 - state: "slurm job N: RUNNING".
 
@@ -102,13 +100,9 @@ class SlurmTarget(Target):
                         echo(line)
             if state is None or state in DONE_STATES:
                 break
-            if state == "COMPLETING" and run.read_outcome() is not None:
-                # the batch step ended after its supervisor's verdict; a node nothing reaches (a cut link)
-                # keeps the job COMPLETING until slurmctld marks it down (SlurmdTimeout): no reason to wait
-                break
             time.sleep(POLL_SECONDS)
         outcome = run.read_outcome()
-        if outcome is not None and (state in (None, "COMPLETED", "FAILED", "COMPLETING")):
+        if outcome is not None and (state in (None, "COMPLETED", "FAILED")):
             return Outcome(outcome.ok, outcome.message, outcome.exit_code)
         return Outcome(False, f"slurm job {job_id} ended {state or 'unknown'} (exit code {exit_code}) before its "
                        f"supervisor finished; see {log}", 1)
