@@ -5,9 +5,12 @@
 
 `supervise` is primebuild/runtime/supervisor.py with a launcher whose processes are `bash job.sbatch launch NAME`
 (that execs the process's `srun --het-group=N …` step), so restart policies, health gating, fail-fast
-and the failure record are the local target's, and the job's exit status is the run's. SIGTERM (the
-batch shell's `--signal=B:TERM@…` before the time limit, or `scancel --signal=TERM -b`) is a requested
-stop: the trainer checkpoints, everything ends. A requeued job (SLURM_RESTART_COUNT > 0) first drops
+and the failure record are the local target's, and the job's exit status is the run's. A host that stops
+answering (a cut link: its steps keep running, the shared filesystem still reads) is noticed by probing
+each node's slurmd (slurm_hosts.py): its process fails as "lost contact with host ADDR", its srun is
+killed at once (it could only wait on that slurmd), and the job's end cleans that node's steps once
+slurmctld reaches it again. SIGTERM (the batch shell's `--signal=B:TERM@…` before the time limit, or
+`scancel --signal=TERM -b`) is a requested stop: the trainer checkpoints, everything ends. A requeued job (SLURM_RESTART_COUNT > 0) first drops
 weights newer than its checkpoint (primebuild/runtime/resume.py), as `run --resume` does.
 """
 
