@@ -5,8 +5,9 @@ an exit status nor a file heartbeat notices it; slurmctld does, but only after S
 default). The signal has to cross the network: every node of the job runs slurmd, listening on its
 port (SlurmdPort, or the node's own Port=), so the in-job supervisor TCP-connects to each node's slurmd
 every PROBE_EVERY_S and counts a host lost after MISSES connections in a row went unanswered
-(LOST_AFTER_S in all). Nothing to configure, on any cluster; the cost is a line or two in slurmd's log per
-probe ("Zero Bytes were transmitted or received": a connection that sends no request).
+(LOST_AFTER_S in all). Nothing to configure, on any cluster; the cost is two or three error lines in
+slurmd's log per probe at its default level ("Zero Bytes were transmitted or received": a connection that
+sends no request).
 """
 
 from __future__ import annotations
