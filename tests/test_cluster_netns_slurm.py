@@ -19,10 +19,12 @@ import pytest
 from cluster_helpers import (
     NAMESPACES,
     REPO,
+    cli,
     listening_sockets,
     logs_tail,
     missing,
     namespace_of,
+    namespace_pids,
     processes_of,
     require_slurm,
     start,
@@ -31,6 +33,8 @@ from cluster_helpers import (
     wait_trained,
 )
 from conftest import SHIPPED_NAMES, sft_workspace
+
+from primebuild.contracts.run_dir import RunDir
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 MANIFEST = "reverse-text-slurm-hosts.yaml"
@@ -116,3 +120,59 @@ def _run_pids(run_dir: Path) -> list[int]:
     """The run's own processes (not srun/slurmstepd, whose I/O sockets are Slurm's)."""
     return [int(line.split(":")[0]) for line in processes_of(run_dir)
             if not line.split(": ", 1)[1].startswith(SLURM_TOOLS)]
+
+
+def _job_listed(job_id: str) -> bool:
+    shown = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=20)
+    return bool(shown.stdout.strip())
+
+
+def test_a_cut_link_over_slurm_ends_the_run_naming_the_host_and_resume_trains_each_step_once(ws, tmp_path: Path):
+    """The in-job supervisor probes each node's slurmd (primebuild/runtime/targets/slurm_hosts.py): a host
+    behind a cut link is named within about 15 s, where slurmctld alone waits SlurmdTimeout (300 s)."""
+    manifest, env = ws
+    _require_hosts_partition()  # the previous test's job may have left a node not responding
+    runs = tmp_path / "runs"
+    proc = start("run", manifest, "--runs-dir", runs, "--quiet", *SMALL, "--set", "orchestrator.max_steps=12",
+                 "--set", "trainer.checkpoint_every=1", env=env)
+    cut_ns = None
+    try:
+        run_dir = wait_trained(runs, 2, proc, timeout=600)
+        trainer0 = json.loads((run_dir / "pids" / "trainer-n0.json").read_text())["pid"]
+        cut_ns = namespace_of(trainer0, SLURM_NAMESPACES)
+        subprocess.run(["ip", "link", "set", cut_ns, "down"], check=True, timeout=20)
+        cut = time.monotonic()
+        out, _ = proc.communicate(timeout=180)
+        ended = time.monotonic() - cut
+        # what the run left behind the cut link when `primebuild run` ended (Slurm cannot reach it either)
+        behind_cut = sorted(set(_run_pids(run_dir)) & namespace_pids(cut_ns))
+    finally:
+        if cut_ns is not None:
+            subprocess.run(["ip", "link", "set", cut_ns, "up"], check=True, timeout=20)
+        restored = time.monotonic()
+        if proc.poll() is None:
+            proc.kill()
+    print(out[-3000:])
+    address = ADDRESS[cut_ns]
+    assert proc.returncode != 0 and ended < 60, (ended, out)
+    assert f"lost contact with host {address}" in out and "trainer-n0" in out, out
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["process"] == "trainer-n0" and address in failure["message"], failure
+    # once the link is back, slurmctld ends the job's steps on that node: nothing of the run is left anywhere
+    job_id = RunDir(run_dir).read_launch().job_id
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (processes_of(run_dir) or _job_listed(job_id)):
+        time.sleep(1)
+    cleaned = time.monotonic() - restored
+    print(f"slurm link cut ({cut_ns}, {address}): `primebuild run` ended {ended:.1f} s after the cut, with "
+          f"{len(behind_cut)} process(es) of the run still alive behind it; {cleaned:.1f} s after the link came "
+          f"back the job had left squeue and no process of the run was left")
+    assert processes_of(run_dir) == [] and not _job_listed(job_id), (processes_of(run_dir), job_id)
+    done = trained_steps(run_dir)
+    assert done == list(range(1, len(done) + 1)) and len(done) < 12, done
+
+    _require_hosts_partition()
+    resumed = cli("run", "--resume", run_dir, "--quiet", env=env, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr + logs_tail(run_dir)
+    assert trained_steps(run_dir) == list(range(1, 13))  # each step exactly once, across two jobs
+    assert wait_gone(run_dir, 30) == []
