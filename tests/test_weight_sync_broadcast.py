@@ -9,7 +9,9 @@ import pytest
 import torch
 from conftest import free_port
 
-from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender, _buckets
+from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
+from primebuild.runtime.weight_sync.buckets import ALIGN, bucket_counts
+from primebuild.runtime.weight_sync.stream import TensorSpec
 
 
 def make_state(step: int) -> dict[str, torch.Tensor]:
@@ -54,8 +56,20 @@ def check(updates, steps):
             assert torch.equal(state[k], want[k]), k
 
 
-def test_buckets_never_split_a_tensor():
-    assert _buckets([4, 4, 10, 1, 1], 8) == [[0, 1], [2], [3, 4]]
+def specs(sizes: dict[str, int]) -> list[TensorSpec]:
+    """Tensors of `ALIGN` x n bytes each (uint8), so sizes count in alignment units."""
+    return [TensorSpec(name, torch.uint8, (n * ALIGN,)) for name, n in sizes.items()]
+
+
+def test_buckets_keep_layers_whole_cut_big_layers_between_tensors_and_never_split_a_tensor():
+    layout = specs({"embed": 5, "model.layers.0.q": 2, "model.layers.0.k": 2, "model.layers.1.q": 2,
+                    "model.layers.1.k": 2, "model.layers.2.big": 9, "model.layers.2.small": 1,
+                    "model.layers.3.a": 3, "model.layers.3.b": 3, "model.layers.3.c": 3, "norm": 1})
+    # 8 units a bucket: layer 0 does not fit beside the embedding, layers 0 and 1 share one, the 9-unit
+    # tensor is a bucket of its own, layer 3 (9 units) is cut between its tensors
+    assert bucket_counts(layout, 8 * ALIGN) == [1, 4, 1, 1, 2, 1, 1]
+    assert bucket_counts(layout, 100 * ALIGN) == [len(layout)]
+    assert sum(bucket_counts(layout, 1)) == len(layout)  # tiny buckets: one tensor each
 
 
 @pytest.mark.timeout(60)

@@ -6,30 +6,40 @@ those; so this group is built directly from a TCPStore (hosted by the sender, ra
 vLLM and prime-rl use for NCCL weight broadcast. Members: the sender (rank 0) and ``world_size - 1``
 receivers (ranks 1..world_size-1); everyone passes the same ``init_method`` ``tcp://HOST:PORT``.
 
-Wire protocol for one update, all as broadcasts from rank 0:
-  1. header   int64[2]: (kind, metadata bytes); kind 1 = weights follow, kind 0 = sender closed;
-  2. metadata uint8[n]: JSON {"step", "bucket_bytes", "tensors": [[name, dtype, shape, nbytes], ...]};
-  3. payload  the tensors' raw bytes, concatenated in metadata order and cut into buckets of about
-              ``bucket_bytes`` (a tensor is never split; a bigger tensor is a bucket of its own). Both
-              sides derive the bucket layout from the metadata, so no sizes travel twice. Raw bytes make
-              every dtype (bf16, fp8) travel the same way. The sender needs only the layout up front and
-              then one bucket at a time (stream.py), so a sharded trainer streams its layers.
+One update, in bounded memory at both ends:
+  1. announce  header int64[2] (kind, metadata bytes; kind 0 = sender closed), then the metadata, JSON
+               {"step", "tensors": [[name, dtype, shape], ...], "buckets": [tensors per bucket], "delta"}
+               (buckets.py decides the cut). Receivers wait in this broadcast between updates.
+  2. ready     each receiver sets ``ready/<update>/<rank>`` in the group's store once it can load, i.e.
+               when its server is paused inside a weight update; the sender waits for all of them. A
+               receiver holds no weights before that: it loads each bucket into the served model as it
+               arrives, so the server must not be serving meanwhile.
+  3. buckets   per bucket, the tensors' raw bytes at aligned offsets (any dtype, bf16 or fp8, travels the
+               same way); with delta (delta.py) first int64[tensors, 3] (encoding, changed elements,
+               bytes), then the encoded bytes. A receiver holds one bucket while it loads it and, with
+               prefetch, the next one arriving: at most two buckets of staging, never the model.
+The sender holds the layer group being streamed (stream.py) and the bucket being cut from it.
 """
 
 from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
-from .stream import StreamedWeights, as_stream, in_layout_order
+from . import delta as delta_codec
+from .buckets import DEFAULT_BUCKET_MB, aligned, bucket_counts, offsets
+from .stream import StreamedWeights, TensorSpec, as_stream, in_layout_order
 
 KIND_CLOSE, KIND_WEIGHTS = 0, 1
+Bucket = list[tuple[str, torch.Tensor]]
 
 
 def _parse_init_method(init_method: str) -> tuple[str, int]:
@@ -61,27 +71,12 @@ def _make_group(init_method: str, rank: int, world_size: int, backend: str, time
     raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
-def _broadcast(group, tensor: torch.Tensor) -> None:
+def _broadcast(group, tensor: torch.Tensor, *, wait: bool = True):
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
-    group.broadcast([tensor], opts).wait()
-
-
-def _buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Indices of tensors per bucket, in order; a bucket closes before it would exceed bucket_bytes."""
-    out: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for i, n in enumerate(sizes):
-        if current and filled + n > bucket_bytes:
-            out.append(current)
-            current, filled = [], 0
-        current.append(i)
-        filled += n
-    if current:
-        out.append(current)
-    return out
+    work = group.broadcast([tensor], opts)
+    return work.wait() if wait else work
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -91,9 +86,46 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _ready_key(update: int, rank: int) -> str:
+    return f"ready/{update}/{rank}"
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What a receiver knows of an update before any tensor arrives."""
+
+    step: int
+    specs: list[TensorSpec]
+    buckets: list[int]  # tensors per bucket, in order
+    delta: bool
+
+    def bucket_specs(self) -> Iterator[list[TensorSpec]]:
+        at = 0
+        for count in self.buckets:
+            yield self.specs[at : at + count]
+            at += count
+
+
+@dataclass
+class SendStats:
+    """One update as the sender saw it (what bench/weight_broadcast.py reports)."""
+
+    step: int
+    full_bytes: int  # every tensor's bytes
+    wire_bytes: int  # what crossed the wire after the announcement (delta: the encoded bytes and headers)
+    buckets: int
+    ready_wait_s: float  # until every receiver asked for the tensors
+    transfer_s: float  # from then to the last bucket sent
+    encodings: dict[str, int] = field(default_factory=dict)  # delta: tensors per encoding
+
+
 class BroadcastSender:
     """Rank 0 of the weight group; hosts its TCPStore. Blocks in ``__init__`` until every receiver
-    joined (up to ``timeout_s``)."""
+    joined (up to ``timeout_s``). ``timeout_s`` also bounds each wait for the receivers to be ready."""
 
     def __init__(
         self,
@@ -101,40 +133,100 @@ class BroadcastSender:
         world_size: int,
         backend: str = "gloo",
         timeout_s: float = 600.0,
-        bucket_mb: float = 64.0,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
         device: str | torch.device = "cpu",
+        delta: bool = False,
     ):
         if world_size < 2:
             raise ValueError("a weight broadcast group needs the sender and at least one receiver")
         self.device = torch.device(device)
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.timeout_s = timeout_s
+        self.world_size = world_size
+        self.delta = delta
+        self._previous: dict[str, torch.Tensor] = {}  # delta: the last sent tensors, on the host
+        self._updates = 0
+        self.last: SendStats | None = None
         self._group, self._store = _make_group(init_method, 0, world_size, backend, timeout_s)
 
-    def send(self, weights: Mapping[str, torch.Tensor] | StreamedWeights, step: int) -> None:
-        """One update. Streamed weights are sent as they come: the sender holds the group being read and
-        one bucket, never the whole state (metadata first: the layout is known up front)."""
+    def send(self, weights: Mapping[str, torch.Tensor] | StreamedWeights, step: int) -> SendStats:
+        """One update; returns once every receiver has it. Streamed weights are sent as they come: the
+        sender holds the group being read and one bucket, never the whole state (unless delta keeps
+        the previous one)."""
         weights = as_stream(weights)
-        sizes = [spec.nbytes for spec in weights.layout]
-        meta = {
-            "step": int(step),
-            "bucket_bytes": self.bucket_bytes,
-            "tensors": [[s.name, str(s.dtype), list(s.shape), n] for s, n in zip(weights.layout, sizes, strict=True)],
-        }
+        specs = list(weights.layout)
+        counts = bucket_counts(specs, self.bucket_bytes)
+        meta = {"step": int(step), "tensors": [[s.name, str(s.dtype), list(s.shape)] for s in specs],
+                "buckets": counts, "delta": self.delta}
         blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(self.device)
-        _broadcast(
-            self._group, torch.tensor([KIND_WEIGHTS, blob.numel()], dtype=torch.int64, device=self.device)
-        )
+        _broadcast(self._group,
+                   torch.tensor([KIND_WEIGHTS, blob.numel()], dtype=torch.int64, device=self.device))
         _broadcast(self._group, blob)
-        last_of_bucket = {bucket[-1] for bucket in _buckets(sizes, self.bucket_bytes)}
-        pending: list[torch.Tensor] = []
-        for i, (_, tensor) in enumerate(in_layout_order(weights)):
-            pending.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-            if i in last_of_bucket:
-                _broadcast(self._group, torch.cat([r.to(self.device) for r in pending]))
-                pending = []
+        self._updates += 1
+        waited = time.perf_counter()
+        self._wait_ready(step)
+        started = time.perf_counter()
+        stats = SendStats(step=int(step), full_bytes=sum(s.nbytes for s in specs), wire_bytes=0,
+                          buckets=len(counts), ready_wait_s=started - waited, transfer_s=0.0)
+        tensors = in_layout_order(weights)
+        for count in counts:
+            bucket = [next(tensors) for _ in range(count)]
+            stats.wire_bytes += self._send_delta(bucket, stats) if self.delta else self._send_full(bucket)
+            bucket = None  # before the next bucket is cut: one held, not two
+        if next(tensors, None) is not None:
+            raise RuntimeError("weight stream: more tensors than its layout")
+        stats.transfer_s = time.perf_counter() - started
+        self.last = stats
+        return stats
+
+    def _wait_ready(self, step: int) -> None:
+        keys = [_ready_key(self._updates, r) for r in range(1, self.world_size)]
+        try:
+            self._store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception as err:  # the store's timeout error type differs between torch versions
+            missing = [r for r, k in enumerate(keys, start=1) if not self._store.check([k])]
+            raise TimeoutError(f"weight broadcast of step {step}: receiver ranks {missing} did not ask for it "
+                               f"within {self.timeout_s:g} s (servers not updating, or gone)") from err
+        for key in keys:
+            self._store.delete_key(key)
+
+    def _send_full(self, bucket: list[tuple[TensorSpec, torch.Tensor]]) -> int:
+        where, size = offsets([spec for spec, _ in bucket])
+        payload = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        for at, (spec, tensor) in zip(where, bucket, strict=True):
+            payload[at : at + spec.nbytes].copy_(_raw(tensor))
+        _broadcast(self._group, payload)
+        return size
+
+    def _send_delta(self, bucket: list[tuple[TensorSpec, torch.Tensor]], stats: SendStats) -> int:
+        header = torch.zeros(len(bucket), 3, dtype=torch.int64)
+        parts = []
+        for i, (spec, tensor) in enumerate(bucket):
+            tensor = tensor.detach().to("cpu")
+            previous = self._previous.get(spec.name)
+            if previous is None or previous.dtype != tensor.dtype or previous.shape != tensor.shape:
+                code, changed, part = delta_codec.FULL, tensor.numel(), _raw(tensor)
+                self._previous[spec.name] = tensor.clone().contiguous()
+            else:
+                code, changed, part = delta_codec.encode(previous, tensor)
+                previous.copy_(tensor)
+            header[i] = torch.tensor([code, changed, part.numel()])
+            parts.append(part)
+            name = ("same", "indices", "mask", "full")[code]
+            stats.encodings[name] = stats.encodings.get(name, 0) + 1
+        size = sum(aligned(p.numel()) for p in parts)
+        payload = torch.zeros(size, dtype=torch.uint8)
+        at = 0
+        for part in parts:
+            payload[at : at + part.numel()] = part
+            at += aligned(part.numel())
+        _broadcast(self._group, header.to(self.device))
+        if size:
+            _broadcast(self._group, payload.to(self.device))
+        return size + header.numel() * 8
 
     def close(self) -> None:
-        """Tell receivers there is nothing more (their ``recv`` returns None), then leave the group."""
+        """Tell receivers there is nothing more (their ``announcement`` returns None), then leave."""
         if self._group is None:
             return
         _broadcast(self._group, torch.tensor([KIND_CLOSE, 0], dtype=torch.int64, device=self.device))
@@ -142,7 +234,8 @@ class BroadcastSender:
 
 
 class BroadcastReceiver:
-    """Rank ``rank`` (1..world_size-1) of the weight group."""
+    """Rank ``rank`` (1..world_size-1) of the weight group. An update is ``announcement()`` (blocks until
+    the sender starts one), then ``pull()`` (the tensors, a bucket at a time, into a loader)."""
 
     def __init__(
         self,
@@ -156,10 +249,13 @@ class BroadcastReceiver:
         if not 1 <= rank < world_size:
             raise ValueError(f"receiver rank must be in 1..{world_size - 1}, got {rank}")
         self.device = torch.device(device)
+        self.rank = rank
+        self._updates = 0
+        self._base: dict[str, torch.Tensor] = {}  # delta: the last synced tensors, on the host
         self._group, self._store = _make_group(init_method, rank, world_size, backend, timeout_s)
 
-    def recv(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """Block until the next update; returns (step, state dict) or None once the sender closed."""
+    def announcement(self) -> Announcement | None:
+        """Block until the sender announces the next update (None once it closed)."""
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         _broadcast(self._group, header)
         kind, nbytes = (int(x) for x in header.tolist())
@@ -169,15 +265,78 @@ class BroadcastReceiver:
         blob = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         _broadcast(self._group, blob)
         meta = json.loads(blob.cpu().numpy().tobytes().decode())
-        entries = meta["tensors"]
-        out: dict[str, torch.Tensor] = {}
-        for bucket in _buckets([e[3] for e in entries], meta["bucket_bytes"]):
-            payload = torch.empty(sum(entries[i][3] for i in bucket), dtype=torch.uint8, device=self.device)
-            _broadcast(self._group, payload)
-            offset = 0
-            for i in bucket:
-                name, dtype, shape, n = entries[i]
-                # clone first: a byte slice at an odd offset cannot be viewed as a wider dtype
-                out[name] = payload[offset : offset + n].clone().view(_dtype(dtype)).reshape(shape)
-                offset += n
-        return meta["step"], out
+        self._updates += 1
+        specs = [TensorSpec(name, _dtype(dtype), tuple(shape)) for name, dtype, shape in meta["tensors"]]
+        return Announcement(meta["step"], specs, list(meta["buckets"]), bool(meta["delta"]))
+
+    def pull(self, announced: Announcement, load: Callable[[Bucket], None], *, prefetch: bool = True) -> None:
+        """Ask for the announced update's tensors and hand each bucket to ``load`` before the next one
+        is taken. ``load`` must copy what it keeps: the bucket's tensors are views of a buffer that goes
+        (delta: of the receiver's copy, which the next update changes). With ``prefetch`` the next bucket
+        arrives while ``load`` runs (two buckets held); without, one bucket plus what ``load`` allocates.
+        If ``load`` raises, the rest is still received (and dropped) so the group stays usable; the
+        error is raised at the end."""
+        self._store.set(_ready_key(self._updates, self.rank), b"1")
+        failure: BaseException | None = None
+        for bucket in (self._delta_buckets(announced) if announced.delta
+                       else self._full_buckets(announced, prefetch)):
+            if failure is None:
+                try:
+                    load(bucket)
+                except BaseException as err:  # noqa: BLE001 (re-raised once the group is drained)
+                    failure = err
+            bucket = None
+        if failure is not None:
+            raise failure
+
+    def _full_buckets(self, announced: Announcement, prefetch: bool) -> Iterator[Bucket]:
+        layouts = [(specs, *offsets(specs)) for specs in announced.bucket_specs()]
+
+        def post(i: int):
+            buffer = torch.empty(layouts[i][2], dtype=torch.uint8, device=self.device)
+            return buffer, _broadcast(self._group, buffer, wait=False)
+
+        arriving = post(0) if layouts else None
+        for i, (specs, where, _) in enumerate(layouts):
+            buffer, work = arriving
+            work.wait()
+            arriving = work = None  # a finished work still holds its tensor: that would be a bucket more
+            arriving = post(i + 1) if prefetch and i + 1 < len(layouts) else None
+            yield [(s.name, buffer[at : at + s.nbytes].view(s.dtype).reshape(s.shape))
+                   for s, at in zip(specs, where, strict=True)]
+            buffer = None
+            if arriving is None and i + 1 < len(layouts):
+                arriving = post(i + 1)
+
+    def _delta_buckets(self, announced: Announcement) -> Iterator[Bucket]:
+        for specs in announced.bucket_specs():
+            header = torch.zeros(len(specs), 3, dtype=torch.int64, device=self.device)
+            _broadcast(self._group, header)
+            header = header.cpu()
+            size = sum(aligned(int(n)) for n in header[:, 2])
+            payload = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if size:
+                _broadcast(self._group, payload)
+            payload, at, out = payload.cpu(), 0, []
+            for spec, (code, changed, nbytes) in zip(specs, header.tolist(), strict=True):
+                part = payload[at : at + nbytes]
+                at += aligned(nbytes)
+                base = self._base.get(spec.name)
+                if base is None or base.dtype != spec.dtype or tuple(base.shape) != spec.shape:
+                    if code != delta_codec.FULL:
+                        raise RuntimeError(f"weight broadcast: a delta for {spec.name}, which this receiver "
+                                           "never received in full")
+                    base = self._base[spec.name] = torch.empty(spec.shape, dtype=spec.dtype)
+                delta_codec.apply(base, code, changed, part)
+                out.append((spec.name, base))
+            yield out
+
+    def recv(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """One whole update as a state dict (every bucket kept: tests and tools, not servers), or None
+        once the sender closed."""
+        announced = self.announcement()
+        if announced is None:
+            return None
+        state: dict[str, torch.Tensor] = {}
+        self.pull(announced, lambda bucket: state.update((k, v.clone()) for k, v in bucket))
+        return announced.step, state
