@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 1c6ae1e1a24521bceaa6a8ea675e8e48f42863b362fa3769e0b044cc427d11bc, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 49708439c698fa3d0e810ad00ef7e09489059a2d6f675586194cdc2de9da37c8, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is

@@ -329,6 +329,8 @@ class WeightPublisher:
                 backend="nccl" if env.device.type == "cuda" else "gloo",
                 timeout_s=sync.timeout_s,
                 device=env.device,
+                bucket_mb=sync.bucket_mb,
+                delta=sync.delta,
             )
 
     def publish(self, model, step: int) -> None:

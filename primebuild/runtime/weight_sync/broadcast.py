@@ -34,8 +34,10 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from primebuild.contracts.trainer import DEFAULT_BUCKET_MB
+
 from . import delta as delta_codec
-from .buckets import DEFAULT_BUCKET_MB, aligned, bucket_counts, offsets
+from .buckets import aligned, bucket_counts, offsets
 from .stream import StreamedWeights, TensorSpec, as_stream, in_layout_order
 
 KIND_CLOSE, KIND_WEIGHTS = 0, 1

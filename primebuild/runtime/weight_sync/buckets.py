@@ -20,7 +20,6 @@ LAYER = re.compile(r"^((?:.*\.)?layers\.\d+)\.")
 # Every tensor starts at a multiple of this in its bucket, so a receiver views each tensor in the bucket's
 # bytes (no copy) whatever its dtype; 64 is also a cache line.
 ALIGN = 64
-DEFAULT_BUCKET_MB = 1024.0  # manifest default (weight_sync.bucket_mb): 2 GiB of staging per GPU worker
 
 
 def aligned(nbytes: int) -> int:
