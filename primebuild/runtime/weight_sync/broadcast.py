@@ -18,7 +18,8 @@ One update, in bounded memory at both ends:
                same way); with delta (delta.py) first int64[tensors, 3] (encoding, changed elements,
                bytes), then the encoded bytes. A receiver holds one bucket while it loads it and, with
                prefetch, the next one arriving: at most two buckets of staging, never the model.
-The sender holds the layer group being streamed (stream.py) and the bucket being cut from it.
+The sender holds the layer group being streamed (stream.py), the bucket on the wire and the next one, which
+it packs meanwhile.
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ class BroadcastSender:
         self.world_size = world_size
         self.delta = delta
         self._previous: dict[str, torch.Tensor] = {}  # delta: the last sent tensors, on the host
+        self._in_flight = None  # the work of the bucket on the wire while the next one is packed
+        self._buffers: list[torch.Tensor] = []  # the two payload buffers of an update, used in turn
         self._updates = 0
         self.last: SendStats | None = None
         self._group, self._store = _make_group(init_method, 0, world_size, backend, timeout_s)
@@ -171,10 +174,14 @@ class BroadcastSender:
         stats = SendStats(step=int(step), full_bytes=sum(s.nbytes for s in specs), wire_bytes=0,
                           buckets=len(counts), ready_wait_s=started - waited, transfer_s=0.0)
         tensors = in_layout_order(weights)
+        self._in_flight = None
+        self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in range(2)]
         for count in counts:
             bucket = [next(tensors) for _ in range(count)]
             stats.wire_bytes += self._send_delta(bucket, stats) if self.delta else self._send_full(bucket)
-            bucket = None  # before the next bucket is cut: one held, not two
+            bucket = None  # the tensors are in the bucket's payload now
+        self._finish_in_flight()
+        self._buffers = []  # the sender keeps no buffer between updates
         if next(tensors, None) is not None:
             raise RuntimeError("weight stream: more tensors than its layout")
         stats.transfer_s = time.perf_counter() - started
@@ -192,12 +199,24 @@ class BroadcastSender:
         for key in keys:
             self._store.delete_key(key)
 
+    def _finish_in_flight(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.wait()
+            self._in_flight = None  # (a finished work still holds its payload)
+
     def _send_full(self, bucket: list[tuple[TensorSpec, torch.Tensor]]) -> int:
+        """Pack this bucket while the previous one is on the wire, then send it: two payload buffers,
+        used in turn for the whole update (allocated and paged in once, not per bucket)."""
         where, size = offsets([spec for spec, _ in bucket])
-        payload = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        spare = self._buffers.pop(0)
+        if spare.numel() < size:
+            spare = torch.empty(size, dtype=torch.uint8, device=self.device)  # padding is never read
+        payload = spare[:size]
+        self._buffers.append(spare)
         for at, (spec, tensor) in zip(where, bucket, strict=True):
             payload[at : at + spec.nbytes].copy_(_raw(tensor))
-        _broadcast(self._group, payload)
+        self._finish_in_flight()
+        self._in_flight = _broadcast(self._group, payload, wait=False)
         return size
 
     def _send_delta(self, bucket: list[tuple[TensorSpec, torch.Tensor]], stats: SendStats) -> int:
@@ -222,9 +241,10 @@ class BroadcastSender:
         for part in parts:
             payload[at : at + part.numel()] = part
             at += aligned(part.numel())
+        self._finish_in_flight()
         _broadcast(self._group, header.to(self.device))
         if size:
-            _broadcast(self._group, payload.to(self.device))
+            self._in_flight = _broadcast(self._group, payload.to(self.device), wait=False)
         return size + header.numel() * 8
 
     def close(self) -> None:
