@@ -5,8 +5,8 @@ broadcast of the same bytes in the same bucket sizes on the same ranks (a second
     python bench/weight_broadcast.py                          # NCCL, one rank per visible GPU
     python bench/weight_broadcast.py --backend gloo --ranks 3 --gib 0.25    # on CPUs
     # delta sync (weight_sync.delta) of a model trained between syncs: bytes per sync vs full
-    python bench/weight_broadcast.py --backend gloo --ranks 2 --model manifests/models/reverse-text-tiny.json \\
-        --dtype bfloat16 --lr 1e-6 --syncs 5 --delta
+    python bench/weight_broadcast.py --backend gloo --ranks 3 --model bench/models/qwen3-120m.json \\
+        --dtype bfloat16 --lr 1e-6 --repeats 3 --bucket-mib 16 --delta
 
 Payload: a state dict of bf16 tensors of `--tensor-mib` each, `--gib` in all (Qwen3-1.7B in bf16 is 3.4 GB);
 or with `--model` (an HF folder, or a config.json / facts file for random weights) that model's weights in
@@ -138,7 +138,7 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, int], results) 
             at += count
         wire = statistics.median(s["wire_bytes"] for s in syncs[1:])
         scale = wire / sum(sizes)  # delta: the same buckets, each as much smaller as the syncs were
-        sizes = [max(1, int(n * scale)) for n in sizes]
+        sizes = {"full": sizes, "wire": [max(1, int(n * scale)) for n in sizes]}
     else:
         receiver = BroadcastReceiver(init, args.ranks, rank, backend=args.backend, device=device)
         served: dict[str, torch.Tensor] = {}
@@ -159,7 +159,9 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, int], results) 
                             world_size=args.ranks, timeout=timedelta(seconds=300))
     shared = [sizes]
     dist.broadcast_object_list(shared, src=0)
-    report["raw_seconds"] = raw_broadcast(shared[0], device, args.repeats)
+    report["raw_seconds"] = raw_broadcast(shared[0]["wire"], device, args.repeats)
+    if args.delta:  # what sending every byte raw takes, the time delta has to beat
+        report["raw_full_seconds"] = raw_broadcast(shared[0]["full"], device, args.repeats)
     dist.destroy_process_group()
     results.put(report)
 
@@ -215,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": seconds, "gb_per_s": wire / 1e9 / statistics.median(seconds),
         "raw_seconds": sender["raw_seconds"], "raw_gb_per_s": wire / 1e9 / raw,
         "vs_raw": raw / statistics.median(seconds),
+        # full bytes per second of our sync: with delta, beside a raw broadcast of every byte
+        "full_gb_per_s": sender["syncs"][0]["full_bytes"] / 1e9 / statistics.median(seconds),
+        **({"raw_full_seconds": sender["raw_full_seconds"],
+            "vs_raw_full": statistics.median(sender["raw_full_seconds"]) / statistics.median(seconds)}
+           if args.delta else {}),
         "receivers_bytes_equal": all(r["digest"] == sender["digest"] for r in receivers),
         "receiver_updates": [r["updates"] for r in receivers]})
     _write(args.out, result)

@@ -4,6 +4,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ def make_state(step: int) -> dict[str, torch.Tensor]:
         "layer.scale": torch.tensor(float(step)),  # 0-dim
         "layer.count": torch.arange(5, dtype=torch.int64) * step,
         "layer.t": torch.randn(8, 4, generator=g).t(),  # non-contiguous view
+        # 6 kB each: a bucket apiece, so later buckets could land in earlier buckets' buffers
+        **{f"model.layers.{i}.w": torch.randn(1536, generator=g) for i in range(4)},
     }
 
 
@@ -81,8 +84,12 @@ def test_sender_to_one_receiver_two_updates_then_close():
     try:
         receiver = BroadcastReceiver(init, 2, 1, timeout_s=60)
         updates = []
-        while (u := receiver.recv()) is not None:
-            updates.append(u)
+        # a loader that keeps the buckets' own views, as vLLM's layerwise reload does until a module is
+        # complete: the receiver must not refill a buffer still seen through them
+        while (announced := receiver.announcement()) is not None:
+            state = {}
+            receiver.pull(announced, state.update)
+            updates.append((announced.step, state))
     finally:
         proc.join(30)
     assert proc.exitcode == 0
@@ -105,6 +112,33 @@ def test_sender_to_two_receivers():
             p.join(30)
     assert all(p.exitcode == 0 for p in procs)
     assert results == ["ok", "ok"]
+
+
+def announced_only(init_method, world_size, rank, queue):
+    """A receiver whose server never updates: it hears the step announced and never asks for it."""
+    receiver = BroadcastReceiver(init_method, world_size, rank, timeout_s=60)
+    queue.put(receiver.announcement().step)
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_run_abandons_an_update_nobody_asks_for():
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=announced_only, args=(init, 2, 1, queue), daemon=True)
+    proc.start()
+    try:
+        sender = BroadcastSender(init, 2, timeout_s=60)
+        stop_at = time.monotonic() + 1.0
+        assert sender.send(make_state(3), 3, cancelled=lambda: time.monotonic() > stop_at) is None
+        assert queue.get(timeout=10) == 3 and time.monotonic() - stop_at < 5
+        sender.close()  # returns at once: the receiver is not listening for a close
+        with pytest.raises(RuntimeError, match="abandoned"):
+            sender.send(make_state(4), 4)
+    finally:
+        proc.kill()
+        proc.join(10)
 
 
 def torchrun_trainer(cfg, tmp_path) -> subprocess.Popen:

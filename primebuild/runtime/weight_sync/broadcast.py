@@ -42,6 +42,7 @@ from .buckets import aligned, bucket_counts, offsets
 from .stream import StreamedWeights, TensorSpec, as_stream, in_layout_order
 
 KIND_CLOSE, KIND_WEIGHTS = 0, 1
+READY_POLL_S = 0.005  # how often the sender looks whether every receiver asked for the update
 Bucket = list[tuple[str, torch.Tensor]]
 
 
@@ -91,6 +92,16 @@ def _dtype(name: str) -> torch.dtype:
 
 def _ready_key(update: int, rank: int) -> str:
     return f"ready/{update}/{rank}"
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+_ALONE = 2  # the tensor's own reference and the one `untyped_storage()` makes to ask
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """No other tensor (a view a loader kept) uses `t`'s memory: refilling it would change nothing held.
+    Without torch's use count (a private call) nothing counts as unshared: buffers are then never reused."""
+    return _USE_COUNT is not None and _USE_COUNT(t.untyped_storage()._cdata) <= _ALONE
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -151,13 +162,20 @@ class BroadcastSender:
         self._in_flight = None  # the work of the bucket on the wire while the next one is packed
         self._buffers: list[torch.Tensor] = []  # the two payload buffers of an update, used in turn
         self._updates = 0
+        self._abandoned = False
         self.last: SendStats | None = None
         self._group, self._store = _make_group(init_method, 0, world_size, backend, timeout_s)
 
-    def send(self, weights: Mapping[str, torch.Tensor] | StreamedWeights, step: int) -> SendStats:
+    def send(self, weights: Mapping[str, torch.Tensor] | StreamedWeights, step: int,
+             cancelled: Callable[[], bool] | None = None) -> SendStats | None:
         """One update; returns once every receiver has it. Streamed weights are sent as they come: the
-        sender holds the group being read and one bucket, never the whole state (unless delta keeps
-        the previous one)."""
+        sender holds the group being read and two buckets, never the whole state (unless delta keeps
+        the previous one). While the receivers have not asked for it, `cancelled()` (a run being
+        stopped: nobody will update the servers) ends the wait: the stream is then read through without
+        sending (its gathers are collectives of every trainer rank), None is returned, and this sender
+        sends nothing more (the receivers wait for an update that never comes)."""
+        if self._abandoned:
+            raise RuntimeError("this weight sender abandoned an update: it cannot send again")
         weights = as_stream(weights)
         specs = list(weights.layout)
         counts = bucket_counts(specs, self.bucket_bytes)
@@ -169,13 +187,21 @@ class BroadcastSender:
         _broadcast(self._group, blob)
         self._updates += 1
         waited = time.perf_counter()
-        self._wait_ready(step)
+        if not self._wait_ready(step, cancelled):
+            self._abandoned = True
+            for _ in in_layout_order(weights):
+                pass
+            return None
         started = time.perf_counter()
         stats = SendStats(step=int(step), full_bytes=sum(s.nbytes for s in specs), wire_bytes=0,
                           buckets=len(counts), ready_wait_s=started - waited, transfer_s=0.0)
         tensors = in_layout_order(weights)
         self._in_flight = None
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self._largest, at = 0, 0
+        for count in counts:
+            self._largest = max(self._largest, offsets(specs[at : at + count])[1])
+            at += count
         for count in counts:
             bucket = [next(tensors) for _ in range(count)]
             stats.wire_bytes += self._send_delta(bucket, stats) if self.delta else self._send_full(bucket)
@@ -188,16 +214,21 @@ class BroadcastSender:
         self.last = stats
         return stats
 
-    def _wait_ready(self, step: int) -> None:
+    def _wait_ready(self, step: int, cancelled: Callable[[], bool] | None) -> bool:
+        """Until every receiver asked for this update (True), or `cancelled()` says to give up (False)."""
         keys = [_ready_key(self._updates, r) for r in range(1, self.world_size)]
-        try:
-            self._store.wait(keys, timedelta(seconds=self.timeout_s))
-        except Exception as err:  # the store's timeout error type differs between torch versions
-            missing = [r for r, k in enumerate(keys, start=1) if not self._store.check([k])]
-            raise TimeoutError(f"weight broadcast of step {step}: receiver ranks {missing} did not ask for it "
-                               f"within {self.timeout_s:g} s (servers not updating, or gone)") from err
+        deadline = time.monotonic() + self.timeout_s
+        while not self._store.check(keys):  # polled: a timed-out store wait logs a warning every time
+            if cancelled is not None and cancelled():
+                return False
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys, start=1) if not self._store.check([k])]
+                raise TimeoutError(f"weight broadcast of step {step}: receiver ranks {missing} did not ask for it "
+                                   f"within {self.timeout_s:g} s (servers not updating, or gone)")
+            time.sleep(READY_POLL_S)
         for key in keys:
             self._store.delete_key(key)
+        return True
 
     def _finish_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -209,8 +240,8 @@ class BroadcastSender:
         used in turn for the whole update (allocated and paged in once, not per bucket)."""
         where, size = offsets([spec for spec, _ in bucket])
         spare = self._buffers.pop(0)
-        if spare.numel() < size:
-            spare = torch.empty(size, dtype=torch.uint8, device=self.device)  # padding is never read
+        if spare.numel() < size:  # the first use: sized for the update's largest bucket
+            spare = torch.empty(self._largest, dtype=torch.uint8, device=self.device)  # padding is never read
         payload = spare[:size]
         self._buffers.append(spare)
         for at, (spec, tensor) in zip(where, bucket, strict=True):
@@ -248,8 +279,9 @@ class BroadcastSender:
         return size + header.numel() * 8
 
     def close(self) -> None:
-        """Tell receivers there is nothing more (their ``announcement`` returns None), then leave."""
-        if self._group is None:
+        """Tell receivers there is nothing more (their ``announcement`` returns None), then leave. After
+        an abandoned update they are not listening for one: nothing is sent."""
+        if self._group is None or self._abandoned:
             return
         _broadcast(self._group, torch.tensor([KIND_CLOSE, 0], dtype=torch.int64, device=self.device))
         self._group = None
@@ -313,20 +345,31 @@ class BroadcastReceiver:
 
     def _full_buckets(self, announced: Announcement, prefetch: bool) -> Iterator[Bucket]:
         layouts = [(specs, *offsets(specs)) for specs in announced.bucket_specs()]
+        largest = max((size for _, _, size in layouts), default=0)  # every buffer fits any bucket: reusable
+        free: list[torch.Tensor] = []  # buffers no loader holds a view of any more: refilled, not reallocated
 
         def post(i: int):
-            buffer = torch.empty(layouts[i][2], dtype=torch.uint8, device=self.device)
-            return buffer, _broadcast(self._group, buffer, wait=False)
+            size = layouts[i][2]
+            spare = next((b for b in free if b.numel() >= size), None)
+            if spare is None:
+                spare = torch.empty(largest, dtype=torch.uint8, device=self.device)
+            else:
+                free.remove(spare)
+            buffer = spare[:size]
+            return spare, buffer, _broadcast(self._group, buffer, wait=False)
 
         arriving = post(0) if layouts else None
         for i, (specs, where, _) in enumerate(layouts):
-            buffer, work = arriving
+            spare, buffer, work = arriving
             work.wait()
             arriving = work = None  # a finished work still holds its tensor: that would be a bucket more
             arriving = post(i + 1) if prefetch and i + 1 < len(layouts) else None
             yield [(s.name, buffer[at : at + s.nbytes].view(s.dtype).reshape(s.shape))
                    for s, at in zip(specs, where, strict=True)]
             buffer = None
+            if _unshared(spare):  # (vLLM's layerwise reload may still hold views of it)
+                free.append(spare)
+            spare = None
             if arriving is None and i + 1 < len(layouts):
                 arriving = post(i + 1)
 

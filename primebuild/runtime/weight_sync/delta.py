@@ -15,11 +15,11 @@ master weight moves by ~lr, a bf16 step is 2^-8 of the weight (bench/weight_broa
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 SAME, INDICES, MASK, FULL = 0, 1, 2, 3
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_LSB_FIRST = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def _pattern(t: torch.Tensor) -> torch.Tensor:
@@ -39,11 +39,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+# numpy's bit packing and counting run 10-20x faster than the torch equivalents on a CPU (measured on 16M
+# bf16 elements, one thread: pack 2.4 ms vs 51 ms, count 6 ms vs 26-100 ms); both ends work on host copies.
+
+
 def encode(previous: torch.Tensor, current: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """(encoding, changed elements, payload bytes) that turn `previous` into `current` (same dtype, shape).
-    The values come first, padded to 8 bytes, so every part is viewed in place on the receiver."""
+    """(encoding, changed elements, payload bytes) that turn `previous` into `current` (same dtype, shape,
+    on the CPU). The values come first, padded to 8 bytes, so every part is viewed in place on the receiver."""
     changed = _pattern(previous) != _pattern(current)
-    k, n, item = int(changed.sum()), current.numel(), current.element_size()
+    mask = changed.numpy()
+    k, n, item = int(np.count_nonzero(mask)), current.numel(), current.element_size()
     index_dtype = _index_dtype(n)
     sizes = {SAME: 0 if k == 0 else None, INDICES: _pad8(k * item) + k * index_dtype.itemsize,
              MASK: _pad8(k * item) + -(-n // 8), FULL: n * item}
@@ -55,15 +60,15 @@ def encode(previous: torch.Tensor, current: torch.Tensor) -> tuple[int, int, tor
     values = _bytes(current.reshape(-1)[changed])
     pad = torch.zeros(_pad8(values.numel()) - values.numel(), dtype=torch.uint8)
     if code == INDICES:
-        where = _bytes(changed.nonzero().squeeze(1).to(index_dtype))
+        where = _bytes(torch.from_numpy(np.flatnonzero(mask)).to(index_dtype))
     else:
-        bits = torch.cat([changed, changed.new_zeros(-n % 8)]).view(-1, 8).to(torch.uint8)
-        where = (bits * _LSB_FIRST).sum(dim=1, dtype=torch.uint8)
+        where = torch.from_numpy(np.packbits(mask, bitorder="little"))
     return code, k, torch.cat([values, pad, where])
 
 
 def apply(base: torch.Tensor, code: int, k: int, payload: torch.Tensor) -> None:
-    """Bring `base` (the receiver's copy of the previous sync, contiguous) to the sender's tensor, in place."""
+    """Bring `base` (the receiver's copy of the previous sync, contiguous, on the CPU) to the sender's
+    tensor, in place."""
     flat = base.view(-1)
     item, n = base.element_size(), base.numel()
     if code == SAME:
@@ -76,7 +81,7 @@ def apply(base: torch.Tensor, code: int, k: int, payload: torch.Tensor) -> None:
     if code == INDICES:
         flat[where.view(_index_dtype(n)).to(torch.int64)] = values
     elif code == MASK:
-        mask = ((where[:, None] & _LSB_FIRST) != 0).reshape(-1)[:n]
-        flat[mask] = values
+        mask = np.unpackbits(where.numpy(), count=n, bitorder="little").view(np.bool_)
+        flat[torch.from_numpy(mask)] = values
     else:
         raise ValueError(f"unknown delta encoding {code}")
