@@ -40,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from primebuild.runtime.inference.vllm.expert_slice import keep_local, local_experts
 from primebuild.runtime.inference.weight_receiver import BroadcastStage
 
 
@@ -92,9 +93,12 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
             raise RuntimeError("no weight broadcast group joined: call /init_weight_transfer_engine first")
         announced = self.stage.announced(update_info.version)
         # a bucket at a time, in checkpoint (HF) names and layouts as the trainer sends them: the model's
-        # loaders fuse qkv/gate_up and keep this worker's TP shard; layerwise reload (start_weight_update)
-        # processes each module once all its tensors arrived. The next bucket arrives meanwhile (prefetch).
-        self.loaded_version = self.stage.pull(announced, self.model.load_weights)
+        # loaders fuse qkv/gate_up and keep this worker's TP shard, other EP ranks' experts are dropped
+        # first (expert_slice.py); layerwise reload (start_weight_update) processes each module once all
+        # its tensors arrived. The next bucket arrives meanwhile (prefetch).
+        local = local_experts(self.model)
+        self.loaded_version = self.stage.pull(announced, lambda bucket: self.model.load_weights(
+            keep_local(bucket, local)))
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
