@@ -107,7 +107,7 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, int], results) 
     import torch.distributed as dist
 
     from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
-    from primebuild.runtime.weight_sync.buckets import bucket_counts, offsets
+    from primebuild.runtime.weight_sync.buckets import bucket_counts, bucket_sizes
     from primebuild.runtime.weight_sync.stream import TensorSpec
 
     torch.set_num_threads(args.threads)
@@ -132,10 +132,7 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, int], results) 
         sender.close()
         report.update(syncs=syncs, digest=digest(weights))
         layout = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in weights.items()]
-        cut, at, sizes = bucket_counts(layout, sender.bucket_bytes), 0, []
-        for count in cut:
-            sizes.append(offsets(layout[at : at + count])[1])
-            at += count
+        sizes = bucket_sizes(layout, bucket_counts(layout, sender.bucket_bytes))
         wire = statistics.median(s["wire_bytes"] for s in syncs[1:])
         scale = wire / sum(sizes)  # delta: the same buckets, each as much smaller as the syncs were
         sizes = {"full": sizes, "wire": [max(1, int(n * scale)) for n in sizes]}

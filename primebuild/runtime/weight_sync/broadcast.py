@@ -38,7 +38,7 @@ import torch.distributed as dist
 from primebuild.contracts.trainer import DEFAULT_BUCKET_MB
 
 from . import delta as delta_codec
-from .buckets import aligned, bucket_counts, offsets
+from .buckets import aligned, bucket_counts, bucket_sizes, offsets
 from .stream import StreamedWeights, TensorSpec, as_stream, in_layout_order
 
 KIND_CLOSE, KIND_WEIGHTS = 0, 1
@@ -161,6 +161,7 @@ class BroadcastSender:
         self._previous: dict[str, torch.Tensor] = {}  # delta: the last sent tensors, on the host
         self._in_flight = None  # the work of the bucket on the wire while the next one is packed
         self._buffers: list[torch.Tensor] = []  # the two payload buffers of an update, used in turn
+        self._largest = 0  # the update's largest bucket: what each of them is sized for
         self._updates = 0
         self._abandoned = False
         self.last: SendStats | None = None
@@ -198,10 +199,7 @@ class BroadcastSender:
         tensors = in_layout_order(weights)
         self._in_flight = None
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self._largest, at = 0, 0
-        for count in counts:
-            self._largest = max(self._largest, offsets(specs[at : at + count])[1])
-            at += count
+        self._largest = max(bucket_sizes(specs, counts), default=0)
         for count in counts:
             bucket = [next(tensors) for _ in range(count)]
             stats.wire_bytes += self._send_delta(bucket, stats) if self.delta else self._send_full(bucket)

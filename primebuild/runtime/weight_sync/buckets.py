@@ -74,3 +74,12 @@ def offsets(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
         out.append(at)
         at += aligned(spec.nbytes)
     return out, at
+
+
+def bucket_sizes(specs: Sequence[TensorSpec], counts: Sequence[int]) -> list[int]:
+    """The bytes of each bucket of a cut (`bucket_counts`)."""
+    sizes, at = [], 0
+    for count in counts:
+        sizes.append(offsets(specs[at : at + count])[1])
+        at += count
+    return sizes
