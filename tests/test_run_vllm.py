@@ -120,8 +120,9 @@ def test_a_pd_run_on_vllm_routes_every_request_and_updates_both_pools(workspace:
 def test_weights_reach_every_worker_of_a_data_parallel_vllm_server(workspace: Path, tmp_path: Path):
     """weight_sync broadcast into a vLLM server of inference.dp=2: the orchestrator asks the server to join
     the trainer's group (/init_weight_transfer_engine), its two engine cores' workers join as ranks 1 and 2
-    (world 3); every step the trainer sends over gloo, both workers stage and load the new weights through
-    vLLM's weight-transfer lifecycle before the server takes the version, and the requests both cores answer
+    (world 3); every step the trainer announces the weights over gloo and sends them, in 0.25 MiB buckets (a
+    decoder layer cut over several), once both workers ask inside vLLM's weight-transfer lifecycle; they
+    load each bucket as it arrives before the server takes the version, and the requests both cores answer
     sample exactly the trained policy. No weight folder is written."""
     runs = tmp_path / "runs"
     steps = 3
@@ -130,7 +131,7 @@ def test_weights_reach_every_worker_of_a_data_parallel_vllm_server(workspace: Pa
          "--runs-dir", str(runs), "--quiet", "--set", f"orchestrator.max_steps={steps}",
          "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=32",
          "--set", "orchestrator.eval_prompts=40", "--set", "orchestrator.max_off_policy_steps=0",
-         "--set", "inference.dp=2", "--set", "weight_sync.mode=broadcast",
+         "--set", "inference.dp=2", "--set", "weight_sync.mode=broadcast", "--set", "weight_sync.bucket_mb=0.25",
          "--set", f"weight_sync.port={free_port()}", "--set", f"inference.port={free_port()}"],
         capture_output=True, text=True, env=_env(workspace), timeout=850)
     (run_dir,) = list(runs.iterdir())
