@@ -22,6 +22,8 @@
         safetensors
         transformers
         torch
+        torchtitan # the trainer's models; needs a nixpkgs that packages it (or an overlay)
+        triton
         fastapi
         uvicorn
         httpx
