@@ -11,7 +11,8 @@
       forAllSystems = f: lib.genAttrs systems (system: f nixpkgs.legacyPackages.${system});
       version = "0.1.0"; # keep equal to [project] version in pyproject.toml
 
-      # [project.dependencies] of pyproject.toml, by their nixpkgs attribute names.
+      # [project.dependencies] of pyproject.toml, by their nixpkgs attribute names (torchtitan, the trainer's
+      # models, needs a nixpkgs that packages it, or an overlay).
       runtimeDeps = ps: with ps; [
         pydantic
         click
@@ -22,7 +23,7 @@
         safetensors
         transformers
         torch
-        torchtitan # the trainer's models; needs a nixpkgs that packages it (or an overlay)
+        torchtitan
         triton
         fastapi
         uvicorn
