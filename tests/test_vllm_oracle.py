@@ -467,7 +467,7 @@ def test_tiny_temperatures_sample_at_vllms_floor(pair, temperature):
         for choice in reply.body["choices"]:
             ids = torch.tensor([PROMPT_IDS + choice["token_ids"]])
             with torch.no_grad():
-                scored, _ = policy(ids, torch.ones_like(ids), 0.01)
+                scored, _ = policy(ids, torch.arange(ids.shape[1])[None], 0.01)
             trainer = scored[0, len(PROMPT_IDS):].tolist()
             got = choice["logprobs"]["token_logprobs"]
             assert all(math.isfinite(lp) and lp <= 0 for lp in got), (engine, got)
