@@ -236,7 +236,7 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
             # The hf engine's FSDP2 averages gradients over ranks (HSDP: over the shard and the replicate
             # dimension); scaling by world_size turns that back into the sum that one rank holding every
             # micro-batch would compute. The torchtitan engine's FSDP sums them already.
-            spread = 1 if getattr(model, "sums_gradients", False) else env.world_size
+            spread = 1 if model.sums_gradients else env.world_size
             (loss_sum * (spread / normalizer)).backward()
         agreed, replayed_routes = replay.take_agreement() if replay is not None else (0.0, 0.0)
         totals += StepSums(

@@ -76,6 +76,9 @@ class Policy(nn.Module):
     It is the FSDP root, so the head, embeddings and final norm are unsharded for its forward and
     their gradients are reduced like every other's."""
 
+    # FSDP2 averages gradients over ranks here (train_step scales the loss back); titan_policy's sums them
+    sums_gradients = False
+
     def __init__(self, hf: nn.Module, chunk_tokens: int, router_replay: bool = False):
         super().__init__()
         head = hf.get_output_embeddings()
