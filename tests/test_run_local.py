@@ -208,6 +208,22 @@ def test_broadcast_weight_sync_delivers_exactly_the_trained_weights(workspace: P
     assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == 3
 
 
+def test_asynchronous_broadcast_reaches_the_last_step(workspace: Path, tmp_path: Path):
+    """Broadcast with the orchestrator two steps ahead: it writes the last batch while the trainer still has
+    steps to send, and each send waits until every server loaded the step before it. Waiting for the last
+    step must load the ones announced meanwhile; it once waited for step 4 while the trainer waited for
+    step 3 to be loaded, until the sender's 600 s timeout."""
+    runs = tmp_path / "runs"
+    result = _run(workspace, runs, "--set", "orchestrator.max_steps=4", "--set", "weight_sync.mode=broadcast",
+                  "--set", "orchestrator.max_off_policy_steps=2", "--set", f"weight_sync.port={free_port()}")
+    assert result.returncode == 0, result.stdout + result.stderr + _logs(runs)
+    run_dir = _run_dir(runs)
+    server_log = (run_dir / "logs" / "inference-0.log").read_text()
+    assert "loaded the weights of step 4 from the broadcast" in server_log
+    assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == 4
+    assert _trained_steps(run_dir) == [1, 2, 3, 4]
+
+
 def test_prefill_decode_split_with_a_context_parallel_trainer(workspace: Path, tmp_path: Path):
     """reverse-text-pd.yaml (prefill server -> KV over ZMQ -> decode server, a router in front) with a
     2-rank cp=2 trainer, synchronous: the trainer, scoring each sequence split over two ranks, gives the
