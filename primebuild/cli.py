@@ -33,6 +33,7 @@ COMMANDS = {
     "replay": "replay",
     "diff": "diff",
     "verify": "verify",
+    "export": "export",
 }
 
 

@@ -68,7 +68,7 @@ def test_a_het_job_runs_the_embedded_default_and_learns(ws, tmp_path: Path):
                  "outcome.json", "launch.json", "job.sbatch", "orchestrator.json"):
         assert (run_dir / name).is_file(), name
     assert trained_steps(run_dir) == list(range(1, 41))
-    assert sorted(p.name for p in (run_dir / "rollouts").iterdir())[-1] == "step_000040.pt"
+    assert sorted(p.name for p in (run_dir / "rollouts").iterdir())[-1] == "step_000040.safetensors"
     for name in ("inference-0", "trainer", "orchestrator"):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
     record = json.loads((run_dir / "launch.json").read_text())

@@ -409,6 +409,12 @@ FIELDS: dict[str, list] = {
     "model.revision": [Shapes(("model.revision=v2",), "model"), Refused(("model.revision=v2",))],
     "model.path": [Shapes(("model={path: tiny-folder, dtype: float32}",), "model", base=RL)],
     "model.from_manifest": [Shapes(("model.from_manifest=other-sft.yaml",), "model", base=RL)],
+    # a-run: a run folder whose step 3 is checkpointed (scratch_folder)
+    "model.from_run": [Shapes(("model={from_run: a-run, dtype: float32}",), "model", base=RL),
+                       Locks(("model={from_run: a-run, dtype: float32}",))],
+    "model.step": [Shapes(("model={from_run: a-run, step: 3, dtype: float32}",), "model", base=RL,
+                          base_sets=("model={from_run: a-run, dtype: float32}",)),
+                   Refused(("model={from_run: a-run, step: 9, dtype: float32}",))],
     "model.init": [Custom(_init_random_builds_from_facts)],
     "model.tokenizer": [Custom(_random_init_reads_the_tokenizer), Refused(("model.tokenizer=char",))],
     "orchestrator.rollouts_per_step": [Reaches(config_of(O, "rollouts_per_step"),
@@ -647,7 +653,21 @@ def scratch_folder(factory) -> Path:
         shutil.copy(MANIFESTS / "models" / "reverse-text-tiny.json", folder / "tiny-folder" / "config.json")
         other = (MANIFESTS / SFT).read_text().replace("name: reverse-text-sft", "name: other-sft")
         (folder / "other-sft.yaml").write_text(other.replace("steps: 300", "steps: 200"))
+        _checkpointed_run(folder / "a-run", folder)
     return folder
+
+
+def _checkpointed_run(run: Path, folder: Path) -> None:
+    """What `model.from_run` reads of a run without torch: its plan, its rendezvous (the base model) and
+    its checkpoints' STABLE markers (the checkpoint itself is read only when the export is built)."""
+    from primebuild.contracts.plan import render_json
+
+    run.mkdir()
+    (run / "plan.json").write_text(render_json(compile_plan(load_manifest(folder / RL))))
+    (run / "rendezvous.json").write_text(json.dumps({"hosts": ["127.0.0.1"],
+                                                     "model_path": str(folder / "tiny-folder")}))
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_000003" / "STABLE").write_text(json.dumps({"step": 3, "files": {}}))
 
 
 @pytest.fixture(scope="module")

@@ -38,3 +38,24 @@ def test_relative_imports_resolve():
     # The check above is only as good as the resolution of `from ..x import y`: pin it on a known file.
     names = imported_modules(RUNTIME / "trainer" / "main.py", "primebuild.runtime.trainer")
     assert "primebuild.runtime.rollout_file" in names and "primebuild.runtime.trainer.batch" in names
+
+
+def test_the_orchestrator_never_loads_torch():
+    """The orchestrator's process holds rollouts, not tensors: numpy and safetensors' numpy API write its
+    batches, so the embedded default's tree does not pay torch's ~220 MiB a third time
+    (bench/process_memory.py)."""
+    import json
+    import subprocess
+    import sys
+
+    script = """
+import json, sys
+import primebuild.runtime.orchestrator.main
+import primebuild.runtime.envs.registry as registry
+from primebuild.runtime.rollout_file import save_batch, load_batch
+from primebuild.runtime.weight_sync.filesystem import verify, latest_stable
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == []

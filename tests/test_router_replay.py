@@ -9,6 +9,7 @@ without, they differ exactly downstream of the positions whose routing differs.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -213,8 +214,8 @@ def test_routes_travel_from_http_through_the_orchestrator_unchanged(tmp_path):
 
         group = Group(seq=0, env=env, task=task, started_version=0, rollouts=asyncio.run(group_and_close()))
         batch = orchestrator.make_batch(1, [group], next_group=1)
-        save_batch(tmp_path / "step.pt", batch)
-        loaded = load_batch(tmp_path / "step.pt")
+        save_batch(tmp_path / "step.safetensors", batch)
+        loaded = load_batch(tmp_path / "step.safetensors")
         first = loaded.samples[0]
         # the group's first request again, as the rollout runner sent it (token in)
         reply = httpx.post(served.v1 + "/completions", json={
@@ -223,12 +224,12 @@ def test_routes_travel_from_http_through_the_orchestrator_unchanged(tmp_path):
     sent = decode_routes(reply["choices"][0]["routed_experts"])
     assert reply["choices"][0]["token_ids"] == first.completion_ids  # the same seeded sample
     assert sent.shape[1] == 2 and not sent[:, 1].any()  # every decoder layer on the wire, the dense one zero
-    assert first.routed_experts.dtype == torch.uint8
-    assert torch.equal(first.routed_experts, torch.from_numpy(sent[:, [0]]))
+    assert first.routed_experts.dtype == np.uint8
+    assert np.array_equal(first.routed_experts, sent[:, [0]])
     for s in loaded.samples:
         assert s.routed_experts.shape == (s.num_tokens - 1, 1, 2)
     (mbs,) = pack(loaded.samples, micro_batch_tokens=1 << 12, world_size=1)
     span = (mbs[0].document_ids[0] == mbs[0].sample_indices.index(0)).nonzero().flatten()
     n = first.num_tokens - 1
-    assert torch.equal(mbs[0].routed_experts[0, span[:n]], first.routed_experts.long())
+    assert torch.equal(mbs[0].routed_experts[0, span[:n]], torch.from_numpy(first.routed_experts).long())
     assert (mbs[0].routed_experts[0, span[n:]] == -1).all()  # the document's last token: not recorded

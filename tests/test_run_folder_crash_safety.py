@@ -302,13 +302,13 @@ def test_reconcile_finishes_every_leftover_at_once_and_names_each(tmp_path):
     (run.weights / ".step_000001.trash-0a1b2c3d").mkdir()
     fs.step_folder(run.weights, 3).mkdir()  # renamed into place, killed before its marker
     run.rollouts.mkdir()
-    (run.rollouts / ".step_000004.pt.k2j4.tmp").write_bytes(b"half")
+    (run.rollouts / ".step_000004.safetensors.k2j4.tmp").write_bytes(b"half")
     (run.root / ".launch.json.4242.tmp").write_text("{")
     echoed = []
     assert reconcile(run, echoed.append) == 2
     text = "\n".join(echoed)
     for name in (".step_000003.staging", ".step_000001.trash-0a1b2c3d", "weights/step_000003",
-                 ".step_000004.pt.k2j4.tmp", ".launch.json.4242.tmp"):
+                 ".step_000004.safetensors.k2j4.tmp", ".launch.json.4242.tmp"):
         assert name in text, text
     assert hidden(run.root) == hidden(run.weights) == hidden(run.checkpoints) == hidden(run.rollouts) == []
     assert reconcile(run, echoed.append) == 2 and len(echoed) == len(text.splitlines())  # nothing left to do

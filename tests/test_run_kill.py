@@ -51,7 +51,7 @@ INSTANTS: list[tuple[str, Callable[[Path], bool], float]] = [
     ("mid-checkpoint", _in("checkpoints", ".staging"), 0.0),
     ("mid-retention (checkpoints)", lambda p: p.parent.name == "checkpoints" and ".trash-" in p.name, 0.0),
     ("mid-publish", _in("weights", ".staging"), 0.0),
-    ("mid-eval", lambda p: p.parent.name == "rollouts" and p.suffix == ".pt"
+    ("mid-eval", lambda p: p.parent.name == "rollouts" and p.suffix == ".safetensors"
      and _step_of(p) % EVAL_EVERY == 0, 0.05),  # the batch of an eval step is written, then it evaluates
     ("mid-retention (weights)", lambda p: p.parent.name == "weights" and ".trash-" in p.name, 0.0),
     ("mid-rollout-write", _in("rollouts", ".tmp"), 0.0),

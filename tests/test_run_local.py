@@ -109,7 +109,7 @@ def test_run_completes_with_summary_report_and_records(three_synchronous_steps):
     assert summary["eval_reward_after_step"] == 3
     assert _trained_steps(run_dir) == [1, 2, 3]
     rollouts = sorted(p.name for p in (run_dir / "rollouts").iterdir())
-    assert rollouts == ["step_000001.pt", "step_000002.pt", "step_000003.pt"]
+    assert rollouts == ["step_000001.safetensors", "step_000002.safetensors", "step_000003.safetensors"]
     assert (run_dir / "weights" / "step_000003" / "STABLE").exists()
     assert (run_dir / "report.png").stat().st_size > 1000
     # the run records exactly what ran

@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from conftest import free_port, sft_workspace
 from test_run_local import REPO, _env, _logs, _run_dir, _trained_steps
+
+from primebuild.runtime.rollout_file import load_batch
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(shutil.which("bwrap") is None and os.environ.get("CI") != "true",
@@ -41,8 +42,8 @@ def test_swe_tiny_runs_in_sandboxes_with_real_rewards_and_survives_hostile_code(
     assert result.returncode == 0, result.stdout + result.stderr + _logs(runs)
     run_dir = _run_dir(runs)
     assert _trained_steps(run_dir) == [1, 2, 3]
-    samples = [s for step in (1, 2, 3) for s in torch.load(run_dir / "rollouts" / f"step_{step:06d}.pt",
-                                                             weights_only=True)["samples"]]
+    samples = [s.model_dump() for step in (1, 2, 3)
+               for s in load_batch(run_dir / "rollouts" / f"step_{step:06d}.safetensors").samples]
     assert {s["reward"] for s in samples} <= {0.0, 1.0}  # the tests passed or they did not
     assert all(s["env_id"] == "swe-tiny" and 0 in s["completion_mask"] for s in samples if len(s["policy_versions"]) > 1)
     assert any(len(s["policy_versions"]) > 1 for s in samples)  # multi-turn episodes

@@ -8,13 +8,13 @@ import asyncio
 import random
 
 import pytest
-import torch
 from conftest import run_cli, sft_workspace
 
 from primebuild.runtime.envs.base import demonstration
 from primebuild.runtime.envs.framing import ChatEnvironment, framing
 from primebuild.runtime.envs.tool_lookup import UNKNOWN, ToolLookupEnv, is_eval_row, tool_call
 from primebuild.runtime.models.chat_tokenizer import build_chat_tokenizer
+from primebuild.runtime.rollout_file import load_batch
 from primebuild.runtime.sft import episode_ids
 
 
@@ -72,8 +72,8 @@ def test_a_short_run_records_tool_calls_trained_and_tool_results_masked(tmp_path
                      "--runs-dir", root / "runs", timeout=900, env={"PRIMEBUILD_STORE": str(root / "store")})
     assert result.code == 0, result.text
     tokenizer = build_chat_tokenizer()
-    (rollout,) = (root / "runs").glob("*/rollouts/step_000001.pt")
-    samples = torch.load(rollout, weights_only=True)["samples"]
+    (rollout,) = (root / "runs").glob("*/rollouts/step_000001.safetensors")
+    samples = [s.model_dump() for s in load_batch(rollout).samples]
     call, response = (tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "<tool_response>"))
     with_tool = [s for s in samples if response in s["completion_ids"]]
     assert with_tool, [tokenizer.decode(s["completion_ids"]) for s in samples]

@@ -3,8 +3,10 @@ import threading
 
 import pytest
 import torch
+from safetensors.numpy import load_file
 
 from primebuild.contracts.rollout import RolloutBatch, Sample
+from primebuild.contracts.run_dir import RunDir
 from primebuild.errors import UserError
 from primebuild.runtime.rollout_file import load_batch, save_batch
 from primebuild.runtime.trainer.batch import loss_normalizer, pack
@@ -25,26 +27,29 @@ def sample(p, c, adv=1.0, mask=None):
 
 def test_save_load_roundtrip_plain_data(tmp_path):
     b = RolloutBatch(step=3, samples=[sample(2, 3), sample(1, 1, mask=[0])], temperature=1.0, next_group=4)
-    path = tmp_path / "rollouts" / "step_000003.pt"
+    path = tmp_path / "rollouts" / "step_000003.safetensors"
     save_batch(path, b)
-    assert os.listdir(path.parent) == ["step_000003.pt"]  # no temp file left behind
-    # Plain data only: loads without unpickling classes.
-    assert torch.load(path, weights_only=True)["samples"][0]["completion_ids"] == [100, 101, 102]
+    assert os.listdir(path.parent) == ["step_000003.safetensors"]  # no temp file left behind
+    # Plain arrays and a JSON header: any safetensors reader opens it, nothing is unpickled.
+    assert load_file(path)["samples.0.completion_ids"].tolist() == [100, 101, 102]
     got = load_batch(path)
     assert got == b
 
 
-def test_a_batch_of_the_older_writer_still_loads(tmp_path):
-    # format 1 before the typed RolloutBatch also carried metadata keys nothing reads
-    path = tmp_path / "step_000001.pt"
+def test_a_batch_of_the_older_writers_still_loads(tmp_path):
+    # format 1 (torch.save of plain data, `.pt`); before the typed RolloutBatch it also carried metadata
+    # keys nothing reads. A run folder from before format 2 resumes: RunDir.rollout names its `.pt` files.
+    path = tmp_path / "rollouts" / "step_000001.pt"
+    path.parent.mkdir()
     torch.save({"format": 1, "step": 1, "samples": [sample(2, 3).model_dump()],
                 "metadata": {"max_completion_tokens": 16, "temperature": 0.7, "groups": [0], "next_group": 1}}, path)
     got = load_batch(path)
     assert (got.temperature, got.next_group, got.samples) == (0.7, 1, [sample(2, 3)])
+    assert RunDir(tmp_path).rollout(1) == path and RunDir(tmp_path).rollout(2).name == "step_000002.safetensors"
 
 
 def test_concurrent_reader_never_sees_partial_file(tmp_path):
-    path = tmp_path / "step.pt"
+    path = tmp_path / "step.safetensors"
     big = RolloutBatch(step=1, samples=[sample(50, 400) for _ in range(40)])
     stop = threading.Event()
     seen = []
@@ -66,9 +71,15 @@ def test_concurrent_reader_never_sees_partial_file(tmp_path):
 def test_load_rejects_mismatched_logprobs(tmp_path):
     bad = sample(2, 3)
     bad.inference_logprobs = [-1.0]
-    save_batch(tmp_path / "b.pt", RolloutBatch(step=1, samples=[bad]))
+    save_batch(tmp_path / "b.safetensors", RolloutBatch(step=1, samples=[bad]))
     with pytest.raises(UserError, match="inference_logprobs"):
-        load_batch(tmp_path / "b.pt")
+        load_batch(tmp_path / "b.safetensors")
+
+
+def test_load_names_a_file_that_is_not_a_batch(tmp_path):
+    (tmp_path / "step_000001.safetensors").write_bytes(b"not a batch")
+    with pytest.raises(UserError, match="not a primebuild rollout batch"):
+        load_batch(tmp_path / "step_000001.safetensors")
 
 
 def test_pack_packs_documents_within_the_budget_with_their_own_positions():

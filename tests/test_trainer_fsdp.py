@@ -102,7 +102,7 @@ def test_router_replay_on_two_ranks_with_activation_checkpointing_matches_one_pl
     for run in runs.values():
         write_rollouts(run, model, range(1, 3), num_prompts=4, group_size=3)
         for step in (1, 2):
-            attach_routes(run / "rollouts" / f"step_{step:06d}.pt", model, seed=step)
+            attach_routes(run / "rollouts" / f"step_{step:06d}.safetensors", model, seed=step)
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
     cfg = tmp_path / "two.json"
     cfg.write_text(trainer_config(run_dir=str(runs["two"]), parallel=spec["parallel"], activation_checkpointing=True,

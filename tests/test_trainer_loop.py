@@ -70,7 +70,7 @@ def test_published_weights_equal_trainer_params(tmp_path, tiny):
     env = DistEnv(0, 1, torch.device("cpu"))
     model = load_model(cfg.model_path, env, "float32", activation_checkpointing=True, logprob_chunk_tokens=7)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = load_batch(Path(cfg.run_dir) / "rollouts" / "step_000001.pt")
+    batch = load_batch(Path(cfg.run_dir) / "rollouts" / "step_000001.safetensors")
     stats = train_step(model, opt, batch, cfg, resolve_loss("dppo-kl"), env, 1)
     assert torch.isfinite(torch.tensor(stats["loss"]))
     folder = publish_hf_weights(tmp_path / "w", 1, full_state_dict(model, torch.float32), model.config)
@@ -108,7 +108,7 @@ def test_stop_file_and_timeout(tmp_path, tiny):
     run_trainer(cfg)  # stops before step 1: nothing trained, nothing published
     assert not (Path(cfg.run_dir) / "metrics.jsonl").exists()
     (Path(cfg.run_dir) / "STOP").unlink()
-    with pytest.raises(TimeoutError, match="step_000005.pt"):
+    with pytest.raises(TimeoutError, match="step_000005.safetensors"):
         run_trainer(cfg)  # trains the 4 batches there are, then waits in vain for step 5
     assert sorted(read_metrics(Path(cfg.run_dir) / "metrics.jsonl")) == [1, 2, 3, 4]
 

@@ -85,7 +85,7 @@ def test_two_ranks_train_as_one_and_as_transformers(tmp_path, layout):
     for run in runs.values():
         write_rollouts(run, model, range(1, 4), num_prompts=5, group_size=3)
         for step in range(1, 4) if common["router_replay"] else ():
-            attach_routes(run / "rollouts" / f"step_{step:06d}.pt", model, seed=step)
+            attach_routes(run / "rollouts" / f"step_{step:06d}.safetensors", model, seed=step)
     run_trainer(trainer_config(run_dir=str(runs["hf"]), engine="hf", **common))
     run_trainer(trainer_config(run_dir=str(runs["titan"]), engine="torchtitan", **common))
     cfg = tmp_path / "titan2.json"

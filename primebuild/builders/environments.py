@@ -99,7 +99,7 @@ def environment_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
                 yield from _tool_problems(i, env.id, env.args or {})
             for name, message in adapter_arg_problems(env.args or {}):
                 yield (f"environments[{i}].args.{name}", f"environment {env.id}: {message}",
-                       "README.md, section Multi-turn environments and agents, lists the adapter's args")
+                       "docs/environments.md lists the adapter's args")
         else:
             yield (f"environments[{i}].id", f"unknown environment id {env.id!r}",
                    f"use one of: {', '.join(known_ids())}")

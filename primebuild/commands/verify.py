@@ -1,4 +1,4 @@
-"""`primebuild verify RUN_DIR`: check every checkpoint and published weight folder of a run against the
+"""`primebuild verify [RUN_DIR]`: check every checkpoint and published weight folder of a run against the
 file listing in its STABLE marker (sizes and sha256), as the trainer and the servers do before loading."""
 
 from __future__ import annotations
@@ -8,18 +8,20 @@ from pathlib import Path
 
 import click
 
-from primebuild.commands.options import output_option
-from primebuild.contracts.run_dir import RunDir
+from primebuild.commands.options import output_option, run_dir_argument, runs_dir_option
+from primebuild.contracts.run_dir import find_run
 
 
 @click.command("verify")
-@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
+@run_dir_argument
+@runs_dir_option
 @output_option
-def command(run_dir: Path, output: str) -> None:
-    """Verify RUN_DIR's checkpoints/ and weights/ step folders; exit 2 if any is damaged or incomplete."""
+def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
+    """Verify RUN_DIR's (default: the newest run's) checkpoints/ and weights/ step folders; exit 2 if any is
+    damaged or incomplete."""
     from primebuild.runtime.weight_sync.filesystem import DamagedFolder, step_folder, step_folders, verify
 
-    run = RunDir(run_dir).require()
+    run = find_run(run_dir, runs_dir)
     rows = []
     for kind, root in (("checkpoint", run.checkpoints), ("weights", run.weights)):
         for step in step_folders(root):

@@ -11,17 +11,19 @@ from primebuild.contracts.base import Contract
 
 # The keys each source writes, besides `source`, `dtype` and the facts (primebuild/builders/model_ref.py).
 SOURCE_KEYS = {"hf": ("repo", "revision"), "path": ("path",), "from_manifest": ("manifest",),
-               "init": ("init", "tokenizer")}
+               "from_run": ("run", "step"), "init": ("init", "tokenizer")}
 _SOURCE_SPECIFIC = {key for keys in SOURCE_KEYS.values() for key in keys}
 
 
 class ModelRef(Contract):
-    source: Literal["hf", "path", "from_manifest", "init"]
+    source: Literal["hf", "path", "from_manifest", "from_run", "init"]
     dtype: str
     repo: str | None = None  # hf
     revision: str | None = None  # hf: as the manifest gives it (the lock pins the commit)
     path: str | None = None  # path
     manifest: str | None = None  # from_manifest: the manifest whose output model this run starts from
+    run: str | None = None  # from_run: the run folder (as the manifest writes it) whose policy this run starts from
+    step: int | None = None  # from_run: its checkpoint step (None: the newest complete one when planned)
     init: str | None = None  # init: how the fresh weights are made
     tokenizer: str | None = None  # init
     facts: str | None = None  # the architecture file the manifest names (absent: the default one)

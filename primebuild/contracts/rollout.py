@@ -1,7 +1,7 @@
 """The rollout batch: what the orchestrator hands the trainer for one optimizer step.
 
 Written by primebuild/runtime/orchestrator/main.py, read by primebuild/runtime/trainer/main.py; the file format (one
-`rollouts/step_{k:06d}.pt` per step, written atomically, loaded with `weights_only=True`) is
+`rollouts/step_{k:06d}.safetensors` per step, written atomically, no pickle) is
 primebuild/runtime/rollout_file.py, the packing into micro-batches primebuild/runtime/trainer/batch.py. These classes are
 the records inside.
 """
@@ -17,7 +17,7 @@ from primebuild.errors import UserError
 
 class _Record(BaseModel):
     # Unknown keys are errors, as in every contract. Not frozen: the orchestrator fills in a sample's
-    # advantage once its whole group is scored. `routed_experts` is a tensor: arbitrary types allowed.
+    # advantage once its whole group is scored. `routed_experts` is an array: arbitrary types allowed.
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
 
@@ -43,8 +43,8 @@ class Sample(_Record):
     completion_mask: list[int] | None = None
     # The oldest weights step that sampled a token of each model turn, in order (one entry per turn).
     policy_versions: list[int] = Field(default_factory=list)
-    # router replay: a torch tensor [num_tokens - 1, moe_layers, top_k] of expert ids (uint8 / uint16),
-    # see primebuild/runtime/rollout_file.py
+    # router replay: an integer array [num_tokens - 1, moe_layers, top_k] of expert ids (uint8 / uint16;
+    # numpy as read from the file, a torch tensor is accepted too), see primebuild/runtime/rollout_file.py
     routed_experts: Any = None
 
     def validate_shapes(self, where: str) -> None:
@@ -61,8 +61,8 @@ class Sample(_Record):
                 f"{where}: completion_mask has {len(self.completion_mask)} entries for {n} tokens"
             )
         routes = self.routed_experts
-        if routes is not None and (routes.dim() != 3 or routes.shape[0] != self.num_tokens - 1
-                                   or routes.is_floating_point()):
+        if routes is not None and (len(routes.shape) != 3 or routes.shape[0] != self.num_tokens - 1
+                                   or "int" not in str(routes.dtype)):
             raise UserError(f"{where}: routed_experts {routes.dtype} {tuple(routes.shape)}: want integer "
                             f"[{self.num_tokens - 1} fed positions, moe_layers, top_k]")
         if self.policy_versions and min(self.policy_versions) != self.policy_version:

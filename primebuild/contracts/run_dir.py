@@ -4,7 +4,7 @@
       plan.json  manifest.json  manifests/  lock.json    what ran (written by `primebuild run`)
       run.json  rendezvous.json                         code version; hosts and model folder at start
       config/<process>.json  logs/<process>.log         written by the worker and the supervisor
-      rollouts/step_000001.pt …                         orchestrator -> trainer (primebuild/runtime/rollout_file.py)
+      rollouts/step_000001.safetensors                  orchestrator -> trainer (primebuild/runtime/rollout_file.py)
       weights/step_000001/ …                            trainer -> inference (filesystem weight sync)
       kv_transfer/<md5>/ …                              vLLM prefill -> decode servers (P/D, ExampleConnector)
       checkpoints/step_000050/ …                        trainer (resume)
@@ -298,7 +298,8 @@ class RunDir:
         return self.root / "rollouts"
 
     def rollout(self, step: int) -> Path:
-        return step_folder(self.rollouts, step).with_suffix(".pt")
+        legacy = step_folder(self.rollouts, step).with_suffix(".pt")  # written by code before format 2
+        return legacy if legacy.is_file() else step_folder(self.rollouts, step).with_suffix(".safetensors")
 
     @property
     def weights(self) -> Path:

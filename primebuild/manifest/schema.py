@@ -37,7 +37,7 @@ Port = Annotated[int, Field(ge=1024, le=65535)]
 
 
 class Model(Strict):
-    """Where the weights come from. Exactly one of `hf`, `path`, `from_manifest`, `init`."""
+    """Where the weights come from. Exactly one of `hf`, `path`, `from_manifest`, `from_run`, `init`."""
 
     hf: str | None = Field(None, description="Hugging Face repo id, e.g. 'zai-org/GLM-5'.",
                            pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$", max_length=256)
@@ -48,6 +48,11 @@ class Model(Strict):
         None, description="Another manifest (relative to this one) whose output model this one starts from.")
     init: Literal["random"] | None = Field(
         None, description="Build fresh random weights from the architecture facts (tiny models only).")
+    from_run: str | None = Field(
+        None, description="A run folder (relative to this manifest) whose trained policy this one starts from: "
+        "its checkpoint at `step`, exported into the store as `primebuild export` does.")
+    step: int | None = Field(
+        None, ge=1, description="With from_run: the checkpoint step (default: the run's newest complete one).")
     facts: str | None = Field(
         None,
         description="Architecture facts in HF config.json form (relative to the manifest). Default: "
@@ -58,17 +63,32 @@ class Model(Strict):
 
     @model_validator(mode="after")
     def _one_source(self) -> Model:
-        given = [k for k in ("hf", "path", "from_manifest", "init") if getattr(self, k) is not None]
+        given = [k for k in MODEL_SOURCES if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(
-                f"give exactly one of hf, path, from_manifest, init (got {', '.join(given) or 'none'})")
+                f"give exactly one of {', '.join(MODEL_SOURCES)} (got {', '.join(given) or 'none'})")
         if self.init is not None and self.facts is None:
             raise ValueError("`init: random` needs `facts:` (a config.json with the architecture)")
+        if self.step is not None and self.from_run is None:
+            raise ValueError("`step:` names a checkpoint of `from_run:`; give from_run too, or drop step")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_run(self, handler):
+        # Written only when set: manifests that do not start from a run keep the hash (and locks) they had
+        # before these fields existed.
+        data = handler(self)
+        for key in ("from_run", "step"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
     @property
     def source_kind(self) -> str:
-        return next(k for k in ("hf", "path", "from_manifest", "init") if getattr(self, k) is not None)
+        return next(k for k in MODEL_SOURCES if getattr(self, k) is not None)
+
+
+MODEL_SOURCES = ("hf", "path", "from_manifest", "from_run", "init")
 
 
 # --- hardware --------------------------------------------------------------------------------------

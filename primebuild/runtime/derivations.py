@@ -4,6 +4,7 @@
 - a manifest with an `sft:` section -> a store entry keyed by that manifest's hash plus its input
   model's store key (so changing the SFT recipe or the init rebuilds, and nothing else does);
 - `from_manifest:` -> the output of that manifest, built on first use and reused afterwards;
+- `from_run:` -> that run's policy at a checkpoint, exported into the store (primebuild/runtime/export.py);
 - `path:` -> the folder itself; `hf:` -> huggingface_hub's snapshot at the given revision.
 """
 
@@ -54,6 +55,8 @@ def resolve_model(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
         return Resolved(path, False, time.perf_counter() - started, {"source": "hf", "repo": m.hf})
     if kind == "init":
         return _random_init(loaded, store)
+    if kind == "from_run":
+        return _from_run(loaded, store, echo)
     parent = load_manifest(loaded.resolve(m.from_manifest, ("model", "from_manifest")))  # type: ignore[arg-type]
     return output_of(parent, store, echo)
 
@@ -115,6 +118,31 @@ def _random_init(loaded: LoadedManifest, store: Store) -> Resolved:
     hit = store.lookup(derivation.key) is not None
     path = store.build(derivation.name, derivation.inputs, build)
     return Resolved(path, hit, time.perf_counter() - started, {"source": "init"})
+
+
+def _from_run(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
+    """A run's policy at a checkpoint, exported into the store on first use (as `primebuild export`)."""
+    from primebuild.builders.model_ref import export_source_located
+    from primebuild.runtime.export import export_into_store, newest_verified_step
+
+    m = loaded.manifest.model
+    started = time.perf_counter()
+    if m.step is None:  # the newest checkpoint that verifies, as `export` without --step
+        step = newest_verified_step(loaded.resolve(m.from_run, ("model", "from_run")), warn=echo)  # type: ignore[arg-type]
+        loaded = loaded if step is None else _with_step(loaded, step)
+    source = export_source_located(loaded)
+    path, hit = export_into_store(source, store)
+    if not hit:
+        echo(f"exported {source.run.root} step {source.step} into the store: {path}")
+    return Resolved(path, hit, time.perf_counter() - started, {"source": "from_run", "run": str(source.run.root),
+                                                               "step": source.step})
+
+
+def _with_step(loaded: LoadedManifest, step: int) -> LoadedManifest:
+    import dataclasses
+
+    model = loaded.manifest.model.model_copy(update={"step": step})
+    return dataclasses.replace(loaded, manifest=loaded.manifest.model_copy(update={"model": model}))
 
 
 def _no_progress_bars() -> None:

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+import numpy as np  # not torch: the orchestrator never loads it (bench/process_memory.py)
 
 
 def group_relative_advantages(
-    rewards: torch.Tensor | Sequence[Sequence[float]], normalize_std: bool = False, eps: float = 1e-6
-) -> torch.Tensor:
+    rewards: np.ndarray | Sequence[Sequence[float]], normalize_std: bool = False, eps: float = 1e-6
+) -> np.ndarray:
     """``rewards`` is [num_groups, group_size]; returns advantages of the same shape (float32)."""
-    r = torch.as_tensor(rewards, dtype=torch.float32)
-    if r.dim() != 2:
+    r = np.asarray(rewards, dtype=np.float32)
+    if r.ndim != 2:
         raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(r.shape)}")
-    adv = r - r.mean(dim=1, keepdim=True)
+    adv = r - r.mean(axis=1, keepdims=True)
     if normalize_std:
         if r.shape[1] < 2:
-            return torch.zeros_like(r)  # one sample: no spread to normalise by
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+            return np.zeros_like(r)  # one sample: no spread to normalise by
+        adv = adv / (r.std(axis=1, ddof=1, keepdims=True) + np.float32(eps))
     return adv
 
 

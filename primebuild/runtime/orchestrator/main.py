@@ -47,6 +47,7 @@ from primebuild.runtime.orchestrator.servers import STATE_SECONDS, ServerSet
 from primebuild.runtime.orchestrator.vllm_client import VllmClient
 from primebuild.runtime.orchestrator.weights import weight_source
 from primebuild.runtime.rollout_file import load_batch, routing_bytes, save_batch
+from primebuild.runtime.tokenizer_loading import load_tokenizer
 from primebuild.runtime.trackers import open_sinks
 
 log = logging.getLogger("primebuild.orchestrator")
@@ -56,8 +57,6 @@ POLL_SECONDS = 0.02  # how often new weights and a STOP file are looked for whil
 
 class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig):
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
         self.run_dir = RunDir(cfg.run_dir)
         if cfg.engine == "vllm":  # a client also watches the servers its endpoint's requests reach
@@ -74,7 +73,7 @@ class Orchestrator:
         self.sync_lock = asyncio.Lock()
         self.servers = ServerSet(self.clients, self.run_dir, self.new_client, cfg.retry_seconds)
         self.weights = weight_source(cfg.weight_sync, self.run_dir, cfg.keep_weights)
-        self.runner = RolloutRunner(AutoTokenizer.from_pretrained(cfg.model_path),
+        self.runner = RolloutRunner(load_tokenizer(cfg.model_path),
                                     max_tokens_per_turn=cfg.max_completion_tokens, seq_len=cfg.seq_len,
                                     routes_of=self.routes_of if cfg.router_replay else None)
         self.groups_per_step = cfg.rollouts_per_step // cfg.group_size

@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from primebuild.contracts.completion import CompletionResult, SampledChoice
 from primebuild.contracts.rollout import Sample
@@ -56,7 +55,7 @@ class Rollout:
                       inference_logprobs=list(t.logprobs), advantage=0.0, reward=self.reward,
                       policy_version=min(t.turn_versions), env_id=env_id, completion_mask=list(t.loss_mask),
                       policy_versions=list(t.turn_versions),
-                      routed_experts=None if self.routes is None else torch.from_numpy(self.routes))
+                      routed_experts=self.routes)
 
 
 async def all_episodes(episodes: Iterable[Awaitable[Rollout]]) -> list[Rollout]:

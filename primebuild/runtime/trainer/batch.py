@@ -96,7 +96,7 @@ def _collate_routes(samples: list[Sample], indices: list[int], width: int) -> to
     for i, r in zip(indices, routes, strict=True):
         if r.shape[1:] != (layers, top_k):
             raise UserError(f"routed_experts of shape {tuple(r.shape)} next to [..., {layers}, {top_k}]")
-        out[0, start: start + r.shape[0]] = r.long()
+        out[0, start: start + r.shape[0]] = torch.as_tensor(r).long()
         start += samples[i].num_tokens
     return out
 

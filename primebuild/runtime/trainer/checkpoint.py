@@ -9,13 +9,20 @@ number of ranks. The learning rate is a function of the step, so the step is all
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from primebuild.runtime.weight_sync import filesystem as fs
 
@@ -68,4 +75,18 @@ def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    return int(json.loads((folder / STATE_FILE).read_text())["step"])
+
+
+def load_model_weights(folder: str | Path, model: nn.Module) -> int:
+    """Restore only the model's weights (no optimizer: an export, or a scorer), re-sharded to whatever
+    layout `model` has (DCP reads each rank's part of every saved tensor: a checkpoint of 2 FSDP/EP ranks
+    loads into one process). Returns the step the checkpoint was taken after."""
+    folder = Path(folder)
+    options = _options(model)
+    state = {"model": get_model_state_dict(model, options=options)}
+    with warnings.catch_warnings():  # one process reading without a process group is this function's point
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state["model"], options=options)
     return int(json.loads((folder / STATE_FILE).read_text())["step"])

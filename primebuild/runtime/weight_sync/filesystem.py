@@ -28,15 +28,16 @@ import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from primebuild.contracts.run_dir import STEP_NAME, step_folder
 from primebuild.errors import UserError
 from primebuild.hashing import sha256_file
 
-from .safetensors_stream import write_safetensors
-from .stream import StreamedWeights, as_stream
+if TYPE_CHECKING:  # readers of step folders (the orchestrator, `verify`) never load torch
+    import torch
+
+    from .stream import StreamedWeights
 
 STABLE = "STABLE"
 TOKENIZER_FILES = (
@@ -280,17 +281,26 @@ def write_hf_folder(
     weights: Mapping[str, torch.Tensor] | StreamedWeights,
     config,
     tokenizer_src: str | os.PathLike | None,
+    max_shard_bytes: int | None = None,
 ) -> None:
     """Write ``config.json``, ``model.safetensors`` and the base model's tokenizer files into ``folder``.
     ``config`` is a transformers PretrainedConfig; its ``dtype`` is set to the tensors' dtype. Streamed
-    weights are written as they come (safetensors_stream.py): one group in memory at a time."""
+    weights are written as they come (safetensors_stream.py): one group in memory at a time. With
+    ``max_shard_bytes`` the weights are cut into shards with an index above that size (an export:
+    a step folder stays one file, which the servers' reload reads)."""
+    from .safetensors_stream import write_safetensors, write_sharded_safetensors
+    from .stream import as_stream
+
     weights = as_stream(weights)
     config = copy.deepcopy(config)
     dtypes = {spec.dtype for spec in weights.layout if spec.dtype.is_floating_point}
     if len(dtypes) == 1:
         config.dtype = next(iter(dtypes))
     config.save_pretrained(folder)
-    write_safetensors(folder / "model.safetensors", weights, metadata={"format": "pt"})
+    if max_shard_bytes is None:
+        write_safetensors(folder / "model.safetensors", weights, metadata={"format": "pt"})
+    else:
+        write_sharded_safetensors(folder, weights, max_shard_bytes, metadata={"format": "pt"})
     if tokenizer_src is not None:
         for name in TOKENIZER_FILES:
             src = Path(tokenizer_src) / name

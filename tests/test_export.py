@@ -1,0 +1,323 @@
+"""`primebuild export`: a run's checkpoint becomes a Hugging Face folder in the store that scores as the
+trainer's policy, that a manifest starts from, and that bad input leaves untouched.
+
+One real run of the embedded default (broadcast weight sync: it leaves DCP checkpoints only) is shared by
+the module; the 2-rank and LoRA checkpoints come from the trainer alone on synthetic rollouts, as the
+trainer's own tests make them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import call_cli, free_port, run_cli, sft_workspace
+from safetensors.torch import load_file
+from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
+
+from primebuild.builders.export import trainer_config as run_trainer_config
+from primebuild.runtime.rollout_file import load_batch
+from primebuild.runtime.trainer.checkpoint import load_checkpoint
+from primebuild.runtime.trainer.main import run_trainer
+from primebuild.runtime.trainer.model import DistEnv, load_model
+from primebuild.runtime.weight_sync.filesystem import step_folder
+
+pytestmark = pytest.mark.timeout(300)
+ONE_RANK = DistEnv(0, 1, torch.device("cpu"))
+SMALL_RL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40"]
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "down_proj"]}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, short_sft_store) -> Path:
+    root = tmp_path_factory.mktemp("export")
+    sft_workspace(root, ("reverse-text.yaml",), seed_store=short_sft_store)
+    return root
+
+
+def _env(workspace: Path) -> dict:
+    return {"PRIMEBUILD_STORE": str(workspace / "store")}
+
+
+def _run(workspace: Path, manifest: Path, runs: Path, *sets: str) -> Path:
+    result = run_cli("run", manifest, "--runs-dir", runs, "--quiet", *SMALL_RL, "--set",
+                     f"inference.port={free_port()}", *sets, env=_env(workspace), timeout=280)
+    assert result.code == 0, result.text[-3000:]
+    (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def run_dir(workspace: Path) -> Path:
+    """Two steps in broadcast mode, a checkpoint after each: no weights/ folder, DCP checkpoints only."""
+    run = _run(workspace, workspace / "manifests" / "reverse-text.yaml", workspace / "runs",
+               "--set", "orchestrator.max_steps=2", "--set", "orchestrator.max_off_policy_steps=0",
+               "--set", "weight_sync.mode=broadcast", "--set", "trainer.checkpoint_every=1")
+    assert not (run / "weights").exists()
+    assert (run / "checkpoints" / "step_000001" / "STABLE").is_file()
+    return run
+
+
+def _export(workspace: Path, *args) -> Path:
+    result = run_cli("export", *args, env=_env(workspace), timeout=200)
+    assert result.code == 0, result.text[-3000:]
+    path = Path(result.out.strip().splitlines()[-1])
+    assert path.parent == workspace / "store" and path.is_dir()
+    return path
+
+
+def _trainer_policy(run: Path, step: int):
+    """The trainer's policy at `step`, as the trainer builds it and resumes it (model and optimizer)."""
+    from primebuild.contracts.run_dir import RunDir
+
+    config, _ = run_trainer_config(RunDir(run))
+    if config.engine == "torchtitan":
+        from primebuild.runtime.trainer.titan_policy import load_titan_model
+
+        policy = load_titan_model(config.model_path, ONE_RANK, "float32", False, config.logprob_chunk_tokens)
+    else:
+        policy = load_model(config.model_path, ONE_RANK, "float32", False, config.logprob_chunk_tokens,
+                            lora=config.lora, seed=config.seed)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+    assert load_checkpoint(step_folder(run / "checkpoints", step), policy, optimizer) == step
+    return policy.eval()
+
+
+def _hf_logprobs(folder: Path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def _policy_logprobs(policy, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        lp, _ = policy(torch.tensor([ids]), torch.arange(len(ids))[None], 1.0)
+    return lp[0, 1:]
+
+
+def test_the_export_scores_as_the_trainer_at_that_step(workspace: Path, run_dir: Path):
+    """fp32: the exported folder, loaded by transformers, gives the trainer's log-probs at step 1 (not the
+    newest) within 1e-5 on the run's own rollouts; the newest step is the default and another entry."""
+    first = _export(workspace, run_dir, "--step", "1")
+    newest = _export(workspace, run_dir)
+    assert first != newest and first.name.endswith("-step1") and newest.name.endswith("-step2")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= \
+        {p.name for p in first.iterdir()}
+    assert json.loads((first / "config.json").read_text())["dtype"] == "float32"
+    policy = _trainer_policy(run_dir, 1)
+    samples = load_batch(run_dir / "rollouts" / "step_000002.safetensors").samples[:6]
+    worst = 0.0
+    for sample in samples:
+        ids = sample.prompt_ids + sample.completion_ids
+        worst = max(worst, (_hf_logprobs(first, ids) - _policy_logprobs(policy, ids)).abs().max().item())
+    assert worst <= 1e-5, worst
+    # the two steps' policies differ: the comparison above is not between two copies of the base model
+    ids = samples[0].prompt_ids + samples[0].completion_ids
+    assert (_hf_logprobs(first, ids) - _hf_logprobs(newest, ids)).abs().max().item() > 1e-6
+    # exporting again is a cache hit on the same entry
+    again = run_cli("export", run_dir, "--step", "1", "-o", "json", env=_env(workspace), timeout=200)
+    assert again.code == 0 and json.loads(again.out) == {"path": str(first), "run_dir": str(run_dir), "step": 1,
+                                                         "adapter": False, "cache_hit": True}
+
+
+def test_a_manifest_starts_from_the_run_and_the_embedded_engine_serves_it(workspace: Path, run_dir: Path):
+    """`model: {from_run: RUN_DIR, step: 2}`: lock and plan read the export, the run's processes load the
+    store entry `export` makes, and at step 1 the server's sampling log-probs are the trainer's."""
+    manifests = workspace / "manifests"
+    doc = yaml.safe_load((manifests / "reverse-text.yaml").read_text())
+    doc["name"] = "from-run"
+    doc["model"] = {"from_run": os.path.relpath(run_dir, manifests), "step": 2, "dtype": "float32"}
+    manifest = manifests / "from-run.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    exported = _export(workspace, run_dir, "--step", "2")
+    plan = run_cli("plan", manifest, "-o", "json", env=_env(workspace))
+    assert plan.code == 0, plan.text
+    assert json.loads(plan.out)["model"]["source"] == "from_run" and json.loads(plan.out)["model"]["step"] == 2
+    run = _run(workspace, manifest, workspace / "runs-from-run", "--set", "orchestrator.max_steps=1",
+               "--set", "orchestrator.max_off_policy_steps=0")
+    assert json.loads((run / "rendezvous.json").read_text())["model_path"] == str(exported)
+    step1 = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    mismatch = [r["value"] for r in step1 if r["name"] == "mismatch_kl" and r["step"] == 1 and r["role"] == "trainer"]
+    assert mismatch and mismatch[0] < 1e-6, mismatch
+
+
+def _tree(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(path)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+def test_bad_input_changes_nothing_and_names_what_and_where(workspace: Path, run_dir: Path, tmp_path: Path,
+                                                            capsys):
+    store = workspace / "store"
+    before = (_tree(store), _tree(run_dir))
+
+    def refused(*args) -> str:
+        result = call_cli(capsys, "export", *args, "--store", store)
+        assert result.code == 2, result.text
+        assert "Traceback" not in result.text
+        assert (_tree(store), _tree(run_dir)) == before
+        return result.err
+
+    assert f"{workspace / 'manifests'} is not a run folder" in refused(workspace / "manifests")
+    assert "no such folder" in refused(tmp_path / "nowhere")
+    err = refused(run_dir, "--step", "7")
+    assert f"{run_dir / 'checkpoints' / 'step_000007'}: no complete checkpoint of step 7" in err
+    assert "complete checkpoints: 1, 2" in err
+    # a damaged checkpoint (one byte of a shard flipped, in a copy of the run) is named, file and all
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    shard = sorted((copy / "checkpoints" / "step_000002").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = (_tree(store), _tree(run_dir))
+    err = refused(copy, "--step", "2")
+    assert f"{shard.parent}: {shard.name}: sha256 differs" in err
+
+    # an entry that already exists under the key with other content: refused, named, left as it is (a
+    # store of this test's own, so that the other tests' entries stay intact)
+    store = tmp_path / "store"
+    made = run_cli("export", run_dir, "--step", "1", "--store", store, timeout=200)
+    assert made.code == 0, made.text[-3000:]
+    entry = Path(made.out.strip())
+    os.chmod(entry, 0o755)
+    os.chmod(entry / "config.json", 0o644)
+    (entry / "config.json").write_text("{}")
+    before = (_tree(store), _tree(run_dir))
+    err = refused(run_dir, "--step", "1")
+    assert f"store entry {entry} was modified after it was built" in err and "config.json (content changed" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2-hf", "ep2-moe-torchtitan"])
+def test_a_two_rank_checkpoint_exports_as_the_weights_the_ranks_published(tmp_path: Path, layout: str):
+    """2 ranks (FSDP2 on the hf engine; FSDP + EP 2 on torchtitan's MoE) checkpoint and publish step 2;
+    the export of that checkpoint, read by one process and cut into shards, holds exactly the tensors the
+    ranks published, and transformers loads the sharded folder."""
+    from primebuild.runtime.export import write_export
+
+    moe = layout.startswith("ep2")
+    model = make_tiny_model(tmp_path / "model", moe=moe, seed=3)
+    run = tmp_path / "run"
+    write_rollouts(run, model, range(1, 3), num_prompts=4, group_size=3)
+    parallel = {"dp_shard": 2, "ep": 2} if moe else {"dp_shard": 2}
+    config = trainer_config(model_path=str(model), run_dir=str(run), max_steps=2, checkpoint_every=2,
+                            micro_batch_tokens=48, loss="dppo-kl", parallel=parallel,
+                            engine="torchtitan" if moe else "hf")
+    (tmp_path / "trainer.json").write_text(config.model_dump_json())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
+                           str(tmp_path / "trainer.json")], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checkpoint = step_folder(run / "checkpoints", 2)
+    assert len(list(checkpoint.glob("*.distcp"))) == 2  # one shard file per rank
+    out = tmp_path / "export"
+    out.mkdir()
+    written = write_export(config, checkpoint, out, adapter=False, max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(written["files"]) > 1 and set(index["weight_map"].values()) == set(written["files"])
+    exported = {k: v for f in written["files"] for k, v in load_file(out / f).items()}
+    published = load_file(step_folder(run / "weights", 2) / "model.safetensors")
+    assert exported.keys() == published.keys()
+    for name, tensor in published.items():
+        assert torch.equal(exported[name], tensor), name
+    base = load_file(model / "model.safetensors")
+    assert any(not torch.equal(base[k], published[k]) for k in base)  # the run trained
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.equal(loaded.state_dict()["model.norm.weight"], published["model.norm.weight"])
+
+
+def test_lora_exports_merged_by_default_and_as_the_adapter_on_request(tmp_path: Path):
+    """A LoRA checkpoint holds the adapters only: merged, the folder scores as the trainer's adapted policy
+    (fp32, 1e-5); as an adapter, it is the PEFT folder the run published at that step."""
+    from primebuild.runtime.export import write_export
+
+    model = make_tiny_model(tmp_path / "model", seed=4)
+    run = tmp_path / "run"
+    write_rollouts(run, model, range(1, 3))
+    config = trainer_config(model_path=str(model), run_dir=str(run), max_steps=2, checkpoint_every=2, lr=1e-2,
+                            micro_batch_tokens=64, loss="dppo-kl", lora=LORA, engine="hf")
+    run_trainer(config)
+    checkpoint = step_folder(run / "checkpoints", 2)
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    merged.mkdir()
+    adapter.mkdir()
+    assert write_export(config, checkpoint, merged, adapter=False, max_shard_bytes=10**9)["form"] == "merged"
+    assert write_export(config, checkpoint, adapter, adapter=True, max_shard_bytes=10**9)["form"] == "adapter"
+    assert not any("lora" in k for k in load_file(merged / "model.safetensors"))
+    policy = _lora_policy(config, checkpoint)
+    ids = [3, 17, 42, 5, 9, 11, 60, 2]
+    worst = (_hf_logprobs(merged, ids) - _policy_logprobs(policy, ids)).abs().max().item()
+    base = (_hf_logprobs(model, ids) - _policy_logprobs(policy, ids)).abs().max().item()
+    assert worst <= 1e-5 < base, (worst, base)  # and the adapters moved the policy off the base
+    published = load_file(step_folder(run / "weights", 2) / "adapter_model.safetensors")
+    ours = load_file(adapter / "adapter_model.safetensors")
+    assert ours.keys() == published.keys() and all(torch.equal(ours[k], published[k]) for k in published)
+
+
+def _lora_policy(config, checkpoint: Path):
+    policy = load_model(config.model_path, ONE_RANK, "float32", False, config.logprob_chunk_tokens,
+                        lora=config.lora, seed=config.seed)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+    load_checkpoint(checkpoint, policy, optimizer)
+    return policy.eval()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serves_the_export(workspace: Path, run_dir: Path, vllm_tiny, tmp_path: Path):
+    """The session's vLLM server (conftest `vllm_tiny`: the same architecture, seed-0 weights) reloads
+    the exported folder and samples with transformers' log-probs on it; it is left on the seed-0 weights
+    at version 0, as tests/test_vllm_oracle.py and tests/test_vllm_server.py expect to find it."""
+    import asyncio
+
+    from inference_helpers import load_hf, teacher_forced_logprobs
+    from transformers import AutoModelForCausalLM
+    from vllm_helpers import VLLM_ADMIN_TOKEN
+
+    from primebuild.builders.store import ENTRY_FILE
+    from primebuild.runtime.inference.vllm.admin import VllmAdmin
+    from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
+    from primebuild.runtime.trainer.model import Policy, full_state_dict
+    from primebuild.runtime.weight_sync.filesystem import publish_dir, publish_hf_weights
+
+    exported = _export(workspace, run_dir, "--step", "2")
+    # a server's weight update reads a published step folder (STABLE-marked): the export's files, as they are
+    weights = tmp_path / "weights"
+    publish_dir(step_folder(weights, 1), lambda d: [shutil.copy(p, d / p.name) for p in exported.iterdir()
+                                                    if p.name != ENTRY_FILE], 1)
+    seed_zero = load_hf(vllm_tiny.model_path)
+    publish_hf_weights(weights, 2, full_state_dict(Policy(seed_zero, chunk_tokens=64), torch.float32),
+                       seed_zero.config, tokenizer_src=vllm_tiny.model_path)
+
+    async def load(step: int, version: int) -> None:
+        async with VllmAdmin(vllm_tiny.url, admin_token=VLLM_ADMIN_TOKEN) as admin:
+            await admin.update_weights(version=version, path=step_folder(weights, step))
+
+    hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    prompts = [s.prompt_ids for s in load_batch(run_dir / "rollouts" / "step_000002.safetensors").samples[::8][:4]]
+    asyncio.run(load(1, version=41))
+    try:
+        body = completion_request(vllm_tiny.model_name, prompts, max_tokens=8, temperature=1.0, seed=3)
+        choices = adapt_response(vllm_tiny.complete(body), policy_version=41)
+        assert len(choices) == len(prompts)
+        for choice in choices:
+            expected = teacher_forced_logprobs(hf, choice["prompt_token_ids"], choice["token_ids"])
+            assert choice["token_logprobs"] == pytest.approx(expected, abs=2e-4)
+        # and not the seed-0 weights' log-probs: the server really serves the export
+        theirs = teacher_forced_logprobs(seed_zero, choices[0]["prompt_token_ids"], choices[0]["token_ids"])
+        assert choices[0]["token_logprobs"] != pytest.approx(theirs, abs=1e-2)
+    finally:
+        asyncio.run(load(2, version=0))
