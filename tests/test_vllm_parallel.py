@@ -18,7 +18,14 @@ import httpx
 import pytest
 from conftest import free_port
 from inference_helpers import hf_greedy, load_hf
-from vllm_helpers import START_TIMEOUT_S, VLLM_ADMIN_TOKEN, VllmServer, save_tiny_model, vllm_python
+from vllm_helpers import (
+    START_TIMEOUT_S,
+    VLLM_ADMIN_TOKEN,
+    VllmServer,
+    save_tiny_model,
+    vllm_python,
+    wait_listening,
+)
 
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
 from primebuild.runtime.inference.vllm.broadcast_status import STATUS_PATH
@@ -28,22 +35,34 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPTS = [[5, 6, 7, 8], [20, 11, 9], [4, 4, 30, 12, 13, 14, 15], [1, 2, 9, 27, 22]]
 SENDER = Path(__file__).parent / "vllm_broadcast_sender.py"
+LAYOUTS = {"dp": {"data_parallel": 2}, "tp": {"tensor_parallel": 2}}
 
 
-@pytest.fixture(scope="module", params=["dp", "tp"])
-def server(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory) -> dict[str, VllmServer]:
+    """Both layouts' servers, started side by side rather than one after the other: a start is mostly
+    three processes importing vLLM, much of it waiting on the disk, so two starts overlap even on 2 cores."""
     vllm_python()  # fails under CI=true, skips elsewhere, without the vLLM environment
-    root = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    root = tmp_path_factory.mktemp("vllm-parallel")
     model = save_tiny_model(root / "model-a", seed=0)
-    layout = {"data_parallel": 2} if request.param == "dp" else {"tensor_parallel": 2}
-    server = VllmServer(model, root / "server.log", admin_token=VLLM_ADMIN_TOKEN, weight_broadcast=True, **layout)
-    server.layout = request.param
+    started: dict[str, VllmServer] = {}
     try:
-        seconds = server.wait_healthy(2 * START_TIMEOUT_S)  # two workers start
-        print(f"\nvLLM {request.param}=2 server healthy after {seconds:.1f} s")
-        yield server
+        for layout, kwargs in LAYOUTS.items():
+            started[layout] = VllmServer(model, root / f"server-{layout}.log", admin_token=VLLM_ADMIN_TOKEN,
+                                         weight_broadcast=True, **kwargs)
+            started[layout].layout = layout
+        for layout, server in started.items():
+            seconds = server.wait_healthy(2 * START_TIMEOUT_S)  # two workers start
+            print(f"\nvLLM {layout}=2 server healthy after {seconds:.1f} s")
+        yield started
     finally:
-        server.stop()
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def server(request, servers) -> VllmServer:
+    return servers[request.param]
 
 
 def admin_call(server, fn):
@@ -90,12 +109,13 @@ def test_broadcast_reaches_both_workers_and_a_dead_sender_stops_the_next_update(
     assert greedy_one_by_one(server, PROMPTS) == reference_a
     before = checksums_per_worker(server)
 
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    init_method = f"tcp://127.0.0.1:{port}"
     # world 3: the sender (rank 0) and the server's two workers, which join from rank 1 on
     sender = subprocess.Popen([sys.executable, str(SENDER), init_method, "3", "5", str(b), "hold"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        time.sleep(2)  # the sender hosts the group's store
+        wait_listening(port, sender, timeout_s=120)  # the sender hosts the group's store (imports torch first)
         admin_call(server, lambda a: a.init_broadcast(init_method, rank_offset=1, world_size=3))
         deadline = time.monotonic() + 180
         while admin_call(server, VllmAdmin.received_version) != 5:

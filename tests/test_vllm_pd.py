@@ -27,7 +27,7 @@ import httpx
 import pytest
 from conftest import free_port
 from inference_helpers import hf_greedy, load_hf
-from vllm_helpers import START_TIMEOUT_S, VLLM_ADMIN_TOKEN, VllmServer, save_tiny_model
+from vllm_helpers import START_TIMEOUT_S, VLLM_ADMIN_TOKEN, VllmServer, save_tiny_model, wait_listening
 
 from primebuild.contracts.router import VllmPool, VllmRouterConfig
 from primebuild.runtime.inference.vllm.admin import VllmAdmin
@@ -221,11 +221,12 @@ def test_prefill_and_decode_servers_both_receive_a_broadcast(pd, tmp_path):
     hf_b = load_hf(b)
     assert greedy_tokens(decode, prompts) != [hf_greedy(hf_b, p, 8) for p in prompts]
 
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    init_method = f"tcp://127.0.0.1:{port}"
     sender = subprocess.Popen([sys.executable, str(SENDER), init_method, "3", "3", str(b)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        time.sleep(2)  # the sender hosts the group's store
+        wait_listening(port, sender, timeout_s=120)  # the sender hosts the group's store (imports torch first)
         for rank, server in ((1, prefill), (2, decode)):  # the plan's layout: prefill servers, then decode
             admin_call(server.url, lambda adm, r=rank: adm.init_broadcast(init_method, rank_offset=r, world_size=3))
         # what the orchestrator reads behind a P/D router: the workers of both servers

@@ -10,7 +10,6 @@ found, except the last (broadcast), which cannot undo.
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import httpx
 import pytest
 from conftest import free_port
 from inference_helpers import hf_greedy, load_hf, teacher_forced_logprobs
-from vllm_helpers import VLLM_ADMIN_TOKEN, save_tiny_model, vllm_python
+from vllm_helpers import VLLM_ADMIN_TOKEN, save_tiny_model, vllm_python, wait_listening
 
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
 from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
@@ -219,17 +218,6 @@ def test_finish_mode_update(server, models):
     assert greedy(server, PROMPTS) == reference(models.hf_b, PROMPTS)
     admin_call(server, lambda a: a.update_weights(version=10, path=step_folder(models.weights, 8)))
     assert greedy(server, PROMPTS) == reference(models.hf_a, PROMPTS)
-
-
-def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, f"nothing listens on {port} after {timeout_s:.0f} s"
-        time.sleep(0.1)
 
 
 def test_broadcast_update_from_a_sender_process(server, models):

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -125,15 +126,22 @@ class VllmServer:
         return response.json()
 
 
-@contextlib.contextmanager
-def shared_tiny_server(root: Path):
+def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until something listens on `port` (a weight sender hosting its group's store), while `proc` lives:
+    a receiver asked to join before the store exists would wait on its own timeout, or fail."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, f"nothing listens on {port} after {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
+def launch_shared_tiny(root: Path) -> VllmServer:
     """The seed-0 tiny model served by vLLM with every feature the `vllm` modules use (admin token,
-    weight broadcast); conftest's session fixture `vllm_tiny` holds one for all of them."""
+    weight broadcast), launched and not waited for; conftest's session fixture `vllm_tiny` holds one for
+    all of them."""
     model = save_tiny_model(root / "model", seed=0)
-    server = VllmServer(model, root / "server.log", admin_token=VLLM_ADMIN_TOKEN, weight_broadcast=True)
-    try:
-        seconds = server.wait_healthy(START_TIMEOUT_S)
-        print(f"\nvLLM server healthy after {seconds:.1f} s")
-        yield server
-    finally:
-        server.stop()
+    return VllmServer(model, root / "server.log", admin_token=VLLM_ADMIN_TOKEN, weight_broadcast=True)

@@ -1,0 +1,72 @@
+"""The suite's time against its budget: where the time went (per test file, from pytest's junit XML)
+and whether the whole pytest run fit. `.ci/run` calls it after pytest; standard library only.
+
+    python .ci/suite_time.py JUNIT_XML --wall SECONDS --budget SECONDS
+
+A file's time is the sum of its tests' setup + call + teardown, so a session fixture (the short SFT,
+the shared vLLM server) is charged to the first file that asks for it. Exit 1 when the wall time is
+over the budget (naming the budget and the slowest files), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+SHOWN = 10  # files in the table
+
+
+def file_of(classname: str) -> str:
+    """junit's classname ("tests.test_x" or "tests.test_x.TestClass") as the file's path."""
+    parts = classname.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("test_"):
+            return "/".join(parts[: i + 1]) + ".py"
+    return classname or "?"
+
+
+def seconds_per_file(junit: Path) -> dict[str, tuple[float, int]]:
+    """(seconds, tests) per test file."""
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        entry = totals[file_of(case.get("classname", ""))]
+        entry[0] += float(case.get("time") or 0.0)
+        entry[1] += 1
+    return {name: (t, n) for name, (t, n) in totals.items()}
+
+
+def report(files: dict[str, tuple[float, int]], wall: float, budget: float) -> tuple[str, bool]:
+    slowest = sorted(files.items(), key=lambda kv: -kv[1][0])[:SHOWN]
+    lines = [f"ci: slowest test files (setup + call + teardown; of {len(files)} files, "
+             f"{sum(n for _, n in files.values())} tests):"]
+    lines += [f"  {t:7.1f} s  {n:3d} tests  {name}" for name, (t, n) in slowest]
+    over = wall > budget
+    verdict = "OVER" if over else "within"
+    lines.append(f"ci: pytest wall time {wall:.0f} s ({wall / 60:.1f} min), {verdict} its budget of "
+                 f"{budget:.0f} s ({budget / 60:.1f} min; .ci/run states it)")
+    if over:
+        names = ", ".join(f"{name} ({t:.0f} s)" for name, (t, _) in slowest[:3])
+        lines.append(f"ci: the suite is over budget: make the slowest files cheaper ({names}) -- share their "
+                     "servers and models across tests, run fewer steps -- rather than raise the budget")
+    return "\n".join(lines), over
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("junit", type=Path)
+    parser.add_argument("--wall", type=float, required=True, help="pytest's wall time in seconds")
+    parser.add_argument("--budget", type=float, required=True, help="the most seconds pytest may take")
+    args = parser.parse_args(argv)
+    if not args.junit.is_file():
+        print(f"ci: no junit report at {args.junit}: pytest did not run to its end", file=sys.stderr)
+        return 1
+    text, over = report(seconds_per_file(args.junit), args.wall, args.budget)
+    print(text)
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""CI's time budget (.ci/suite_time.py, called by .ci/run): a real pytest run's junit report, summed per
+test file, and a verdict against the budget that fails CI when the suite is over it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+SCRIPT = REPO / ".ci" / "suite_time.py"
+
+SLOW_AND_FAST = """
+import time
+import pytest
+
+@pytest.fixture(scope="module")
+def costly():
+    time.sleep(0.6)  # a module fixture: charged to the first test that asks for it
+
+def test_slow(costly):
+    time.sleep(0.3)
+
+def test_fast(costly):
+    pass
+
+class TestGrouped:
+    def test_in_a_class(self):
+        pass
+"""
+
+
+def _junit(tmp_path: Path) -> Path:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_slow_one.py").write_text(SLOW_AND_FAST)
+    (tests / "test_quick_one.py").write_text("def test_quick():\n    assert True\n")
+    junit = tmp_path / "junit.xml"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                           "-c", "/dev/null", f"--junitxml={junit}", "tests"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return junit
+
+
+def _verdict(junit: Path, wall: float, budget: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), str(junit), "--wall", str(wall), "--budget", str(budget)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_files_are_ranked_by_their_tests_time_and_a_suite_within_budget_passes(tmp_path: Path):
+    junit = _junit(tmp_path)
+    within = _verdict(junit, wall=100, budget=1500)
+    assert within.returncode == 0, within.stdout + within.stderr
+    table = [line.split() for line in within.stdout.splitlines() if line.startswith("  ")]
+    assert [row[-1] for row in table] == ["tests/test_slow_one.py", "tests/test_quick_one.py"]
+    assert float(table[0][0]) >= 0.9 and table[0][2] == "3"  # fixture + call, three tests (one in a class)
+    assert "within its budget of 1500 s (25.0 min" in within.stdout
+
+
+def test_a_suite_over_budget_fails_naming_the_budget_and_the_slowest_file(tmp_path: Path):
+    over = _verdict(_junit(tmp_path), wall=1501, budget=1500)
+    assert over.returncode == 1
+    assert "OVER its budget of 1500 s" in over.stdout
+    assert "over budget: make the slowest files cheaper (tests/test_slow_one.py" in over.stdout
+
+
+def test_no_report_fails(tmp_path: Path):
+    missing = _verdict(tmp_path / "absent.xml", wall=1, budget=1500)
+    assert missing.returncode == 1 and "no junit report" in missing.stderr
+
+
+def test_ci_states_its_budget_and_fails_when_pytest_collects_nothing():
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "budget_s=${CI_PYTEST_BUDGET_S:-1500}" in ci and "suite_time.py" in ci
+    assert '[[ $rc == 5 ]]' in ci and "--durations=25" in ci
