@@ -1,23 +1,33 @@
-"""Weight broadcast bandwidth: the trainer's weight sync (primebuild/runtime/weight_sync/broadcast.py) from rank 0
-to every other rank, one process per rank, as the RL loop runs it between the trainer and vLLM.
+"""Weight broadcast: the trainer's weight sync (primebuild/runtime/weight_sync/broadcast.py) from rank 0 to
+every other rank, one process per rank, as the RL loop runs it between the trainer and vLLM, beside a raw
+broadcast of the same bytes in the same bucket sizes on the same ranks (a second process group).
 
     python bench/weight_broadcast.py                          # NCCL, one rank per visible GPU
-    python bench/weight_broadcast.py --backend gloo --ranks 2 --gib 0.05   # on CPUs (what CI runs)
+    python bench/weight_broadcast.py --backend gloo --ranks 3 --gib 0.25    # on CPUs
+    # delta sync (weight_sync.delta) of a model trained between syncs: bytes per sync vs full
+    python bench/weight_broadcast.py --backend gloo --ranks 3 --model bench/models/qwen3-120m.json \\
+        --dtype bfloat16 --lr 1e-6 --repeats 3 --bucket-mib 16 --delta
 
-The payload is a state dict of bf16 tensors of `--tensor-mib` each, `--gib` in all (Qwen3-1.7B in bf16
-is 3.4 GB). GB/s = payload bytes / wall time of `send` on rank 0 (after one warm-up update), median of
-`--repeats`; every receiver checks the bytes it got. NCCL needs one GPU per rank: with fewer than two
-GPUs there is nothing to measure, and the result says so (exit status 3).
+Payload: a state dict of bf16 tensors of `--tensor-mib` each, `--gib` in all (Qwen3-1.7B in bf16 is 3.4 GB);
+or with `--model` (an HF folder, or a config.json / facts file for random weights) that model's weights in
+`--dtype`, trained between syncs by AdamW at `--lr` (fp32 master weights, a language-model loss on fixed
+random tokens), as the trainer publishes them. Per sync: full and wire bytes, and seconds from the moment
+every receiver asked for the tensors to the last bucket sent (GB/s = wire bytes / seconds). Receivers copy
+each bucket into a model-sized copy of their own (a server's load) and check their last copy bit for bit
+against the sender's. NCCL needs one GPU per rank: with fewer than two GPUs there is nothing to measure,
+and the result says so (exit status 3).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import socket
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -26,46 +36,131 @@ import torch.multiprocessing as mp
 NOT_MEASURABLE = 3
 
 
-def payload(gib: float, tensor_mib: float, device: str) -> dict[str, torch.Tensor]:
+def synthetic(gib: float, tensor_mib: float) -> dict[str, torch.Tensor]:
     per_tensor = max(1, int(tensor_mib * 2**20 / 2))  # bf16: 2 bytes per element
     count = max(1, int(gib * 2**30 / (per_tensor * 2)))
     generator = torch.Generator().manual_seed(0)
-    return {f"layers.{i}.weight": torch.randn(per_tensor, generator=generator).to(torch.bfloat16).to(device)
+    return {f"layers.{i}.weight": torch.randn(per_tensor, generator=generator).to(torch.bfloat16)
             for i in range(count)}
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
-    from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
+class TrainedModel:
+    """A model whose published weights change by one AdamW step between syncs, as the trainer's do."""
 
-    device = f"cuda:{rank}" if args.backend == "nccl" else "cpu"
+    def __init__(self, source: str, dtype: str, lr: float):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        path = Path(source)
+        if path.is_dir():
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:  # a config.json or a model facts file (manifests/models/*.json): random weights
+            raw = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+            config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.dtype = getattr(torch, dtype)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        vocab = self.model.config.vocab_size
+        self.tokens = torch.randint(0, vocab, (8, 64), generator=torch.Generator().manual_seed(1))
+
+    def published(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(self.dtype) for k, v in self.model.state_dict().items()}
+
+    def step(self) -> None:
+        loss = self.model(input_ids=self.tokens, labels=self.tokens).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def raw_broadcast(sizes: list[int], device: torch.device, repeats: int) -> list[float]:
+    """Seconds of plain broadcasts of buffers of `sizes` bytes, on the default group (every rank calls it)."""
+    import torch.distributed as dist
+
+    buffers = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
+    seconds = []
+    for _ in range(repeats + 1):  # the first warms the transport up
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        for buffer in buffers:
+            dist.broadcast(buffer, src=0)
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds[1:]
+
+
+def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, int], results) -> None:
+    import torch.distributed as dist
+
+    from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
+    from primebuild.runtime.weight_sync.buckets import bucket_counts, bucket_sizes
+    from primebuild.runtime.weight_sync.stream import TensorSpec
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(f"cuda:{rank}" if args.backend == "nccl" else "cpu")
     if args.backend == "nccl":
         torch.cuda.set_device(rank)
-    init = f"tcp://127.0.0.1:{port}"
+    init = f"tcp://127.0.0.1:{ports[0]}"
+    report: dict = {"rank": rank}
     if rank == 0:
-        weights = payload(args.gib, args.tensor_mib, device)
-        sender = BroadcastSender(init, args.ranks, backend=args.backend, device=device, bucket_mb=args.bucket_mib)
-        seconds = []
-        for step in range(args.repeats + 1):  # the first one warms NCCL's channels up
-            if args.backend == "nccl":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            sender.send(weights, step)
-            if args.backend == "nccl":
-                torch.cuda.synchronize()
-            if step:
-                seconds.append(time.perf_counter() - start)
+        model = TrainedModel(args.model, args.dtype, args.lr) if args.model else None
+        weights = model.published() if model else synthetic(args.gib, args.tensor_mib)
+        sender = BroadcastSender(init, args.ranks, backend=args.backend, device=device, bucket_mb=args.bucket_mib,
+                                 delta=args.delta)
+        syncs = []
+        for step in range(args.syncs + 1):  # the first one warms the transport up (and is delta's full base)
+            stats = sender.send(weights, step)
+            syncs.append({"step": step, "full_bytes": stats.full_bytes, "wire_bytes": stats.wire_bytes,
+                          "buckets": stats.buckets, "transfer_s": stats.transfer_s, "encodings": stats.encodings})
+            if model and step < args.syncs:
+                model.step()
+                weights = model.published()
         sender.close()
-        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        results.put({"rank": 0, "bytes": nbytes, "seconds": seconds})
-        return
-    receiver = BroadcastReceiver(init, args.ranks, rank, backend=args.backend, device=device)
-    expected = payload(args.gib, args.tensor_mib, "cpu")
-    updates, weights = 0, {}
-    while (update := receiver.recv()) is not None:
-        _, weights = update
-        updates += 1
-    same = bool(weights) and all(torch.equal(weights[k].cpu(), v) for k, v in expected.items())  # the last update
-    results.put({"rank": rank, "updates": updates, "bytes_equal": same})
+        report.update(syncs=syncs, digest=digest(weights))
+        layout = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in weights.items()]
+        sizes = bucket_sizes(layout, bucket_counts(layout, sender.bucket_bytes))
+        wire = statistics.median(s["wire_bytes"] for s in syncs[1:])
+        scale = wire / sum(sizes)  # delta: the same buckets, each as much smaller as the syncs were
+        sizes = {"full": sizes, "wire": [max(1, int(n * scale)) for n in sizes]}
+    else:
+        receiver = BroadcastReceiver(init, args.ranks, rank, backend=args.backend, device=device)
+        served: dict[str, torch.Tensor] = {}
+
+        def load(bucket):
+            for name, tensor in bucket:
+                if name not in served:
+                    served[name] = torch.empty_like(tensor, device="cpu")
+                served[name].copy_(tensor)
+
+        updates = 0
+        while (announced := receiver.announcement()) is not None:
+            receiver.pull(announced, load)
+            updates += 1
+        report.update(updates=updates, digest=digest(served))
+        sizes = None
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank,
+                            world_size=args.ranks, timeout=timedelta(seconds=300))
+    shared = [sizes]
+    dist.broadcast_object_list(shared, src=0)
+    report["raw_seconds"] = raw_broadcast(shared[0]["wire"], device, args.repeats)
+    if args.delta:  # what sending every byte raw takes, the time delta has to beat
+        report["raw_full_seconds"] = raw_broadcast(shared[0]["full"], device, args.repeats)
+    dist.destroy_process_group()
+    results.put(report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,35 +170,57 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--tensor-mib", type=float, default=64.0)
     parser.add_argument("--bucket-mib", type=float, default=1024.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="syncs measured (after a warm-up one)")
+    parser.add_argument("--model", default=None, help="an HF folder, or a config.json / facts file (random weights)")
+    parser.add_argument("--dtype", default="bfloat16", help="the published dtype (--model)")
+    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW's learning rate between syncs (--model)")
+    parser.add_argument("--delta", action="store_true", help="weight_sync.delta: only changed elements travel")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--out", type=Path, default=None, help="results JSON")
     args = parser.parse_args(argv)
+    args.syncs = args.repeats
     if args.ranks is None:
         args.ranks = torch.cuda.device_count() if args.backend == "nccl" else 2
-    result: dict = {"backend": args.backend, "ranks": args.ranks}
+    result: dict = {"backend": args.backend, "ranks": args.ranks, "bucket_mib": args.bucket_mib, "delta": args.delta}
+    if args.model:
+        result.update(model=args.model, dtype=args.dtype, lr=args.lr)
     if args.backend == "nccl" and (args.ranks < 2 or torch.cuda.device_count() < args.ranks):
         result["not_measurable"] = (f"NCCL needs one GPU per rank and a broadcast two ranks: "
                                     f"{torch.cuda.device_count()} GPU(s) visible")
         _write(args.out, result)
         return NOT_MEASURABLE
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args, port, results)) for r in range(args.ranks)]
+    procs = [ctx.Process(target=_rank, args=(r, args, tuple(ports), results)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=600) for _ in procs]
+    got = [results.get(timeout=1800) for _ in procs]
     for p in procs:
         p.join(timeout=60)
     sender = next(g for g in got if g["rank"] == 0)
     receivers = [g for g in got if g["rank"] != 0]
-    median = statistics.median(sender["seconds"])
-    result.update({"payload_gb": sender["bytes"] / 1e9, "seconds": sender["seconds"],
-                   "gb_per_s": sender["bytes"] / 1e9 / median,
-                   "receivers_bytes_equal": all(r["bytes_equal"] for r in receivers),
-                   "receiver_updates": [r["updates"] for r in receivers]})
+    measured = sender["syncs"][1:]
+    seconds = [s["transfer_s"] for s in measured]
+    wire = statistics.median(s["wire_bytes"] for s in measured)
+    raw = statistics.median(sender["raw_seconds"])
+    result.update({
+        "payload_gb": sender["syncs"][0]["full_bytes"] / 1e9, "buckets": sender["syncs"][0]["buckets"],
+        "syncs": [{**s, "wire_fraction": round(s["wire_bytes"] / s["full_bytes"], 6)} for s in sender["syncs"]],
+        "seconds": seconds, "gb_per_s": wire / 1e9 / statistics.median(seconds),
+        "raw_seconds": sender["raw_seconds"], "raw_gb_per_s": wire / 1e9 / raw,
+        "vs_raw": raw / statistics.median(seconds),
+        # full bytes per second of our sync: with delta, beside a raw broadcast of every byte
+        "full_gb_per_s": sender["syncs"][0]["full_bytes"] / 1e9 / statistics.median(seconds),
+        **({"raw_full_seconds": sender["raw_full_seconds"],
+            "vs_raw_full": statistics.median(sender["raw_full_seconds"]) / statistics.median(seconds)}
+           if args.delta else {}),
+        "receivers_bytes_equal": all(r["digest"] == sender["digest"] for r in receivers),
+        "receiver_updates": [r["updates"] for r in receivers]})
     _write(args.out, result)
     ok = result["receivers_bytes_equal"] and all(p.exitcode == 0 for p in procs)
     return 0 if ok else 1

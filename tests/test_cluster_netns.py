@@ -91,7 +91,7 @@ def test_a_run_spans_three_hosts_with_a_two_host_trainer(ws, tmp_path: Path):
     assert ("pbhost2", "10.77.0.2", 29500) in listening  # the trainer's rendezvous, on node 0 of the trainer
     assert any(ns == "pbhost1" and addr == "10.77.0.1" for ns, addr, _ in listening)  # the server
     # the weights went by broadcast from hosts[1] to hosts[0]: no weight folders, the server got step 4
-    assert "received weights of step 4 by broadcast" in (run_dir / "logs" / "inference-0.log").read_text()
+    assert "loaded the weights of step 4 from the broadcast" in (run_dir / "logs" / "inference-0.log").read_text()
     assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())
     print(f"3 hosts: listening sockets {sorted(listening)}")
     assert wait_gone(run_dir, 30) == []

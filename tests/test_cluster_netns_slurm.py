@@ -111,7 +111,7 @@ def test_a_slurm_run_spans_the_namespace_hosts_with_a_two_host_trainer(ws, tmp_p
     print(f"slurm over namespace hosts: placed {placed}, listening {sorted(listening)}")
     assert any(ns == placed["inference-0"] and addr == ADDRESS[ns] for ns, addr, _ in listening)  # the server
     # the weights crossed hosts by broadcast: no weight folders, and the server got step 4
-    assert "received weights of step 4 by broadcast" in (run_dir / "logs" / "inference-0.log").read_text()
+    assert "loaded the weights of step 4 from the broadcast" in (run_dir / "logs" / "inference-0.log").read_text()
     assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())
     assert wait_gone(run_dir, 30) == [], processes_of(run_dir)
 

@@ -1,5 +1,6 @@
 """Broadcast weight sync into a live server: a real sender (the trainer's BroadcastSender) pushes a new
-policy over a gloo group; the server stages it and swaps it in when told, with the new log-probs."""
+policy over a gloo group; the server hears it announced and takes it, bucket by bucket, into the served
+model when told, then answers with the new log-probs."""
 
 from __future__ import annotations
 
@@ -43,15 +44,17 @@ def serve_with_stage(folder, init_method: str):
 
 
 @pytest.mark.timeout(120)
-def test_broadcast_weights_are_staged_then_swapped_in(tmp_path):
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_broadcast_weights_are_announced_then_loaded_when_told(kind, tmp_path):
     from primebuild.runtime.weight_sync.broadcast import BroadcastSender
 
-    v0, v1 = save_model(tmp_path / "v0", "dense", seed=0), save_model(tmp_path / "v1", "dense", seed=1)
+    v0, v1 = save_model(tmp_path / "v0", kind, seed=0), save_model(tmp_path / "v1", kind, seed=1)
     state = load_file(v1 / "model.safetensors")
     init = f"tcp://127.0.0.1:{free_port()}"
     senders = []
     # rank 0 hosts the group's store: build the sender in a thread while the server joins as rank 1
-    thread = threading.Thread(target=lambda: senders.append(BroadcastSender(init, 2)), daemon=True)
+    # 50 kB buckets: a decoder layer (~145 kB) arrives cut over several, the server builds it when complete
+    thread = threading.Thread(target=lambda: senders.append(BroadcastSender(init, 2, bucket_mb=0.05)), daemon=True)
     thread.start()
     with serve_with_stage(v0, init) as server:
         thread.join(timeout=60)
@@ -61,16 +64,21 @@ def test_broadcast_weights_are_staged_then_swapped_in(tmp_path):
         early = server.admin("/update_weights", {"source": "broadcast", "version": 1})
         assert early.status_code == 400 and "no broadcast weights of version 1" in early.json()["error"]["message"]
 
-        sender.send(state, 1)
+        # the send returns only once the server took the tensors, inside its update
+        sending = threading.Thread(target=sender.send, args=(state, 1), daemon=True)
+        sending.start()
         health = httpx.get(server.url + "/health").json()
         for _ in range(200):
             if health["received_version"] == 1:
                 break
             health = httpx.get(server.url + "/health").json()
-        assert health["received_version"] == 1 and health["policy_version"] == 0  # staged, not yet served
+        assert health["received_version"] == 1 and health["policy_version"] == 0  # announced, not yet served
+        assert sending.is_alive()  # the sender waits for the server's update
 
         reply = server.admin("/update_weights", {"source": "broadcast", "version": 1})
         assert reply.status_code == 200, reply.text
+        sending.join(timeout=30)
+        assert not sending.is_alive() and sender.last.step == 1 and sender.last.buckets > 3
         choice = httpx.post(server.v1 + "/completions", json=body, timeout=60).json()["choices"][0]
         assert choice["policy_version"] == 1
         want = teacher_forced_logprobs(load_hf(v1), choice["prompt_token_ids"], choice["token_ids"])

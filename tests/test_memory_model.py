@@ -14,6 +14,8 @@ from primebuild.builders.memory import (
     CUDA_GRAPH_BYTES,
     HF_EAGER_ACTIVATION_FACTOR,
     NCCL_BUFFER_BYTES,
+    broadcast_staging_bytes,
+    delta_copy_bytes,
     inference_memory_per_gpu,
     layer_activation_bytes,
     trainer_memory_per_gpu,
@@ -201,6 +203,35 @@ def test_inference_sharding_of_dense_and_expert_weights():
     assert dp.weights == 1080 + 288 and dp.max_concurrent_seqs_total == 2 * dp.max_concurrent_seqs
     # GQA heads split by TP: 2 KV heads over tp 2
     assert inference(MOE, tp=2).kv_bytes_per_token == 3 * 2 * 1 * 4 * 2
+
+
+def test_broadcast_staging_is_two_buckets_a_tensor_bigger_than_one_or_the_model():
+    # DENSE in bf16: 2704 bytes, the embedding 10 · 8 · 2 = 160
+    assert broadcast_staging_bytes(DENSE, "bfloat16", 100) == 2 * 160  # the embedding is a bucket of its own
+    assert broadcast_staging_bytes(DENSE, "bfloat16", 1000) == 2000
+    assert broadcast_staging_bytes(DENSE, "bfloat16", 10**6) == 2704  # a model smaller than a bucket
+    assert broadcast_staging_bytes(DENSE, "float32", 10**6) == 2 * 2704
+    assert delta_copy_bytes(DENSE, "bfloat16") == 2704
+
+
+def test_glm5_plan_counts_the_staging_buckets_of_a_broadcast():
+    """Every vLLM worker stages two buckets of an update: GLM-5's embedding (154,880 x 6,144 bf16, 1.8 GiB)
+    is a bucket of its own beside the default 1 GiB ones; bigger buckets than vLLM's budget leaves out are
+    refused at weight_sync.bucket_mb."""
+    from conftest import MANIFESTS
+
+    from primebuild.builders.plan import compile_plan
+    from primebuild.manifest.load import load_manifest
+
+    plan = compile_plan(load_manifest(MANIFESTS / "glm5.yaml")).to_json()
+    embedding = 154880 * 6144 * 2
+    for group in ("prefill", "decode"):
+        memory = plan["memory"][group]
+        assert memory["breakdown"]["weight_staging"] == 2 * embedding
+        assert memory["used_bytes"] == sum(memory["breakdown"].values()) and memory["fits"]
+    with pytest.raises(UserError) as err:
+        compile_plan(load_manifest(MANIFESTS / "glm5.yaml", ["weight_sync.bucket_mb=8192"]))
+    assert "weight_sync.bucket_mb" in [p.field for p in err.value.problems]
 
 
 def test_inference_rejects_impossible_layouts():

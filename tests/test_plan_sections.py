@@ -36,7 +36,8 @@ def test_estimates_without_a_roofline_step_omit_what_was_not_made():
 
 def test_memory_groups_read_back_as_their_own_shape():
     inference = {"role": "decode", "capacity_bytes": 8, "budget_bytes": 7, "used_bytes": 6, "free_bytes": 2,
-                 "fits": True, "breakdown": {"weights": 1, "activations": 1, "overhead": 1, "kv_cache": 3},
+                 "fits": True, "breakdown": {"weights": 1, "activations": 1, "overhead": 1, "kv_cache": 3,
+                                           "weight_staging": 0},
                  "kv_bytes_per_token": 1, "kv_tokens_capacity": 3, "max_concurrent_seqs": 1}
     trainer = {"role": "trainer", "capacity_bytes": 8, "budget_bytes": 8, "used_bytes": 9, "free_bytes": -1,
                "fits": False, "breakdown": dict.fromkeys(("params", "grads", "optimizer_state", "master_weights",

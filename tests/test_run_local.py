@@ -191,19 +191,37 @@ def test_synchronous_fp32_mismatch_kl_is_tiny(three_synchronous_steps):
 
 
 def test_broadcast_weight_sync_delivers_exactly_the_trained_weights(workspace: Path, tmp_path: Path):
-    """weight_sync: broadcast — no step folders; the server swaps in what the trainer sent. Synchronous,
-    so the trainer scores exactly the weights that sampled: the mismatch stays at float noise."""
+    """weight_sync: broadcast — no step folders; the server loads what the trainer sent, here in 0.1 MiB
+    buckets (the model, ~2 MB, in many) and as deltas. Synchronous, so the trainer scores exactly the
+    weights that sampled: the mismatch stays at float noise."""
     runs = tmp_path / "runs"
     result = _run(workspace, runs, "--set", "orchestrator.max_steps=3", "--set", "weight_sync.mode=broadcast",
+                  "--set", "weight_sync.bucket_mb=0.1", "--set", "weight_sync.delta=true",
                   "--set", "orchestrator.max_off_policy_steps=0", "--set", f"weight_sync.port={free_port()}")
     assert result.returncode == 0, result.stdout + result.stderr + _logs(runs)
     run_dir = _run_dir(runs)
     assert not (run_dir / "weights").exists()
     server_log = (run_dir / "logs" / "inference-0.log").read_text()
-    assert "received weights of step 3 by broadcast" in server_log
+    assert "loaded the weights of step 3 from the broadcast" in server_log
     kls = [r["value"] for r in _metrics(run_dir) if r["role"] == "trainer" and r["name"] == "mismatch_kl"]
     assert len(kls) == 3 and all(abs(k) < 1e-3 for k in kls), kls
     assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == 3
+
+
+def test_asynchronous_broadcast_reaches_the_last_step(workspace: Path, tmp_path: Path):
+    """Broadcast with the orchestrator two steps ahead: it writes the last batch while the trainer still has
+    steps to send, and each send waits until every server loaded the step before it. Waiting for the last
+    step must load the ones announced meanwhile; it once waited for step 4 while the trainer waited for
+    step 3 to be loaded, until the sender's 600 s timeout."""
+    runs = tmp_path / "runs"
+    result = _run(workspace, runs, "--set", "orchestrator.max_steps=4", "--set", "weight_sync.mode=broadcast",
+                  "--set", "orchestrator.max_off_policy_steps=2", "--set", f"weight_sync.port={free_port()}")
+    assert result.returncode == 0, result.stdout + result.stderr + _logs(runs)
+    run_dir = _run_dir(runs)
+    server_log = (run_dir / "logs" / "inference-0.log").read_text()
+    assert "loaded the weights of step 4 from the broadcast" in server_log
+    assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == 4
+    assert _trained_steps(run_dir) == [1, 2, 3, 4]
 
 
 def test_prefill_decode_split_with_a_context_parallel_trainer(workspace: Path, tmp_path: Path):

@@ -135,6 +135,7 @@ def side_by_side(workspace: Path, tmp_path_factory) -> dict[str, Launched]:
         "dp": _launch(workspace, root / "dp", "reverse-text-vllm.yaml", "--set", f"orchestrator.max_steps={DP_STEPS}",
                       "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
                       "--set", "inference.dp=2", "--set", "weight_sync.mode=broadcast",
+                      "--set", "weight_sync.bucket_mb=0.25",
                       "--set", f"weight_sync.port={sync_port}", "--set", f"inference.port={dp_port}"),
     }
     try:
@@ -170,8 +171,9 @@ def test_a_pd_run_on_vllm_routes_every_request_and_updates_both_pools(side_by_si
 def test_weights_reach_every_worker_of_a_data_parallel_vllm_server(side_by_side: dict[str, Launched]):
     """weight_sync broadcast into a vLLM server of inference.dp=2: the orchestrator asks the server to join
     the trainer's group (/init_weight_transfer_engine), its two engine cores' workers join as ranks 1 and 2
-    (world 3); every step the trainer sends over gloo, both workers stage and load the new weights through
-    vLLM's weight-transfer lifecycle before the server takes the version, and the requests both cores answer
+    (world 3); every step the trainer announces the weights over gloo and sends them, in 0.25 MiB buckets (a
+    decoder layer cut over several), once both workers ask inside vLLM's weight-transfer lifecycle; they
+    load each bucket as it arrives before the server takes the version, and the requests both cores answer
     sample exactly the trained policy. No weight folder is written."""
     steps = DP_STEPS
     code, out, run_dir = side_by_side["dp"].finish(timeout_s=1400)

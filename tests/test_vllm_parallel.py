@@ -122,7 +122,7 @@ def test_broadcast_reaches_both_workers_and_a_dead_sender_stops_the_next_update(
             assert sender.poll() is None, sender.communicate()[0]
             assert time.monotonic() < deadline, admin_call(server, VllmAdmin.broadcast_status)
             time.sleep(0.25)
-        assert admin_call(server, VllmAdmin.policy_version) == 0  # staged, not served
+        assert admin_call(server, VllmAdmin.policy_version) == 0  # announced, not yet loaded
         assert admin_call(server, lambda a: a.update_weights(version=5, source="broadcast")) == 5
 
         status = admin_call(server, VllmAdmin.broadcast_status)

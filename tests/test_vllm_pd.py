@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -236,6 +237,11 @@ def test_prefill_and_decode_servers_both_receive_a_broadcast(pd, tmp_path):
             time.sleep(0.25)
         status = admin_call(prefill.url, VllmAdmin.broadcast_status, members=both)
         assert [s["rank"] for s in status] == [1, 2] and all(s["error"] is None for s in status), status
+        # both at once, as the orchestrator and the routers do: the tensors flow once every worker asks
+        with ThreadPoolExecutor(2) as pool:
+            versions = list(pool.map(lambda s: admin_call(s.url, lambda adm: adm.update_weights(
+                version=3, source="broadcast")), (prefill, decode)))
+        assert versions == [3, 3]
         assert sender.wait(60) == 0, sender.communicate()[0]
     finally:
         if sender.poll() is None:
@@ -243,7 +249,6 @@ def test_prefill_and_decode_servers_both_receive_a_broadcast(pd, tmp_path):
             sender.wait(10)
 
     for server in (prefill, decode):
-        assert admin_call(server.url, lambda adm: adm.update_weights(version=3, source="broadcast")) == 3
         assert admin_call(server.url, VllmAdmin.policy_version) == 3
         assert greedy_tokens(server, prompts) == [hf_greedy(hf_b, p, 8) for p in prompts]
 

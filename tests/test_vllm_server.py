@@ -235,11 +235,12 @@ def test_broadcast_update_from_a_sender_process(server, models):
             assert all(s["error"] is None for s in status), status
             assert time.monotonic() < deadline, f"nothing received in 120 s: {status}"
             time.sleep(0.25)
-        out, _ = sender.communicate(timeout=60)
-        assert sender.returncode == 0, out
+        assert sender.poll() is None  # announced: the sender waits for the server's update to take it
         served, seconds = admin_call(server, lambda a: timed_update(a, version=11, source="broadcast"))
         assert served == 11
-        print(f"\nbroadcast weight update (pause, load staged, reset KV, version, resume): {seconds:.2f} s")
+        out, _ = sender.communicate(timeout=60)
+        assert sender.returncode == 0 and "sent 11" in out, out
+        print(f"\nbroadcast weight update (pause, take the buckets, reset KV, version, resume): {seconds:.2f} s")
     finally:
         if sender.poll() is None:
             sender.kill()

@@ -4,12 +4,15 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from conftest import free_port
 
-from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender, _buckets
+from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
+from primebuild.runtime.weight_sync.buckets import ALIGN, bucket_counts
+from primebuild.runtime.weight_sync.stream import TensorSpec
 
 
 def make_state(step: int) -> dict[str, torch.Tensor]:
@@ -20,6 +23,8 @@ def make_state(step: int) -> dict[str, torch.Tensor]:
         "layer.scale": torch.tensor(float(step)),  # 0-dim
         "layer.count": torch.arange(5, dtype=torch.int64) * step,
         "layer.t": torch.randn(8, 4, generator=g).t(),  # non-contiguous view
+        # 6 kB each: a bucket apiece, so later buckets could land in earlier buckets' buffers
+        **{f"model.layers.{i}.w": torch.randn(1536, generator=g) for i in range(4)},
     }
 
 
@@ -54,8 +59,20 @@ def check(updates, steps):
             assert torch.equal(state[k], want[k]), k
 
 
-def test_buckets_never_split_a_tensor():
-    assert _buckets([4, 4, 10, 1, 1], 8) == [[0, 1], [2], [3, 4]]
+def specs(sizes: dict[str, int]) -> list[TensorSpec]:
+    """Tensors of `ALIGN` x n bytes each (uint8), so sizes count in alignment units."""
+    return [TensorSpec(name, torch.uint8, (n * ALIGN,)) for name, n in sizes.items()]
+
+
+def test_buckets_keep_layers_whole_cut_big_layers_between_tensors_and_never_split_a_tensor():
+    layout = specs({"embed": 5, "model.layers.0.q": 2, "model.layers.0.k": 2, "model.layers.1.q": 2,
+                    "model.layers.1.k": 2, "model.layers.2.big": 9, "model.layers.2.small": 1,
+                    "model.layers.3.a": 3, "model.layers.3.b": 3, "model.layers.3.c": 3, "norm": 1})
+    # 8 units a bucket: layer 0 does not fit beside the embedding, layers 0 and 1 share one, the 9-unit
+    # tensor is a bucket of its own, layer 3 (9 units) is cut between its tensors
+    assert bucket_counts(layout, 8 * ALIGN) == [1, 4, 1, 1, 2, 1, 1]
+    assert bucket_counts(layout, 100 * ALIGN) == [len(layout)]
+    assert sum(bucket_counts(layout, 1)) == len(layout)  # tiny buckets: one tensor each
 
 
 @pytest.mark.timeout(60)
@@ -67,8 +84,12 @@ def test_sender_to_one_receiver_two_updates_then_close():
     try:
         receiver = BroadcastReceiver(init, 2, 1, timeout_s=60)
         updates = []
-        while (u := receiver.recv()) is not None:
-            updates.append(u)
+        # a loader that keeps the buckets' own views, as vLLM's layerwise reload does until a module is
+        # complete: the receiver must not refill a buffer still seen through them
+        while (announced := receiver.announcement()) is not None:
+            state = {}
+            receiver.pull(announced, state.update)
+            updates.append((announced.step, state))
     finally:
         proc.join(30)
     assert proc.exitcode == 0
@@ -91,6 +112,33 @@ def test_sender_to_two_receivers():
             p.join(30)
     assert all(p.exitcode == 0 for p in procs)
     assert results == ["ok", "ok"]
+
+
+def announced_only(init_method, world_size, rank, queue):
+    """A receiver whose server never updates: it hears the step announced and never asks for it."""
+    receiver = BroadcastReceiver(init_method, world_size, rank, timeout_s=60)
+    queue.put(receiver.announcement().step)
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_run_abandons_an_update_nobody_asks_for():
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=announced_only, args=(init, 2, 1, queue), daemon=True)
+    proc.start()
+    try:
+        sender = BroadcastSender(init, 2, timeout_s=60)
+        stop_at = time.monotonic() + 1.0
+        assert sender.send(make_state(3), 3, cancelled=lambda: time.monotonic() > stop_at) is None
+        assert queue.get(timeout=10) == 3 and time.monotonic() - stop_at < 5
+        sender.close()  # returns at once: the receiver is not listening for a close
+        with pytest.raises(RuntimeError, match="abandoned"):
+            sender.send(make_state(4), 4)
+    finally:
+        proc.kill()
+        proc.join(10)
 
 
 def torchrun_trainer(cfg, tmp_path) -> subprocess.Popen:

@@ -14,6 +14,8 @@ from primebuild.builders.lora import adapter_params
 from primebuild.builders.memory import (
     CPU_EAGER_ACTIVATION_FACTOR,
     HF_EAGER_ACTIVATION_FACTOR,
+    broadcast_staging_bytes,
+    delta_copy_bytes,
     inference_memory_per_gpu,
     trainer_memory_per_gpu,
 )
@@ -63,6 +65,12 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
     # The embedded engine's FP8 on a CPU multiplies in fp32 by a dequantised copy of each FP8 weight
     # (primebuild/runtime/inference/weights.py): fp32 weights plus the 1-byte ones, not less memory.
     cpu_fp8 = cpu and m.inference.precision == "fp8"
+    # Broadcast: every receiving worker stages up to two buckets while it loads an update; with delta each
+    # end also keeps the last synced weights in host memory (on a CPU node: the process's own memory).
+    sync = m.weight_sync
+    broadcast = sync.mode == "broadcast"
+    staging = broadcast_staging_bytes(f, m.model.dtype, int(sync.bucket_mb * 2**20)) if broadcast else 0
+    delta_copy = delta_copy_bytes(f, m.model.dtype) if broadcast and sync.delta else 0
     for name, g in m.inference.groups.items():
         mem = inference_memory_per_gpu(
             f, precision="fp32" if cpu_fp8 else m.inference.precision, kv_cache_dtype=m.inference.kv_cache_dtype,
@@ -75,12 +83,13 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
             mem = dataclasses.replace(mem, weights=mem.weights + f.param_counts().matmul_weights)
         if cpu:  # the embedded engine preallocates exactly max_num_seqs full-length slots
             kv_cache = m.inference.max_num_seqs * m.orchestrator.seq_len * mem.kv_bytes_per_token
-        used = mem.weights + mem.activations + mem.overhead + kv_cache
+        worker_staging = staging + (delta_copy if cpu else 0)
+        used = mem.weights + mem.activations + mem.overhead + kv_cache + worker_staging
         memory[name] = InferenceGroupMemory(
             role=name, capacity_bytes=capacity, budget_bytes=mem.budget, used_bytes=used,
-            free_bytes=capacity - used, fits=used <= capacity if cpu else mem.fits,
+            free_bytes=capacity - used, fits=used <= capacity if cpu else mem.fits and used <= capacity,
             breakdown=InferenceBreakdown(weights=mem.weights, activations=mem.activations, overhead=mem.overhead,
-                                         kv_cache=kv_cache),
+                                         kv_cache=kv_cache, weight_staging=worker_staging),
             kv_bytes_per_token=mem.kv_bytes_per_token,
             kv_tokens_capacity=kv_cache // mem.kv_bytes_per_token if cpu else mem.kv_tokens_capacity,
             max_concurrent_seqs=m.inference.max_num_seqs if cpu else mem.max_concurrent_seqs_total,
@@ -94,6 +103,11 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
                 f"{_g(mem.budget)} GiB per GPU" + (f" (short by {_g(short)} GiB)" if short > 0 else ""),
                 field=f"{path}.tp",
                 hint=_inference_fixes(m, g.tp * g.dp, hw.gpus_per_node, can)))
+        elif not cpu and used > capacity:  # vLLM fills its budget with KV cache: staging lives outside it
+            problems.append(Problem(
+                f"{name}: weight-sync staging {_g(staging)} GiB (two buckets) does not fit beside vLLM's budget "
+                f"({_g(mem.budget)} of {_g(capacity)} GiB per GPU)", field="weight_sync.bucket_mb",
+                hint="lower weight_sync.bucket_mb or inference.gpu_memory_utilization"))
 
     t = m.trainer
     tmem = _trainer_memory(m, f, capacity, t.dp_shard)
@@ -114,8 +128,17 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
             f"hardware.host_memory_gb is {hw.host_memory_gb:g}", field="trainer.optimizer.cpu_offload",
             hint="shard over more GPUs (dp_shard) or keep the optimizer on the GPU"))
 
+    if delta_copy and not cpu:
+        workers = hw.gpus_per_node * delta_copy  # one copy per receiving worker on an inference node
+        sender = delta_copy + need  # trainer rank 0's node: its copy beside what the ranks offload
+        for where, held in (("an inference node", workers), ("trainer rank 0's node", sender)):
+            if held > host_bytes:
+                problems.append(Problem(
+                    f"weight_sync.delta keeps the last synced weights ({_g(delta_copy)} GiB) per receiving worker "
+                    f"and on the sender: {_g(held)} GiB of host memory on {where}, hardware.host_memory_gb is "
+                    f"{hw.host_memory_gb:g}", field="weight_sync.delta", hint="turn delta off"))
     if hw.gpu == "cpu":
-        total = sum(v.used_bytes * _process_count(m, k) for k, v in memory.items())
+        total = sum(v.used_bytes * _process_count(m, k) for k, v in memory.items()) + delta_copy  # the sender's
         if total > host_bytes:
             problems.append(Problem(
                 f"all processes together need {_g(total)} GiB but the node has {hw.host_memory_gb:g} GiB",

@@ -359,6 +359,9 @@ def _no_effect(m: Manifest) -> Iterator[Refusal]:
     cpu = m.hardware.gpu == "cpu"
     candidates = [
         ("weight_sync.port", m.weight_sync.mode == "filesystem", "filesystem weight sync opens no port"),
+        ("weight_sync.bucket_mb", m.weight_sync.mode == "filesystem", "filesystem weight sync sends no buckets"),
+        ("weight_sync.delta", m.weight_sync.mode == "filesystem",
+         "filesystem weight sync writes whole step folders (delta applies to broadcast)"),
         ("trainer.rendezvous_port", not _multi_node_trainer(m),
          "a single-node trainer rendezvous listens on loopback, at a free port (primebuild/runtime/trainer/launch.py)"),
         ("trainer.ranks", not cpu, "on GPUs the trainer runs one rank per GPU of its nodes (use dp_shard)"),

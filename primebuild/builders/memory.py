@@ -112,6 +112,23 @@ def weight_bytes(facts: ModelFacts, precision: str) -> tuple[int, int]:
     return fp8(dense_matmuls) + 2 * kept_bf16, fp8(counts.routed_experts)
 
 
+def broadcast_staging_bytes(facts: ModelFacts, wire_dtype: str, bucket_bytes: int) -> int:
+    """What one receiving worker of a bucketed weight broadcast stages (primebuild/runtime/weight_sync/
+    broadcast.py): the bucket being loaded and the next one arriving, each up to `bucket_bytes` of whole
+    tensors, or one tensor bigger than that (the largest is the embedding, vocab × hidden); never more than
+    the model itself (a model smaller than two buckets travels in fewer):
+        min(model, 2 · max(bucket, vocab · hidden · wire_bytes))."""
+    b = dtype_bytes(wire_dtype, field="model.dtype")
+    model = math.ceil(facts.param_counts().total * b)
+    return min(model, 2 * max(bucket_bytes, math.ceil(facts.vocab_size * facts.hidden_size * b)))
+
+
+def delta_copy_bytes(facts: ModelFacts, wire_dtype: str) -> int:
+    """Host memory a delta weight sync keeps at each end (weight_sync/delta.py): the last synced weights,
+    unsharded, once on the sender and once per receiving worker."""
+    return math.ceil(facts.param_counts().total * dtype_bytes(wire_dtype, field="model.dtype"))
+
+
 # ---- trainer ------------------------------------------------------------------------------------
 
 

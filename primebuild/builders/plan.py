@@ -16,6 +16,7 @@ from primebuild import __version__
 from primebuild.builders import budget, derivations
 from primebuild.builders.capabilities import SPLIT_TARGETS, Refusal, refusals
 from primebuild.builders.environments import sandbox_warnings
+from primebuild.builders.kv_connector_packages import missing_from_lock
 from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
 from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
@@ -44,7 +45,7 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
         _raise_unless_design(loaded, refused, [], design)
         return _sft_plan(loaded, facts, lock, refused)
 
-    problems = check_parallelism(m, facts)
+    problems = check_parallelism(m, facts) + ([] if lock is None else lock_problems(loaded, lock))
     placement, place_problems = place(m)
     _raise_unless_design(loaded, refused, problems + place_problems, design)
     assert placement is not None
@@ -173,6 +174,19 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
                      "does not write LMCache's P/D set-up): turn router_replay off, or drop disaggregation, or "
                      "use engine: embedded (router replay under P/D)"))
     return problems
+
+
+def lock_problems(loaded: LoadedManifest, lock: dict) -> list[Problem]:
+    """What the plan would start that the locked environment cannot import: a KV connector's transport."""
+    m = loaded.manifest
+    missing = missing_from_lock(m, lock)
+    if not missing:
+        return []
+    connector = m.inference.disaggregation.kv_connector
+    return [Problem(f"{connector} needs {', '.join(missing)} in the image's vLLM environment, and the lock's gpu "
+                    f"packages lack {'it' if len(missing) == 1 else 'them'} (vLLM imports the transport only when the "
+                    "connector starts)", field="inference.disaggregation.kv_connector",
+                    hint=f"re-lock with `primebuild lock {loaded.path}` (the gpu extra of uv.lock holds them)")]
 
 
 def shared_addresses(m: Manifest, processes: list[ProcessSpec]) -> list[Problem]:

@@ -28,6 +28,7 @@ MEMORY_PARTS = [
     ("grads_optimizer", "grads + optimizer", ("grads", "optimizer_state"), "#56B4E9"),
     ("fsdp_buffers", "gathered layers (FSDP)", ("fsdp_buffers",), "#F0E442"),
     ("kv_cache", "KV cache", ("kv_cache",), "#CC79A7"),
+    ("weight_staging", "weight-sync staging", ("weight_staging",), "#D55E00"),
     ("activations", "activations + logits", ("activations", "logits", "sparse_index"), "#E69F00"),
     ("overhead", "overhead", ("overhead",), "#999999"),
 ]

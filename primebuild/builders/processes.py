@@ -56,7 +56,8 @@ def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ..
         processes.append(_router_process(m, placement.orchestrator_node, processes, len(heads)))
     elif m.inference.disaggregation:
         processes.append(_vllm_router_process(m, processes, len(heads)))
-    sync = BroadcastSync(init_method=init_method, world_size=world) if broadcast else FilesystemSync()
+    sync = (BroadcastSync(init_method=init_method, world_size=world, bucket_mb=m.weight_sync.bucket_mb,
+                          delta=m.weight_sync.delta) if broadcast else FilesystemSync())
     processes += _trainer_processes(m, placement.trainer, sync, trainer_engine)
     processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers, sync, first_ranks))
     return processes

@@ -11,6 +11,7 @@ class InferenceBreakdown(Contract):
     activations: int
     overhead: int
     kv_cache: int
+    weight_staging: int  # broadcast: the buckets a worker holds while it loads an update (+ delta's copy on CPU)
 
 
 class TrainerBreakdown(Contract):

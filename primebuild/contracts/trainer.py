@@ -20,6 +20,11 @@ class FilesystemSync(Contract):
     mode: Literal["filesystem"] = "filesystem"
 
 
+# Staging per receiving worker is two buckets (primebuild/runtime/weight_sync/broadcast.py): 2 GiB on a GPU,
+# beside the 14 GiB vLLM leaves outside its budget at gpu_memory_utilization 0.9 on an H200.
+DEFAULT_BUCKET_MB = 1024.0
+
+
 class BroadcastSync(Contract):
     """Rank 0 sends every step over a torch.distributed group it hosts at `init_method`."""
 
@@ -27,6 +32,8 @@ class BroadcastSync(Contract):
     init_method: str  # tcp://HOST:PORT
     world_size: int = Field(ge=2)  # 1 sender + the inference servers
     timeout_s: float = Field(600.0, gt=0)
+    bucket_mb: float = Field(DEFAULT_BUCKET_MB, gt=0)  # the tensors travel in buckets of about this size
+    delta: bool = False  # only the elements that changed since the previous sync (weight_sync/delta.py)
 
 
 WeightSyncConfig = Annotated[FilesystemSync | BroadcastSync, Field(discriminator="mode")]

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
 from primebuild.contracts.loss import LOSS_NAMES, Aipo, Cispo, DppoKl, Grpo, LossConfig  # noqa: F401  (re-export)
+from primebuild.contracts.trainer import DEFAULT_BUCKET_MB
 
 API_VERSION = "primebuild/v1"
 
@@ -378,6 +379,13 @@ class Environment(Strict):
 class WeightSync(Strict):
     mode: Literal["filesystem", "broadcast"] = "filesystem"
     port: Port = 29600
+    bucket_mb: float = Field(
+        DEFAULT_BUCKET_MB, gt=0, le=65536,
+        description="Broadcast: the weights travel in buckets of about this many MiB (whole decoder layers while "
+        "they fit); each receiving worker stages at most two, never the model (the plan counts them).")
+    delta: bool = Field(
+        False, description="Broadcast: send only the elements whose bits changed since the previous sync. Both "
+        "ends keep the last synced weights in host memory (the plan counts them).")
 
 
 class Retention(Strict):

@@ -53,6 +53,7 @@ from .prefilled import Prefilled, export_slot, install_slot
 from .sampling import SamplingParams, make_generator, sample, sample_greedy
 from .sequences import ChoiceResult, Request, Sequence, SeqUpdate
 from .weights import load_weights
+from .weights_in_place import WeightsInPlace
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,16 @@ class EngineDead(RuntimeError):
 
 @dataclass
 class _Swap:
-    forward_weights: object
+    forward_weights: object  # the weights to swap in; None for an update in place (update_weights_in_place)
     version: int
     in_flight: str
     done: threading.Event
+    # in place: the engine thread sets `parked` at its safe point and waits for `loaded`, while the
+    # caller's thread installs the new weights; `broken` is set when that failed after changing some
+    parked: threading.Event | None = None
+    loaded: threading.Event | None = None
+    changed: bool = False
+    broken: str | None = None
 
 
 class EngineMetrics:
@@ -259,6 +266,39 @@ class Engine:
             if self.dead is not None:
                 raise EngineDead(f"the engine is dead: {self.dead}")
 
+    def update_weights_in_place(self, names: list[str], pull: Callable[[Callable[[list], None]], int],
+                                in_flight: str = "resume", timeout: float = 600) -> int:
+        """Swap in weights that arrive a bucket at a time (a bucketed broadcast) without a second copy of
+        the model: once the engine stops at a safe point (as for any swap), `pull(add)` hands every bucket
+        to `add`, which installs each piece of the model it completes (weights_in_place.py), and returns
+        the version they are. The engine serves nothing meanwhile. Returns that version."""
+        if in_flight not in ("resume", "finish"):
+            raise UserError(f"in_flight must be 'resume' or 'finish', not {in_flight!r}")
+        with self._update_lock:
+            installer = WeightsInPlace(self.forward.weights, self.config, names, self.dtype, self.device, self.fp8)
+            swap = _Swap(None, self.version, in_flight, threading.Event(), threading.Event(), threading.Event())
+            with self._cv:
+                self._swap = swap
+                self._cv.notify()
+            if not swap.parked.wait(timeout):
+                swap.loaded.set()  # nothing changed: if the engine gets there later it just goes on
+                raise TimeoutError("the engine did not stop for the weight update in time "
+                                   "(paused with requests in flight?)")
+            try:
+                swap.version = pull(installer.add)
+                installer.finish()
+            except BaseException as err:
+                if installer.installed:
+                    swap.broken = f"a weight update failed half-way ({type(err).__name__}: {err})"
+                raise
+            finally:
+                swap.changed = installer.installed > 0
+                swap.loaded.set()  # the engine thread goes on, with the new weights or the unchanged old ones
+                swap.done.wait()
+            if self.dead is not None:
+                raise EngineDead(f"the engine is dead: {self.dead}")
+            return swap.version
+
     def shutdown(self) -> None:
         with self._cv:
             self._shutdown = True
@@ -325,7 +365,17 @@ class Engine:
 
     def _apply_swap(self) -> None:
         swap = self._swap
-        self.forward.weights = swap.forward_weights
+        if swap.parked is not None:  # in place: the caller's thread changes the weights while this one waits
+            swap.parked.set()
+            swap.loaded.wait()
+            if swap.broken:
+                raise RuntimeError(swap.broken)  # the model is a mix of two versions: the engine stops
+            if not swap.changed:  # failed before changing anything, or timed out: the old weights stay
+                self._swap = None
+                swap.done.set()
+                return
+        else:
+            self.forward.weights = swap.forward_weights
         self.version = swap.version
         # Resume in-flight sequences on the new weights: re-prefill them (front of the queue, in order).
         preempted = list(self.running)

@@ -72,10 +72,14 @@ def admin_router(engine: Engine, served_model_name: str, admin_token: str | None
             if body.source == "broadcast":
                 if weight_stage is None:
                     raise ApiError(400, "this server was started without a weight broadcast", param="source")
-                origin = weight_stage.take(body.version)
+                announced = weight_stage.announced(body.version)
+                # one bucket at a time straight into the served model: no staged copy (weight_receiver.py);
+                # without prefetch the bucket and the layer built from it are all an update adds
+                await asyncio.to_thread(
+                    engine.update_weights_in_place, [s.name for s in announced.specs],
+                    lambda add: weight_stage.pull(announced, add, prefetch=False), body.in_flight)
             else:
-                origin = body.path
-            await asyncio.to_thread(engine.update_weights, origin, body.version, body.in_flight)
+                await asyncio.to_thread(engine.update_weights, body.path, body.version, body.in_flight)
         except UserError as err:
             raise ApiError(400, str(err), param="source" if body.source == "broadcast" else "path") from None
         except TimeoutError as err:

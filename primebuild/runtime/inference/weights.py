@@ -111,7 +111,7 @@ class _TensorSource:
         return self._handles[file].get_tensor(key)
 
 
-class _DictSource:
+class DictSource:
     """The tensors of a state dict in HF checkpoint naming (what a weight broadcast delivers)."""
 
     def __init__(self, state: Mapping[str, torch.Tensor], label: str):
@@ -127,11 +127,11 @@ class _DictSource:
         return self.state[key]
 
 
-class _Reader:
+class Reader:
     """Checked reads from a tensor source: the shape config.json implies, finite values, in the served
     dtype and on the served device."""
 
-    def __init__(self, source: _TensorSource | _DictSource, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, source: _TensorSource | DictSource, dtype: torch.dtype, device: torch.device | str):
         self.source, self.dtype, self.device = source, dtype, device
 
     def has(self, key: str) -> bool:
@@ -171,11 +171,11 @@ def load_weights(
     """Read an HF folder (or a state dict in HF naming) into fresh tensors, never touching weights in
     use, fused for the hot path; with `fp8`, the decoder's matmul weights block-quantised (see top)."""
     if isinstance(origin, Mapping):
-        source = _DictSource(origin, "broadcast weights")
+        source = DictSource(origin, "broadcast weights")
     else:
         source = _TensorSource(Path(origin))
-    read = _Reader(source, dtype, device)
-    layers = [_load_layer(read, config, i, fp8) for i in range(config.num_layers)]
+    read = Reader(source, dtype, device)
+    layers = [load_layer(read, config, i, fp8) for i in range(config.num_layers)]
     embed, lm_head = _load_embedding_and_head(read, config)
     weights = ModelWeights(embed=embed, layers=layers, lm_head=lm_head)
     if onednn_packing_available(device, dtype):
@@ -188,7 +188,7 @@ def _matmul(weight: torch.Tensor, bias: torch.Tensor | None = None, parts: tuple
     return Fp8Linear(weight, bias, parts) if fp8 else Linear(weight, bias)
 
 
-def _load_layer(read: _Reader, c: ModelConfig, i: int, fp8: bool) -> LayerWeights:
+def load_layer(read: Reader, c: ModelConfig, i: int, fp8: bool) -> LayerWeights:
     """Decoder layer `i`: attention, then its dense MLP or its experts, with the norms folded in."""
     p = f"model.layers.{i}."
     input_norm = read.norm_weight(p + "input_layernorm.weight", c.hidden_size)
@@ -207,18 +207,18 @@ def _load_layer(read: _Reader, c: ModelConfig, i: int, fp8: bool) -> LayerWeight
     return layer
 
 
-def _load_attention(read: _Reader, c: ModelConfig, p: str, fold_input, fp8: bool) -> LayerWeights:
+def _load_attention(read: Reader, c: ModelConfig, p: str, fold_input, fp8: bool) -> LayerWeights:
     """Fused q/k/v projection (input norm folded in), the q and k norms as one scale, the output projection."""
     h, d = c.hidden_size, c.head_dim
     q_out, kv_out = c.num_heads * d, c.num_kv_heads * d
     q_bias = read.maybe(p + "self_attn.q_proj.bias", (q_out,)) if c.attention_bias else None
-    qkv_weight = torch.cat(
+    qkv_weight = torch.cat(  # folded in place: a layer loaded while the model is served holds one copy
         [
             read.get(p + "self_attn.q_proj.weight", (q_out, h)),
             read.get(p + "self_attn.k_proj.weight", (kv_out, h)),
             read.get(p + "self_attn.v_proj.weight", (kv_out, h)),
         ]
-    ) * fold_input
+    ).mul_(fold_input)
     qkv_bias = None if q_bias is None else torch.cat(
         [q_bias, read.get(p + "self_attn.k_proj.bias", (kv_out,)), read.get(p + "self_attn.v_proj.bias", (kv_out,))]
     )
@@ -238,18 +238,18 @@ def _load_attention(read: _Reader, c: ModelConfig, p: str, fold_input, fp8: bool
     )
 
 
-def _load_dense_mlp(layer: LayerWeights, read: _Reader, c: ModelConfig, p: str, fold_post, fp8: bool) -> None:
+def _load_dense_mlp(layer: LayerWeights, read: Reader, c: ModelConfig, p: str, fold_post, fp8: bool) -> None:
     h, inter = c.hidden_size, c.intermediate_size
     layer.gate_up = _matmul(
         torch.cat([read.get(p + "mlp.gate_proj.weight", (inter, h)), read.get(p + "mlp.up_proj.weight", (inter, h))])
-        * fold_post,
+        .mul_(fold_post),
         parts=(inter, inter),
         fp8=fp8,
     )
     layer.down = _matmul(read.get(p + "mlp.down_proj.weight", (h, inter)), fp8=fp8)
 
 
-def _load_experts(layer: LayerWeights, prefix: str, c: ModelConfig, read: _Reader) -> None:
+def _load_experts(layer: LayerWeights, prefix: str, c: ModelConfig, read: Reader) -> None:
     h, inter, n = c.hidden_size, c.moe_intermediate_size, c.num_experts
     layer.router = read.get(prefix + "gate.weight", (n, h))
     if read.has(prefix + "experts.gate_up_proj"):  # transformers-5 fused layout
@@ -286,7 +286,7 @@ def _fold_experts(layer: LayerWeights, c: ModelConfig, fold_post, post_norm: tor
         layer.experts_gate_up = layer.experts_gate_up * post_norm[None, None, :]
 
 
-def _load_embedding_and_head(read: _Reader, c: ModelConfig) -> tuple[torch.Tensor, Linear]:
+def _load_embedding_and_head(read: Reader, c: ModelConfig) -> tuple[torch.Tensor, Linear]:
     """The embedding, and the lm_head with the final norm folded in (a separate tensor even when tied)."""
     h = c.hidden_size
     embed = read.get("model.embed_tokens.weight", (c.vocab_size, h))

@@ -100,6 +100,8 @@ class Orchestrator:
                 return version
             if self.stop_requested():
                 raise asyncio.CancelledError
+            if self.weights.loads_to_advance and version > self.server_version:
+                await self.sync_servers()  # broadcast: else the trainer never announces `at_least`
             await asyncio.sleep(POLL_SECONDS)
 
     async def sync_servers(self) -> None:

