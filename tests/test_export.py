@@ -239,16 +239,18 @@ def test_a_two_rank_checkpoint_exports_as_the_weights_the_ranks_published(tmp_pa
     assert torch.equal(loaded.state_dict()["model.norm.weight"], published["model.norm.weight"])
 
 
-def test_lora_exports_merged_by_default_and_as_the_adapter_on_request(tmp_path: Path):
+@pytest.mark.parametrize("engine", ["hf", "torchtitan"])
+def test_lora_exports_merged_by_default_and_as_the_adapter_on_request(tmp_path: Path, engine: str):
     """A LoRA checkpoint holds the adapters only: merged, the folder scores as the trainer's adapted policy
-    (fp32, 1e-5); as an adapter, it is the PEFT folder the run published at that step."""
+    (fp32, 1e-5); as an adapter, it is the PEFT folder the run published at that step. Both engines: peft's
+    layers on transformers', LoraLinear on torchtitan's (titan_lora.py)."""
     from primebuild.runtime.export import write_export
 
     model = make_tiny_model(tmp_path / "model", seed=4)
     run = tmp_path / "run"
     write_rollouts(run, model, range(1, 3))
     config = trainer_config(model_path=str(model), run_dir=str(run), max_steps=2, checkpoint_every=2, lr=1e-2,
-                            micro_batch_tokens=64, loss="dppo-kl", lora=LORA, engine="hf")
+                            micro_batch_tokens=64, loss="dppo-kl", lora=LORA, engine=engine)
     run_trainer(config)
     checkpoint = step_folder(run / "checkpoints", 2)
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
@@ -268,8 +270,15 @@ def test_lora_exports_merged_by_default_and_as_the_adapter_on_request(tmp_path: 
 
 
 def _lora_policy(config, checkpoint: Path):
-    policy = load_model(config.model_path, ONE_RANK, "float32", False, config.logprob_chunk_tokens,
-                        lora=config.lora, seed=config.seed)
+    """The trainer's adapted policy as resume restores it (model and optimizer state)."""
+    if config.engine == "torchtitan":
+        from primebuild.runtime.trainer.titan_policy import load_titan_model
+
+        policy = load_titan_model(config.model_path, ONE_RANK, "float32", False, config.logprob_chunk_tokens,
+                                  lora=config.lora, seed=config.seed)
+    else:
+        policy = load_model(config.model_path, ONE_RANK, "float32", False, config.logprob_chunk_tokens,
+                            lora=config.lora, seed=config.seed)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
     load_checkpoint(checkpoint, policy, optimizer)
     return policy.eval()

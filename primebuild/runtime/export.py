@@ -48,7 +48,8 @@ def load_policy(trainer: TrainerConfig, checkpoint: str | Path) -> nn.Module:
     if trainer.engine == "torchtitan":
         from primebuild.runtime.trainer.titan_policy import load_titan_model
 
-        policy = load_titan_model(trainer.model_path, ONE_CPU_PROCESS, "float32", False, chunk)
+        policy = load_titan_model(trainer.model_path, ONE_CPU_PROCESS, "float32", False, chunk, lora=trainer.lora,
+                                  seed=trainer.seed)
     else:
         policy = load_model(trainer.model_path, ONE_CPU_PROCESS, "float32", False, chunk, lora=trainer.lora,
                             seed=trainer.seed)
@@ -59,6 +60,10 @@ def load_policy(trainer: TrainerConfig, checkpoint: str | Path) -> nn.Module:
 def merge_adapters(policy: nn.Module) -> int:
     """Fold every LoRA adapter into its base layer and put the base layer back in its place, so the
     module names (and the published names) are the base model's. Returns how many were merged."""
+    if hasattr(policy, "titan"):  # the torchtitan engine's LoraLinear (titan_lora.py)
+        from primebuild.runtime.trainer.titan_lora import merge_adapters as merge_titan_adapters
+
+        return merge_titan_adapters(policy.titan)
     from peft.tuners.lora import LoraLayer
 
     merged = 0
@@ -79,7 +84,7 @@ def write_export(trainer: TrainerConfig, checkpoint: str | Path, out: Path, *, a
     if adapter:
         from primebuild.runtime.trainer.lora import adapter_tensors, write_adapter_folder
 
-        tensors = adapter_tensors(policy.hf)
+        tensors = adapter_tensors(policy.adapter_parameters())
         write_adapter_folder(out, tensors, trainer.lora, trainer.model_path)
         return {"form": "adapter", "tensors": len(tensors)}
     merged = merge_adapters(policy) if trainer.lora is not None else 0

@@ -93,7 +93,7 @@ def load_model_weights(folder: str | Path, model: nn.Module) -> int:
     loads into one process). Returns the step the checkpoint was taken after."""
     folder = Path(folder)
     options = _options(model)
-    state = {"model": get_model_state_dict(model, options=options)}
+    state = {"model": _model_state(model, get_model_state_dict(model, options=options))}
     with warnings.catch_warnings():  # one process reading without a process group is this function's point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=str(folder))

@@ -103,3 +103,19 @@ def adapter_parameters(titan: nn.Module) -> list[tuple[str, nn.Parameter]]:
             for part in ("lora_A", "lora_B"):
                 out.append((f"{PEFT_PREFIX}{module.hf_module}.{part}.weight", getattr(module, part).weight))
     return sorted(out, key=lambda item: item[0])
+
+
+@torch.no_grad()
+def merge_adapters(titan: nn.Module) -> int:
+    """Fold every adapter into its base weight (W + B·A·alpha/r, computed in fp32) and make the module a
+    plain Linear again, so the state dict is the base model's (an export of merged weights). Unsharded
+    modules only (export.py loads the checkpoint into one process). Returns how many were merged."""
+    merged = 0
+    for module in titan.modules():
+        if isinstance(module, LoraLinear):
+            delta = module.lora_B.weight.float() @ module.lora_A.weight.float() * module.scale
+            module.weight.copy_((module.weight.float() + delta).to(module.weight.dtype))
+            del module.lora_A, module.lora_B
+            module.__class__ = Linear
+            merged += 1
+    return merged
