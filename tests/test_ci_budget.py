@@ -3,6 +3,7 @@ test file, and a verdict against the budget that fails CI when the suite is over
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,5 +74,5 @@ def test_no_report_fails(tmp_path: Path):
 
 def test_ci_states_its_budget_and_fails_when_pytest_collects_nothing():
     ci = (REPO / ".ci" / "run").read_text()
-    assert "budget_s=${CI_PYTEST_BUDGET_S:-1500}" in ci and "suite_time.py" in ci
+    assert re.search(r"budget_s=\$\{CI_PYTEST_BUDGET_S:-\d+\}", ci) and "suite_time.py" in ci
     assert '[[ $rc == 5 ]]' in ci and "--durations=25" in ci

@@ -289,9 +289,10 @@ def _lora_policy(config, checkpoint: Path):
 def test_vllm_serves_the_export(workspace: Path, run_dir: Path, vllm_tiny, tmp_path: Path):
     """The session's vLLM server (conftest `vllm_tiny`: the same architecture, seed-0 weights) reloads
     the exported folder and samples with transformers' log-probs on it; it is left on the seed-0 weights
-    at version 0, as tests/test_vllm_oracle.py and tests/test_vllm_server.py expect to find it."""
+    at version "default", as tests/test_vllm_oracle.py and tests/test_vllm_server.py expect to find it."""
     import asyncio
 
+    import httpx
     from inference_helpers import load_hf, teacher_forced_logprobs
     from transformers import AutoModelForCausalLM
     from vllm_helpers import VLLM_ADMIN_TOKEN
@@ -315,6 +316,11 @@ def test_vllm_serves_the_export(workspace: Path, run_dir: Path, vllm_tiny, tmp_p
         async with VllmAdmin(vllm_tiny.url, admin_token=VLLM_ADMIN_TOKEN) as admin:
             await admin.update_weights(version=version, path=step_folder(weights, step))
 
+    async def as_started() -> None:  # the seed-0 weights under vLLM's own first version name, "default"
+        await load(2, version=0)
+        async with VllmAdmin(vllm_tiny.url, admin_token=VLLM_ADMIN_TOKEN) as admin:
+            await admin._call("POST", "/update_weight_version", json={"new_version": "default"})
+
     hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
     prompts = [s.prompt_ids for s in load_batch(run_dir / "rollouts" / "step_000002.safetensors").samples[::8][:4]]
     asyncio.run(load(1, version=41))
@@ -329,4 +335,5 @@ def test_vllm_serves_the_export(workspace: Path, run_dir: Path, vllm_tiny, tmp_p
         theirs = teacher_forced_logprobs(seed_zero, choices[0]["prompt_token_ids"], choices[0]["token_ids"])
         assert choices[0]["token_logprobs"] != pytest.approx(theirs, abs=1e-2)
     finally:
-        asyncio.run(load(2, version=0))
+        asyncio.run(as_started())
+    assert httpx.get(vllm_tiny.url + "/weight_info", timeout=10).json() == {"weight_version": "default"}
