@@ -24,6 +24,7 @@ from torchtitan.models.common import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
 from .fp8 import fp8_linear
+from .titan_model import ExactGroupedExperts
 
 
 class Fp8TitanLinear(Linear):
@@ -33,7 +34,7 @@ class Fp8TitanLinear(Linear):
         return fp8_linear(x, self.weight, self.bias)
 
 
-class Fp8GroupedExperts(GroupedExperts):
+class Fp8GroupedExperts(ExactGroupedExperts):
     """torchtitan's grouped experts (same parameters, names and sharding), each expert's rows through FP8
     matmuls: SwiGLU(x @ w1^T, x @ w3^T) @ w2^T, in the compute dtype around them."""
 
@@ -41,17 +42,9 @@ class Fp8GroupedExperts(GroupedExperts):
     class Config(GroupedExperts.Config):
         pass
 
-    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
-        ends = torch.cumsum(num_tokens_per_expert_E, dim=0).tolist()
-        out = x_RD.new_zeros(x_RD.shape[0], w2.shape[1])
-        start = 0
-        for e, end in enumerate(ends):
-            if end > start:
-                x = x_RD[start:end]
-                out[start:end] = fp8_linear(nn.functional.silu(fp8_linear(x, w1[e])) * fp8_linear(x, w3[e]), w2[e])
-            start = end
-        return out
+    @staticmethod
+    def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, w)
 
 
 def apply_titan_fp8(titan: nn.Module) -> dict[str, int]:

@@ -132,6 +132,11 @@ class ExactGroupedExperts(GroupedExperts):
     class Config(GroupedExperts.Config):
         pass
 
+    @staticmethod
+    def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w^T for one expert's weight `w` (titan_fp8.Fp8GroupedExperts: block-scaled FP8)."""
+        return x @ w.T
+
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
         ends = torch.cumsum(num_tokens_per_expert_E, dim=0).tolist()
@@ -140,7 +145,7 @@ class ExactGroupedExperts(GroupedExperts):
         for e, end in enumerate(ends):
             if end > start:
                 x = x_RD[start:end]
-                out[start:end] = (F.silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T
+                out[start:end] = self.matmul(F.silu(self.matmul(x, w1[e])) * self.matmul(x, w3[e]), w2[e])
             start = end
         return out
 
