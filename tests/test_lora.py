@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
+from trainer_fixtures import make_tiny_model, run_trainer_ranks, trainer_config, write_rollouts
 from transformers import AutoModelForCausalLM
 
 from primebuild.runtime.inference.engine import Engine
@@ -130,11 +130,7 @@ def test_checkpoint_holds_adapters_and_resume_continues_identically(tmp_path, ti
 def test_two_fsdp_ranks_train_the_adapters_one_rank_does(tmp_path):
     """Adapters injected before FSDP wraps the blocks: 2 ranks (gloo) match 1 rank, and their 2-rank
     adapter-only checkpoint resumes on 1 rank."""
-    import os
-    import subprocess
-    import sys
 
-    from test_trainer_fsdp import free_port
 
     model = make_tiny_model(tmp_path / "model")
     # eps 1e-4: where an adapter's gradient is a rounding error, summing it over 2 ranks instead of 1 can flip
@@ -146,13 +142,8 @@ def test_two_fsdp_ranks_train_the_adapters_one_rank_does(tmp_path):
     for run in runs.values():
         write_rollouts(run, model, range(1, 5), num_prompts=5, group_size=3)
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
-    cfg = tmp_path / "two.json"
-    cfg.write_text(trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2},
-                                  **common).model_dump_json())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config", str(cfg)],
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=250)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_trainer_ranks(trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2},
+                                     **common), tmp_path / "two.json")
     one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
     for step in (1, 2, 3):
         for name in ("loss", "grad_norm", "behaviour_kl"):

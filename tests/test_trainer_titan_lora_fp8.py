@@ -1,15 +1,11 @@
 """LoRA and FP8 training on the torchtitan engine: the same adapters, trajectory and published folders as on
 the hf engine (peft's adapters, transformers' layers), and the same FP8 numerics."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import free_port
 from safetensors.torch import load_file
-from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
+from trainer_fixtures import make_tiny_model, run_trainer_ranks, trainer_config, write_rollouts
 
 from primebuild.errors import UserError
 from primebuild.runtime.inference.engine import Engine
@@ -132,13 +128,8 @@ def test_two_fsdp_ranks_train_torchtitan_s_adapters_as_one_rank(tmp_path):
                   lora=LORA, engine="torchtitan")
     runs = _runs(tmp_path, model, ("one", "two"), steps=4)
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
-    cfg = tmp_path / "two.json"
-    cfg.write_text(trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2},
-                                  activation_checkpointing=True, **common).model_dump_json())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config", str(cfg)],
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=250)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_trainer_ranks(trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2},
+                                     activation_checkpointing=True, **common), tmp_path / "two.json")
     one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
     for step in (1, 2, 3):
         for name in ("loss", "grad_norm", "behaviour_kl"):
@@ -173,13 +164,8 @@ def test_expert_parallel_ranks_train_as_one_rank_with_lora_or_fp8(tmp_path, swit
                   engine="torchtitan", **EP_LAYOUTS[switch])
     runs = _runs(tmp_path, model, ("one", "two"), steps=2)
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
-    cfg = tmp_path / "two.json"
-    cfg.write_text(trainer_config(run_dir=str(runs["two"]), parallel={"dp_shard": 2, "ep": 2},
-                                  **common).model_dump_json())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config", str(cfg)],
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=250)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_trainer_ranks(trainer_config(run_dir=str(runs["two"]), parallel={"dp_shard": 2, "ep": 2},
+                                     **common), tmp_path / "two.json")
     one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
     for step in (1, 2):
         for name in ("loss", "grad_norm", "behaviour_kl", "entropy"):

@@ -6,6 +6,9 @@ under the base weights, so at step 1 (fp32 on both sides) the trainer's mismatch
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -119,3 +122,16 @@ def attach_routes(batch_path, model_path, seed: int) -> None:
         routes[::4] = other[::4]
         s.routed_experts = routes.to(torch.uint8)
     save_batch(batch_path, batch)
+
+
+def run_trainer_ranks(config: TrainerConfig, config_path: Path, timeout: float = 250) -> None:
+    """The trainer under torchrun, one gloo rank per `config.parallel.world_size` (one OMP thread each),
+    reading `config` from `config_path`; fails with the tail of its output."""
+    from conftest import free_port
+
+    config_path.write_text(config.model_dump_json())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={config.parallel.world_size}",
+                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main",
+                           "--config", str(config_path)],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
