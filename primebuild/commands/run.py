@@ -13,7 +13,7 @@ import click
 from primebuild.code_version import code_version
 from primebuild.commands.options import print_notes, set_option
 from primebuild.contracts.plan import Plan, read_plan, render_json
-from primebuild.contracts.run_dir import RunDir, write_json_atomic
+from primebuild.contracts.run_dir import FailureRecord, RunDir, write_json_atomic
 from primebuild.contracts.run_summary import RunSummary
 from primebuild.errors import UserError
 
@@ -149,18 +149,23 @@ def _prepare_resume(run: RunDir, target, *, restart: bool = False) -> None:
 def _execute_with_restarts(plan: Plan, run: RunDir, target, verbosity: int, started: float, detach: bool) -> None:
     """`--max-restarts N`: a session that fails (a crash, a hang) is resumed from the newest checkpoint."""
     allowed = run.read_supervision().max_restarts
+    lost: list[str] = []  # hosts an attempt lost contact with: a target that places processes avoids them
     for attempt in range(allowed + 1):
         try:
-            _execute(plan, run, target, verbosity, started, detach)
+            _execute(plan, run, target, verbosity, started, detach, avoid_hosts=tuple(lost))
             return
         except click.exceptions.Exit as failed:
             if attempt == allowed or failed.exit_code in (2, 130):  # out of restarts; bad input; Ctrl-C twice
                 raise
             click.echo(f"restart {attempt + 1}/{allowed}: resuming from the newest checkpoint", err=True)
+            if run.failure.is_file():
+                host = FailureRecord.model_validate_json(run.failure.read_text()).lost_host
+                lost += [host] if host and host not in lost else []
             _prepare_resume(run, target, restart=True)
 
 
-def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, detach: bool) -> None:
+def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, detach: bool,
+             avoid_hosts: tuple[str, ...] = ()) -> None:
     from primebuild.runtime.session import finish
     from primebuild.runtime.watchdog import Watchdog
 
@@ -175,7 +180,7 @@ def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, de
         live_ctx = _live() if sys.stdout.isatty() else None
         with live_ctx or _nothing() as live:
             echo = (lambda text: live.console.print(text, markup=False, highlight=False)) if live else click.echo
-            record = target.launch(run, plan, echo=echo, verbosity=verbosity, live=live)
+            record = target.launch(run, plan, echo=echo, verbosity=verbosity, live=live, avoid_hosts=avoid_hosts)
             if previous is not None:
                 record = record.model_copy(update={"launches": previous.launches + 1})
             write_json_atomic(run.launch_record, record.model_dump(mode="json"))

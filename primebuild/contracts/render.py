@@ -14,3 +14,5 @@ class RenderContext(Contract):
     image: str | None = None  # where the image was pushed (REGISTRY/NAME[:TAG]); pinned to the plan's image digest
     mounts: list[str] = Field(default_factory=list)  # slurm + image: host paths mounted at the same path (the store)
     model_path: str = "{model_path}"  # kubernetes: the model folder as the pods see it (on the shared volume)
+    # slurm: nodes no component may be given (a restart after a lost host: slurmctld may not know it yet)
+    exclude_nodes: list[str] = Field(default_factory=list)

@@ -91,6 +91,7 @@ class FailureRecord(Contract):
     message: str
     log: str  # the log file, in this run folder
     log_tail: list[str]
+    lost_host: str | None = None  # the address of the host nothing reached any more, when that ended it
 
 
 class OutcomeRecord(Contract):

@@ -26,6 +26,7 @@ class Handle(Protocol):
     def lines(self) -> Iterator[str]: ...  # its output, line by line, until it exits
 
     def lost_contact(self) -> str | None: ...  # why its host cannot be reached any more (ssh), or None
+    def lost_host(self) -> str | None: ...  # that host's address, or None
 
 
 class Launcher(Protocol):

@@ -281,7 +281,8 @@ class Supervisor:
         log = self.run.log(running.spec.name)
         tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log.is_file() else []
         record = FailureRecord(process=running.spec.name, role=running.spec.role, exit_code=code,
-                               signal=describe_exit(code)[1], message=message, log=str(log), log_tail=tail)
+                               signal=describe_exit(code)[1], message=message, log=str(log), log_tail=tail,
+                               lost_host=running.handle.lost_host())
         write_json_atomic(self.run.failure, record.model_dump(mode="json"))
         self.echo(f"error: {message}; stopping every other process")
         self.run.stop_file.touch()  # the trainer saves the step it finished, the orchestrator stops

@@ -248,5 +248,5 @@ def render_slurm(plan: Plan, ctx: RenderContext) -> dict[str, str]:
         processes=[{"name": p.name, "exports": _exports(p),
                     "srun": " ".join(filter(None, [_srun(plan, by_name[p.name], p), _container(image, ctx)]))}
                    for p in sorted(plan.processes, key=lambda p: (p.start_order, by_name[p.name].component.index))],
-        owners=owners)
+        owners=owners, exclude=shlex.quote("--exclude=" + ",".join(ctx.exclude_nodes)) if ctx.exclude_nodes else None)
     return {SCRIPT_NAME: text}

@@ -71,7 +71,8 @@ class KubernetesTarget(Target):
         return KubernetesObjects(plan, RenderContext(run_dir=str(run.root), python="python3", image=record.get("image"),
                                              model_path=record.get("model_path", "{model_path}")))
 
-    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
+    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None,
+               avoid_hosts: tuple[str, ...] = ()) -> LaunchRecord:
         client = _client()
         renderer = self._renderer(run, plan)
         write_json_atomic(run.rendezvous, Rendezvous(**renderer.rendezvous()).model_dump(mode="json"))

@@ -88,7 +88,8 @@ class LocalTarget(SupervisedHere, Target):
         if busy:  # before anything is built or written
             raise UserError(ports_message(busy))
 
-    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
+    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None,
+               avoid_hosts: tuple[str, ...] = ()) -> LaunchRecord:
         write_rendezvous(run, [LOOPBACK] * plan.hardware.nodes)
         return self._start_supervisor(run, plan, LocalLauncher(run), echo=echo, verbosity=verbosity, live=live)
 

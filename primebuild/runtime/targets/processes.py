@@ -28,6 +28,10 @@ class ProcessHandle:
     def lost_contact(self) -> str | None:
         return None  # a child of this very process
 
+    def lost_host(self) -> str | None:
+        """The address of the host `lost_contact` names, for a restart to avoid it."""
+        return None
+
     def wait(self, timeout: float) -> int | None:
         try:
             return self.popen.wait(timeout=timeout)

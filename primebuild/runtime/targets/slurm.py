@@ -28,6 +28,7 @@ from primebuild.contracts.run_dir import LaunchRecord, RunDir
 from primebuild.errors import UserError
 from primebuild.runtime.supervisor import Outcome
 from primebuild.runtime.targets.base import Echo, Target
+from primebuild.runtime.targets.slurm_avoid import nodes_to_exclude
 
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel")
 POLL_SECONDS = 1.0
@@ -64,8 +65,10 @@ class SlurmTarget(Target):
             raise UserError(f"target slurm: slurmctld does not answer (`scontrol ping`: "
                             f"{(ping.stdout + ping.stderr).strip() or ping.returncode})")
 
-    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
-        ctx = RenderContext(run_dir=str(run.root), python=sys.executable)
+    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None,
+               avoid_hosts: tuple[str, ...] = ()) -> LaunchRecord:
+        excluded = nodes_to_exclude(plan, avoid_hosts, echo)
+        ctx = RenderContext(run_dir=str(run.root), python=sys.executable, exclude_nodes=excluded)
         script = run.artifact(SCRIPT_NAME)
         script.write_text(render_slurm(plan, ctx)[SCRIPT_NAME])
         script.chmod(0o755)

@@ -45,6 +45,9 @@ class SrunHandle(ProcessHandle):
             return None
         return self.watch.message(self.host)
 
+    def lost_host(self) -> str | None:
+        return self.host if self.lost_contact() else None
+
     def poll(self) -> int | None:
         code = self.popen.poll()
         return LOST_EXIT if code is None and self.lost_contact() else code

@@ -106,6 +106,9 @@ class SshHandle:
             return None
         return f"lost contact with host {host} (its ssh connection went unanswered for {LOST_AFTER_S} s)"
 
+    def lost_host(self) -> str | None:
+        return host_of(self.launcher.plan, self.spec) if self.lost_contact() else None
+
     def wait(self, timeout: float) -> int | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -193,7 +196,8 @@ class SshTarget(SupervisedHere, Target):
             finally:
                 conn.close()
 
-    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None) -> LaunchRecord:
+    def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None,
+               avoid_hosts: tuple[str, ...] = ()) -> LaunchRecord:
         write_rendezvous(run, single_host_or(list(plan.target.hosts)))
         self.launcher = SshLauncher(plan, run)
         return self._start_supervisor(run, plan, self.launcher, echo=echo, verbosity=verbosity, live=live)
