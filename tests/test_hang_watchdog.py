@@ -185,10 +185,11 @@ def test_a_rank_that_stops_coming_ends_the_run_naming_it_and_nothing_listens_bey
         manifests: Path, tmp_path: Path):
     """A 2-rank trainer: every socket of the run listens on loopback (torchrun's rendezvous too); then
     rank 1 is frozen, rank 0 waits in a collective, and the watchdog ends the run within its bound,
-    naming the trainer, with the stacks of rank 0 showing the collective."""
+    naming the trainer, with the stacks of rank 0 showing the collective. (No trainer-only restart here:
+    tests/test_trainer_restart.py has the watchdog restart a frozen trainer.)"""
     runs = tmp_path / "runs"
     proc = _start(manifests, runs, "--set", "trainer.ranks=2", "--set", "trainer.dp_shard=2",
-                   "--set", "orchestrator.max_steps=200")
+                   "--set", "orchestrator.max_steps=200", "--set", "trainer.max_restarts=0")
     try:
         run_dir = _wait_for_trained(runs, 2, proc, timeout=300)
         sockets = listening_sockets([int(line.split(":")[0]) for line in processes_of(run_dir)])

@@ -168,6 +168,21 @@ def end_leftovers(run: RunDir, *, stopped_only: bool = False) -> list[int]:
     return left
 
 
+def end_processes(run: RunDir, names: set[str]) -> list[int]:
+    """SIGKILL every process on this host of these plan processes (their children too: a trainer's torchrun
+    ranks, in sessions of their own, which a kill of the process group does not reach)."""
+    left = [p.pid for p in run_processes(run) if p.process in names]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + DUMP_WAIT_SECONDS  # gone (memory, ports) before a restart starts anew
+    while time.monotonic() < deadline and any(p.process in names for p in run_processes(run)):
+        time.sleep(0.05)
+    return left
+
+
 def run_processes(run: RunDir) -> list[PidState]:
     """Every live process of this run on this host, with the plan process it belongs to (its environment)."""
     out = []

@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 66e13a8c99fbdf6b4e0c7446de62ae3a3bb0fd4cbc1076eb767495642f81ab24, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 3e23c41f763f8b20d50b160efe964565b3a85d87f0369a8b032c52eb0a130b48, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is
@@ -36,7 +36,7 @@ start_trainer() {
 signal_trainer() {  # SIGNAL PGID (digits): the remote command with both filled in
   local command=${signal_template//@PGID@/$2}; ssh -p 2222 -o BatchMode=yes 127.0.0.3 "${command//@SIG@/$1}" </dev/null || true
 }
-restarts[trainer]=0 max_restarts[trainer]=0 health_url[trainer]='' health_timeout[trainer]=300
+restarts[trainer]=0 max_restarts[trainer]=3 health_url[trainer]='' health_timeout[trainer]=300
 
 # orchestrator (orchestrator) on plan node 1: 127.0.0.3
 start_orchestrator() {

@@ -1,0 +1,170 @@
+"""Trainer-only restart (primebuild/runtime/supervisor.py, builders/trainer_restart.py): a trainer group that
+dies or hangs starts again from its newest checkpoint while the inference server keeps its model and the
+orchestrator its rollouts; the steps after the checkpoint are retrained from the same rollout files.
+
+Faults are real: a trainer rank of a real run is SIGKILLed or frozen with SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster_helpers import processes_of
+from conftest import free_port, plan_json, sft_workspace
+from test_hang_watchdog import _pids
+from test_run_local import _wait_for_trained
+
+from primebuild.runtime.metrics import read_metrics
+from primebuild.runtime.supervisor import _reported_an_error
+
+pytestmark = pytest.mark.timeout(420)
+TIMINGS = {"wait_s", "step_s", "publish_s"}  # wall-clock metrics: the only values a retrained step may change
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory, short_sft_store) -> Path:
+    return sft_workspace(tmp_path_factory.mktemp("restart"), seed_store=short_sft_store)
+
+
+def _start(manifests: Path, runs: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "reverse-text.yaml"), "--runs-dir", str(runs),
+         "--quiet", "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
+         "--set", f"inference.port={free_port()}", "--set", "trainer.checkpoint_every=3", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PRIMEBUILD_STORE": str(manifests.parent / "store"), "PYTHONUNBUFFERED": "1"})
+
+
+def _trainer_rows(run_dir: Path) -> list[dict]:
+    """Every trainer line of metrics.jsonl, in order: a retrained step's lines come twice."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["role"] == "trainer"]
+
+
+def _attempts(run_dir: Path) -> dict[int, list[dict[str, float]]]:
+    """step -> the values each attempt at it wrote (one dict per attempt)."""
+    out: dict[int, list[dict[str, float]]] = {}
+    for r in _trainer_rows(run_dir):
+        tries = out.setdefault(r["step"], [])
+        if not tries or r["name"] in tries[-1]:
+            tries.append({})
+        tries[-1][r["name"]] = r["value"]
+    return out
+
+
+def _assert_retrained_identically(run_dir: Path, steps: int, trained_before: int) -> list[int]:
+    """Steps 1..steps each in metrics once (readers keep the last line); the steps after the checkpoint the
+    trainer restarted from were trained twice, with identical values; returns those steps."""
+    (restart,) = [json.loads(line) for line in (run_dir / "trainer_restarts.jsonl").read_text().splitlines()]
+    after = restart["resume_after"]
+    assert 0 < after <= trained_before and after % 3 == 0, restart  # checkpoint_every=3
+    assert sorted(read_metrics(run_dir / "metrics.jsonl", role="trainer")) == list(range(1, steps + 1))
+    attempts = _attempts(run_dir)
+    twice = sorted(s for s, tries in attempts.items() if len(tries) == 2)
+    assert all(len(tries) <= 2 for tries in attempts.values()), attempts
+    assert twice and twice[0] == after + 1 and twice == list(range(after + 1, twice[-1] + 1)), (after, twice)
+    assert twice[-1] >= trained_before  # at least every step whose row was written before the kill
+    for step in twice:
+        first, second = ({k: v for k, v in t.items() if k not in TIMINGS} for t in attempts[step])
+        assert first == second, (step, first, second)  # same checkpoint, same rollout file: same values
+    return twice
+
+
+def test_a_killed_trainer_rank_restarts_alone_and_retrains_identical_steps(manifests: Path, tmp_path: Path):
+    """A 2-rank trainer loses rank 1 to SIGKILL after step 4: torchrun ends the group, the supervisor starts
+    it again from the checkpoint of step 3; the inference server and the orchestrator are the same
+    processes throughout, and the retrained steps log exactly the values of their first attempt."""
+    runs = tmp_path / "runs"
+    steps = 9
+    proc = _start(manifests, runs, "--set", "trainer.ranks=2", "--set", "trainer.dp_shard=2",
+                  "--set", f"orchestrator.max_steps={steps}")
+    try:
+        run_dir = _wait_for_trained(runs, 4, proc, timeout=300)
+        (server,) = _pids(run_dir, "inference-0")
+        (orchestrator,) = _pids(run_dir, "orchestrator")
+        (rank1,) = _pids(run_dir, "trainer", RANK="1")
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        trained_before = max(read_metrics(run_dir / "metrics.jsonl", role="trainer"))
+        new_step = _wait_for_trained(runs, trained_before + 1, proc, timeout=300)
+        recovered = time.monotonic() - killed
+        # the same server and orchestrator processes, still up, after the trainer came back
+        assert _pids(run_dir, "inference-0") == [server] and _pids(run_dir, "orchestrator") == [orchestrator]
+        assert new_step == run_dir
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"trainer rank 1 SIGKILLed after step {trained_before} -> step {trained_before + 1} trained "
+          f"{recovered:.1f} s later (trainer-only restart; load average {os.getloadavg()[0]:.1f})")
+    assert proc.returncode == 0, out
+    assert "restarting the trainer (1/3)" in out and "starting again after the checkpoint of step" in out, out
+    twice = _assert_retrained_identically(run_dir, steps, trained_before)
+    print(f"retrained steps {twice}: identical values")
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "(restart 1) ---" in log and "resumed from" in log
+    # the republished weights are the very bytes already served: the folder stayed in place
+    assert "written again with the same bytes; the published folder stays" in log, log[-3000:]
+    for name in ("inference-0", "orchestrator"):
+        assert "(restart 1)" not in (run_dir / "logs" / f"{name}.log").read_text()
+    assert processes_of(run_dir) == []
+
+
+def test_a_frozen_trainer_is_restarted_by_the_hang_watchdog(manifests: Path, tmp_path: Path):
+    """One trainer process frozen with SIGSTOP after step 4: the watchdog names it, the supervisor kills
+    and restarts the trainer alone (not the run), and every step is trained, the retrained ones identically."""
+    runs = tmp_path / "runs"
+    steps = 8
+    proc = _start(manifests, runs, "--set", f"orchestrator.max_steps={steps}", "--hang-timeout", "15")
+    try:
+        run_dir = _wait_for_trained(runs, 4, proc, timeout=300)
+        (trainer,) = _pids(run_dir, "trainer")
+        os.kill(trainer, signal.SIGSTOP)
+        trained_before = max(read_metrics(run_dir / "metrics.jsonl", role="trainer"))
+        out, _ = proc.communicate(timeout=360)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert f"trainer (pid {trainer}) is stopped" in out and "restarting the trainer (1/3)" in out, out
+    assert "(restart 1)" not in (run_dir / "logs" / "inference-0.log").read_text()
+    assert not (run_dir / "failure.json").exists()
+    _assert_retrained_identically(run_dir, steps, trained_before)
+    assert processes_of(run_dir) == []
+
+
+def test_the_plan_gives_the_trainer_restarts_where_they_work_and_refuses_them_elsewhere(manifests: Path):
+    def trainer_restart(*sets: str) -> dict:
+        (spec,) = [p for p in plan_json(manifests / "reverse-text.yaml", sets, design=False)["processes"]
+                   if p["role"] == "trainer"]
+        return spec["restart"]
+
+    assert trainer_restart() == {"policy": "on-failure", "max_restarts": 3}
+    assert trainer_restart("trainer.max_restarts=0") == {"policy": "never", "max_restarts": 0}
+    assert trainer_restart("weight_sync.mode=broadcast") == {"policy": "never", "max_restarts": 0}
+    refused = subprocess.run(
+        [sys.executable, "-m", "primebuild.cli", "plan", str(manifests / "reverse-text.yaml"),
+         "--set", "weight_sync.mode=broadcast", "--set", "trainer.max_restarts=2"],
+        capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "trainer.max_restarts" in refused.stderr and "broadcast" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_a_trainer_that_reported_its_own_error_is_not_restarted(tmp_path: Path):
+    """config_main's `error:` line (bad input, a non-finite step) would come again from the same checkpoint
+    and batches; a crash or a kill prints none. Only lines since the last start count."""
+    log = tmp_path / "trainer.log"
+    log.write_text("--- start 2026-12-05T06:00:00 (restart 0) ---\n[rank0]: error: step 4: the loss is not finite\n"
+                   "--- start 2026-12-05T06:01:00 (restart 1) ---\nTraceback (most recent call last):\n"
+                   "RuntimeError: Connection reset by peer\n")
+    assert not _reported_an_error(log)
+    log.write_text(log.read_text() + "error: step 4: the loss is not finite\n")
+    assert _reported_an_error(log)
