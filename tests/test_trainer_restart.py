@@ -20,6 +20,7 @@ from cluster_helpers import processes_of
 from conftest import free_port, plan_json, sft_workspace
 from test_hang_watchdog import _pids
 from test_run_local import _wait_for_trained
+from vllm_helpers import vllm_python
 
 from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.supervisor import _reported_an_error
@@ -30,12 +31,13 @@ TIMINGS = {"wait_s", "step_s", "publish_s"}  # wall-clock metrics: the only valu
 
 @pytest.fixture(scope="module")
 def manifests(tmp_path_factory, short_sft_store) -> Path:
-    return sft_workspace(tmp_path_factory.mktemp("restart"), seed_store=short_sft_store)
+    return sft_workspace(tmp_path_factory.mktemp("restart"), ("reverse-text.yaml", "reverse-text-vllm.yaml"),
+                         seed_store=short_sft_store)
 
 
-def _start(manifests: Path, runs: Path, *args: str) -> subprocess.Popen:
+def _start(manifests: Path, runs: Path, *args: str, manifest: str = "reverse-text.yaml") -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "reverse-text.yaml"), "--runs-dir", str(runs),
+        [sys.executable, "-m", "primebuild.cli", "run", str(manifests / manifest), "--runs-dir", str(runs),
          "--quiet", "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
          "--set", f"inference.port={free_port()}", "--set", "trainer.checkpoint_every=3", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -114,6 +116,40 @@ def test_a_killed_trainer_rank_restarts_alone_and_retrains_identical_steps(manif
     assert "written again with the same bytes; the published folder stays" in log, log[-3000:]
     for name in ("inference-0", "orchestrator"):
         assert "(restart 1)" not in (run_dir / "logs" / f"{name}.log").read_text()
+    assert processes_of(run_dir) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)  # a vLLM start costs minutes on a loaded 2-core machine
+def test_a_killed_trainer_restarts_beside_the_vllm_server_it_keeps(manifests: Path, tmp_path: Path):
+    """The same with vLLM serving (filesystem weight sync): the vLLM server process is never restarted,
+    it loads the retrained steps' folders (the same bytes, left in place), and every step trains once."""
+    vllm_python()
+    runs = tmp_path / "runs"
+    steps = 7
+    proc = _start(manifests, runs, "--set", f"orchestrator.max_steps={steps}", "--set", "orchestrator.eval_every=0",
+                  manifest="reverse-text-vllm.yaml")
+    try:
+        run_dir = _wait_for_trained(runs, 4, proc, timeout=900)
+        servers = sorted(_pids(run_dir, "inference-0"))  # the API server and its EngineCore
+        (trainer,) = _pids(run_dir, "trainer")
+        os.kill(trainer, signal.SIGKILL)
+        killed = time.monotonic()
+        trained_before = max(read_metrics(run_dir / "metrics.jsonl", role="trainer"))
+        _wait_for_trained(runs, trained_before + 1, proc, timeout=600)
+        recovered = time.monotonic() - killed
+        assert sorted(_pids(run_dir, "inference-0")) == servers
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"vLLM run: trainer SIGKILLed after step {trained_before} -> step {trained_before + 1} trained "
+          f"{recovered:.1f} s later (load average {os.getloadavg()[0]:.1f})")
+    assert proc.returncode == 0, out
+    assert "restarting the trainer (1/3)" in out, out
+    _assert_retrained_identically(run_dir, steps, trained_before)
+    assert "(restart 1)" not in (run_dir / "logs" / "inference-0.log").read_text()
+    assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == steps
     assert processes_of(run_dir) == []
 
 
