@@ -61,32 +61,42 @@ def _attempts(run_dir: Path) -> dict[int, list[dict[str, float]]]:
     return out
 
 
-def _assert_retrained_identically(run_dir: Path, steps: int, trained_before: int) -> list[int]:
-    """Steps 1..steps each in metrics once (readers keep the last line); the steps after the checkpoint the
-    trainer restarted from were trained twice, with identical values; returns those steps."""
-    (restart,) = [json.loads(line) for line in (run_dir / "trainer_restarts.jsonl").read_text().splitlines()]
-    after = restart["resume_after"]
-    assert 0 < after <= trained_before and after % 3 == 0, restart  # checkpoint_every=3
+def _assert_retrained_identically(run_dir: Path, steps: int, kills: list[int]) -> list[int]:
+    """Steps 1..steps each in metrics once (readers keep the last line); after each kill (`kills`: the newest
+    step trained when it came) the steps after the checkpoint the trainer restarted from were trained twice,
+    with identical values; returns those steps."""
+    restarts = [json.loads(line) for line in (run_dir / "trainer_restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == len(kills), restarts
     assert sorted(read_metrics(run_dir / "metrics.jsonl", role="trainer")) == list(range(1, steps + 1))
     attempts = _attempts(run_dir)
-    twice = sorted(s for s, tries in attempts.items() if len(tries) == 2)
     assert all(len(tries) <= 2 for tries in attempts.values()), attempts
-    assert twice and twice[0] == after + 1 and twice == list(range(after + 1, twice[-1] + 1)), (after, twice)
-    assert twice[-1] >= trained_before  # at least every step whose row was written before the kill
+    twice = sorted(s for s, tries in attempts.items() if len(tries) == 2)
+    spans = [(r["resume_after"], before) for r, before in zip(restarts, kills, strict=True)]
+    for after, before in spans:
+        assert 0 < after <= before and after % 3 == 0, (after, before)  # checkpoint_every=3
+        assert set(range(after + 1, before + 1)) <= set(twice), (spans, twice)  # each row written before the kill
+    # nothing else: a step whose row came between the kill and the look at metrics is the only extra one
+    assert all(any(after < s <= before + 1 for after, before in spans) for s in twice), (spans, twice)
     for step in twice:
         first, second = ({k: v for k, v in t.items() if k not in TIMINGS} for t in attempts[step])
         assert first == second, (step, first, second)  # same checkpoint, same rollout file: same values
     return twice
 
 
-def test_a_killed_trainer_rank_restarts_alone_and_retrains_identical_steps(manifests: Path, tmp_path: Path):
-    """A 2-rank trainer loses rank 1 to SIGKILL after step 4: torchrun ends the group, the supervisor starts
-    it again from the checkpoint of step 3; the inference server and the orchestrator are the same
-    processes throughout, and the retrained steps log exactly the values of their first attempt."""
+def _newest_trained(run_dir: Path) -> int:
+    return max(read_metrics(run_dir / "metrics.jsonl", role="trainer"))
+
+
+def test_a_killed_then_a_frozen_trainer_rank_each_restart_the_trainer_alone(manifests: Path, tmp_path: Path):
+    """A 2-rank trainer loses rank 1 to SIGKILL after step 4: torchrun ends the group, and the supervisor
+    starts it again from the checkpoint of step 3. After step 8 rank 0 of the new group is frozen (SIGSTOP):
+    the hang watchdog names it and the trainer alone is restarted again, from step 6's checkpoint. The
+    inference server and the orchestrator are the same processes throughout, and every retrained step logs
+    exactly the values of its first attempt."""
     runs = tmp_path / "runs"
-    steps = 9
+    steps = 11
     proc = _start(manifests, runs, "--set", "trainer.ranks=2", "--set", "trainer.dp_shard=2",
-                  "--set", f"orchestrator.max_steps={steps}")
+                  "--set", f"orchestrator.max_steps={steps}", "--hang-timeout", "15")
     try:
         run_dir = _wait_for_trained(runs, 4, proc, timeout=300)
         (server,) = _pids(run_dir, "inference-0")
@@ -94,24 +104,32 @@ def test_a_killed_trainer_rank_restarts_alone_and_retrains_identical_steps(manif
         (rank1,) = _pids(run_dir, "trainer", RANK="1")
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
-        trained_before = max(read_metrics(run_dir / "metrics.jsonl", role="trainer"))
-        new_step = _wait_for_trained(runs, trained_before + 1, proc, timeout=300)
+        kills = [_newest_trained(run_dir)]
+        _wait_for_trained(runs, kills[0] + 1, proc, timeout=300)
         recovered = time.monotonic() - killed
         # the same server and orchestrator processes, still up, after the trainer came back
         assert _pids(run_dir, "inference-0") == [server] and _pids(run_dir, "orchestrator") == [orchestrator]
-        assert new_step == run_dir
+
+        _wait_for_trained(runs, 8, proc, timeout=300)
+        (rank0,) = _pids(run_dir, "trainer", RANK="0")
+        os.kill(rank0, signal.SIGSTOP)
+        kills.append(_newest_trained(run_dir))
+        _wait_for_trained(runs, kills[1] + 1, proc, timeout=300)
+        assert _pids(run_dir, "inference-0") == [server] and _pids(run_dir, "orchestrator") == [orchestrator]
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-    print(f"trainer rank 1 SIGKILLed after step {trained_before} -> step {trained_before + 1} trained "
-          f"{recovered:.1f} s later (trainer-only restart; load average {os.getloadavg()[0]:.1f})")
+    print(f"trainer rank 1 SIGKILLed after step {kills[0]} -> step {kills[0] + 1} trained {recovered:.1f} s "
+          f"later (trainer-only restart; load average {os.getloadavg()[0]:.1f})")
     assert proc.returncode == 0, out
     assert "restarting the trainer (1/3)" in out and "starting again after the checkpoint of step" in out, out
-    twice = _assert_retrained_identically(run_dir, steps, trained_before)
+    assert f"trainer (pid {rank0}) is stopped" in out and "restarting the trainer (2/3)" in out, out
+    assert not (run_dir / "failure.json").exists()
+    twice = _assert_retrained_identically(run_dir, steps, kills)
     print(f"retrained steps {twice}: identical values")
     log = (run_dir / "logs" / "trainer.log").read_text()
-    assert "(restart 1) ---" in log and "resumed from" in log
+    assert "(restart 2) ---" in log and "resumed from" in log
     # the republished weights are the very bytes already served: the folder stayed in place
     assert "written again with the same bytes; the published folder stays" in log, log[-3000:]
     for name in ("inference-0", "orchestrator"):
@@ -147,32 +165,9 @@ def test_a_killed_trainer_restarts_beside_the_vllm_server_it_keeps(manifests: Pa
           f"{recovered:.1f} s later (load average {os.getloadavg()[0]:.1f})")
     assert proc.returncode == 0, out
     assert "restarting the trainer (1/3)" in out, out
-    _assert_retrained_identically(run_dir, steps, trained_before)
+    _assert_retrained_identically(run_dir, steps, [trained_before])
     assert "(restart 1)" not in (run_dir / "logs" / "inference-0.log").read_text()
     assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == steps
-    assert processes_of(run_dir) == []
-
-
-def test_a_frozen_trainer_is_restarted_by_the_hang_watchdog(manifests: Path, tmp_path: Path):
-    """One trainer process frozen with SIGSTOP after step 4: the watchdog names it, the supervisor kills
-    and restarts the trainer alone (not the run), and every step is trained, the retrained ones identically."""
-    runs = tmp_path / "runs"
-    steps = 8
-    proc = _start(manifests, runs, "--set", f"orchestrator.max_steps={steps}", "--hang-timeout", "15")
-    try:
-        run_dir = _wait_for_trained(runs, 4, proc, timeout=300)
-        (trainer,) = _pids(run_dir, "trainer")
-        os.kill(trainer, signal.SIGSTOP)
-        trained_before = max(read_metrics(run_dir / "metrics.jsonl", role="trainer"))
-        out, _ = proc.communicate(timeout=360)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
-    assert f"trainer (pid {trainer}) is stopped" in out and "restarting the trainer (1/3)" in out, out
-    assert "(restart 1)" not in (run_dir / "logs" / "inference-0.log").read_text()
-    assert not (run_dir / "failure.json").exists()
-    _assert_retrained_identically(run_dir, steps, trained_before)
     assert processes_of(run_dir) == []
 
 

@@ -10,7 +10,7 @@ on every poll; when no trainer step has finished for longer than the bound
 
 (FIRST_STEP_FACTOR times that before the session's first step, which also loads models and runs the
 first evaluation, and after a process exits or restarts until the next step: a restarted server loads
-its model again), it asks every Python process of the run on this host for its thread stacks
+its model again; neither such step counts as a step time), it asks every Python process of the run on this host for its thread stacks
 (primebuild/runtime/stacks.py: SIGUSR1 -> stacks/<process>.<pid>.txt), names the stuck process and what it waits
 on, writes stacks/hang.txt, and returns the message the supervisor fails the run with. A process that
 exits or restarts counts as progress (the final evaluation after the last step has a full bound).
@@ -96,7 +96,8 @@ class HangWatchdog:
         if self.last_step < 0:
             self.first_step = self.last_step = newest_step
         if newest_step > self.last_step:
-            if self.last_step > self.first_step:  # the session's first step also paid for start-up
+            # the session's first step, and the first after a restart (a model loaded again), paid for start-up
+            if self.last_step > self.first_step and not self._restarted:
                 self.slowest_s = max(self.slowest_s, (now - self.last_progress) / (newest_step - self.last_step))
             self.last_step, self.last_progress, self._restarted = newest_step, now, False
         if processes != self._signature:
