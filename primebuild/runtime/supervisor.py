@@ -282,7 +282,7 @@ class Supervisor:
         end_processes(self.run, {r.spec.name for r in trainers})  # torchrun's ranks live in sessions of their own
         after = trainer_restart(self.run, self.echo)
         record = self.run.trainer_restarts
-        with open(record, "a") as f:  # when and from where: what `bench` reads to time the recovery
+        with open(record, "a") as f:  # when, and from which checkpoint: for whoever reads the run later
             f.write(json.dumps({"time": time.time(), "resume_after": after,
                                 "restart": trainers[0].restarts + 1}) + "\n")
         self.echo(f"trainer: starting again after the checkpoint of step {after}" if after else
@@ -307,7 +307,8 @@ class Supervisor:
         # the batch of the step it did not finish is there: the trainer, not what feeds it, is stuck
         fed = self.run.rollout(self.progress.newest_trained_step() + 1).exists()
         if stuck.spec.role == "trainer" and fed and self._may_restart_trainers(stuck):
-            self.echo(f"{message}: restarting the trainer ({stuck.restarts + 1}/{stuck.spec.restart.max_restarts})")
+            self.echo(f"warning: {message}: restarting the trainer "
+                      f"({stuck.restarts + 1}/{stuck.spec.restart.max_restarts})")
             return self._restart_trainers()
         end_leftovers(self.run, stopped_only=True)  # their stacks are dumped; the others may still checkpoint
         outcome = self._fail(stuck, None, message, 1)
@@ -419,7 +420,9 @@ def _reported_an_error(log: Path) -> bool:
     """Did the process print an `error: …` line of its own since it last started (config_main's report of
     a UserError or a handled failure; under torchrun the line comes prefixed with the rank)?"""
     try:
-        text = log.read_text(errors="replace")
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 500_000))  # the end of a long run's log is enough
+            text = f.read().decode(errors="replace")
     except OSError:
         return False
     since = text[text.rfind(START_MARKER):] if START_MARKER in text else text
