@@ -74,6 +74,27 @@ def test_the_bound_grows_with_the_slowest_step_and_the_plans_estimate(tmp_path: 
     assert "the culprit" in message
 
 
+def test_steps_retrained_after_a_trainer_restart_are_progress(tmp_path: Path, monkeypatch):
+    """A restarted trainer trains the steps after its checkpoint again: the newest step stays where it was
+    for a while, and yet the run moves (primebuild/runtime/supervisor.py's trainer-only restart)."""
+    clock = _Clock()
+    watchdog = HangWatchdog(_plan(0.0), RunDir(tmp_path), floor_s=10.0, clock=clock)
+    monkeypatch.setattr(watchdog, "diagnose", lambda: "the culprit")
+    up, restarted = (("trainer", 0, None),), (("trainer", 1, None),)
+    assert watchdog.check(0, up, 0) is None
+    clock.now = 5.0
+    assert watchdog.check(5, up, 5) is None
+    clock.now = 6.0
+    assert watchdog.check(5, restarted, 5) is None and watchdog.bound() == FIRST_STEP_FACTOR * 10.0
+    for trained, now in ((6, 30.0), (7, 31.0), (8, 32.0)):  # steps 4 and 5 again, 1 s apart; then step 6
+        clock.now = now
+        assert watchdog.check(5 if trained < 8 else 6, restarted, trained) is None
+    assert watchdog.bound() == 10.0 and watchdog.slowest_s == 1.0  # the first one after the restart: start-up
+    clock.now = 43.0
+    message = watchdog.check(6, restarted, 8)
+    assert message is not None and "step 7 made no progress for 11 s" in message
+
+
 def test_a_resumed_session_starts_its_first_step_bound_after_the_old_steps(tmp_path: Path):
     clock = _Clock()
     watchdog = HangWatchdog(_plan(0.5), RunDir(tmp_path), floor_s=10.0, clock=clock)

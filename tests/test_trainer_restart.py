@@ -96,7 +96,8 @@ def test_a_killed_then_a_frozen_trainer_rank_each_restart_the_trainer_alone(mani
     runs = tmp_path / "runs"
     steps = 11
     proc = _start(manifests, runs, "--set", "trainer.ranks=2", "--set", "trainer.dp_shard=2",
-                  "--set", f"orchestrator.max_steps={steps}", "--hang-timeout", "15")
+                  # 3x the bound while a restarted trainer loads: room for a start-up on a loaded machine
+                  "--set", f"orchestrator.max_steps={steps}", "--hang-timeout", "30")
     try:
         run_dir = _wait_for_trained(runs, 4, proc, timeout=300)
         (server,) = _pids(run_dir, "inference-0")

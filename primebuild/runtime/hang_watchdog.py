@@ -63,6 +63,7 @@ class HangWatchdog:
     clock: Callable[[], float] = time.monotonic
     estimate_s: float = 0.0
     last_step: int = -1  # -1: not read yet (a resumed run starts after the steps of earlier sessions)
+    last_trained: int = -1  # steps trained so far, retrained ones included (a restarted trainer redoes some)
     first_step: int = 0  # the step this session started after
     last_progress: float = 0.0
     slowest_s: float = 0.0
@@ -85,21 +86,26 @@ class HangWatchdog:
         starting = self.last_step <= self.first_step or self._restarted
         return FIRST_STEP_FACTOR * bound if starting else bound
 
-    def check(self, newest_step: int, processes: tuple) -> str | None:
+    def check(self, newest_step: int, processes: tuple, trained: int | None = None) -> str | None:
         """None while the run progresses; else the message to end it with (stacks already dumped).
 
         `newest_step`: the newest step the trainer finished; `processes`: anything that changes when a
-        process exits or restarts (e.g. (name, restarts, alive) per process)."""
+        process exits or restarts (e.g. (name, restarts, alive) per process); `trained`: how many steps
+        were trained so far, a step trained again after a trainer restart counted again (default:
+        `newest_step`), so that retraining the steps after a checkpoint is progress too."""
         if not self.enabled:
             return None
         now = self.clock()
+        trained = newest_step if trained is None else trained
         if self.last_step < 0:
             self.first_step = self.last_step = newest_step
-        if newest_step > self.last_step:
+            self.last_trained = trained
+        if trained > self.last_trained:
             # the session's first step, and the first after a restart (a model loaded again), paid for start-up
             if self.last_step > self.first_step and not self._restarted:
-                self.slowest_s = max(self.slowest_s, (now - self.last_progress) / (newest_step - self.last_step))
-            self.last_step, self.last_progress, self._restarted = newest_step, now, False
+                self.slowest_s = max(self.slowest_s, (now - self.last_progress) / (trained - self.last_trained))
+            self.last_step, self.last_trained = max(self.last_step, newest_step), trained
+            self.last_progress, self._restarted = now, False
         if processes != self._signature:
             self._restarted = bool(self._signature)  # the first look is no change
             self._signature, self.last_progress = processes, now

@@ -300,7 +300,7 @@ class Supervisor:
         """No step for longer than the hang bound: end the run naming the stuck process (hang_watchdog.py);
         a stuck trainer whose next batch is on disk is restarted instead, where its policy allows."""
         states = tuple((n, r.restarts, r.handle.poll()) for n, r in sorted(self.running.items()))
-        message = self.hang.check(self.progress.newest_trained_step(), states)
+        message = self.hang.check(self.progress.newest_trained_step(), states, self.progress.trained)
         if message is None:
             return None
         stuck = self.running.get(self.hang.culprit_process) or self.running[self.plan.by_role("trainer")[0].name]
