@@ -495,6 +495,10 @@ FIELDS: dict[str, list] = {
     "trainer.logprob_chunk_tokens": [Reaches(config_of(T, "logprob_chunk_tokens"),
                                              ("trainer.logprob_chunk_tokens=100",), 100)],
     "trainer.checkpoint_every": [Reaches(config_of(T, "checkpoint_every"), ("trainer.checkpoint_every=7",), 7)],
+    # the supervisor's trainer-only restarts (primebuild/builders/trainer_restart.py): the trainer's restart policy
+    "trainer.max_restarts": [Reaches(lambda plan: next(p["restart"] for p in plan["processes"] if p["role"] == T),
+                                     ("trainer.max_restarts=5",), {"policy": "on-failure", "max_restarts": 5}),
+                             Refused(("trainer.max_restarts=2", "weight_sync.mode=broadcast"))],
     # LoRA (primebuild/runtime/trainer/lora.py): the trainer's config; the adapters' size shapes the trainer's memory
     "trainer.lora.rank": [Reaches(config_of(T, "lora.rank"), ("trainer.lora.rank=4", "trainer.lora.alpha=8"), 4),
                           Shapes(("trainer.lora.rank=4", "trainer.lora.alpha=8"), "memory", base=RL)],

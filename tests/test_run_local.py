@@ -325,7 +325,7 @@ def test_a_port_held_by_another_program_is_refused_before_anything_starts(worksp
 
 
 def test_a_crashing_trainer_stops_the_run_with_a_clear_message(workspace: Path, tmp_path: Path):
-    """Fail fast: the trainer has no restart policy; its failure tears everything down and is named."""
+    """Fail fast: input the trainer cannot use is refused or named before any restart is tried."""
     runs = tmp_path / "runs"
     result = _run(workspace, runs, "--set", "orchestrator.max_steps=2",
                   "--set", "trainer.micro_batch_tokens=1")

@@ -76,6 +76,20 @@ def test_unmarked_folder_is_ignored_and_wait_times_out(tmp_path):
     assert wait_for_step(tmp_path, 5, timeout_s=1) == step_folder(tmp_path, 6)
 
 
+def test_a_step_written_again_with_the_same_bytes_stays_in_place(tmp_path):
+    """A retrained step (trainer restart) publishes the same bytes: the folder a server may be loading is
+    kept, not renamed away; other bytes replace it."""
+    final = step_folder(tmp_path, 4)
+    publish_dir(final, lambda d: (d / "model.safetensors").write_bytes(b"step 4"), step=4)
+    inode, marker = final.stat().st_ino, (final / STABLE).read_text()
+    publish_dir(final, lambda d: (d / "model.safetensors").write_bytes(b"step 4"), step=4)
+    assert final.stat().st_ino == inode and (final / STABLE).read_text() == marker
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]  # no staging folder left beside it
+    publish_dir(final, lambda d: (d / "model.safetensors").write_bytes(b"other"), step=4)
+    assert final.stat().st_ino != inode and (final / "model.safetensors").read_bytes() == b"other"
+    assert is_stable(final) and [p.name for p in tmp_path.iterdir()] == [final.name]
+
+
 def test_prune_keeps_newest(tmp_path):
     for s in (1, 2, 3, 4):
         publish_dir(step_folder(tmp_path, s), lambda d: None, s)

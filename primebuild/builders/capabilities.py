@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from primebuild.builders.environments import environment_problems, sandbox_problems
 from primebuild.builders.model_facts import ModelFacts
 from primebuild.builders.trainer_engine import manifest_gaps, trainer_engine
+from primebuild.builders.trainer_restart import trainer_restart_gap
 from primebuild.contracts.inference import EMBEDDED_MODEL_TYPES
 from primebuild.errors import Problem
 from primebuild.manifest.schema import Manifest
@@ -233,6 +234,11 @@ def _vllm_pd(m: Manifest) -> Iterator[Refusal]:
 def _trainer(m: Manifest) -> Iterator[Refusal]:
     t = m.trainer
     yield from _lora(m)
+    gap = trainer_restart_gap(m)
+    if t.max_restarts and gap:
+        yield Refusal("trainer.max_restarts", f"trainer-only restarts: {gap}",
+                      "set trainer.max_restarts: 0 (a failed trainer then ends the run; `primebuild run "
+                      "--max-restarts N` resumes the whole run from its newest checkpoint)")
     if t.optimizer.cpu_offload and t.world_size < 2:
         yield Refusal("trainer.optimizer.cpu_offload", "the fsdp2 trainer offloads FSDP's shards (CPUOffloadPolicy), "
                       "and one rank has none", "use at least 2 trainer ranks, or set cpu_offload: false")

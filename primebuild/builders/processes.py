@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from primebuild.builders.placement import Placement, ReplicaPlacement, Slot
+from primebuild.builders.trainer_restart import trainer_restarts
 from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
 from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.inference import BroadcastJoin, DisaggregationRole, InferenceServerConfig
@@ -280,6 +281,9 @@ def _trainer_processes(m: Manifest, slots: tuple[Slot, ...], sync, engine: str) 
     cpu = m.hardware.gpu == "cpu"
     nproc = (t.ranks or t.world_size) // len(slots) if cpu else len(slots[0].gpus)  # per node
     config = trainer_config(m, sync, engine)
+    # the supervisor restarts every trainer process together, from the newest checkpoint (trainer_restart.py)
+    restarts = trainer_restarts(m)
+    restart = RestartPolicy(policy="on-failure", max_restarts=restarts) if restarts else NEVER
     out = []
     for rank, slot in enumerate(slots):
         env = _base_env(m, slot.gpus)
@@ -298,7 +302,8 @@ def _trainer_processes(m: Manifest, slots: tuple[Slot, ...], sync, engine: str) 
         if sync.mode == "broadcast" and rank == 0:
             ports["weight_broadcast"] = m.weight_sync.port
         out.append(_spec(name="trainer" if len(slots) == 1 else f"trainer-n{rank}", role="trainer", node=slot.node,
-                         gpus=slot.gpus, argv=argv, env=env, ports=ports, config=config, secrets=m.secrets))
+                         gpus=slot.gpus, argv=argv, env=env, ports=ports, config=config, secrets=m.secrets,
+                         restart=restart))
     return out
 
 

@@ -59,11 +59,12 @@ def show_plan(plan: Plan, console: Console | None = None) -> None:
     console.print(nodes)
 
     procs = Table(title="processes (start order, then placement)", show_edge=False, pad_edge=False)
-    for col in ("name", "node", "gpus", "ports", "command"):  # the role starts every name
+    for col in ("name", "node", "gpus", "ports", "restarts", "command"):  # the role starts every name
         procs.add_column(col, overflow="ellipsis")
     for p in sorted(plan.processes, key=lambda p: p.start_order):
         ports = ", ".join(f"{k}={v}" for k, v in p.ports.items())
-        procs.add_row(p.name, str(p.node), _ranges(p.gpus), ports, _command(p.argv))
+        restarts = str(p.restart.max_restarts) if p.restart.policy == "on-failure" else "-"
+        procs.add_row(p.name, str(p.node), _ranges(p.gpus), ports, restarts, _command(p.argv))
     console.print(procs)
 
     mem = Table(title="memory per GPU (per process on CPU-only nodes)", show_edge=False, pad_edge=False)

@@ -13,6 +13,7 @@
       wandb/  tensorboard/<role>/                       the same values, for the trackers the manifest names
       summary.json  report.png  outcome.json            written by whoever supervised the run, at the end
       failure.json                                      the component that ended the run: exit status, log tail
+      trainer_restarts.jsonl                            the supervisor: each trainer-only restart, when and from which step
       stacks/<process>.<pid>.txt                        each Python process's thread stacks, dumped on a hang
       supervision.json                                  `primebuild run`'s hang bound and restart count
       launch.json                                       the target's record: Slurm job id, supervisor pid …
@@ -285,6 +286,10 @@ class RunDir:
     def stack_file(self, process: str, pid: int) -> Path:
         """Where process `process` (pid `pid`) writes its thread stacks when asked (primebuild/runtime/stacks.py)."""
         return self.stacks / f"{process}.{pid}.txt"
+
+    @property
+    def trainer_restarts(self) -> Path:
+        return self.root / "trainer_restarts.jsonl"
 
     @property
     def stop_file(self) -> Path:

@@ -10,7 +10,7 @@ on every poll; when no trainer step has finished for longer than the bound
 
 (FIRST_STEP_FACTOR times that before the session's first step, which also loads models and runs the
 first evaluation, and after a process exits or restarts until the next step: a restarted server loads
-its model again), it asks every Python process of the run on this host for its thread stacks
+its model again; neither such step counts as a step time), it asks every Python process of the run on this host for its thread stacks
 (primebuild/runtime/stacks.py: SIGUSR1 -> stacks/<process>.<pid>.txt), names the stuck process and what it waits
 on, writes stacks/hang.txt, and returns the message the supervisor fails the run with. A process that
 exits or restarts counts as progress (the final evaluation after the last step has a full bound).
@@ -63,6 +63,7 @@ class HangWatchdog:
     clock: Callable[[], float] = time.monotonic
     estimate_s: float = 0.0
     last_step: int = -1  # -1: not read yet (a resumed run starts after the steps of earlier sessions)
+    last_trained: int = -1  # steps trained so far, retrained ones included (a restarted trainer redoes some)
     first_step: int = 0  # the step this session started after
     last_progress: float = 0.0
     slowest_s: float = 0.0
@@ -85,20 +86,26 @@ class HangWatchdog:
         starting = self.last_step <= self.first_step or self._restarted
         return FIRST_STEP_FACTOR * bound if starting else bound
 
-    def check(self, newest_step: int, processes: tuple) -> str | None:
+    def check(self, newest_step: int, processes: tuple, trained: int | None = None) -> str | None:
         """None while the run progresses; else the message to end it with (stacks already dumped).
 
         `newest_step`: the newest step the trainer finished; `processes`: anything that changes when a
-        process exits or restarts (e.g. (name, restarts, alive) per process)."""
+        process exits or restarts (e.g. (name, restarts, alive) per process); `trained`: how many steps
+        were trained so far, a step trained again after a trainer restart counted again (default:
+        `newest_step`), so that retraining the steps after a checkpoint is progress too."""
         if not self.enabled:
             return None
         now = self.clock()
+        trained = newest_step if trained is None else trained
         if self.last_step < 0:
             self.first_step = self.last_step = newest_step
-        if newest_step > self.last_step:
-            if self.last_step > self.first_step:  # the session's first step also paid for start-up
-                self.slowest_s = max(self.slowest_s, (now - self.last_progress) / (newest_step - self.last_step))
-            self.last_step, self.last_progress, self._restarted = newest_step, now, False
+            self.last_trained = trained
+        if trained > self.last_trained:
+            # the session's first step, and the first after a restart (a model loaded again), paid for start-up
+            if self.last_step > self.first_step and not self._restarted:
+                self.slowest_s = max(self.slowest_s, (now - self.last_progress) / (trained - self.last_trained))
+            self.last_step, self.last_trained = max(self.last_step, newest_step), trained
+            self.last_progress, self._restarted = now, False
         if processes != self._signature:
             self._restarted = bool(self._signature)  # the first look is no change
             self._signature, self.last_progress = processes, now
@@ -165,6 +172,21 @@ def end_leftovers(run: RunDir, *, stopped_only: bool = False) -> list[int]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return left
+
+
+def end_processes(run: RunDir, names: set[str]) -> list[int]:
+    """SIGKILL every process on this host of these plan processes (their children too: a trainer's torchrun
+    ranks, in sessions of their own, which a kill of the process group does not reach)."""
+    left = [p.pid for p in run_processes(run) if p.process in names]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + DUMP_WAIT_SECONDS  # gone (memory, ports) before a restart starts anew
+    while time.monotonic() < deadline and any(p.process in names for p in run_processes(run)):
+        time.sleep(0.05)
     return left
 
 

@@ -24,6 +24,7 @@ class Progress:
         self.partial = ""
         self.steps: dict[tuple[str, int], dict] = {}
         self.printed: set[int] = set()
+        self.trained = 0  # trainer steps recorded, a step retrained after a trainer restart counted again
         self.started = time.monotonic()
         self.last: dict = {}
         self.evals: list[tuple[int, float]] = []
@@ -45,6 +46,8 @@ class Progress:
             except json.JSONDecodeError:
                 continue
             self.steps.setdefault((row["role"], row["step"]), {})[row["name"]] = row["value"]
+            if row["role"] == "trainer" and row["name"] == "loss":
+                self.trained += 1
             if row["name"] == "eval_reward":
                 evals.append((row["role"], row["step"]))
         for key in evals:

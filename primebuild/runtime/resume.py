@@ -17,6 +17,12 @@ state that is now gone: left in place, the orchestrator would serve them as curr
 evaluation would score the previous session's weights, not this one's. They are removed here, before
 any process starts; the trainer publishes those steps again as it retrains them. Rollout batches stay:
 the trainer retrains exactly those, so the step sequence stays continuous.
+
+A trainer-only restart (the supervisor restarts the trainer group while the servers and the orchestrator
+run on: `trainer_restart`) finishes only what the trainer itself writes, its checkpoints, and applies the
+same one-row rule. Its weight folders stay: the orchestrator may be serving them, and the trainer, from the
+same checkpoint and the same rollout batches, publishes the same bytes again (filesystem.commit keeps an
+identical folder in place, so a server never finds it gone).
 """
 
 from __future__ import annotations
@@ -35,13 +41,23 @@ def reconcile(run: RunDir, echo: Callable[[str], None] = print) -> int:
     for line in finish_interrupted(run):
         echo(f"resume: {line}")
     latest = fs.latest_verified(run.checkpoints, warn=lambda text: echo(f"resume: {text}"))
-    resume_after = _step_with_its_row(run, latest[0], echo) if latest else 0
+    resume_after = step_with_its_row(run, latest[0], echo) if latest else 0
     stale = [s for s in fs.step_folders(run.weights) if s > resume_after]
     if stale:
         echo(f"resume: dropping weights of steps {stale[0]}..{stale[-1]}, newer than the checkpoint of step "
              f"{resume_after}; the trainer publishes them again")
         fs.remove_steps(run.weights, stale)
     return resume_after
+
+
+def trainer_restart(run: RunDir, echo: Callable[[str], None] = print) -> int:
+    """Before the supervisor starts a failed trainer group again: finish a checkpoint write it was killed in,
+    and return the step it resumes after (what its own `resume` will pick: the newest verified checkpoint,
+    or the one before when that step has no metrics row). Only while no trainer process runs."""
+    for line in fs.finish_interrupted(run.checkpoints):
+        echo(f"trainer restart: {line}")
+    latest = fs.latest_verified(run.checkpoints, warn=lambda text: echo(f"trainer restart: {text}"))
+    return step_with_its_row(run, latest[0], echo) if latest else 0
 
 
 def finish_interrupted(run: RunDir) -> list[str]:
@@ -56,7 +72,7 @@ def finish_interrupted(run: RunDir) -> list[str]:
     return done
 
 
-def _step_with_its_row(run: RunDir, step: int, echo: Callable[[str], None]) -> int:
+def step_with_its_row(run: RunDir, step: int, echo: Callable[[str], None]) -> int:
     """`step`, the newest verified checkpoint, or the step before it when `step` has no metrics row (see
     the module docstring)."""
     if not run.metrics.is_file() or step in read_metrics(run.metrics, role="trainer"):

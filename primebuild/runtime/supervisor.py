@@ -12,13 +12,20 @@ step of its het-job component): only the launcher differs (primebuild/runtime/ta
   logs, per-request lines), `quiet` keeps the progress alone.
 - A server that is up is probed all along (primebuild/runtime/liveness.py): one whose process lives but whose
   engine died (its /health answers 5xx) counts as dead, as does a server process that exits, even with 0.
-- A process that dies is restarted when its restart policy says so. Otherwise the run fails fast:
+- A process that dies is restarted when its restart policy says so. The trainer restarts as a group
+  (every trainer process and rank ends, then all start again): it resumes from its newest checkpoint and
+  retrains the steps after it from the rollout batches on disk, while the servers keep their model and
+  the orchestrator its rollouts (it waits within its off-policy bound). A trainer that printed an
+  `error:` of its own (bad input, a non-finite step) would fail the same way again: not restarted.
+  Otherwise the run fails fast:
   failure.json names the process, its exit status and its last log lines; a STOP file lets the trainer
   checkpoint the step it finished (so `--resume` loses nothing) for at most STOP_GRACE_SECONDS; then
   every process gets SIGTERM and, TERM_SECONDS later, SIGKILL. The whole run is down well within 30 s.
 - The run ends when the orchestrator exits 0 and the trainer has finished.
 - No step for longer than the hang bound (primebuild/runtime/hang_watchdog.py): the stuck process is named and
   the run fails as above, a stopped (SIGSTOP) process SIGKILLed at once since it could not take SIGTERM.
+  When the stuck one is the trainer, with its next rollout batch on disk, and its policy allows, only the
+  trainer group is ended and restarted.
 - No step for STALL_SECONDS: the terminal says so (and again every STALL_SECONDS), with the processes'
   last attention lines in their logs, so a run never sits silent.
 - `primebuild scale RUN --inference +1 / -1` adds or retires an inference replica while the run goes
@@ -29,6 +36,7 @@ step of its het-job component): only the launcher differs (primebuild/runtime/ta
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -45,10 +53,11 @@ from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.run_dir import FailureRecord, RunDir, write_json_atomic
 from primebuild.runtime.elastic import ElasticInference
-from primebuild.runtime.hang_watchdog import HangWatchdog, end_leftovers
+from primebuild.runtime.hang_watchdog import HangWatchdog, end_leftovers, end_processes
 from primebuild.runtime.launcher import Handle, Launcher
 from primebuild.runtime.liveness import START_MARKER, LivenessProbe, first_error_line
 from primebuild.runtime.progress import Progress
+from primebuild.runtime.resume import trainer_restart
 
 GRACE_SECONDS = 60  # a requested stop: how long the trainer may take to finish its step and checkpoint
 STOP_GRACE_SECONDS = 8.0  # a failure: how long the survivors may take to checkpoint before SIGTERM
@@ -228,7 +237,13 @@ class Supervisor:
             if cause:
                 why += f" ({cause})"
             policy = running.spec.restart
-            if policy.policy == "on-failure" and running.restarts < policy.max_restarts \
+            if role == "trainer" and self._may_restart_trainers(running):
+                self.echo(f"{name} {why}: restarting the trainer ({running.restarts + 1}/{policy.max_restarts})")
+                failure = self._restart_trainers()
+                if failure is not None:
+                    return failure
+                continue
+            if role != "trainer" and policy.policy == "on-failure" and running.restarts < policy.max_restarts \
                     and running.handle.lost_contact() is None:  # no restart on a host nothing reaches
                 self.echo(f"{name} {why}: restarting ({running.restarts + 1}/{policy.max_restarts})")
                 self._reap(running)
@@ -248,13 +263,53 @@ class Supervisor:
             return self._stopped() if stopped else Outcome(True, "run complete", 0)
         return None
 
+    def _may_restart_trainers(self, running: Running) -> bool:
+        """A trainer failure the trainer-only restart covers: its policy has restarts left, no stop was
+        asked for, every trainer host answers, and it did not report an error of its own (config_main's `error:`
+        lines: bad input, a non-finite step), which the same checkpoint and batches would repeat."""
+        policy = running.spec.restart
+        reachable = all(self.running[p.name].handle.lost_contact() is None for p in self.plan.by_role("trainer"))
+        return (policy.policy == "on-failure" and running.restarts < policy.max_restarts
+                and not self.run.stop_requested() and reachable
+                and not _reported_an_error(self.run.log(running.spec.name)))
+
+    def _restart_trainers(self) -> Outcome | None:
+        """End every trainer process (and ranks in sessions of their own), then start the group again from
+        its newest checkpoint; the servers and the orchestrator run on."""
+        trainers = [self.running[p.name] for p in self.plan.by_role("trainer")]
+        for running in trainers:
+            self._reap(running)
+        end_processes(self.run, {r.spec.name for r in trainers})  # torchrun's ranks live in sessions of their own
+        after = trainer_restart(self.run, self.echo)
+        record = self.run.trainer_restarts
+        with open(record, "a") as f:  # when, and from which checkpoint: for whoever reads the run later
+            f.write(json.dumps({"time": time.time(), "resume_after": after,
+                                "restart": trainers[0].restarts + 1}) + "\n")
+        self.echo(f"trainer: starting again after the checkpoint of step {after}" if after else
+                  "trainer: starting again from step 1 (no checkpoint yet)")
+        for running in trainers:
+            self.running[running.spec.name] = self._spawn(running.spec, running.restarts + 1)
+        for running in trainers:
+            replacement = self.running[running.spec.name]
+            if not self._healthy(replacement, time.monotonic() + running.spec.health.timeout_s):
+                return self._fail(replacement, replacement.handle.poll(), f"{running.spec.name} failed again "
+                                  f"after a restart; see {self.run.log(running.spec.name)}", 1)
+        return None
+
     def _check_hang(self) -> Outcome | None:
-        """No step for longer than the hang bound: end the run naming the stuck process (hang_watchdog.py)."""
+        """No step for longer than the hang bound: end the run naming the stuck process (hang_watchdog.py);
+        a stuck trainer whose next batch is on disk is restarted instead, where its policy allows."""
         states = tuple((n, r.restarts, r.handle.poll()) for n, r in sorted(self.running.items()))
-        message = self.hang.check(self.progress.newest_trained_step(), states)
+        message = self.hang.check(self.progress.newest_trained_step(), states, self.progress.trained)
         if message is None:
             return None
         stuck = self.running.get(self.hang.culprit_process) or self.running[self.plan.by_role("trainer")[0].name]
+        # the batch of the step it did not finish is there: the trainer, not what feeds it, is stuck
+        fed = self.run.rollout(self.progress.newest_trained_step() + 1).exists()
+        if stuck.spec.role == "trainer" and fed and self._may_restart_trainers(stuck):
+            self.echo(f"warning: {message}: restarting the trainer "
+                      f"({stuck.restarts + 1}/{stuck.spec.restart.max_restarts})")
+            return self._restart_trainers()
         end_leftovers(self.run, stopped_only=True)  # their stacks are dumped; the others may still checkpoint
         outcome = self._fail(stuck, None, message, 1)
         end_leftovers(self.run)  # a frozen process ignores SIGTERM, and a torchrun rank is not in its group
@@ -360,6 +415,22 @@ def supervise(plan: Plan, run_dir: Path, launcher: Launcher, *, echo=print, verb
     except BaseException:
         supervisor.stop_all()
         raise
+
+
+def _reported_an_error(log: Path) -> bool:
+    """Did the process print an `error: …` line of its own since it last started (config_main's report of
+    a UserError or a handled failure; under torchrun the line comes prefixed with the rank)?"""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 500_000))  # the end of a long run's log is enough
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    since = text[text.rfind(START_MARKER):] if START_MARKER in text else text
+    return any(_OWN_ERROR.search(line) for line in since.splitlines())
+
+
+_OWN_ERROR = re.compile(r"^(\[[^]]*\]:?\s*)?error: ")
 
 
 def _ends_with_newline(path: Path) -> bool:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan c2d7beba3e6c428b04d745468f2eba7deba65c5ef1910ba300b8099488a247d0, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 5d02ae7a3b0f60bd4dbb6bea675f64c75f8790489c975c7a898f366366b8d4f3, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is
@@ -36,7 +36,7 @@ start_trainer() {
 signal_trainer() {  # SIGNAL PGID (digits): the remote command with both filled in
   local command=${signal_template//@PGID@/$2}; ssh -p 2222 -o BatchMode=yes 127.0.0.3 "${command//@SIG@/$1}" </dev/null || true
 }
-restarts[trainer]=0 max_restarts[trainer]=0 health_url[trainer]='' health_timeout[trainer]=300
+restarts[trainer]=0 max_restarts[trainer]=3 health_url[trainer]='' health_timeout[trainer]=300
 
 # orchestrator (orchestrator) on plan node 1: 127.0.0.3
 start_orchestrator() {

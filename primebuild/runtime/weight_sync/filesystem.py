@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 import secrets
@@ -38,6 +39,8 @@ if TYPE_CHECKING:  # readers of step folders (the orchestrator, `verify`) never 
     import torch
 
     from .stream import StreamedWeights
+
+log = logging.getLogger("primebuild.weight_sync")
 
 STABLE = "STABLE"
 TOKENIZER_FILES = (
@@ -146,6 +149,14 @@ def _write_marker(folder: Path, payload: dict) -> None:
     os.replace(tmp, folder / STABLE)
 
 
+def _same_files(stage: Path, final: Path) -> bool:
+    """Does ``stage`` hold exactly the files, sizes and hashes that ``final``'s STABLE marker lists?"""
+    try:
+        return json.loads((final / STABLE).read_text())["files"] == _listing(stage)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # no marker (an unfinished folder) or not a listing: write it again
+
+
 def verify(folder: str | os.PathLike) -> None:
     """Raise DamagedFolder naming the first file that is missing, extra, or not what the marker says."""
     folder = Path(folder)
@@ -196,11 +207,18 @@ def begin(final: str | os.PathLike) -> Path:
 
 def commit(final: str | os.PathLike, step: int | None = None) -> Path:
     """Move the staging folder of ``final`` into place and mark it STABLE. An existing ``final`` (a step
-    redone after a resume) is replaced: it disappears for an instant, it is never half-written."""
+    redone after a resume or a trainer restart) with the very same files is kept as it is: a reader (a
+    server loading it) never finds it gone. One that differs is replaced: it disappears for an instant,
+    it is never half-written."""
     final = Path(final)
     stage = staging_dir(final)
     _fsync_tree(stage)
+    if final.exists() and _same_files(stage, final):
+        _delete(stage)
+        log.info("%s: written again with the same bytes; the published folder stays", final.name)
+        return final
     if final.exists():
+        log.info("%s: written again with other bytes (a nondeterministic step?); replaced", final.name)
         trash = trash_dir(final)
         os.rename(final, trash)
         os.rename(stage, final)

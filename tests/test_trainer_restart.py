@@ -1,0 +1,202 @@
+"""Trainer-only restart (primebuild/runtime/supervisor.py, builders/trainer_restart.py): a trainer group that
+dies or hangs starts again from its newest checkpoint while the inference server keeps its model and the
+orchestrator its rollouts; the steps after the checkpoint are retrained from the same rollout files.
+
+Faults are real: a trainer rank of a real run is SIGKILLed or frozen with SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster_helpers import processes_of
+from conftest import free_port, plan_json, sft_workspace
+from test_hang_watchdog import _pids
+from test_run_local import _wait_for_trained
+from vllm_helpers import vllm_python
+
+from primebuild.runtime.metrics import read_metrics
+from primebuild.runtime.supervisor import _reported_an_error
+
+pytestmark = pytest.mark.timeout(420)
+TIMINGS = {"wait_s", "step_s", "publish_s"}  # wall-clock metrics: the only values a retrained step may change
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory, short_sft_store) -> Path:
+    return sft_workspace(tmp_path_factory.mktemp("restart"), ("reverse-text.yaml", "reverse-text-vllm.yaml"),
+                         seed_store=short_sft_store)
+
+
+def _start(manifests: Path, runs: Path, *args: str, manifest: str = "reverse-text.yaml") -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "primebuild.cli", "run", str(manifests / manifest), "--runs-dir", str(runs),
+         "--quiet", "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
+         "--set", f"inference.port={free_port()}", "--set", "trainer.checkpoint_every=3", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PRIMEBUILD_STORE": str(manifests.parent / "store"), "PYTHONUNBUFFERED": "1"})
+
+
+def _trainer_rows(run_dir: Path) -> list[dict]:
+    """Every trainer line of metrics.jsonl, in order: a retrained step's lines come twice."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["role"] == "trainer"]
+
+
+def _attempts(run_dir: Path) -> dict[int, list[dict[str, float]]]:
+    """step -> the values each attempt at it wrote (one dict per attempt)."""
+    out: dict[int, list[dict[str, float]]] = {}
+    for r in _trainer_rows(run_dir):
+        tries = out.setdefault(r["step"], [])
+        if not tries or r["name"] in tries[-1]:
+            tries.append({})
+        tries[-1][r["name"]] = r["value"]
+    return out
+
+
+def _assert_retrained_identically(run_dir: Path, steps: int, kills: list[int]) -> list[int]:
+    """Steps 1..steps each in metrics once (readers keep the last line); after each kill (`kills`: the newest
+    step trained when it came) the steps after the checkpoint the trainer restarted from were trained twice,
+    with identical values; returns those steps."""
+    restarts = [json.loads(line) for line in (run_dir / "trainer_restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == len(kills), restarts
+    assert sorted(read_metrics(run_dir / "metrics.jsonl", role="trainer")) == list(range(1, steps + 1))
+    attempts = _attempts(run_dir)
+    assert all(len(tries) <= 2 for tries in attempts.values()), attempts
+    twice = sorted(s for s, tries in attempts.items() if len(tries) == 2)
+    spans = [(r["resume_after"], before) for r, before in zip(restarts, kills, strict=True)]
+    for after, before in spans:
+        assert 0 < after <= before and after % 3 == 0, (after, before)  # checkpoint_every=3
+        assert set(range(after + 1, before + 1)) <= set(twice), (spans, twice)  # each row written before the kill
+    # nothing else: a step whose row came between the kill and the look at metrics is the only extra one
+    assert all(any(after < s <= before + 1 for after, before in spans) for s in twice), (spans, twice)
+    for step in twice:
+        first, second = ({k: v for k, v in t.items() if k not in TIMINGS} for t in attempts[step])
+        assert first == second, (step, first, second)  # same checkpoint, same rollout file: same values
+    return twice
+
+
+def _newest_trained(run_dir: Path) -> int:
+    return max(read_metrics(run_dir / "metrics.jsonl", role="trainer"))
+
+
+def test_a_killed_then_a_frozen_trainer_rank_each_restart_the_trainer_alone(manifests: Path, tmp_path: Path):
+    """A 2-rank trainer loses rank 1 to SIGKILL after step 4: torchrun ends the group, and the supervisor
+    starts it again from the checkpoint of step 3. After step 8 rank 0 of the new group is frozen (SIGSTOP):
+    the hang watchdog names it and the trainer alone is restarted again, from step 6's checkpoint. The
+    inference server and the orchestrator are the same processes throughout, and every retrained step logs
+    exactly the values of its first attempt."""
+    runs = tmp_path / "runs"
+    steps = 11
+    proc = _start(manifests, runs, "--set", "trainer.ranks=2", "--set", "trainer.dp_shard=2",
+                  # 3x the bound while a restarted trainer loads: room for a start-up on a loaded machine
+                  "--set", f"orchestrator.max_steps={steps}", "--hang-timeout", "30")
+    try:
+        run_dir = _wait_for_trained(runs, 4, proc, timeout=300)
+        (server,) = _pids(run_dir, "inference-0")
+        (orchestrator,) = _pids(run_dir, "orchestrator")
+        (rank1,) = _pids(run_dir, "trainer", RANK="1")
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        kills = [_newest_trained(run_dir)]
+        _wait_for_trained(runs, kills[0] + 1, proc, timeout=300)
+        recovered = time.monotonic() - killed
+        # the same server and orchestrator processes, still up, after the trainer came back
+        assert _pids(run_dir, "inference-0") == [server] and _pids(run_dir, "orchestrator") == [orchestrator]
+
+        _wait_for_trained(runs, 8, proc, timeout=300)
+        (rank0,) = _pids(run_dir, "trainer", RANK="0")
+        os.kill(rank0, signal.SIGSTOP)
+        kills.append(_newest_trained(run_dir))
+        _wait_for_trained(runs, kills[1] + 1, proc, timeout=300)
+        assert _pids(run_dir, "inference-0") == [server] and _pids(run_dir, "orchestrator") == [orchestrator]
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"trainer rank 1 SIGKILLed after step {kills[0]} -> step {kills[0] + 1} trained {recovered:.1f} s "
+          f"later (trainer-only restart; load average {os.getloadavg()[0]:.1f})")
+    assert proc.returncode == 0, out
+    assert "restarting the trainer (1/3)" in out and "starting again after the checkpoint of step" in out, out
+    assert f"trainer (pid {rank0}) is stopped" in out and "restarting the trainer (2/3)" in out, out
+    assert not (run_dir / "failure.json").exists()
+    twice = _assert_retrained_identically(run_dir, steps, kills)
+    print(f"retrained steps {twice}: identical values")
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "(restart 2) ---" in log and "resumed from" in log
+    # the republished weights are the very bytes already served: the folder stayed in place
+    assert "written again with the same bytes; the published folder stays" in log, log[-3000:]
+    for name in ("inference-0", "orchestrator"):
+        assert "(restart 1)" not in (run_dir / "logs" / f"{name}.log").read_text()
+    assert processes_of(run_dir) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)  # a vLLM start costs minutes on a loaded 2-core machine
+def test_a_killed_trainer_restarts_beside_the_vllm_server_it_keeps(manifests: Path, tmp_path: Path):
+    """The same with vLLM serving (filesystem weight sync): the vLLM server process is never restarted,
+    it loads the retrained steps' folders (the same bytes, left in place), and every step trains once."""
+    vllm_python()
+    runs = tmp_path / "runs"
+    steps = 7
+    proc = _start(manifests, runs, "--set", f"orchestrator.max_steps={steps}", "--set", "orchestrator.eval_every=0",
+                  manifest="reverse-text-vllm.yaml")
+    try:
+        run_dir = _wait_for_trained(runs, 4, proc, timeout=900)
+        servers = sorted(_pids(run_dir, "inference-0"))  # the API server and its EngineCore
+        (trainer,) = _pids(run_dir, "trainer")
+        os.kill(trainer, signal.SIGKILL)
+        killed = time.monotonic()
+        trained_before = max(read_metrics(run_dir / "metrics.jsonl", role="trainer"))
+        _wait_for_trained(runs, trained_before + 1, proc, timeout=600)
+        recovered = time.monotonic() - killed
+        assert sorted(_pids(run_dir, "inference-0")) == servers
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"vLLM run: trainer SIGKILLed after step {trained_before} -> step {trained_before + 1} trained "
+          f"{recovered:.1f} s later (load average {os.getloadavg()[0]:.1f})")
+    assert proc.returncode == 0, out
+    assert "restarting the trainer (1/3)" in out, out
+    _assert_retrained_identically(run_dir, steps, [trained_before])
+    assert "(restart 1)" not in (run_dir / "logs" / "inference-0.log").read_text()
+    assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == steps
+    assert processes_of(run_dir) == []
+
+
+def test_the_plan_gives_the_trainer_restarts_where_they_work_and_refuses_them_elsewhere(manifests: Path):
+    def trainer_restart(*sets: str) -> dict:
+        (spec,) = [p for p in plan_json(manifests / "reverse-text.yaml", sets, design=False)["processes"]
+                   if p["role"] == "trainer"]
+        return spec["restart"]
+
+    assert trainer_restart() == {"policy": "on-failure", "max_restarts": 3}
+    assert trainer_restart("trainer.max_restarts=0") == {"policy": "never", "max_restarts": 0}
+    assert trainer_restart("weight_sync.mode=broadcast") == {"policy": "never", "max_restarts": 0}
+    refused = subprocess.run(
+        [sys.executable, "-m", "primebuild.cli", "plan", str(manifests / "reverse-text.yaml"),
+         "--set", "weight_sync.mode=broadcast", "--set", "trainer.max_restarts=2"],
+        capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "trainer.max_restarts" in refused.stderr and "broadcast" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_a_trainer_that_reported_its_own_error_is_not_restarted(tmp_path: Path):
+    """config_main's `error:` line (bad input, a non-finite step) would come again from the same checkpoint
+    and batches; a crash or a kill prints none. Only lines since the last start count."""
+    log = tmp_path / "trainer.log"
+    log.write_text("--- start 2026-12-05T06:00:00 (restart 0) ---\n[rank0]: error: step 4: the loss is not finite\n"
+                   "--- start 2026-12-05T06:01:00 (restart 1) ---\nTraceback (most recent call last):\n"
+                   "RuntimeError: Connection reset by peer\n")
+    assert not _reported_an_error(log)
+    log.write_text(log.read_text() + "error: step 4: the loss is not finite\n")
+    assert _reported_an_error(log)
