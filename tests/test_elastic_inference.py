@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import test_run_local
+from conftest import free_port
 from test_run_local import _env, _logs, _start, _trained_steps, _wait_for_trained
 
 workspace = test_run_local.workspace  # the same fixture: reverse-text manifests with a short SFT, a private store
@@ -70,7 +71,7 @@ def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weigh
     primebuild/runtime/weight_sync/membership.py) and admits its restart at the next update."""
     runs = tmp_path / "runs"
     proc = _start(workspace, runs, "--set", "orchestrator.max_steps=100000", "--set", "inference.replicas=2",
-                  "--set", f"weight_sync.mode={sync}")
+                  "--set", f"weight_sync.mode={sync}", "--set", f"weight_sync.port={free_port()}")
     try:
         run_dir = _wait_for_trained(runs, 2, proc, timeout=FIRST_STEPS_S)
         victim = json.loads((run_dir / "pids" / "inference-1.json").read_text())["pid"]
