@@ -70,8 +70,9 @@ def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weigh
     """Broadcast too: the trainer leaves the dead replica out of its weight group (a new generation,
     primebuild/runtime/weight_sync/membership.py) and admits its restart at the next update."""
     runs = tmp_path / "runs"
+    port = ["--set", f"weight_sync.port={free_port()}"] if sync == "broadcast" else []  # a port of its own
     proc = _start(workspace, runs, "--set", "orchestrator.max_steps=100000", "--set", "inference.replicas=2",
-                  "--set", f"weight_sync.mode={sync}", "--set", f"weight_sync.port={free_port()}")
+                  "--set", f"weight_sync.mode={sync}", *port)
     try:
         run_dir = _wait_for_trained(runs, 2, proc, timeout=FIRST_STEPS_S)
         victim = json.loads((run_dir / "pids" / "inference-1.json").read_text())["pid"]
