@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import test_run_local
+from conftest import free_port
 from test_run_local import _env, _logs, _start, _trained_steps, _wait_for_trained
 
 workspace = test_run_local.workspace  # the same fixture: reverse-text manifests with a short SFT, a private store
@@ -28,9 +29,10 @@ def _pool_state(run_dir: Path) -> dict:
 
 
 def _url_of(run_dir: Path, name: str) -> str:
-    pool = json.loads((run_dir / "inference_pool.json").read_text())
-    (url,) = [s["url"] for s in pool["servers"] if s["name"] == name]
-    return url
+    """Its URL as the orchestrator spells it (the supervisor's pool list exists only where scale is built)."""
+    plan = json.loads((run_dir / "plan.json").read_text())
+    (port,) = [p["ports"]["http"] for p in plan["processes"] if p["name"] == name]
+    return f"http://127.0.0.1:{port}/v1"
 
 
 def _wait_until(proc: subprocess.Popen, runs: Path, what: str, check, timeout: float = 300) -> None:
@@ -62,9 +64,15 @@ def _scale(run_dir: Path, delta: str, workspace: Path) -> subprocess.CompletedPr
                           capture_output=True, text=True, env=_env(workspace), timeout=200)
 
 
-def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weights(workspace: Path, tmp_path: Path):
+@pytest.mark.parametrize("sync", ["filesystem", "broadcast"])
+def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weights(workspace: Path, tmp_path: Path,
+                                                                                    sync: str):
+    """Broadcast too: the trainer leaves the dead replica out of its weight group (a new generation,
+    primebuild/runtime/weight_sync/membership.py) and admits its restart at the next update."""
     runs = tmp_path / "runs"
-    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=100000", "--set", "inference.replicas=2")
+    port = ["--set", f"weight_sync.port={free_port()}"] if sync == "broadcast" else []  # a port of its own
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=100000", "--set", "inference.replicas=2",
+                  "--set", f"weight_sync.mode={sync}", *port)
     try:
         run_dir = _wait_for_trained(runs, 2, proc, timeout=FIRST_STEPS_S)
         victim = json.loads((run_dir / "pids" / "inference-1.json").read_text())["pid"]
@@ -94,6 +102,9 @@ def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weigh
     # it was brought to the newest weights before its first request: not the base model it restarted on
     assert rejoined["joined_version"] >= 2, rejoined
     assert rejoined["answered_versions"][0] >= rejoined["joined_version"], rejoined
+    if sync == "broadcast":
+        assert f"{url} rejoined the weight group at policy version" in orchestrator_log.read_text()
+        assert "weights of step" in (run_dir / "logs" / "inference-1.log").read_text()
 
 
 def test_scale_adds_a_replica_at_the_current_weights_then_drains_it(workspace: Path, tmp_path: Path):

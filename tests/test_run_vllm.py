@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import processes_of
 from conftest import free_port, free_ports, sft_workspace
+from test_elastic_inference import _assert_each_step_trained_once, _pool_state, _stop_and_wait, _wait_until
 from test_hang_watchdog import assert_frozen_server_named_and_run_resumed
 from test_run_local import _env, _logs, _metrics, _pid_of, _trained_steps, _wait_for_trained
 from vllm_helpers import vllm_python
@@ -205,3 +206,55 @@ def _engine_core_of(api_server: int) -> int:
         if int(fields[1]) == api_server and b"EngineCore" in cmdline:
             return int(stat.parent.name)
     raise AssertionError(f"no EngineCore child of vLLM's API server {api_server}")
+
+
+@pytest.mark.timeout(1800)
+def test_a_vllm_server_killed_under_broadcast_rejoins_the_weight_group_at_the_current_version(workspace: Path,
+                                                                                             tmp_path: Path):
+    """Two vLLM servers under broadcast weight sync; one is killed -9 mid-run. The trainer leaves it out of
+    its weight group (a new generation), the orchestrator samples from the other meanwhile, the supervisor
+    restarts it, it joins the group again and is admitted at the next update, and then answers with the
+    current policy version. Every step is trained exactly once."""
+    runs = tmp_path / "runs"
+    port, sync_port = free_ports(2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text-vllm.yaml"),
+         "--runs-dir", str(runs), "--quiet", "--set", "orchestrator.max_steps=100000",
+         "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=32",
+         "--set", "inference.replicas=2", "--set", "weight_sync.mode=broadcast",
+         "--set", f"weight_sync.port={sync_port}", "--set", f"inference.port={port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(workspace))
+    try:
+        run_dir = _wait_for_trained(runs, 2, proc, timeout=1500)  # SFT first
+        plan = json.loads((run_dir / "plan.json").read_text())
+        (victim_port,) = [p["ports"]["http"] for p in plan["processes"] if p["name"] == "inference-1"]
+        url = f"http://127.0.0.1:{victim_port}/v1"
+        victim = _pid_of(run_dir, f"--port {victim_port}")
+        os.kill(victim, signal.SIGKILL)
+        killed_at = max(_trained_steps(run_dir))
+        orchestrator_log = run_dir / "logs" / "orchestrator.log"
+        rejoined: dict = {}
+
+        def back_at_work() -> bool:
+            rejoined.update(_pool_state(run_dir).get(url, {}))
+            return (rejoined.get("state") == "active" and rejoined.get("joined_version") is not None
+                    and bool(rejoined.get("answered_versions")))
+
+        _wait_until(proc, runs, "the restarted inference-1 took requests again", back_at_work, timeout=900)
+        out = _stop_and_wait(proc, run_dir, workspace)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + _logs(runs)
+    steps = _assert_each_step_trained_once(run_dir)
+    assert "inference-1" in out and "restarting" in out
+    assert "(restart 1)" in (run_dir / "logs" / "inference-1.log").read_text()
+    orchestrator = orchestrator_log.read_text()
+    assert f"{url} is gone" in orchestrator
+    assert f"{url} rejoined the weight group at policy version" in orchestrator
+    # admitted at an update after the kill, and it answered only with that policy or newer
+    assert rejoined["joined_version"] > killed_at, (rejoined, killed_at)
+    assert rejoined["answered_versions"][0] >= rejoined["joined_version"], rejoined
+    assert steps > rejoined["joined_version"] - 1
+    trainer = (run_dir / "logs" / "trainer.log").read_text()
+    assert "left the group; announcing it again" in trainer or "weight group generation 2" in trainer, trainer[-3000:]

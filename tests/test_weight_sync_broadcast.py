@@ -141,6 +141,103 @@ def test_a_stopped_run_abandons_an_update_nobody_asks_for():
         proc.join(10)
 
 
+def churn_sender(init_method, steps_before, steps_after, admitted, queue):
+    """Sends `steps_before`, waits until the test says a restarted receiver registered, sends the rest."""
+    torch.set_num_threads(1)
+    sender = BroadcastSender(init_method, 3, timeout_s=60, bucket_mb=0.01, delta=True)
+    generations = []
+    for step in steps_before:
+        sender.send(make_state(step), step)
+        generations.append((step, sender.generation, sorted(sender.members)))
+    admitted.wait(60)
+    for step in steps_after:
+        sender.send(make_state(step), step)
+        generations.append((step, sender.generation, sorted(sender.members)))
+    sender.close()
+    queue.put(("sender", generations))
+
+
+def steady_receiver(init_method, rank, queue):
+    """Takes every update it is announced; reports the steps, checked against what was sent."""
+    torch.set_num_threads(1)
+    receiver = BroadcastReceiver(init_method, 3, rank, timeout_s=60)
+    queue.put((f"registered {rank}", receiver.incarnation))
+    got = []
+    while (update := receiver.recv()) is not None:
+        got.append(update)
+        queue.put((f"rank {rank} has", update[0]))
+    check(got, [s for s, _ in got])
+    queue.put((f"rank {rank}", [s for s, _ in got]))
+
+
+def stalling_receiver(init_method, rank, queue):
+    """Takes the first update, then hangs before the next one (the test kills it -9 there)."""
+    torch.set_num_threads(1)
+    receiver = BroadcastReceiver(init_method, 3, rank, timeout_s=60)
+    step, state = receiver.recv()
+    check([(step, state)], [step])
+    queue.put(("stalled after", step))
+    receiver.announcement()
+    time.sleep(600)
+
+
+class Inbox:
+    """Messages of several processes on one queue, taken by tag in the order each process sent them."""
+
+    def __init__(self, queue):
+        self.queue, self.kept = queue, []
+
+    def next(self, tag, timeout=90):
+        for i, (got_tag, value) in enumerate(self.kept):
+            if got_tag == tag:
+                del self.kept[i]
+                return value
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got_tag, value = self.queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            if got_tag == tag:
+                return value
+            self.kept.append((got_tag, value))
+        raise AssertionError(f"no {tag!r} within {timeout} s")
+
+
+@pytest.mark.timeout(180)
+def test_a_receiver_killed_mid_run_is_left_out_and_its_restart_rejoins_at_the_next_update():
+    """Membership (membership.py): rank 2 dies -9 while the sender waits for it to ask for step 2; step 2
+    is announced again to a generation without it and reaches rank 1. A new process on rank 2 registers
+    and is admitted at step 3, in full although the sender sends deltas, and both take steps 3 and 4."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    queue, victim_queue, admitted = ctx.Queue(), ctx.Queue(), ctx.Event()  # a killed writer may spoil a queue
+    sender = ctx.Process(target=churn_sender, args=(init, [1, 2], [3, 4], admitted, queue))
+    steady = ctx.Process(target=steady_receiver, args=(init, 1, queue))
+    victim = ctx.Process(target=stalling_receiver, args=(init, 2, victim_queue))
+    procs, inbox = [sender, steady, victim], Inbox(queue)
+    for p in procs:
+        p.start()
+    try:
+        assert Inbox(victim_queue).next("stalled after") == 1
+        os.kill(victim.pid, 9)
+        assert inbox.next("rank 1 has") == 1
+        assert inbox.next("rank 1 has") == 2  # without waiting for the dead rank 2 (beyond its silence)
+        restarted = ctx.Process(target=steady_receiver, args=(init, 2, queue))
+        restarted.start()
+        procs.append(restarted)
+        inbox.next("registered 2")
+        admitted.set()
+        results = {tag: inbox.next(tag) for tag in ("rank 1", "rank 2", "sender")}
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.exitcode is None:
+                p.kill()
+    assert results["rank 1"] == [1, 2, 3, 4]
+    assert results["rank 2"] == [3, 4]  # the restarted one: from its admission on, whole weights first
+    # generation 1: both; 2: rank 1 alone (step 2 again); 3: rank 1 and the restarted rank 2
+    assert results["sender"] == [(1, 1, [1, 2]), (2, 2, [1]), (3, 3, [1, 2]), (4, 3, [1, 2])]
+    assert sender.exitcode == 0 and steady.exitcode == 0 and restarted.exitcode == 0
+
+
 def torchrun_trainer(cfg, tmp_path) -> subprocess.Popen:
     path = tmp_path / "trainer.json"
     path.write_text(cfg.model_dump_json())

@@ -171,11 +171,10 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                 ports["dp_rpc"] = port + 1000  # the replica's data-parallel coordinator listens here
             health = (HealthCheck(kind="http", url=f"http://{{host:{slot.node}}}:{port}/health",
                                   timeout_s=HEALTH_TIMEOUT_S) if head else ALIVE)
-            # A server that dies cannot rejoin a live broadcast group: in that mode the run stops and
-            # resumes from its checkpoint instead of restarting the server.
-            restart = NEVER if init_method else ON_FAILURE
+            # Under broadcast too: a restarted server rejoins the weight group in a new generation
+            # (primebuild/runtime/weight_sync/membership.py) and is brought to the current weights.
             out.append(_spec(name=name, role=rp.group, node=slot.node, gpus=slot.gpus, argv=argv, env=env,
-                             ports=ports, health=health, restart=restart, config=config,
+                             ports=ports, health=health, restart=ON_FAILURE, config=config,
                              environment="primebuild" if inf.engine == "embedded" else "vllm"))
     return out
 

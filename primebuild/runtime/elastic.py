@@ -16,8 +16,9 @@ about it (STOP, status, logs), and whoever may write there may stop the run anyw
     /metrics (sequences finished, policy version) are read first and go into the answer.
 
 Built for the local target with filesystem weight sync and unsplit servers (embedded engine). Refused,
-with the reason: broadcast weight sync (the trainer's process group has a size fixed at its init, and
-a server that leaves or joins it would need the group re-formed), prefill/decode splits (the router's
+with the reason: broadcast weight sync (the weight group is re-formed when a server dies or restarts,
+weight_sync/membership.py, but over the plan's ranks only: an added server has no rank in it),
+prefill/decode splits (the router's
 server lists are fixed), vLLM servers, multi-node replicas, and the ssh / Slurm / Kubernetes targets.
 """
 
@@ -49,8 +50,9 @@ def scale_refusal(plan: Plan, target: str) -> str | None:
         return (f"`scale` is built for the local target only; this run's target is {target} (its processes "
                 "are started by the cluster's scheduler, whose allocation does not grow here)")
     if plan.weight_sync.mode == "broadcast":
-        return ("`scale` is refused under broadcast weight sync: the trainer's weight group has a size fixed "
-                "at its init, so a replica can neither join nor leave it mid-run; use weight_sync.mode: filesystem")
+        return ("`scale` is refused under broadcast weight sync: the trainer's weight group is re-formed over "
+                "the plan's ranks only (a restarted server rejoins it), so an added replica would have no rank in "
+                "it; use weight_sync.mode: filesystem")
     if plan.by_role("prefill", "decode", "router"):
         return "`scale` is refused for a prefill/decode split: the router's server lists are fixed at start"
     servers = plan.by_role("inference")

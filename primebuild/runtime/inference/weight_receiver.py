@@ -8,6 +8,11 @@ themselves are pulled by the update (`/update_weights` with `"source": "broadcas
 -> swap -> resume choreography as for a step folder), a bucket at a time straight into the served model:
 a worker never stages the model, only a bucket or two. The trainer's send waits for every receiver's
 update, so the trainer cannot run ahead of the slowest server by more than the step it is sending.
+
+Membership changes (primebuild/runtime/weight_sync/membership.py): a server that restarts joins again with a
+new incarnation and is admitted to the group at the trainer's next update; if a member dies while the
+others wait for an update, the update is announced again to a new generation, and a load in progress
+here waits for that announcement and takes it (`pull` loops) instead of failing.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from primebuild.errors import UserError
 from primebuild.runtime.weight_sync.broadcast import Announcement, BroadcastReceiver, Bucket
 
 log = logging.getLogger("primebuild.inference")
+SUPERSEDED_POLL_S = 0.1  # how often an announcement no load has asked for is checked for being re-announced
 
 
 class BroadcastStage:
@@ -35,33 +41,49 @@ class BroadcastStage:
         self.received_version = 0
         self.error: str | None = None
         self._receiver: BroadcastReceiver | None = None
-        self._announced: Announcement | None = None
+        self._last: Announcement | None = None  # the newest announcement heard
+        self._announced: Announcement | None = None  # the one a load may take now (None while none is)
+        self._pulling = False  # a load is taking it: the listener leaves the store to it meanwhile
         self._taken = threading.Event()  # the announced update was pulled: listen for the next one
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # guards the three above; notified when an announcement arrives
         self._thread = threading.Thread(target=self._listen, name="weight-broadcast", daemon=True)
         self._thread.start()
 
     def _listen(self) -> None:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         try:
-            self._receiver = BroadcastReceiver(self.init_method, self.world_size, self.rank, backend=backend,
-                                               device=self.device, timeout_s=self.timeout_s)
-            while (announced := self._receiver.announcement()) is not None:
+            self._receiver = receiver = BroadcastReceiver(self.init_method, self.world_size, self.rank,
+                                                          backend=backend, device=self.device,
+                                                          timeout_s=self.timeout_s)
+            while (announced := receiver.announcement()) is not None:
                 with self._lock:
-                    self._announced = announced
+                    self._announced = self._last = announced
                     self.received_version = announced.step
-                log.info("weights of step %d announced by broadcast", announced.step)
-                self._taken.wait()  # the sender sends nothing else before every receiver pulled this one
-                self._taken.clear()
+                    self._lock.notify_all()
+                log.info("weights of step %d announced by broadcast (group generation %d)", announced.step,
+                         announced.generation)
+                self._wait_taken(announced)
             log.info("the trainer closed the weight broadcast")
         except Exception as err:  # the group broke (trainer gone): say so on /health, keep serving
             self.error = f"{type(err).__name__}: {err}"
             log.error("weight broadcast stopped: %s", self.error)
+        with self._lock:
+            self._lock.notify_all()
+
+    def _wait_taken(self, announced: Announcement) -> None:
+        """Until a load took `announced`, or the sender announced it again to a new generation before
+        any load here asked for it (then this server must follow: the new group waits for it)."""
+        while not self._taken.wait(SUPERSEDED_POLL_S):
+            with self._lock:
+                if not self._pulling and self._announced is announced and self._receiver.superseded(announced):
+                    self._announced = None
+                    return
+        self._taken.clear()
 
     def announced(self, at_least: int) -> Announcement:
         """The announced update when it is step `at_least` or newer; a clear error otherwise."""
         with self._lock:
-            announced = self._announced
+            announced = self._last
         if announced is None or announced.step < at_least:
             have = "nothing" if announced is None else f"version {announced.step}"
             raise UserError(f"no broadcast weights of version {at_least} or newer are announced (have {have})",
@@ -69,12 +91,10 @@ class BroadcastStage:
         return announced
 
     def pull(self, announced: Announcement, load: Callable[[Bucket], None], *, prefetch: bool = True) -> int:
-        """Take the announced update's tensors into `load`, a bucket at a time (BroadcastReceiver.pull);
-        returns its step. Blocks until every receiver of the group pulls too."""
-        with self._lock:
-            if announced is not self._announced or self._receiver is None:
-                raise UserError(f"the broadcast of step {announced.step} is no longer the announced one")
-            self._announced = None
+        """Take the announced update (`announced`'s step or newer) into `load`, a bucket at a time
+        (BroadcastReceiver.pull); returns its step. Blocks until every receiver of the group pulls too.
+        When the sender announces the step again to a new generation (a member left), that announcement
+        is waited for and taken instead."""
         load_failed = []
 
         def tracked(bucket: Bucket) -> None:
@@ -84,13 +104,29 @@ class BroadcastStage:
                 load_failed.append(True)
                 raise
 
-        try:
-            self._receiver.pull(announced, tracked, prefetch=prefetch)
-        except Exception as err:
-            if not load_failed:  # the group itself broke: nothing more will arrive
-                self.error = f"{type(err).__name__}: {err}"
-            raise
-        finally:
-            self._taken.set()
-        log.info("loaded the weights of step %d from the broadcast", announced.step)
-        return announced.step
+        step = announced.step
+
+        def takeable() -> bool:
+            return self.error is not None or (self._announced is not None and self._announced.step >= step)
+
+        while True:
+            with self._lock:
+                if not self._lock.wait_for(takeable, timeout=self.timeout_s):
+                    raise TimeoutError(f"step {step} was not announced again within {self.timeout_s:g} s")
+                if self.error is not None:
+                    raise RuntimeError(f"weight broadcast stopped: {self.error}")
+                announced, self._announced, self._pulling = self._announced, None, True
+            try:
+                done = self._receiver.pull(announced, tracked, prefetch=prefetch)
+            except Exception as err:
+                if not load_failed:  # the group itself broke: nothing more will arrive
+                    self.error = f"{type(err).__name__}: {err}"
+                raise
+            finally:
+                with self._lock:
+                    self._pulling = False
+                self._taken.set()
+            if done:
+                log.info("loaded the weights of step %d from the broadcast", announced.step)
+                return announced.step
+            log.info("step %d is announced again to a new weight group generation: waiting for it", announced.step)

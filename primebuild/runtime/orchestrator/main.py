@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 
+import httpx
 import numpy as np
 
 from primebuild.contracts.completion import CompletionResult, SampledChoice
@@ -36,6 +37,7 @@ from primebuild.contracts.run_dir import RunDir
 from primebuild.contracts.run_summary import OrchestratorSummary
 from primebuild.kernels.routing import sample_routes
 from primebuild.runtime.config_main import config_main
+from primebuild.runtime.inference.vllm.admin import VllmAdminError
 from primebuild.runtime.metrics import MetricsWriter, read_metrics
 from primebuild.runtime.orchestrator.advantages import advantages_by_group
 from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
@@ -89,9 +91,19 @@ class Orchestrator:
 
     async def newest_on_active_servers(self) -> int:
         """The newest version the weight source has for the active servers; -1 while none is active (every
-        server down: tend_servers brings each back on the current weights)."""
-        active = self.servers.active()
-        return await self.weights.latest(active) if active else -1
+        server down: tend_servers brings each back on the current weights). One found gone is set aside."""
+        while True:
+            active = [s for s in self.servers.servers.values() if s.state == "active"]
+            if not active:
+                return -1
+            try:
+                return await self.weights.latest([s.client for s in active])
+            except ServerGone as err:
+                for server in active:  # which one: ask each (a gone one answers at once, fail-fast)
+                    try:
+                        await self.weights.latest([server.client])
+                    except ServerGone:
+                        self.servers.gone(server, err)
 
     async def wait_for_version(self, at_least: int) -> int:
         while True:
@@ -122,7 +134,24 @@ class Orchestrator:
             except ServerGone as err:  # revived later, on the version current then
                 self.servers.gone(server, err)
 
-        await asyncio.gather(*(bring(s) for s in active))
+        async def admit(server) -> None:
+            """Broadcast: a restarted or joining server the trainer admitted to its weight group takes this
+            update with the others (each member's load waits for all of them), and then takes requests."""
+            try:
+                served = await server.client.version()
+                if served == version or await self.weights.announced_to(server.client, version):
+                    if served != version:
+                        await self.weights.load(server.client, version)
+                    if server.state in ("joining", "down"):
+                        log.info("%s rejoined the weight group at policy version %d: it takes requests",
+                                 server.url, version)
+                        self.servers.set_active(server, version)
+            except ServerGone:
+                pass  # not back yet
+
+        reviving = [s for s in self.servers.servers.values() if s.state in ("joining", "down")]
+        await asyncio.gather(*(bring(s) for s in active),
+                             *(admit(s) for s in reviving if self.weights.loads_to_advance and version > 0))
         self.server_version = version
         self.weights.retire(version)
 
@@ -137,9 +166,24 @@ class Orchestrator:
             self.servers.reconcile()
             self.servers.settle_drains()
             async with self.sync_lock:
-                await self.servers.revive(self.server_version, self.weights.load)
+                await self.servers.revive(self.server_version, self.revive_load)
             self.servers.write_state()
             await asyncio.sleep(STATE_SECONDS)
+
+    async def revive_load(self, client: InferenceClient, version: int) -> None:
+        """Bring a server that is back (restarted, or added) to `version`. Broadcast: a vLLM server joins
+        the weight group again; the trainer admits it at its next update, which the server takes in
+        _sync_servers with the others (a load alone would wait for the other members forever); until
+        then it serves nothing."""
+        if not self.weights.loads_to_advance:
+            return await self.weights.load(client, version)
+        for join in self.cfg.weight_broadcast:
+            if self.clients[join.endpoint] is client:
+                try:
+                    await client.join_weight_broadcast(join)
+                except (httpx.TransportError, VllmAdminError) as err:
+                    raise ServerGone(f"{join.url} did not join the weight group: {err}") from err
+        raise ServerGone(f"{client.root} waits for the trainer's next update to rejoin at the current weights")
 
     def stop_requested(self) -> bool:
         return self.run_dir.stop_requested()

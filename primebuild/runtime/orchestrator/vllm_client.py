@@ -26,6 +26,7 @@ from primebuild.contracts.completion import CompletionResult
 from primebuild.contracts.orchestrator import ServerJoin
 from primebuild.runtime.inference.lora import is_adapter_folder
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
+from primebuild.runtime.inference.vllm.broadcast_status import STATUS_PATH as BROADCAST_STATUS_PATH
 from primebuild.runtime.inference.vllm.completions import adapt_response
 from primebuild.runtime.orchestrator.client import InferenceClient, Outage
 from primebuild.runtime.weight_sync.filesystem import verify
@@ -90,7 +91,15 @@ class VllmClient(InferenceClient):
         return {"name": "vllm", "version": response.json().get("version") if response.status_code == 200 else None}
 
     async def received_version(self) -> int:
-        return await self.admin.received_version()
+        outage = Outage(self, self.root + BROADCAST_STATUS_PATH)
+        while True:
+            try:
+                return await self.admin.received_version()
+            except httpx.TransportError as err:
+                outage.gone(err)
+            except VllmAdminError as err:
+                outage.failing(err.status, str(err))
+            await asyncio.sleep(0.5)
 
     async def join_weight_broadcast(self, join: ServerJoin) -> None:
         """Ask the server `join.url` (this endpoint, or one behind its router) to join the trainer's

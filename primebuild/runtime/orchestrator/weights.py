@@ -5,7 +5,9 @@ broadcast:  the trainer announces each step over a torch.distributed group of it
             asks the servers what was announced (`/health` `received_version`) and tells them when to
             load it, which is when its bytes cross, into every server at once. No weight folder is
             written. The trainer announces step k+1 only once every server loaded step k, so whoever
-            waits for a newer step must first load the announced one (`loads_to_advance`).
+            waits for a newer step must first load the announced one (`loads_to_advance`). A restarted
+            server rejoins the group and is admitted at the trainer's next update; it loads that update
+            with the others (`announced_to`), never alone.
 Either way the swap itself is the same choreography: pause -> update_weights -> resume.
 """
 
@@ -17,6 +19,8 @@ from pathlib import Path
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.orchestrator.client import InferenceClient
 from primebuild.runtime.weight_sync.filesystem import latest_stable, remove_steps, stable_steps, step_folder
+
+ANNOUNCED_WAIT_S = 5.0  # a member of the group hears an announcement within ms; a loaded host, within seconds
 
 
 class FilesystemWeights:
@@ -51,6 +55,16 @@ class BroadcastWeights:
 
     async def load(self, client: InferenceClient, version: int) -> None:
         await client.update_weights({"source": "broadcast", "version": version})
+
+    async def announced_to(self, client: InferenceClient, version: int, wait_s: float = ANNOUNCED_WAIT_S) -> bool:
+        """Has `client`'s server (one not taking requests: restarted, or joining) been announced `version`?
+        It has within moments when the trainer admitted it to the group it announced `version` to."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while await client.received_version() < version:
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     def retire(self, served: int) -> None:
         """Nothing on disk: the servers hold what they were sent."""

@@ -6,18 +6,25 @@ those; so this group is built directly from a TCPStore (hosted by the sender, ra
 vLLM and prime-rl use for NCCL weight broadcast. Members: the sender (rank 0) and ``world_size - 1``
 receivers (ranks 1..world_size-1); everyone passes the same ``init_method`` ``tcp://HOST:PORT``.
 
+Membership is a generation (membership.py): the sender and the receivers alive when it was formed. A
+receiver that dies (or a restarted one that registers again) makes the sender form a new generation
+before its next update, so a server restart costs the run that server's share, never the run.
+
 One update, in bounded memory at both ends:
-  1. announce  header int64[2] (kind, metadata bytes; kind 0 = sender closed), then the metadata, JSON
-               {"step", "tensors": [[name, dtype, shape], ...], "buckets": [tensors per bucket], "delta"}
-               (buckets.py decides the cut). Receivers wait in this broadcast between updates.
-  2. ready     each receiver sets ``ready/<update>/<rank>`` in the group's store once it can load, i.e.
-               when its server is paused inside a weight update; the sender waits for all of them. A
-               receiver holds no weights before that: it loads each bucket into the served model as it
-               arrives, so the server must not be serving meanwhile.
-  3. buckets   per bucket, the tensors' raw bytes at aligned offsets (any dtype, bf16 or fp8, travels the
-               same way); with delta (delta.py) first int64[tensors, 3] (encoding, changed elements,
-               bytes), then the encoded bytes. A receiver holds one bucket while it loads it and, with
-               prefetch, the next one arriving: at most two buckets of staging, never the model.
+  1. announce  the metadata, JSON {"step", "tensors": [[name, dtype, shape], ...], "buckets": [tensors per
+               bucket], "delta"} (buckets.py decides the cut), as the store key ``gen/<n>/update/<i>``.
+               Receivers poll for it between updates (never inside a collective).
+  2. ready     each receiver sets ``gen/<n>/ready/<i>/<rank>`` once it can load, i.e. when its server is
+               paused inside a weight update; the sender waits for all of them, watching their beats:
+               one that died or was replaced meanwhile turns ``go`` to "again", and the update is
+               announced again to a new generation. A receiver holds no weights before that: it loads
+               each bucket into the served model as it arrives, so the server must not be serving meanwhile.
+  3. buckets   after ``go`` = "send", per bucket over the generation's group, the tensors' raw bytes at
+               aligned offsets (any dtype, bf16 or fp8, travels the same way); with delta (delta.py) first
+               int64[tensors, 3] (encoding, changed elements, bytes), then the encoded bytes. A receiver
+               holds one bucket while it loads it and, with prefetch, the next one arriving: at most two
+               buckets of staging, never the model. A generation with a newcomer gets full tensors (delta
+               restarts from them), so a joining server receives the whole current weights.
 The sender holds the layer group being streamed (stream.py), the bucket on the wire and the next one, which
 it packs meanwhile.
 """
@@ -25,12 +32,10 @@ it packs meanwhile.
 from __future__ import annotations
 
 import json
-import socket
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -39,40 +44,24 @@ from primebuild.contracts.trainer import DEFAULT_BUCKET_MB
 
 from . import delta as delta_codec
 from .buckets import aligned, bucket_counts, bucket_sizes, offsets
+from .membership import (
+    LIVENESS_POLL_S,
+    POLL_S,
+    Heartbeat,
+    Roster,
+    make_group,
+    open_store,
+    publish_generation,
+    read_int,
+    read_members,
+    wait_for_key,
+)
 from .stream import StreamedWeights, TensorSpec, as_stream, in_layout_order
 
-KIND_CLOSE, KIND_WEIGHTS = 0, 1
+log = logging.getLogger("primebuild.weight_sync")
 READY_POLL_S = 0.005  # how often the sender looks whether every receiver asked for the update
+CLOSE_WAIT_S = 10.0  # how long a closing sender waits for its members to have seen it close
 Bucket = list[tuple[str, torch.Tensor]]
-
-
-def _parse_init_method(init_method: str) -> tuple[str, int]:
-    url = urlparse(init_method)
-    if url.scheme != "tcp" or not url.hostname or not url.port:
-        raise ValueError(f"init_method must look like tcp://HOST:PORT, got {init_method!r}")
-    return url.hostname, url.port
-
-
-def _make_group(init_method: str, rank: int, world_size: int, backend: str, timeout_s: float):
-    host, port = _parse_init_method(init_method)
-    timeout = timedelta(seconds=timeout_s)
-    if rank == 0:
-        # A TCPStore server listens on every interface unless handed its socket: listen on the
-        # init_method's address only (the sender's node, loopback on one host), as the trainer's
-        # rendezvous does (primebuild/runtime/trainer/launch.py). detach(): the socket is the store's from here on.
-        listener = socket.create_server((host, port), backlog=1024)
-        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
-                              master_listen_fd=listener.detach())
-    else:
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    store = dist.PrefixStore("primebuild/weight-broadcast", store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout), store
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts), store
-    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
 def _broadcast(group, tensor: torch.Tensor, *, wait: bool = True):
@@ -88,10 +77,6 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in weight broadcast metadata")
     return dtype
-
-
-def _ready_key(update: int, rank: int) -> str:
-    return f"ready/{update}/{rank}"
 
 
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
@@ -116,6 +101,8 @@ class Announcement:
     specs: list[TensorSpec]
     buckets: list[int]  # tensors per bucket, in order
     delta: bool
+    generation: int = 0  # the group it was announced to
+    index: int = 0  # its number within that generation
 
     def bucket_specs(self) -> Iterator[list[TensorSpec]]:
         at = 0
@@ -139,7 +126,8 @@ class SendStats:
 
 class BroadcastSender:
     """Rank 0 of the weight group; hosts its TCPStore. Blocks in ``__init__`` until every receiver
-    joined (up to ``timeout_s``). ``timeout_s`` also bounds each wait for the receivers to be ready."""
+    registered (up to ``timeout_s``). ``timeout_s`` also bounds each wait for the receivers to be ready.
+    Between updates it re-forms the group when its membership changed (membership.py)."""
 
     def __init__(
         self,
@@ -157,38 +145,91 @@ class BroadcastSender:
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.timeout_s = timeout_s
         self.world_size = world_size
+        self.backend = backend
         self.delta = delta
         self._previous: dict[str, torch.Tensor] = {}  # delta: the last sent tensors, on the host
         self._in_flight = None  # the work of the bucket on the wire while the next one is packed
         self._buffers: list[torch.Tensor] = []  # the two payload buffers of an update, used in turn
         self._largest = 0  # the update's largest bucket: what each of them is sized for
-        self._updates = 0
         self._abandoned = False
         self.last: SendStats | None = None
-        self._group, self._store = _make_group(init_method, 0, world_size, backend, timeout_s)
+        self.generation = 0
+        self.members: dict[int, str] = {}  # receiver rank -> incarnation, in the current generation
+        self._announced = 0  # updates announced to the current generation
+        self._group = None
+        self._store = open_store(init_method, host=True, timeout_s=timeout_s)
+        self._roster = Roster(self._store, range(1, world_size))
+        deadline = time.monotonic() + timeout_s
+        while len(registered := self._roster.registered()) < world_size - 1:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, world_size)) - set(registered))
+                raise TimeoutError(f"weight broadcast: receiver ranks {missing} did not join within {timeout_s:g} s")
+            time.sleep(LIVENESS_POLL_S)
+        self._form(registered)
+
+    def _form(self, members: dict[int, str]) -> None:
+        """A new generation of these receivers; blocks until each of them built its group."""
+        newcomers = set(members.values()) - set(self.members.values())
+        self._group = None  # the previous generation's group goes (nothing is in flight on it)
+        self.generation += 1
+        self.members = dict(sorted(members.items()))
+        self._announced = 0
+        if newcomers:
+            self._previous.clear()  # delta: a newcomer has no base, so the next update is sent in full
+        publish_generation(self._store, self.generation, self.members)
+        log.info("weight group generation %d: receiver ranks %s", self.generation, sorted(self.members))
+        self._group = make_group(self._store, self.generation, 0, len(self.members) + 1, self.backend,
+                                 self.timeout_s)
+
+    def _refresh(self, cancelled: Callable[[], bool] | None) -> bool:
+        """Before an update: a new generation if the live receivers are not the current members (False:
+        cancelled while none was live)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            live = self._roster.live()
+            if live and live == self.members and self._group is not None:
+                return True
+            if live:
+                try:
+                    self._form(live)
+                    return True
+                except (RuntimeError, dist.DistError) as err:  # a member went while the group was built
+                    log.warning("weight group generation %d not formed (%s): again", self.generation, err)
+                    self._group = None
+                    continue
+            if cancelled is not None and cancelled():
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight broadcast: no receiver alive for {self.timeout_s:g} s")
+            time.sleep(LIVENESS_POLL_S)
 
     def send(self, weights: Mapping[str, torch.Tensor] | StreamedWeights, step: int,
              cancelled: Callable[[], bool] | None = None) -> SendStats | None:
-        """One update; returns once every receiver has it. Streamed weights are sent as they come: the
-        sender holds the group being read and two buckets, never the whole state (unless delta keeps
-        the previous one). While the receivers have not asked for it, `cancelled()` (a run being
-        stopped: nobody will update the servers) ends the wait: the stream is then read through without
-        sending (its gathers are collectives of every trainer rank), None is returned, and this sender
-        sends nothing more (the receivers wait for an update that never comes)."""
+        """One update; returns once every member of the group has it. Streamed weights are sent as they
+        come: the sender holds the group being read and two buckets, never the whole state (unless delta
+        keeps the previous one). A member that dies before the buckets go is left out: the update is
+        announced again to the members left (and to a restarted one that registered meanwhile).
+        While the receivers have not asked for it, `cancelled()` (a run being stopped: nobody will update
+        the servers) ends the wait: the stream is then read through without sending (its gathers are
+        collectives of every trainer rank), None is returned, and this sender sends nothing more."""
         if self._abandoned:
             raise RuntimeError("this weight sender abandoned an update: it cannot send again")
         weights = as_stream(weights)
         specs = list(weights.layout)
         counts = bucket_counts(specs, self.bucket_bytes)
-        meta = {"step": int(step), "tensors": [[s.name, str(s.dtype), list(s.shape)] for s in specs],
-                "buckets": counts, "delta": self.delta}
-        blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(self.device)
-        _broadcast(self._group,
-                   torch.tensor([KIND_WEIGHTS, blob.numel()], dtype=torch.int64, device=self.device))
-        _broadcast(self._group, blob)
-        self._updates += 1
         waited = time.perf_counter()
-        if not self._wait_ready(step, cancelled):
+        while True:
+            if not self._refresh(cancelled):
+                outcome = "cancelled"
+                break
+            meta = {"step": int(step), "tensors": [[s.name, str(s.dtype), list(s.shape)] for s in specs],
+                    "buckets": counts, "delta": self.delta}
+            self._announced += 1
+            self._store.set(f"gen/{self.generation}/update/{self._announced}", json.dumps(meta))
+            outcome = self._wait_ready(step, cancelled)
+            if outcome != "again":
+                break
+        if outcome == "cancelled":
             self._abandoned = True
             for _ in in_layout_order(weights):
                 pass
@@ -212,21 +253,34 @@ class BroadcastSender:
         self.last = stats
         return stats
 
-    def _wait_ready(self, step: int, cancelled: Callable[[], bool] | None) -> bool:
-        """Until every receiver asked for this update (True), or `cancelled()` says to give up (False)."""
-        keys = [_ready_key(self._updates, r) for r in range(1, self.world_size)]
+    def _wait_ready(self, step: int, cancelled: Callable[[], bool] | None) -> str:
+        """Until every member asked for the announced update ("send"), one of them died or was replaced
+        ("again"), or `cancelled()` says to give up ("cancelled")."""
+        prefix = f"gen/{self.generation}"
+        keys = [f"{prefix}/ready/{self._announced}/{r}" for r in self.members]
+        go = f"{prefix}/go/{self._announced}"
         deadline = time.monotonic() + self.timeout_s
+        looked = time.monotonic()
         while not self._store.check(keys):  # polled: a timed-out store wait logs a warning every time
             if cancelled is not None and cancelled():
-                return False
-            if time.monotonic() > deadline:
-                missing = [r for r, k in enumerate(keys, start=1) if not self._store.check([k])]
+                return "cancelled"
+            now = time.monotonic()
+            if now - looked > LIVENESS_POLL_S:
+                looked = now
+                live = self._roster.live()
+                gone = [r for r, incarnation in self.members.items() if live.get(r) != incarnation]
+                if gone:
+                    log.warning("weight broadcast of step %d: receiver ranks %s left the group; announcing it "
+                                "again to the others", step, gone)
+                    self._store.set(go, "again")
+                    return "again"
+            if now > deadline:
+                missing = [r for r, k in zip(self.members, keys, strict=True) if not self._store.check([k])]
                 raise TimeoutError(f"weight broadcast of step {step}: receiver ranks {missing} did not ask for it "
                                    f"within {self.timeout_s:g} s (servers not updating, or gone)")
             time.sleep(READY_POLL_S)
-        for key in keys:
-            self._store.delete_key(key)
-        return True
+        self._store.set(go, "send")
+        return "send"
 
     def _finish_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -277,17 +331,20 @@ class BroadcastSender:
         return size + header.numel() * 8
 
     def close(self) -> None:
-        """Tell receivers there is nothing more (their ``announcement`` returns None), then leave. After
-        an abandoned update they are not listening for one: nothing is sent."""
-        if self._group is None or self._abandoned:
-            return
-        _broadcast(self._group, torch.tensor([KIND_CLOSE, 0], dtype=torch.int64, device=self.device))
+        """Tell receivers there is nothing more (their ``announcement`` returns None), then leave."""
+        self._store.set("closed", "1")
         self._group = None
+        # the store goes with this process: give the members a moment to read "closed" from it first
+        keys = [f"closed/{r}" for r in self.members]
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while not self._store.check(keys) and time.monotonic() < deadline:
+            time.sleep(READY_POLL_S)
 
 
 class BroadcastReceiver:
-    """Rank ``rank`` (1..world_size-1) of the weight group. An update is ``announcement()`` (blocks until
-    the sender starts one), then ``pull()`` (the tensors, a bucket at a time, into a loader)."""
+    """Receiver rank ``rank`` (1..world_size-1) of the weight group, in whichever generation lists it.
+    An update is ``announcement()`` (blocks until the sender starts one), then ``pull()`` (the tensors, a
+    bucket at a time, into a loader)."""
 
     def __init__(
         self,
@@ -302,33 +359,72 @@ class BroadcastReceiver:
             raise ValueError(f"receiver rank must be in 1..{world_size - 1}, got {rank}")
         self.device = torch.device(device)
         self.rank = rank
-        self._updates = 0
+        self.backend = backend
+        self.timeout_s = timeout_s
         self._base: dict[str, torch.Tensor] = {}  # delta: the last synced tensors, on the host
-        self._group, self._store = _make_group(init_method, rank, world_size, backend, timeout_s)
+        self._store = open_store(init_method, host=False, timeout_s=timeout_s)
+        self._beat = Heartbeat(self._store, rank)
+        self.incarnation = self._beat.incarnation
+        self._group = None
+        self.generation = 0  # the generation whose group this receiver is in (0: none)
+        self._seen = 0  # the newest generation looked at
+        self._next = 1  # the next announcement's number within the generation
+
+    def _follow(self) -> None:
+        """Join the newest generation if it lists this incarnation; leave the old group either way."""
+        newest = read_int(self._store, "gen")
+        if newest == self._seen:
+            return
+        self._seen = newest
+        self._group, self.generation = None, 0
+        members = read_members(self._store, newest)
+        if (self.rank, self.incarnation) not in members:
+            return  # not admitted (yet): the sender admits a live receiver at its next update
+        try:
+            self._group = make_group(self._store, newest, members.index((self.rank, self.incarnation)) + 1,
+                                     len(members) + 1, self.backend, self.timeout_s)
+        except (RuntimeError, dist.DistError) as err:  # a member went while it was built: the sender forms another
+            log.warning("weight group generation %d not joined: %s", newest, err)
+            return
+        self.generation, self._next = newest, 1
+        log.info("joined weight group generation %d as rank %d", newest, members.index((self.rank, self.incarnation)) + 1)
 
     def announcement(self) -> Announcement | None:
-        """Block until the sender announces the next update (None once it closed)."""
-        header = torch.zeros(2, dtype=torch.int64, device=self.device)
-        _broadcast(self._group, header)
-        kind, nbytes = (int(x) for x in header.tolist())
-        if kind == KIND_CLOSE:
-            self._group = None
-            return None
-        blob = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        _broadcast(self._group, blob)
-        meta = json.loads(blob.cpu().numpy().tobytes().decode())
-        self._updates += 1
-        specs = [TensorSpec(name, _dtype(dtype), tuple(shape)) for name, dtype, shape in meta["tensors"]]
-        return Announcement(meta["step"], specs, list(meta["buckets"]), bool(meta["delta"]))
+        """Block until the sender announces the next update to a generation this receiver is in (None
+        once it closed)."""
+        while True:
+            if self._store.check(["closed"]):
+                self._group = None
+                self._beat.stop()
+                self._store.set(f"closed/{self.rank}", self.incarnation)
+                return None
+            self._follow()
+            key = f"gen/{self.generation}/update/{self._next}"
+            if self._group is not None and self._store.check([key]):
+                meta = json.loads(self._store.get(key).decode())
+                specs = [TensorSpec(name, _dtype(dtype), tuple(shape)) for name, dtype, shape in meta["tensors"]]
+                announced = Announcement(meta["step"], specs, list(meta["buckets"]), bool(meta["delta"]),
+                                         generation=self.generation, index=self._next)
+                self._next += 1
+                return announced
+            time.sleep(POLL_S)
 
-    def pull(self, announced: Announcement, load: Callable[[Bucket], None], *, prefetch: bool = True) -> None:
+    def pull(self, announced: Announcement, load: Callable[[Bucket], None], *, prefetch: bool = True) -> bool:
         """Ask for the announced update's tensors and hand each bucket to ``load`` before the next one
-        is taken. ``load`` must copy what it keeps: the bucket's tensors are views of a buffer that goes
-        (delta: of the receiver's copy, which the next update changes). With ``prefetch`` the next bucket
-        arrives while ``load`` runs (two buckets held); without, one bucket plus what ``load`` allocates.
-        If ``load`` raises, the rest is still received (and dropped) so the group stays usable; the
-        error is raised at the end."""
-        self._store.set(_ready_key(self._updates, self.rank), b"1")
+        is taken; True once done. False when the sender announces it again to a new generation instead
+        (a member left): nothing was loaded, and the next ``announcement()`` is that one. ``load`` must
+        copy what it keeps: the bucket's tensors are views of a buffer that goes (delta: of the
+        receiver's copy, which the next update changes). With ``prefetch`` the next bucket arrives while
+        ``load`` runs (two buckets held); without, one bucket plus what ``load`` allocates. If ``load``
+        raises, the rest is still received (and dropped) so the group stays usable; the error is raised
+        at the end."""
+        if announced.generation != self.generation or self._group is None:
+            return False
+        prefix = f"gen/{announced.generation}"
+        self._store.set(f"{prefix}/ready/{announced.index}/{self.rank}", self.incarnation)
+        go = wait_for_key(self._store, f"{prefix}/go/{announced.index}", self.timeout_s, also="closed")
+        if go != "send":
+            return False
         failure: BaseException | None = None
         for bucket in (self._delta_buckets(announced) if announced.delta
                        else self._full_buckets(announced, prefetch)):
@@ -340,6 +436,7 @@ class BroadcastReceiver:
             bucket = None
         if failure is not None:
             raise failure
+        return True
 
     def _full_buckets(self, announced: Announcement, prefetch: bool) -> Iterator[Bucket]:
         layouts = [(specs, *offsets(specs)) for specs in announced.bucket_specs()]
@@ -394,12 +491,22 @@ class BroadcastReceiver:
                 out.append((spec.name, base))
             yield out
 
+    def superseded(self, announced: Announcement) -> bool:
+        """The sender gave up on `announced` (it announces it again to a newer generation) or closed."""
+        go = f"gen/{announced.generation}/go/{announced.index}"
+        return (self._store.check(["closed"]) or read_int(self._store, "gen") != announced.generation
+                or (self._store.check([go]) and self._store.get(go) == b"again"))
+
     def recv(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """One whole update as a state dict (every bucket kept: tests and tools, not servers), or None
         once the sender closed."""
-        announced = self.announcement()
-        if announced is None:
-            return None
-        state: dict[str, torch.Tensor] = {}
-        self.pull(announced, lambda bucket: state.update((k, v.clone()) for k, v in bucket))
-        return announced.step, state
+        while (announced := self.announcement()) is not None:
+            state: dict[str, torch.Tensor] = {}
+            if self.pull(announced, lambda bucket, into=state: into.update((k, v.clone()) for k, v in bucket)):
+                return announced.step, state
+        return None
+
+    def close(self) -> None:
+        """Stop beating: the sender leaves this receiver out of its next generation."""
+        self._beat.stop()
+        self._group = None

@@ -107,6 +107,6 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         torch.accelerator.synchronize()
 
     def shutdown(self) -> None:
-        # The receiving thread is a daemon blocked in a collective; a gloo/NCCL group cannot be left
-        # half-way, so it ends with the process (a broadcast run does not restart inference anyway).
+        # The receiving thread is a daemon polling the group's store; it ends with the process. The sender
+        # sees this worker's beat stop and leaves it out of the next group generation (membership.py).
         self.stage = None
