@@ -1,7 +1,7 @@
 """vLLM general plugin: routed experts (router replay, R3) with a KV connector, for vLLM 0.32.0 only.
 
 vLLM loads it in each of its processes (API server, engine core, workers) through the entry point group
-`vllm.general_plugins` (pyproject.toml for an installed primebuild; primebuild_vllm_plugin.dist-info at
+`vllm.general_plugins` (pyproject.toml for an installed primebuild; primebuild_vllm_plugin-0.dist-info at
 the checkout's root, which is on the PYTHONPATH of every vLLM process primebuild starts:
 primebuild/code_path.py). It imports no vLLM module at import time, so the trainer's environment can
 import it too (tests).
