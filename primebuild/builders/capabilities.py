@@ -200,9 +200,10 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
         yield Refusal("inference.precision", "vllm-cpu: FP8 is not tested on CPUs",
                       "use precision: fp32 or bf16, or engine: embedded (FP8 block-scaled weights on CPUs too)")
     if cpu and inf.router_replay:
-        yield Refusal("inference.router_replay", "vllm-cpu cannot return routed experts: "
-                      "--enable-return-routed-experts needs vLLM's model runner V2, which needs Triton (docs/vllm.md)",
-                      "use engine: embedded for router replay on CPUs (vLLM returns routes on GPUs)")
+        yield Refusal("inference.router_replay", "router replay trains a MoE, and vllm-cpu serves a MoE but "
+                      "does not train it (after a weight update it samples another policy: docs/vllm.md); its "
+                      "routed experts do come back, through primebuild's vLLM plugin (tests/test_vllm_r3_pd.py)",
+                      "use engine: embedded for router replay on CPUs")
     if cpu and inf.kv_cache_dtype != "auto":
         yield Refusal("inference.kv_cache_dtype", "vllm-cpu: an fp8 KV cache is not tested on CPUs",
                       "use kv_cache_dtype: auto")
@@ -227,8 +228,7 @@ def _vllm_pd(m: Manifest) -> Iterator[Refusal]:
         yield Refusal(field, f"{connector}: the vLLM P/D router drives the kv_transfer_params hand-off of "
                       f"{', '.join(ROUTED_CONNECTORS)}; {connector}'s P/D takes its own configuration and "
                       "transfer set-up (LMCache: an LMCache config naming roles and peers), which the plan does "
-                      "not write", "use NixlConnector (without router_replay: vLLM 0.32 refuses routed experts "
-                      "with NIXL), or engine: embedded")
+                      "not write", "use NixlConnector, or engine: embedded")
 
 
 def _trainer(m: Manifest) -> Iterator[Refusal]:
@@ -313,7 +313,10 @@ def _vllm_cpu_moe(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
     """What vllm-cpu 0.32 gets wrong with a MoE, measured on reverse-text-moe's tiny Qwen3-MoE:
     - weight updates: after the first one the served policy is not the trainer's (mismatch KL 1.2-1.6 on
       samples drawn with exactly the trained weights, tp 1 and 2, broadcast and filesystem alike; the same
-      weights in the embedded engine: 4e-13), so an RL run would train on another policy's samples;
+      weights in the embedded engine: 4e-13), so an RL run would train on another policy's samples. The
+      cause: vLLM repacks a CPU MoE's experts on the first load only; primebuild's vLLM plugin repacks
+      them on every update (cpu_moe_reload.py, tests/test_vllm_moe_reload.py), but no RL run has measured
+      the fixed reload yet, so the refusal stays until one does;
     - data parallelism: it dispatches a MoE layer's tokens over the DP ranks with all_gatherv, which its
       CPU communicator does not implement: the engine dies at the first request."""
     inf = m.inference
@@ -321,7 +324,8 @@ def _vllm_cpu_moe(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
         return
     yield Refusal("inference.engine", f"vLLM on CPUs with a MoE ({f.architecture}): vllm-cpu 0.32 reloads a MoE's "
                   "weights wrong (after the first update it samples another policy than the trainer's: mismatch "
-                  "KL 1.2-1.6 measured, 4e-13 with the embedded engine on the same weights)",
+                  "KL 1.2-1.6 measured, 4e-13 with the embedded engine on the same weights; it does not repack the "
+                  "experts, which primebuild's vLLM plugin now does, not yet measured in an RL run: docs/vllm.md)",
                   "use engine: embedded for a MoE on CPUs (router replay and P/D too); vLLM serves MoE RL on GPUs")
     section = "inference.disaggregation" if inf.disaggregation else "inference"
     for name, g in inf.groups.items():

