@@ -194,12 +194,18 @@ def run_chat_sft(config: ChatSFTConfig, out_dir: str, echo=print) -> dict:
         env = {**os.environ, "OMP_NUM_THREADS": str(config.num_threads)}
         if config.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # init_distributed picks CUDA whenever it sees a GPU
-        done = subprocess.run(command, env=env, stderr=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        lines = []
+        with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as ranks:
+            for line in ranks.stderr:
+                lines.append(line)
+                if "[sft rank 0]" in line and (" held-out " in line or line.split(" step ")[-1].split()[0] in
+                                                {"1", *(str(k) for k in range(100, config.steps + 1, 100))}):
+                    echo(line.rstrip().split("] ", 1)[-1])  # progress: step 1, every 100th, held-out losses
+        if ranks.returncode != 0:
+            errors = [line for line in lines if line.startswith("error:")]
             if errors:  # a rank's UserError (exit 2): shown as ours
-                raise UserError(errors[0].removeprefix("error: "))
-            raise RuntimeError(f"SFT trainer ranks failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+                raise UserError(errors[0].removeprefix("error: ").strip())
+            raise RuntimeError(f"SFT trainer ranks failed (exit {ranks.returncode}):\n{''.join(lines)[-4000:]}")
         metrics = json.loads(metrics_file.read_text())
     if config.env_id and config.eval_n:
         import torch

@@ -171,7 +171,7 @@ def train_sft(config: ChatSFTConfig, out: Path, env: DistEnv, groups: ProcessGro
         packed_total += total_packed
         if env.is_main:
             log.info("step %d loss %.5f grad_norm %.3g lr %.3g", step, curve[-1], grad_norm.item(), lr)
-        if held_out and config.eval_every and (step % config.eval_every == 0 or step == config.steps):
+        if held_out and (step == config.steps or config.eval_every and step % config.eval_every == 0):
             eval_curve.append((step, held_out_loss(model, held_out, config, env)))
             if env.is_main:
                 log.info("step %d held-out loss %.5f", step, eval_curve[-1][1])
