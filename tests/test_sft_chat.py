@@ -116,3 +116,31 @@ def test_a_bad_row_stops_the_run_before_any_rank_starts(tmp_path):
     with pytest.raises(UserError, match=r"d.jsonl:4: line 4 is not a chat"):
         run_chat_sft(ChatSFTConfig(model_path=str(model), dataset_path=data), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_chat_sft_builds_into_the_store_and_an_rl_manifest_starts_from_it(tmp_path):
+    """The shipped tool-use-chat-sft.yaml (shortened) plans with its ranks' memory, builds on 2 gloo ranks
+    into the store, and tool-use.yaml, pointed at it, plans and runs a step from that entry."""
+    from conftest import plan_json, run_cli, sft_workspace
+
+    root = tmp_path / "ws"
+    manifests = sft_workspace(root, ("tool-use.yaml",), sft="tool-use-chat-sft.yaml",
+                              sft_changes={"steps": 30, "warmup_steps": 5, "eval_every": 10})
+    plan = plan_json(manifests / "tool-use-chat-sft.yaml", design=False)
+    assert plan["build"]["builder"] == "sft-chat/1" and plan["build"]["config"]["ranks"] == 2
+    assert plan["memory"]["sft-trainer"]["breakdown"]["optimizer_state"] > 0
+    rl = ("--set", "model.from_manifest=tool-use-chat-sft.yaml")
+    assert run_cli("plan", manifests / "tool-use.yaml", *rl).code == 0
+    env = {"PRIMEBUILD_STORE": str(root / "store")}
+    result = run_cli("run", manifests / "tool-use.yaml", *rl, "--set", "orchestrator.max_steps=1",
+                     "--set", "orchestrator.rollouts_per_step=16", "--set", "orchestrator.eval_every=0",
+                     "--runs-dir", root / "runs", timeout=900, env=env)
+    assert result.code == 0, result.text
+    (entry,) = [p for p in (root / "store").iterdir() if p.name.endswith("-tool-use-chat-sft")]
+    metrics = json.loads((entry / "sft_metrics.json").read_text())
+    assert metrics["trainer"] == "torchtitan" and metrics["ranks"] == 2 and metrics["steps"] == 30
+    assert [s for s, _ in metrics["eval_loss_curve"]] == [10, 20, 30]
+    assert metrics["eval_loss_curve"][-1][1] < metrics["eval_loss_curve"][0][1]
+    assert 0.0 <= metrics["eval_reward"] <= 1.0
+    (summary,) = (root / "runs").glob("*/metrics.jsonl")
+    assert summary.read_text().strip()  # the RL trainer ran its step from the SFT'd weights
