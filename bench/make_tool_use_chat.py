@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     with open(args.out, "w", encoding="utf-8") as f:
         for row in rows(args.rows, args.seed):
-            f.write(json.dumps(row, sort_keys=True) + "\n")
+            f.write(json.dumps(row) + "\n")  # key order kept: the template renders the tools as given
 
 
 if __name__ == "__main__":

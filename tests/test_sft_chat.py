@@ -144,3 +144,18 @@ def test_a_chat_sft_builds_into_the_store_and_an_rl_manifest_starts_from_it(tmp_
     assert 0.0 <= metrics["eval_reward"] <= 1.0
     (summary,) = (root / "runs").glob("*/metrics.jsonl")
     assert summary.read_text().strip()  # the RL trainer ran its step from the SFT'd weights
+
+
+def test_plan_names_a_bad_dataset_row_and_exits_2(tmp_path):
+    from conftest import run_cli, sft_workspace
+
+    manifests = sft_workspace(tmp_path / "ws", (), sft="tool-use-chat-sft.yaml", sft_changes=None)
+    data = manifests / "data" / "tool-use-chat.jsonl"
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[:4]) + '{"messages": [{"role": "user", "content": "q"}]}\n' + "".join(lines[4:]))
+    for command in ("plan", "run"):
+        result = run_cli(command, manifests / "tool-use-chat-sft.yaml", timeout=120,
+                         env={"PRIMEBUILD_STORE": str(tmp_path / "store")})
+        assert result.code == 2 and "Traceback" not in result.err, result.text
+        assert f"{data}:5: line 5 is not a chat: no assistant message" in result.err
+    assert not any((tmp_path / "store").glob("*-tool-use-chat-sft"))  # nothing was built
