@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -198,9 +199,8 @@ def run_chat_sft(config: ChatSFTConfig, out_dir: str, echo=print) -> dict:
         with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as ranks:
             for line in ranks.stderr:
                 lines.append(line)
-                if "[sft rank 0]" in line and (" held-out " in line or line.split(" step ")[-1].split()[0] in
-                                                {"1", *(str(k) for k in range(100, config.steps + 1, 100))}):
-                    echo(line.rstrip().split("] ", 1)[-1])  # progress: step 1, every 100th, held-out losses
+                if _progress_line(line):
+                    echo(line.rstrip().split("] ", 1)[-1])
         if ranks.returncode != 0:
             errors = [line for line in lines if line.startswith("error:")]
             if errors:  # a rank's UserError (exit 2): shown as ours
@@ -220,6 +220,15 @@ def run_chat_sft(config: ChatSFTConfig, out_dir: str, echo=print) -> dict:
         metrics["eval_reward"] = evaluate_tasks(model, tokenizer, environment, environment.eval_tasks()[: config.eval_n],
                                                 max_new_tokens=max_new_tokens)
     return metrics
+
+
+_RANK0_STEP = re.compile(r"\[sft rank 0\] step (\d+) (held-out )?")
+
+
+def _progress_line(line: str) -> bool:
+    """Rank 0's lines worth showing while the store builds: step 1, every 100th, each held-out loss."""
+    match = _RANK0_STEP.search(line)
+    return bool(match) and (match.group(2) is not None or int(match.group(1)) % 100 == 0 or match.group(1) == "1")
 
 
 def main(argv: list[str] | None = None) -> int:
