@@ -175,6 +175,7 @@ def sft_workspace(root: Path, copies: tuple[str, ...] = ("reverse-text.yaml",), 
     `seed_store` (so a derivation built there once is a cache hit here). Returns root/manifests."""
     manifests = root / "manifests"
     shutil.copytree(MANIFESTS / "models", manifests / "models")
+    shutil.copytree(MANIFESTS / "data", manifests / "data")  # chat datasets of the sft: manifests that name one
     for name in (*copies, sft):
         shutil.copy(MANIFESTS / name, manifests / name)
     if sft_changes is not None:  # after the copies: `copies` may name the SFT manifest too

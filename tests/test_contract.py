@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -155,6 +156,8 @@ def test_random_valid_manifests_hand_each_process_its_typed_config(doc, tmp_path
 # --- 2. every schema field: what it does, checked ------------------------------------------------------------
 
 RL, SFT, GPU, GLM5 = "reverse-text.yaml", "reverse-text-sft.yaml", "qwen3-30b-a3b.yaml", "glm5.yaml"
+CHAT_SFT = "tool-use-chat-sft.yaml"  # an sft: manifest with a chat dataset (it trains on the RL trainer)
+ONE_CHAT = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
 
 
 def process(plan: dict, role: str) -> dict:
@@ -221,6 +224,7 @@ class Builds:
     get: Callable[[dict], object]
     sets: tuple[str, ...]
     expected: object
+    base: str = SFT
 
 
 @dataclass(frozen=True)
@@ -336,7 +340,9 @@ FIELDS: dict[str, list] = {
         Refused(("environments=[{id: reverse-text}, {id: wordle, weight: 3}]",), base=SFT, field_path="environments")],
     "hardware.cpus_per_node": [Shapes(("hardware.cpus_per_node=8",), "processes", base=RL)],
     "hardware.gpu": [Shapes(("hardware.gpu=h200",), "memory"), Refused(("hardware.gpu=h100", "hardware.gpus_per_node=8"),
-                                                                         base=SFT)],
+                                                                         base=SFT),
+                     Builds(build_config("device"), ("hardware.gpu=h100", "hardware.gpus_per_node=2"), "cuda",
+                            base=CHAT_SFT)],
     "hardware.gpu_memory_gb": [Shapes(("hardware.gpu_memory_gb=120",), "memory"),
                                Refused(("hardware.gpu_memory_gb=10",))],
     "hardware.gpus_per_node": [Shapes(("hardware.gpus_per_node=16",), "nodes")],
@@ -451,11 +457,28 @@ FIELDS: dict[str, list] = {
                                                         ("orchestrator.max_failed_groups_in_a_row=3",), 3)],
     "orchestrator.filter_zero_advantage": [Reaches(config_of(O, "filter_zero_advantage"),
                                                    ("orchestrator.filter_zero_advantage=false",), False)],
-    "sft.steps": [Builds(build_config("steps"), ("sft.steps=99",), 99)],
-    "sft.stop_at_reward": [Builds(build_config("stop_at_reward"), ("sft.stop_at_reward=0.5",), 0.5)],
-    "sft.batch_size": [Builds(build_config("batch_size"), ("sft.batch_size=32",), 32)],
-    "sft.lr": [Builds(build_config("lr"), ("sft.lr=0.002",), 0.002)],
-    "sft.warmup_steps": [Builds(build_config("warmup_steps"), ("sft.warmup_steps=10",), 10)],
+    "sft.steps": [Builds(build_config("steps"), ("sft.steps=99",), 99),
+                  Builds(build_config("steps"), ("sft.steps=99",), 99, base=CHAT_SFT)],
+    "sft.stop_at_reward": [Builds(build_config("stop_at_reward"), ("sft.stop_at_reward=0.5",), 0.5),
+                           Refused(("sft.stop_at_reward=0.5",), base=CHAT_SFT)],
+    "sft.batch_size": [Builds(build_config("batch_size"), ("sft.batch_size=32",), 32),
+                       Builds(build_config("batch_size"), ("sft.batch_size=32",), 32, base=CHAT_SFT)],
+    "sft.lr": [Builds(build_config("lr"), ("sft.lr=0.002",), 0.002),
+               Builds(build_config("lr"), ("sft.lr=0.003",), 0.003, base=CHAT_SFT)],
+    "sft.warmup_steps": [Builds(build_config("warmup_steps"), ("sft.warmup_steps=10",), 10),
+                         Builds(build_config("warmup_steps"), ("sft.warmup_steps=10",), 10, base=CHAT_SFT)],
+    "sft.eval_every": [Builds(build_config("eval_every"), ("sft.eval_every=10",), 10),
+                       Builds(build_config("eval_every"), ("sft.eval_every=10",), 10, base=CHAT_SFT)],
+    "sft.dataset.path": [Builds(build_config("dataset_sha256"), ("sft.dataset.path=one-chat.jsonl",),
+                                hashlib.sha256(ONE_CHAT.encode()).hexdigest(), base=CHAT_SFT),
+                         Refused(("sft.dataset.path=missing.jsonl",), base=CHAT_SFT)],
+    "sft.dataset.eval_rows": [Builds(build_config("eval_rows"), ("sft.dataset.eval_rows=8",), 8, base=CHAT_SFT)],
+    "sft.micro_batch_tokens": [Builds(build_config("micro_batch_tokens"), ("sft.micro_batch_tokens=512",), 512,
+                                      base=CHAT_SFT),
+                               Refused(("sft.micro_batch_tokens=512",), base=SFT)],
+    "sft.ranks": [Builds(build_config("ranks"), ("sft.ranks=1",), 1, base=CHAT_SFT),
+                  Refused(("sft.ranks=2",), base=SFT),
+                  Refused(("hardware.gpu=h100", "hardware.gpus_per_node=1"), base=CHAT_SFT, field_path="sft.ranks")],
     "trainer.nodes": [Shapes(("hardware.nodes=3", "trainer.nodes=2", "trainer.dp_shard=16"), "processes",
                              base_sets=("hardware.nodes=3", "trainer.nodes=1")),
                       Refused(("trainer.nodes=1",)),
@@ -658,6 +681,7 @@ def scratch_folder(factory) -> Path:
         shutil.copy(MANIFESTS / "models" / "reverse-text-tiny.json", folder / "tiny-folder" / "config.json")
         other = (MANIFESTS / SFT).read_text().replace("name: reverse-text-sft", "name: other-sft")
         (folder / "other-sft.yaml").write_text(other.replace("steps: 300", "steps: 200"))
+        (folder / "one-chat.jsonl").write_text(ONE_CHAT)
         _checkpointed_run(folder / "a-run", folder)
     return folder
 
@@ -702,8 +726,8 @@ def test_field_does_what_the_table_says(name, index, check, folder):
             before = None
         assert before != check.expected, "the base already has this value: the check would prove nothing"
     elif isinstance(check, Builds):
-        assert check.get(compile_json(folder, SFT, check.sets)) == check.expected
-        assert check.get(compile_json(folder, SFT, ())) != check.expected
+        assert check.get(compile_json(folder, check.base, check.sets)) == check.expected
+        assert check.get(compile_json(folder, check.base, ())) != check.expected
     elif isinstance(check, Shapes):
         before = compile_json(folder, check.base, check.base_sets, design=True)
         try:

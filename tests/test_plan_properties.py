@@ -40,6 +40,7 @@ def scratch() -> Path:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         shutil.copytree(MANIFESTS / "models", root / "models")
+        shutil.copytree(MANIFESTS / "data", root / "data")
         for path in SHIPPED:
             shutil.copy(path, root / path.name)
         yield root

@@ -163,6 +163,36 @@ def _trainer_memory(m: Manifest, f: ModelFacts, capacity: int, dp_shard: int):
         activation_factor=CPU_EAGER_ACTIVATION_FACTOR if m.hardware.gpu == "cpu" else HF_EAGER_ACTIVATION_FACTOR)
 
 
+def sft_trainer_memory(m: Manifest, f: ModelFacts, config) -> tuple[dict[str, GroupMemory], list[Problem]]:
+    """The SFT build's ranks (primebuild/runtime/trainer/sft.py): the RL trainer's memory model for what
+    they run: fp32 weights, gradients and AdamW state sharded over `ranks` (FSDP2), no activation
+    checkpointing, one packed row of `micro_batch_tokens` at a time, log-probs in chunks."""
+    hw = m.hardware
+    cpu = hw.gpu == "cpu"
+    capacity = int(hw.host_memory_gb * GIB) if cpu else (
+        int(hw.gpu_memory_gb * GIB) if hw.gpu_memory_gb else gpu_spec(hw.gpu).memory_bytes)
+    tmem = trainer_memory_per_gpu(
+        f, param_dtype="fp32", master_dtype=None, grad_dtype="fp32", optimizer="adamw", dp_shard=config.ranks,
+        activation_checkpointing=False, micro_batch_tokens=config.micro_batch_tokens,
+        seq_len=config.micro_batch_tokens, gpu_memory_bytes=capacity, activation_dtype="fp32",
+        logits_chunk_tokens=config.logprob_chunk_tokens, overhead_bytes=CPU_PROCESS_OVERHEAD if cpu else None,
+        activation_factor=CPU_EAGER_ACTIVATION_FACTOR if cpu else HF_EAGER_ACTIVATION_FACTOR)
+    breakdown = TrainerBreakdown(**{k: getattr(tmem, k) for k in TrainerBreakdown.model_fields})
+    used = tmem.total * (config.ranks if cpu else 1)  # CPU ranks share the host; GPU ranks have one GPU each
+    memory = {"sft-trainer": TrainerGroupMemory(  # per rank, as the plan shows every group
+        role="sft-trainer", capacity_bytes=capacity, budget_bytes=capacity, used_bytes=tmem.total,
+        free_bytes=capacity - used, fits=used <= capacity, breakdown=breakdown, host_offload_bytes_per_gpu=0,
+        tokens_per_gpu=tmem.tokens_per_gpu)}
+    problems = []
+    if used > capacity:
+        where = f"{config.ranks} CPU rank(s) need" if cpu else "each GPU rank needs"
+        problems.append(Problem(
+            f"sft: {where} {_g(used)} GiB, {_g(capacity)} GiB available: " +
+            ", ".join(f"{k} {_g(v)}" for k, v in breakdown if v), field="sft.micro_batch_tokens",
+            hint="lower sft.micro_batch_tokens, or shard over more ranks (sft.ranks)"))
+    return memory, problems
+
+
 def _host_bytes_per_node(tmem, trainer_gpus: int, hw) -> int:
     """What a node's trainer ranks offload to its host memory (optimizer.cpu_offload)."""
     return tmem.host_bytes * min(trainer_gpus, hw.gpus_per_node)

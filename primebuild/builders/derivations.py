@@ -7,7 +7,8 @@ that holds the output. `primebuild lock` records keys without building anything;
 - `init: random` -> builder random-init: the architecture facts, the tokenizer kind and the seed.
 - an `sft:` manifest -> builder sft: the exact SFTConfig the trainer reads, plus the store entry (or
   folder) of the model it starts from. A change to anything the SFT run reads rebuilds; editing a
-  comment or the description does not.
+  comment or the description does not. With `sft.dataset`, builder sft-chat: the ChatSFTConfig of the
+  RL trainer's SFT, the dataset entering by its sha256 (not its path: the key is the same on every machine).
 - an `hf:` model's config files -> builder hf-configs: the repository, the commit and each file's sha256
   (`primebuild lock` fetches them, `plan` reads config.json back: primebuild/builders/hf_configs.py).
 """
@@ -21,13 +22,15 @@ from typing import Any
 
 from primebuild.builders.model_ref import facts_file
 from primebuild.builders.store import store_key
-from primebuild.contracts.sft import SFTConfig
+from primebuild.contracts.sft import ChatSFTConfig, SFTConfig
 from primebuild.errors import UserError
 from primebuild.manifest.load import LoadedManifest
 
 # Bump when what a builder writes changes: the store key must change with it.
 RANDOM_INIT_BUILDER = "random-init/1"
 SFT_BUILDER = "sft/2"  # 2: keyed by the SFTConfig it runs, not by the whole manifest
+SFT_CHAT_BUILDER = "sft-chat/1"
+DEFAULT_SFT_MICRO_BATCH_TOKENS = 2048
 HF_CONFIGS_BUILDER = "hf-configs/1"
 
 
@@ -50,23 +53,52 @@ def random_init(loaded: LoadedManifest) -> Derivation:
                                          "seed": m.seed})
 
 
-def sft_config(loaded: LoadedManifest) -> SFTConfig:
+def sft_config(loaded: LoadedManifest) -> SFTConfig | ChatSFTConfig:
     """What the SFT run of an `sft:` manifest reads; it starts from the folder `{model_path}`."""
     m = loaded.manifest
     if m.sft is None:
         raise UserError(f"{loaded.path}: this manifest produces no model (it has no `sft:` section)",
                         hint="model.from_manifest must name a manifest with an `sft:` section")
     env = m.environments[0]
-    return SFTConfig(steps=m.sft.steps, seed=m.seed, env_id=env.id,
-                     env_version=None if env.version == "latest" else env.version, env_args=dict(env.args),
+    version = None if env.version == "latest" else env.version
+    if m.sft.dataset is not None:
+        return chat_sft_config(loaded)
+    return SFTConfig(steps=m.sft.steps, seed=m.seed, env_id=env.id, env_version=version, env_args=dict(env.args),
                      init_model_dir="{model_path}", lr=m.sft.lr, warmup_steps=m.sft.warmup_steps,
-                     batch_size=m.sft.batch_size, stop_at_reward=m.sft.stop_at_reward)
+                     batch_size=m.sft.batch_size, stop_at_reward=m.sft.stop_at_reward, eval_every=m.sft.eval_every)
+
+
+def dataset_file(loaded: LoadedManifest):
+    """The chat dataset of `sft.dataset`, resolved against the manifest's folder."""
+    return loaded.resolve(loaded.manifest.sft.dataset.path, ("sft", "dataset", "path"))
+
+
+def chat_sft_config(loaded: LoadedManifest) -> ChatSFTConfig:
+    """The RL trainer's SFT of `sft.dataset`. Every row is read and checked here, so `plan` names a bad
+    row (file, line) before anything runs; the dataset enters the config by its sha256."""
+    from primebuild.builders.chat_dataset import file_sha256, read_chats
+
+    m = loaded.manifest
+    path = dataset_file(loaded)
+    if not path.is_file():
+        raise UserError(loaded.source.problem(("sft", "dataset", "path"), f"{path}: no such file",
+                                              hint="sft.dataset.path is relative to this manifest"))
+    read_chats(path)
+    env = m.environments[0]
+    return ChatSFTConfig(
+        dataset_sha256=file_sha256(path), steps=m.sft.steps, seed=m.seed, lr=m.sft.lr,
+        warmup_steps=m.sft.warmup_steps, batch_size=m.sft.batch_size,
+        micro_batch_tokens=m.sft.micro_batch_tokens or DEFAULT_SFT_MICRO_BATCH_TOKENS,
+        eval_rows=m.sft.dataset.eval_rows, eval_every=m.sft.eval_every, ranks=m.sft.ranks,
+        device="cpu" if m.hardware.gpu == "cpu" else "cuda", env_id=env.id,
+        env_version=None if env.version == "latest" else env.version, env_args=dict(env.args))
 
 
 def sft(loaded: LoadedManifest, base: str) -> Derivation:
     """`base`: the store key of the model the SFT run starts from (or a folder outside the store)."""
     config = sft_config(loaded)
-    return Derivation(loaded.manifest.name, {"builder": SFT_BUILDER, "config": config.model_dump(mode="json"),
+    builder = SFT_CHAT_BUILDER if isinstance(config, ChatSFTConfig) else SFT_BUILDER
+    return Derivation(loaded.manifest.name, {"builder": builder, "config": config.model_dump(mode="json"),
                                              "base": base})
 
 

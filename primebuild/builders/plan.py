@@ -21,7 +21,7 @@ from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
 from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
 from primebuild.builders.processes import build_processes
-from primebuild.builders.trainer_engine import trainer_engine
+from primebuild.builders.trainer_engine import titan_gaps, trainer_engine
 from primebuild.builders.vllm_command import KV_CONNECTORS
 from primebuild.contracts.estimates import Estimates
 from primebuild.contracts.memory import GroupMemory
@@ -97,9 +97,22 @@ def _sft_plan(loaded: LoadedManifest, facts: ModelFacts, lock: dict | None, refu
     """An `sft:` manifest starts no processes: it is one build, in the primebuild process, into the store
     (primebuild/runtime/derivations.py); the plan shows what that build reads."""
     m = loaded.manifest
-    build = BuildSpec(builder=derivations.SFT_BUILDER, output=m.name, config=derivations.sft_config(loaded))
-    estimates = Estimates(summary=["SFT trains in the primebuild process (a store build): measured, not modelled"])
-    return _plan(loaded, facts, lock, [], _node_map(m, []), {}, estimates, [], refused, build)
+    config = derivations.sft_config(loaded)
+    if m.sft.dataset is None:
+        build = BuildSpec(builder=derivations.SFT_BUILDER, output=m.name, config=config)
+        estimates = Estimates(summary=["SFT trains in the primebuild process (a store build): measured, not modelled"])
+        return _plan(loaded, facts, lock, [], _node_map(m, []), {}, estimates, [], refused, build)
+    # a chat dataset trains on the RL trainer: its ranks' memory is the trainer's memory model
+    problems = [Problem(f"the SFT trainer is torchtitan's: {gap}", field="model") for gap in titan_gaps(facts.model_type)]
+    memory, memory_problems = budget.sft_trainer_memory(m, facts, config)
+    if problems + memory_problems:
+        raise UserError([_locate(loaded, p) for p in problems + memory_problems])
+    build = BuildSpec(builder=derivations.SFT_CHAT_BUILDER, output=m.name, config=config)
+    where = "CPU processes over gloo" if config.device == "cpu" else "GPUs"
+    estimates = Estimates(summary=[f"SFT trains on the RL trainer (a store build): {config.ranks} torchrun rank(s) on "
+                                   f"{where}, FSDP2, rows of {config.micro_batch_tokens} packed tokens; time measured, "
+                                   "not modelled"])
+    return _plan(loaded, facts, lock, [], _node_map(m, []), memory, estimates, [], refused, build)
 
 
 def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:

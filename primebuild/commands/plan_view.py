@@ -83,7 +83,9 @@ def show_plan(plan: Plan, console: Console | None = None) -> None:
     for line in plan.estimates.summary:
         console.print(f"  {line}")
     if plan.build:
-        console.print(f"build: {plan.build.builder} -> store entry {plan.build.output} (in the primebuild process)")
+        ranks = getattr(plan.build.config, "ranks", None)  # the chat SFT's trainer ranks, else this process
+        where = f"on {ranks} trainer rank(s) started by" if ranks else "in"
+        console.print(f"build: {plan.build.builder} -> store entry {plan.build.output} ({where} the primebuild process)")
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/] {w}")
     if not plan.runnable:

@@ -43,3 +43,35 @@ class SFTConfig(Contract):
     check_every: int = Field(2, ge=1)
     min_steps: int = Field(60, ge=0)
     validation_n: int = Field(200, ge=1)
+
+
+class ChatSFTConfig(Contract):
+    """SFT of a chat dataset on the RL trainer (primebuild/runtime/trainer/sft.py): torchtitan's model,
+    FSDP2 over `ranks` torchrun ranks, chats packed as documents into `micro_batch_tokens` rows, the loss
+    the mean NLL of assistant tokens. `{model_path}` and `{dataset_path}` are placeholders the store
+    build resolves, so the config (and the store key) is the same on every machine; the dataset enters
+    the key by its sha256."""
+
+    kind: Literal["chat-sft"] = "chat-sft"
+    model_path: str = "{model_path}"
+    dataset_path: str = "{dataset_path}"
+    dataset_sha256: str = ""
+    steps: int = Field(100, ge=1)
+    seed: int = 0
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    batch_size: int = Field(16, ge=1)  # chats per optimizer step
+    micro_batch_tokens: int = Field(2048, ge=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    eval_rows: int = Field(0, ge=0)  # the dataset's last rows, held out: their loss every eval_every steps
+    eval_every: int = Field(0, ge=0)
+    ranks: int = Field(1, ge=1)
+    device: Literal["cpu", "cuda"] = "cpu"
+    logprob_chunk_tokens: int = Field(1024, ge=1)
+    num_threads: int = Field(1, ge=1)  # per rank: bit-reproducible, and the machine stays usable
+    # the environment whose held-out reward the finished model is scored on (greedy), as the env SFT does
+    env_id: str | None = None
+    env_version: str | None = None
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    eval_n: int = Field(200, ge=0)

@@ -359,15 +359,33 @@ class Orchestrator(Strict):
         return self
 
 
+class SFTDataset(Strict):
+    """A chat dataset: JSONL or Parquet rows {"messages": [{role, content}, ...], "tools": [...]?}."""
+
+    path: str = Field(description="The .jsonl or .parquet file, relative to this manifest.")
+    eval_rows: int = Field(0, ge=0, description="The last rows, held out: their loss every sft.eval_every steps.")
+
+
 class SFT(Strict):
-    """Supervised warm-start training (used by a manifest whose output model another one consumes)."""
+    """Supervised warm-start training (used by a manifest whose output model another one consumes).
+
+    Without `dataset` the model imitates the environment's demonstrations in the primebuild process (one
+    CPU thread). With `dataset` it trains on the chat dataset on the RL trainer (torchtitan, FSDP2 over
+    `ranks` torchrun ranks, packed documents), the loss on assistant tokens only."""
 
     steps: PositiveInt = Field(300, le=10_000_000, description="Step cap (exact count without stop_at_reward).")
     stop_at_reward: float | None = Field(
         None, ge=0, le=1, description="Stop once greedy reward on fixed training-side tasks reaches this.")
-    batch_size: PositiveInt = 64
+    batch_size: PositiveInt = Field(64, description="Tasks (or dataset rows) per optimizer step.")
     lr: float = Field(1e-3, gt=0, le=1)
     warmup_steps: int = Field(50, ge=0)
+    dataset: SFTDataset | None = Field(None, description="Train on this chat dataset, on the RL trainer.")
+    micro_batch_tokens: PositiveInt | None = Field(
+        None, le=10_000_000, description="With dataset: tokens per packed row (default 2048).")
+    ranks: PositiveInt = Field(1, le=1024, description="With dataset: trainer ranks on the one host (GPUs, or CPU "
+                               "processes over gloo).")
+    eval_every: int = Field(0, ge=0, description="Held-out evaluation every this many steps (0: at the end only): "
+                            "the env's reward without dataset, dataset.eval_rows' loss with it.")
 
 
 class Environment(Strict):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from primebuild.builders import derivations
 from primebuild.builders.store import Store
+from primebuild.contracts.sft import ChatSFTConfig
 from primebuild.errors import UserError
 from primebuild.manifest.load import LoadedManifest, load_manifest
 
@@ -71,17 +72,26 @@ def output_of(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
     if hit is not None:
         info = json.loads((hit / "sft_metrics.json").read_text())
         return Resolved(hit, True, time.perf_counter() - started, info)
-    until = f", until reward {config.stop_at_reward}" if loaded.manifest.sft.stop_at_reward is not None else ""
-    echo(f"building {loaded.manifest.name} (SFT, at most {config.steps} steps{until}) into the store …")
     metrics: dict = {}
-    runnable = config.model_copy(update={"init_model_dir": str(base.path)})  # the placeholder, resolved
+    if isinstance(config, ChatSFTConfig):  # the placeholders, resolved
+        echo(f"building {loaded.manifest.name} (SFT of {loaded.manifest.sft.dataset.path} on the trainer, "
+             f"{config.steps} steps, {config.ranks} rank(s)) into the store …")
+        runnable = config.model_copy(update={"model_path": str(base.path),
+                                             "dataset_path": str(derivations.dataset_file(loaded))})
+    else:
+        until = f", until reward {config.stop_at_reward}" if loaded.manifest.sft.stop_at_reward is not None else ""
+        echo(f"building {loaded.manifest.name} (SFT, at most {config.steps} steps{until}) into the store …")
+        runnable = config.model_copy(update={"init_model_dir": str(base.path)})
 
     def build(out: Path) -> None:
-        from primebuild.runtime.sft import run_sft
+        from primebuild.runtime.sft import run_chat_sft, run_sft
 
         _no_progress_bars()
         model_dir = out / "model-staging"
-        result = run_sft(runnable, str(model_dir))
+        if isinstance(runnable, ChatSFTConfig):
+            result = run_chat_sft(runnable, str(model_dir), echo)
+        else:
+            result = run_sft(runnable, str(model_dir))
         _move_contents(model_dir, out)
         metrics.update(result)
         (out / "sft_metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))

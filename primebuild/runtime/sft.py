@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
 
 from primebuild.contracts.base import load_contract
-from primebuild.contracts.sft import SFTConfig
+from primebuild.contracts.sft import ChatSFTConfig, SFTConfig
 from primebuild.errors import UserError
 
 VALIDATION_SEED = 1_000_003  # validation tasks come from their own RNG: training data stay the same
@@ -169,6 +171,64 @@ def run_sft(config: SFTConfig, out_dir: str) -> dict:
     save_hf_folder(model, tokenizer, out_dir)
     metrics["seconds"] = time.perf_counter() - started
     return metrics
+
+
+def run_chat_sft(config: ChatSFTConfig, out_dir: str, echo=print) -> dict:
+    """SFT of a chat dataset on the RL trainer (primebuild/runtime/trainer/sft.py), `config.ranks` torchrun
+    ranks on this host; then, with an environment, the finished model's greedy held-out reward.
+    The dataset is read and checked here first: a bad row is a located error before any rank starts."""
+    import subprocess
+    import tempfile
+
+    from primebuild.builders.chat_dataset import read_chats
+
+    if Path(out_dir).exists():
+        raise UserError(f"{out_dir}: output folder already exists", hint="choose a new folder")
+    read_chats(config.dataset_path)
+    with tempfile.TemporaryDirectory(prefix="primebuild-sft-") as tmp:
+        config_file, metrics_file = Path(tmp) / "sft.json", Path(tmp) / "metrics.json"
+        config_file.write_text(config.model_dump_json())
+        command = [sys.executable, "-m", "primebuild.runtime.trainer.launch", "--nnodes", "1", "--node-rank", "0",
+                   "--master-addr", "127.0.0.1", "--master-port", "0", "--bind", "127.0.0.1", "--",
+                   "--nproc-per-node", str(config.ranks), "-m", "primebuild.runtime.trainer.sft",
+                   "--config", str(config_file), "--out", str(out_dir), "--metrics", str(metrics_file)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(config.num_threads)}
+        if config.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""  # init_distributed picks CUDA whenever it sees a GPU
+        lines = []
+        with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as ranks:
+            for line in ranks.stderr:
+                lines.append(line)
+                if _progress_line(line):
+                    echo(line.rstrip().split("] ", 1)[-1])
+        if ranks.returncode != 0:
+            errors = [line for line in lines if line.startswith("error:")]
+            if errors:  # a rank's UserError (exit 2): shown as ours
+                raise UserError(errors[0].removeprefix("error: ").strip())
+            raise RuntimeError(f"SFT trainer ranks failed (exit {ranks.returncode}):\n{''.join(lines)[-4000:]}")
+        metrics = json.loads(metrics_file.read_text())
+    if config.env_id and config.eval_n:
+        import torch
+
+        from primebuild.runtime.envs.registry import load_environment
+        from primebuild.runtime.evaluate import evaluate_tasks, load_hf_folder
+
+        torch.set_num_threads(config.num_threads)
+        environment = load_environment(config.env_id, config.env_version, config.env_args)
+        model, tokenizer = load_hf_folder(out_dir)
+        max_new_tokens = getattr(environment, "max_tokens_per_turn", 16)
+        metrics["eval_reward"] = evaluate_tasks(model, tokenizer, environment, environment.eval_tasks()[: config.eval_n],
+                                                max_new_tokens=max_new_tokens)
+    return metrics
+
+
+_RANK0_STEP = re.compile(r"\[sft rank 0\] step (\d+) (held-out )?")
+
+
+def _progress_line(line: str) -> bool:
+    """Rank 0's lines worth showing while the store builds: step 1, every 100th, each held-out loss."""
+    match = _RANK0_STEP.search(line)
+    return bool(match) and (match.group(2) is not None or int(match.group(1)) % 100 == 0 or match.group(1) == "1")
 
 
 def main(argv: list[str] | None = None) -> int:
