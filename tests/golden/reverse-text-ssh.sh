@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 66e13a8c99fbdf6b4e0c7446de62ae3a3bb0fd4cbc1076eb767495642f81ab24, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 1b806c025dacfbeb4571b28c75854cc2988efd8205c022c972ded4496979361d, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is
