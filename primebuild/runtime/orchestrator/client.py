@@ -163,6 +163,13 @@ class InferenceClient:
         except ValidationError as err:
             raise RuntimeError(f"{self.base_url}/completions answered outside the rollout contract: {err}") from None
 
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[dict | None]:
+        """vLLM's `prompt_logprobs` of `token_ids` (None first, then {token id: {"logprob": x}} per token), one
+        token generated beside it: how a distillation teacher scores sampled tokens (orchestrator/teacher.py)."""
+        answer = await self._sample({"model": self.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+                                     "prompt_logprobs": 0})
+        return answer["choices"][0]["prompt_logprobs"]
+
     async def engine(self) -> dict:
         """Which engine answers, for the run's summary."""
         from primebuild import __version__

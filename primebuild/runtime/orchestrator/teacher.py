@@ -22,9 +22,7 @@ class TeacherScorer:
 
     async def logprobs(self, token_ids: list[int]) -> list[float]:
         """The teacher's log-prob of token_ids[1:], each given the ones before it."""
-        answer = await self.client._sample({"model": self.client.model, "prompt": token_ids, "max_tokens": 1,
-                                            "temperature": 0.0, "prompt_logprobs": 0})
-        entries = answer["choices"][0]["prompt_logprobs"]
+        entries = await self.client.prompt_logprobs(token_ids)
         if len(entries) != len(token_ids):
             raise RuntimeError(f"{self.client.base_url}: {len(entries)} prompt log-probs for {len(token_ids)} tokens")
         return [entry[str(token)]["logprob"] for token, entry in zip(token_ids[1:], entries[1:], strict=True)]
