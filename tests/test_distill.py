@@ -17,7 +17,7 @@ from primebuild.contracts.rollout import RolloutBatch, Sample  # noqa: E402
 from primebuild.errors import UserError  # noqa: E402
 from primebuild.runtime.rollout_file import load_batch, save_batch  # noqa: E402
 from primebuild.runtime.trainer.batch import pack  # noqa: E402
-from primebuild.runtime.trainer.distill import distilled_advantages  # noqa: E402
+from primebuild.runtime.trainer.distill import distilled_advantages, teacher_baseline  # noqa: E402
 from primebuild.runtime.trainer.losses import resolve_loss  # noqa: E402
 
 torch.set_num_threads(1)
@@ -86,30 +86,40 @@ def test_teacher_logprobs_survive_the_rollout_file(tmp_path):
 
 def test_distillation_penalty_gradient_sign_and_size():
     """A = 0, so only the teacher speaks: with the trainer at the sampler's log-probs (ratio 1), grpo's
-    gradient on each trained token's log-prob is exactly weight x (mu - tau) / normaliser: a token the
-    student is surer of than the teacher (mu > tau) is pushed down, one the teacher prefers is pushed up,
-    one they agree on is left alone; prompt tokens and masked tokens get nothing."""
+    gradient on each trained token's log-prob is exactly weight x (mu - tau - k̄) / normaliser, k̄ the mean
+    of mu - tau over the trained tokens (0.4/3 here): a token the student is surer of than the teacher
+    (beyond the mean) is pushed down, one the teacher prefers is pushed up; prompt tokens and masked
+    tokens get nothing."""
     weight = 0.5
     mu, tau = [-0.2, -1.0, -0.7, -0.3], [-1.2, -0.4, -0.7, -5.0]
     samples = [_sample([1, 2], [3, 4, 5, 6], mu, tau, mask=[1, 1, 1, 0])]
+    baseline = teacher_baseline(samples)
+    assert baseline == pytest.approx((1.0 - 0.6 + 0.0) / 3)  # the masked token's 4.7 is not in it
     (mb,), = pack(samples, micro_batch_tokens=64, world_size=1)
     assert mb.teacher_logprobs[0, 2:].tolist() == pytest.approx(tau)
     logprobs = mb.inference_logprobs.clone().requires_grad_()
-    advantages = distilled_advantages(mb.advantages, mb.inference_logprobs, mb.teacher_logprobs, weight)
+    advantages = distilled_advantages(mb.advantages, mb.inference_logprobs, mb.teacher_logprobs, weight, baseline)
     loss, _ = resolve_loss("grpo")(logprobs, mb.inference_logprobs, advantages, mb.loss_mask)
     loss.backward()
     grad = logprobs.grad[0].tolist()
     assert grad[:2] == [0.0, 0.0]  # the prompt
-    assert grad[2:] == pytest.approx([weight * 1.0, weight * -0.6, 0.0, 0.0], abs=1e-6)
+    want = [weight * (k - baseline) for k in (1.0, -0.6, 0.0)] + [0.0]
+    assert grad[2:] == pytest.approx(want, abs=1e-6)
     assert grad[2] > 0 > grad[3]  # descent lowers the overconfident token, raises the teacher's favourite
+    # uncentred (baseline 0): the penalty itself, weight x (mu - tau)
+    uncentred = distilled_advantages(mb.advantages, mb.inference_logprobs, mb.teacher_logprobs, weight)
+    assert (-uncentred[0, 2:5]).tolist() == pytest.approx([0.5, -0.3, 0.0], abs=1e-6)
 
 
 def test_samples_without_a_teacher_get_no_penalty():
-    """A row mixing scored and unscored samples: the unscored one's teacher column is its own log-prob."""
-    samples = [_sample([1], [3, 4], [-0.2, -0.9], [-1.0, -1.0]), _sample([1], [5], [-0.6], None)]
+    """A row mixing scored and unscored samples: the unscored one (and every prompt token) is NaN in the
+    teacher column and keeps its advantage; the scored one's tokens get the centred penalty."""
+    samples = [_sample([1], [3, 4], [-0.2, -0.9], [-1.0, -1.0], advantage=0.5), _sample([1], [5], [-0.6], None, 0.25)]
     (mb,), = pack(samples, micro_batch_tokens=64, world_size=1)
-    penalty = distilled_advantages(mb.advantages, mb.inference_logprobs, mb.teacher_logprobs, 1.0)
-    assert sorted(round(x, 6) for x in penalty[0].tolist()) == sorted([0.0, 0.0, -0.8, -0.1, 0.0])
+    baseline = teacher_baseline(samples)
+    assert baseline == pytest.approx((0.8 + 0.1) / 2)
+    got = distilled_advantages(mb.advantages, mb.inference_logprobs, mb.teacher_logprobs, 1.0, baseline)[0].tolist()
+    assert sorted(round(x, 6) for x in got) == sorted(round(x, 6) for x in [0.0, 0.0, 0.5 - 0.35, 0.5 + 0.35, 0.25])
     assert pack([_sample([1], [5], [-0.6], None)], 64, 1)[0][0].teacher_logprobs is None
 
 

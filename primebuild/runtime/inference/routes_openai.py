@@ -58,7 +58,7 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
                                 logprobs=body.logprobs is not None, top=top, prefilled=prefilled)
         if body.prompt_logprobs is None:
             return response
-        scored = [await asyncio.to_thread(engine.prompt_logprobs, p) for p in prompts]
+        scored = await asyncio.to_thread(lambda: [engine.prompt_logprobs(p) for p in prompts])
         return with_prompt_logprobs(response, prompts, scored, params.n)
 
     def chat_prompt(body: ChatRequest) -> list[int]:

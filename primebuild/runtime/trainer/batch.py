@@ -41,7 +41,7 @@ class MicroBatch:
     sample_indices: list[int]  # documents -> index in the batch (empty for padding micro-batches)
     routed_experts: torch.Tensor | None = None  # [1, T, moe_layers, top_k] int64, -1 = not recorded
     # On-policy distillation (distill.py): [1, T] float32, the teacher's log-prob of each completion token;
-    # equal to inference_logprobs where the teacher gave none. None when no sample of the row has one.
+    # NaN where the teacher scored nothing (prompts, padding, samples without one). None: no sample has one.
     teacher_logprobs: torch.Tensor | None = None
 
     @property
@@ -87,11 +87,10 @@ def _collate(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBat
 
 
 def _collate_teacher(samples: list[Sample], indices: list[int], inf_lp: torch.Tensor) -> torch.Tensor | None:
-    """The teacher's log-probs laid out like inference_logprobs; a sample without them gets the sampler's
-    own (a zero distillation penalty)."""
+    """The teacher's log-probs laid out like inference_logprobs, NaN where there is none."""
     if all(samples[i].teacher_logprobs is None for i in indices):
         return None
-    out = inf_lp.clone()
+    out = torch.full_like(inf_lp, float("nan"))
     start = 0
     for i in indices:
         s = samples[i]
@@ -131,7 +130,7 @@ def pad_columns(mb: MicroBatch, width: int, pad_id: int) -> MicroBatch:
         return torch.cat([t, torch.full((t.shape[0], extra, *t.shape[2:]), value, dtype=t.dtype)], dim=1)
 
     routes = None if mb.routed_experts is None else pad(mb.routed_experts, -1)  # -1: the router's own choice
-    teacher = None if mb.teacher_logprobs is None else pad(mb.teacher_logprobs, 0.0)
+    teacher = None if mb.teacher_logprobs is None else pad(mb.teacher_logprobs, float("nan"))
     return MicroBatch(pad(mb.input_ids, pad_id), pad(mb.position_ids, 0), pad(mb.document_ids, -1),
                       pad(mb.loss_mask, False), pad(mb.inference_logprobs, 0.0), pad(mb.advantages, 0.0),
                       mb.sample_indices, routes, teacher)

@@ -56,7 +56,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .context_parallel import make_shard, padded_length
 from .lora import trainable_parameters
 from .lora_publish import AdapterPublisher
-from .distill import distilled_advantages, reverse_kl_per_token
+from .distill import distilled_advantages, reverse_kl_per_token, teacher_baseline
 from .losses import kl_per_token, resolve_loss
 from .model import (
     DistEnv,
@@ -249,6 +249,7 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
     replay = model.replay
     totals = torch.zeros(StepSums.size(), dtype=torch.float64)  # StepSums of this rank, packed
     bad_loss = None
+    baseline = teacher_baseline(samples) if config.distill_weight else 0.0  # the whole step's (distill.py)
     for (mb, shard, mask, routes), free_kl in zip(mine, free, strict=True):
         own = slice(None) if shard is None else shard.positions.cpu()  # the columns this rank computes
         inference_lp = mb.inference_logprobs.to(env.device)
@@ -257,7 +258,7 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
         with replay.replaying(routes if replayed else None) if replay is not None else contextlib.nullcontext():
             with autocast_context(env, compute_dtype(config, env.device)):
                 lp, entropy = model(mb.input_ids, mb.position_ids, config.temperature, shard)
-            advantages, teacher_kl, teacher_tokens = _advantages(mb, inference_lp, mask, config, env)
+            advantages, teacher_kl, teacher_tokens = _advantages(mb, inference_lp, mask, config, env, baseline)
             loss_sum, m = loss_fn(lp, inference_lp, advantages, mask)
             if bad_loss is None and not torch.isfinite(loss_sum).item():
                 bad_loss = f"of samples {mb.sample_indices[0]}..{mb.sample_indices[-1]}" if mb.sample_indices else ""
@@ -279,17 +280,19 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
     return totals, bad_loss
 
 
-def _advantages(mb, inference_lp, mask, config: TrainerConfig, env: DistEnv):
+def _advantages(mb, inference_lp, mask, config: TrainerConfig, env: DistEnv, baseline: float):
     """The micro-batch's per-token advantages, with the distillation penalty when the batch has a teacher
-    (distill.py); also the reverse-KL sum and count over its trained tokens, for the teacher_kl metric."""
+    (distill.py, `baseline` its k̄); also the reverse-KL sum and count over the trained tokens the teacher
+    scored, for the teacher_kl metric."""
     advantages = mb.advantages.to(env.device)
     if mb.teacher_logprobs is None:
         return advantages, 0.0, 0.0
     teacher_lp = mb.teacher_logprobs.to(env.device)
-    kl = torch.where(mask, reverse_kl_per_token(inference_lp, teacher_lp), 0.0).sum()
+    scored = mask & ~torch.isnan(teacher_lp)
+    kl = torch.where(scored, reverse_kl_per_token(inference_lp, teacher_lp), 0.0).sum()
     if config.distill_weight:
-        advantages = distilled_advantages(advantages, inference_lp, teacher_lp, config.distill_weight)
-    return advantages, kl, mask.sum()
+        advantages = distilled_advantages(advantages, inference_lp, teacher_lp, config.distill_weight, baseline)
+    return advantages, kl, scored.sum()
 
 
 def _sum_over_ranks(totals: torch.Tensor, env: DistEnv, tp: int = 1) -> torch.Tensor:
