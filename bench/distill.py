@@ -49,7 +49,7 @@ def run(manifest: str, steps: int, runs: Path, sets: list[str], env: dict) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--weight", type=float, default=0.1, help="distill.weight")
+    parser.add_argument("--weight", type=float, default=0.02, help="distill.weight")
     parser.add_argument("--store", default=None, help="PRIMEBUILD_STORE (default: the usual one)")
     args = parser.parse_args()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PRIMEBUILD_STORE": args.store} if args.store else {})}

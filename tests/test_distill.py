@@ -146,7 +146,7 @@ def test_plan_places_the_teacher_and_counts_its_memory(tmp_path):
     assert teacher["role"] == "teacher" and teacher["config"]["model_path"] == "{teacher_model_path}"
     port = teacher["ports"]["http"]
     assert by_name["orchestrator"]["config"]["teacher"]["url"] == f"http://{{host:0}}:{port}/v1"
-    assert by_name["trainer"]["config"]["distill_weight"] == 0.1
+    assert by_name["trainer"]["config"]["distill_weight"] == 0.02
     memory = plan["memory"]["teacher"]
     assert memory["breakdown"]["weights"] > 2 * plan["memory"]["inference"]["breakdown"]["weights"]  # the wider model
 
