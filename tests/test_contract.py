@@ -40,7 +40,8 @@ from primebuild.manifest.schema import Manifest
 
 # role -> the config class its consumer reads
 CONSUMER = {"inference": InferenceServerConfig, "prefill": InferenceServerConfig, "decode": InferenceServerConfig,
-            "router": RouterConfig, "trainer": TrainerConfig, "orchestrator": OrchestratorConfig}
+            "router": RouterConfig, "trainer": TrainerConfig, "orchestrator": OrchestratorConfig,
+            "teacher": InferenceServerConfig}
 
 
 # --- 1. configs parse into their consumer's class and hold the manifest's values -----------------------------
@@ -72,6 +73,7 @@ def check_configs(m: Manifest, plan: dict) -> None:
         assert c.optimizer_cpu_offload == t.optimizer.cpu_offload and c.optimizer == t.optimizer.name
         assert (c.activation_checkpointing, c.checkpoint_every) == (t.activation_checkpointing, t.checkpoint_every)
         assert c.weight_sync.mode == m.weight_sync.mode and c.router_replay == inf.router_replay
+        assert c.distill_weight == (m.distill.weight if m.distill is not None else 0.0)
     (orch,) = by_role["orchestrator"]
     c = OrchestratorConfig.model_validate(orch["config"])
     for name in ("rollouts_per_step", "group_size", "max_off_policy_steps", "max_completion_tokens", "max_steps",
@@ -158,6 +160,7 @@ def test_random_valid_manifests_hand_each_process_its_typed_config(doc, tmp_path
 RL, SFT, GPU, GLM5 = "reverse-text.yaml", "reverse-text-sft.yaml", "qwen3-30b-a3b.yaml", "glm5.yaml"
 CHAT_SFT = "tool-use-chat-sft.yaml"  # an sft: manifest with a chat dataset (it trains on the RL trainer)
 ONE_CHAT = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
+_TEACHER = "reverse-text-teacher-sft.yaml"  # the distillation teacher built on reverse-text's tokenizer
 
 
 def process(plan: dict, role: str) -> dict:
@@ -479,6 +482,13 @@ FIELDS: dict[str, list] = {
     "sft.ranks": [Builds(build_config("ranks"), ("sft.ranks=1",), 1, base=CHAT_SFT),
                   Refused(("sft.ranks=2",), base=SFT),
                   Refused(("hardware.gpu=h100", "hardware.gpus_per_node=1"), base=CHAT_SFT, field_path="sft.ranks")],
+    # the teacher's server is a process of its own, with its memory (its folder is resolved at start)
+    "distill.teacher.from_manifest": [
+        Shapes((f"distill={{teacher: {{from_manifest: {_TEACHER}}}}}",), "memory", base=RL),
+        Refused(("distill={teacher: {from_manifest: tool-use-sft.yaml}}",)),  # another tokenizer
+        Refused((f"distill={{teacher: {{from_manifest: {_TEACHER}}}}}",), base=SFT, field_path="distill")],
+    "distill.weight": [Reaches(config_of(T, "distill_weight"),
+                               (f"distill={{teacher: {{from_manifest: {_TEACHER}}}, weight: 0.3}}",), 0.3)],
     "trainer.nodes": [Shapes(("hardware.nodes=3", "trainer.nodes=2", "trainer.dp_shard=16"), "processes",
                              base_sets=("hardware.nodes=3", "trainer.nodes=1")),
                       Refused(("trainer.nodes=1",)),

@@ -45,10 +45,11 @@ CPU_PROCESS_OVERHEAD = 512 * 1024**2
 _DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16"}  # fp8 training keeps bf16 params, fp8 matmuls
 
 
-def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = False
-            ) -> tuple[dict[str, GroupMemory], Estimates, list[Problem], list[str]]:
+def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = False,
+            teacher: ModelFacts | None = None) -> tuple[dict[str, GroupMemory], Estimates, list[Problem], list[str]]:
     """Return (memory by group, estimates, problems, warnings). Suggested fixes are only ones the plan's
-    backends apply (in a design study: any)."""
+    backends apply (in a design study: any). `teacher`: the distillation teacher's facts (its server is
+    counted as a group of its own)."""
     def can(field: str, value: object) -> bool:
         return design or applies(m, field, value, f)
 
@@ -108,6 +109,9 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
                 f"{name}: weight-sync staging {_g(staging)} GiB (two buckets) does not fit beside vLLM's budget "
                 f"({_g(mem.budget)} of {_g(capacity)} GiB per GPU)", field="weight_sync.bucket_mb",
                 hint="lower weight_sync.bucket_mb or inference.gpu_memory_utilization"))
+
+    if teacher is not None:
+        memory["teacher"] = _teacher_memory(m, teacher, capacity)
 
     t = m.trainer
     tmem = _trainer_memory(m, f, capacity, t.dp_shard)
@@ -330,9 +334,28 @@ def _inference_nodes(placement: Placement) -> int:
     return len({s.node for rp in placement.inference for s in rp.slots})
 
 
+def _teacher_memory(m: Manifest, teacher: ModelFacts, capacity: int) -> InferenceGroupMemory:
+    """The teacher's embedded server on a CPU node: its weights, one process's overhead, and the KV slots
+    the engine preallocates (max_num_seqs full-length sequences), as for the student's servers."""
+    mem = inference_memory_per_gpu(
+        teacher, precision=m.inference.precision, kv_cache_dtype=m.inference.kv_cache_dtype, tp=1, ep=1, dp=1,
+        gpu_memory_bytes=capacity, gpu_memory_utilization=m.inference.gpu_memory_utilization,
+        max_num_seqs=m.inference.max_num_seqs, seq_len=m.orchestrator.seq_len, overhead_bytes=CPU_PROCESS_OVERHEAD)
+    kv_cache = m.inference.max_num_seqs * m.orchestrator.seq_len * mem.kv_bytes_per_token
+    used = mem.weights + mem.activations + mem.overhead + kv_cache
+    return InferenceGroupMemory(
+        role="teacher", capacity_bytes=capacity, budget_bytes=mem.budget, used_bytes=used, free_bytes=capacity - used,
+        fits=used <= capacity, breakdown=InferenceBreakdown(weights=mem.weights, activations=mem.activations,
+                                                            overhead=mem.overhead, kv_cache=kv_cache, weight_staging=0),
+        kv_bytes_per_token=mem.kv_bytes_per_token, kv_tokens_capacity=kv_cache // mem.kv_bytes_per_token,
+        max_concurrent_seqs=m.inference.max_num_seqs)
+
+
 def _process_count(m: Manifest, group: str) -> int:
     if group == "trainer":
         return m.trainer.ranks or m.trainer.world_size
+    if group == "teacher":
+        return 1
     return m.inference.groups[group].replicas
 
 

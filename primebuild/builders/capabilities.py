@@ -111,6 +111,25 @@ def _rl(m: Manifest) -> Iterator[Refusal]:
     yield from _trainer(m)
     yield from _trackers(m)
     yield from _no_effect(m)
+    yield from _distill(m)
+
+
+def _distill(m: Manifest) -> Iterator[Refusal]:
+    """On-policy distillation runs one embedded teacher server on the local target's CPU, at temperature 1."""
+    d = m.distill
+    if d is None:
+        return
+    if m.inference.engine != "embedded":
+        yield Refusal("inference.engine", "the teacher's server is an embedded one (prompt log-probs of token ids)",
+                      "use inference.engine: embedded with distill")
+    if m.target.kind != "local" or m.hardware.gpu != "cpu":
+        yield Refusal("distill", "the teacher's server is placed on the local target's CPU only, for now",
+                      "run distillation with target.kind: local and hardware.gpu: cpu")
+    if m.orchestrator.temperature != 1.0:
+        # the teacher scores with its own distribution (no temperature), the sampler's log-probs are tempered:
+        # their difference would not estimate the KL between the two models
+        yield Refusal("orchestrator.temperature", "distillation compares the sampler's log-probs with the teacher's "
+                      "untempered ones: sample at temperature 1", "set orchestrator.temperature: 1.0")
 
 
 def _trackers(m: Manifest) -> Iterator[Refusal]:

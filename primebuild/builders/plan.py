@@ -15,6 +15,7 @@ from __future__ import annotations
 from primebuild import __version__
 from primebuild.builders import budget, derivations
 from primebuild.builders.capabilities import SPLIT_TARGETS, Refusal, refusals
+from primebuild.builders.distill import teacher_facts
 from primebuild.builders.environments import sandbox_warnings
 from primebuild.builders.kv_connector_packages import missing_from_lock
 from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
@@ -50,11 +51,14 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
     _raise_unless_design(loaded, refused, problems + place_problems, design)
     assert placement is not None
 
+    # the teacher's facts, for its server's memory; refuses a teacher that reads tokens otherwise
+    teacher = teacher_facts(loaded, facts)[1] if m.distill is not None else None
     engine, why = trainer_engine(m, facts.model_type)
     processes = build_processes(m, placement, facts.moe_layers, facts.quantized, engine)
     if shared := shared_addresses(m, processes):
         raise UserError([_locate(loaded, p) for p in shared])
-    memory, estimates, budget_problems, warnings = budget.compute(m, facts, placement, design=design)
+    memory, estimates, budget_problems, warnings = budget.compute(m, facts, placement, design=design,
+                                                                  teacher=teacher)
     warnings = _warnings(m, facts, placement) + warnings
     if engine != "torchtitan" and m.trainer.engine == "auto":
         warnings.append(f"trainer: {why}")

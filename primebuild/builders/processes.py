@@ -14,7 +14,7 @@ from primebuild.builders.trainer_restart import trainer_restarts
 from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
 from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.inference import BroadcastJoin, DisaggregationRole, InferenceServerConfig
-from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig, ServerJoin
+from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig, ServerJoin, TeacherEndpoint
 from primebuild.contracts.plan import HEALTH_TIMEOUT_S, START_ORDER, HealthCheck, ProcessSpec, RestartPolicy
 from primebuild.contracts.router import DecodeServer, RouterConfig, VllmPool, VllmRouterConfig
 from primebuild.contracts.run_dir import RunDir
@@ -60,6 +60,8 @@ def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ..
         processes.append(_vllm_router_process(m, processes, len(heads)))
     sync = (BroadcastSync(init_method=init_method, world_size=world, bucket_mb=m.weight_sync.bucket_mb,
                           delta=m.weight_sync.delta) if broadcast else FilesystemSync())
+    if m.distill is not None:
+        processes.append(_teacher_process(m, placement.orchestrator_node, len(heads)))
     processes += _trainer_processes(m, placement.trainer, sync, trainer_engine)
     processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers, sync, first_ranks))
     return processes
@@ -220,6 +222,27 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_ra
     return server_argv(server)
 
 
+TEACHER_PORT_OFFSET = 1  # the teacher listens after the servers' ports and the router's
+
+
+def _teacher_process(m: Manifest, node: int, replicas: int) -> ProcessSpec:
+    """On-policy distillation: one embedded server holding the teacher's weights (`{teacher_model_path}`,
+    resolved at start like the student's), on the orchestrator's node; it never receives weights."""
+    port = m.inference.port + replicas + TEACHER_PORT_OFFSET
+    env = _base_env(m, [])
+    threads = m.inference.threads or _threads(m, 2)
+    env["OMP_NUM_THREADS"] = str(threads)
+    config = InferenceServerConfig(
+        model_path="{teacher_model_path}", served_model_name=f"{m.name}-teacher", host=bind_host(m, node),
+        port=port, max_num_seqs=m.inference.max_num_seqs, max_model_len=m.orchestrator.seq_len,
+        precision=m.inference.precision, seed=m.seed, num_threads=threads)
+    return _spec(name="teacher-0", role="teacher", node=node, gpus=[],
+                 argv=["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"],
+                 env=env, ports={"http": port}, restart=ON_FAILURE, config=config,
+                 health=HealthCheck(kind="http", url=f"http://{{host:{node}}}:{port}/health",
+                                    timeout_s=HEALTH_TIMEOUT_S))
+
+
 def _router_process(m: Manifest, node: int, servers: list[ProcessSpec], replicas: int) -> ProcessSpec:
     """The P/D router of the embedded engine: the orchestrator's one endpoint, in front of both pools."""
     def url(p: ProcessSpec) -> str:
@@ -311,6 +334,7 @@ def trainer_config(m: Manifest, sync=None, engine: str = "hf") -> TrainerConfig:
     return TrainerConfig(engine=engine,
         model_path="{model_path}", run_dir="{run_dir}", seed=m.seed,
         loss=o.loss, max_completion_tokens=o.max_completion_tokens, temperature=o.temperature,
+        distill_weight=m.distill.weight if m.distill is not None else 0.0,
         optimizer=t.optimizer.name, lr=t.optimizer.lr, betas=t.optimizer.betas, weight_decay=t.optimizer.weight_decay,
         max_grad_norm=t.optimizer.max_grad_norm, warmup_steps=t.optimizer.warmup_steps, max_steps=o.max_steps,
         micro_batch_tokens=t.micro_batch_tokens, logprob_chunk_tokens=t.logprob_chunk_tokens,
@@ -374,6 +398,9 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec], 
         trackers=trackers_config(m),
         router_replay=m.inference.router_replay,
         moe_layers=list(moe_layers) if m.inference.router_replay else [],
+        teacher=next((TeacherEndpoint(url=f"http://{{host:{p.node}}}:{p.ports['http']}/v1",
+                                      served_model_name=p.config.served_model_name)
+                      for p in processes if p.role == "teacher"), None),
         # a restarted server may take as long to come back as the supervisor waits for its health
         retry_seconds=HEALTH_TIMEOUT_S)
     env = _base_env(m, [])

@@ -91,6 +91,12 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     target.provision(plan)  # before anything is built or written
     model = resolve_model(loaded, store, click.echo)
     click.echo(f"model: {model.path} ({'cache hit' if model.cache_hit else 'built'} in {model.seconds:.2f} s)")
+    teacher = None
+    if m.distill is not None:  # on-policy distillation: the teacher's model is built (or found) like the student's
+        from primebuild.builders.distill import teacher_manifest
+
+        teacher = output_of(teacher_manifest(loaded), store, click.echo)
+        click.echo(f"teacher: {teacher.path} ({'cache hit' if teacher.cache_hit else 'built'} in {teacher.seconds:.2f} s)")
 
     run = RunDir((runs_dir / f"{m.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve())
     run.root.mkdir(parents=True, exist_ok=False)
@@ -113,7 +119,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     run.run_record.write_text(json.dumps(
         {"plan_hash": plan.plan_hash, "manifest_hash": loaded.manifest_hash, "code_version": code_version(),
          "manifest_path": str(loaded.path.resolve()), "model_path": str(model.path),
-         "model_cache_hit": model.cache_hit, "model_info": model.info, "model_seconds": round(model.seconds, 2),
+         "model_cache_hit": model.cache_hit, "teacher_model_path": str(teacher.path) if teacher else None, "model_info": model.info, "model_seconds": round(model.seconds, 2),
          "target": plan.target.kind, "environments": environments, "image": image}, indent=2, sort_keys=True))
     from primebuild.builders.lock import record_lock
 
@@ -201,6 +207,8 @@ def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, de
     if summary.eval_reward_after is not None and summary.eval_reward_gain is not None:
         click.echo(f"eval reward after RL:              {summary.eval_reward_after:.4f} "
                    f"(gain {summary.eval_reward_gain:+.4f})")
+    for env, gain in (summary.eval_reward_gain_by_env or {}).items():
+        click.echo(f"  {env}: {summary.eval_reward_after_by_env[env]:.4f} (gain {gain:+.4f})")
     wall = summary.wall_seconds
     click.echo((f"wall time {wall:.1f} s; " if wall else "") + f"summary {run.summary}"
                + (f"; report {report}" if report else ""))

@@ -28,6 +28,13 @@ class ServerJoin(BroadcastJoin):
     endpoint: int = Field(0, ge=0)  # the index in `endpoints` whose requests reach this server
 
 
+class TeacherEndpoint(Contract):
+    """On-policy distillation: the teacher's server, which scores every sampled token (orchestrator/teacher.py)."""
+
+    url: str  # OpenAI base URL (…/v1)
+    served_model_name: str
+
+
 class OrchestratorConfig(Contract):
     kind: Literal["orchestrator"] = "orchestrator"
     run_dir: str
@@ -66,6 +73,7 @@ class OrchestratorConfig(Contract):
     # Router replay: ask the servers for the routed experts of every sample and carry those of these
     # decoder layers (the model's MoE layers) in the rollout batch.
     router_replay: bool = False
+    teacher: TeacherEndpoint | None = None  # on-policy distillation: batches carry the teacher's log-probs
     moe_layers: list[int] = Field(default_factory=list)
 
     @model_validator(mode="after")

@@ -40,9 +40,10 @@ PLAN_VERSION = 2  # 2: typed process configs (no `extra` bags), `runnable`/`unsu
 
 T = TypeVar("T", bound=BaseModel)
 
-Role = Literal["inference", "prefill", "decode", "router", "trainer", "orchestrator"]
+Role = Literal["inference", "prefill", "decode", "router", "trainer", "orchestrator", "teacher"]
 # Roles start in this order; each waits for the health of everything before it.
-START_ORDER: dict[str, int] = {"inference": 0, "prefill": 0, "decode": 0, "router": 1, "trainer": 1, "orchestrator": 2}
+START_ORDER: dict[str, int] = {"inference": 0, "prefill": 0, "decode": 0, "teacher": 0, "router": 1, "trainer": 1,
+                               "orchestrator": 2}
 
 # Defaults that more than one side needs, in one place.
 HEALTH_TIMEOUT_S = 1800.0  # an inference server loading a large model from a network disk

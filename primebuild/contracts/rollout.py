@@ -46,6 +46,9 @@ class Sample(_Record):
     # router replay: an integer array [num_tokens - 1, moe_layers, top_k] of expert ids (uint8 / uint16;
     # numpy as read from the file, a torch tensor is accepted too), see primebuild/runtime/rollout_file.py
     routed_experts: Any = None
+    # On-policy distillation: the teacher's log-prob of each completion token, scored by the teacher's
+    # server on the same token ids (0.0 placeholders where completion_mask is 0); None without a teacher.
+    teacher_logprobs: list[float] | None = None
 
     def validate_shapes(self, where: str) -> None:
         if not self.prompt_ids:
@@ -56,6 +59,9 @@ class Sample(_Record):
                 f"{where}: {len(self.inference_logprobs)} inference_logprobs for {n} completion tokens",
                 hint="send exactly one log-prob per sampled completion token",
             )
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise UserError(f"{where}: {len(self.teacher_logprobs)} teacher_logprobs for {n} completion tokens",
+                            hint="the teacher scores exactly the sampled completion tokens")
         if self.completion_mask is not None and len(self.completion_mask) != n:
             raise UserError(
                 f"{where}: completion_mask has {len(self.completion_mask)} entries for {n} tokens"

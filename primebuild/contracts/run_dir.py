@@ -54,6 +54,7 @@ class Rendezvous(Contract):
 
     hosts: list[str] = Field(min_length=1)
     model_path: str
+    teacher_model_path: str | None = None  # on-policy distillation: the teacher's folder (its server's {teacher_model_path})
     environments: dict[str, str] = Field(default_factory=dict)  # environment -> its python, beyond ours
 
 

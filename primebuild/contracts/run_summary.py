@@ -26,6 +26,9 @@ class OrchestratorSummary(Contract):
     eval_reward_before: float | None = None
     eval_reward_after: float | None = None
     eval_reward_after_step: int | None = None  # the trained step whose weights the last eval used
+    # A run of several environments: each one's held-out reward, by name (its id; id#index for a repeated id)
+    eval_reward_before_by_env: dict[str, float] | None = None
+    eval_reward_after_by_env: dict[str, float] | None = None
     inference_engine: EngineInfo | None = None
     orchestrator_seconds: float | None = None
 
@@ -50,6 +53,7 @@ class RunSummary(OrchestratorSummary):
     wall_seconds: float = 0.0  # summed over the run's sessions (a resume adds its own)
     outcome: str | None = None
     eval_reward_gain: float | None = None  # after - before
+    eval_reward_gain_by_env: dict[str, float] | None = None  # after - before, per environment
     # Over every step where each was measured (primebuild/runtime/report.py); the *_no_replay ones and the routing
     # figures only exist in router-replay runs.
     mismatch_kl_max: float | None = None

@@ -72,6 +72,9 @@ class TrainerConfig(Contract):
     # Objective
     loss: LossConfig = DppoKl()  # the manifest's orchestrator.loss, unchanged (contracts/loss.py)
     loss_normalizer: Literal["step_tokens", "samples_x_max_tokens"] = "step_tokens"
+    # On-policy distillation: weight of the per-token reverse KL to the teacher, subtracted from each token's
+    # advantage (runtime/trainer/distill.py); batches then carry teacher_logprobs. 0: no teacher.
+    distill_weight: float = Field(0.0, ge=0)
     max_completion_tokens: int = Field(ge=1)  # for samples_x_max_tokens
     temperature: float = Field(ge=MIN_SAMPLING_TEMPERATURE)  # the sampling temperature: logits are divided by it
 

@@ -499,6 +499,24 @@ class KubernetesTarget(Strict):
 Target = Annotated[LocalTarget | SshTarget | SlurmTarget | KubernetesTarget, Field(discriminator="kind")]
 
 
+class Teacher(Strict):
+    """Where the teacher's weights come from. For now one source: a model-building manifest's store output
+    (the other sources of `model:` would be fields here once the teacher's server can load them)."""
+
+    from_manifest: str = Field(
+        description="A model-building manifest (relative to this one), e.g. an SFT manifest, whose output model is "
+        "the teacher. Its tokenizer must be the student's: tokens are scored as sampled.")
+
+
+class Distill(Strict):
+    """On-policy distillation: a teacher model, served by an inference server of its own, scores every
+    sampled completion token; the trainer subtracts `weight` x (student log-prob - teacher log-prob) from
+    that token's advantage (the per-token reverse KL as a negative reward: runtime/trainer/distill.py)."""
+
+    teacher: Teacher
+    weight: float = Field(0.1, gt=0, le=100, description="Weight of the per-token reverse KL to the teacher.")
+
+
 # --- the manifest ----------------------------------------------------------------------------------
 
 
@@ -514,6 +532,7 @@ class Manifest(Strict):
     trainer: Trainer = Trainer()
     orchestrator: Orchestrator = Orchestrator()
     sft: SFT | None = Field(None, description="Present for a supervised warm-start manifest (no RL).")
+    distill: Distill | None = Field(None, description="On-policy distillation from a teacher model (RL runs).")
     environments: list[Environment] = Field(min_length=1)
     weight_sync: WeightSync = WeightSync()
     retention: Retention = Retention()
@@ -522,6 +541,14 @@ class Manifest(Strict):
     target: Target = LocalTarget()
     secrets: list[Annotated[str, Field(pattern=ENV_NAME)]] = Field(
         default_factory=list, description="Names of environment variables passed through; never their values.")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_distill(self, handler):
+        # Written only when set: manifests without a teacher keep the hash (and locks) they had before it.
+        data = handler(self)
+        if data.get("distill") is None:
+            data.pop("distill", None)
+        return data
 
     @field_validator("name")
     @classmethod

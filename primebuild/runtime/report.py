@@ -32,6 +32,15 @@ def series(rows: list[dict], role: str, name: str) -> tuple[list[int], list[floa
     return steps, [points[s] for s in steps]
 
 
+def environments(rows: list[dict]) -> list[str]:
+    """The environments of a run of several, in the order their eval rows first appear ([] with one)."""
+    prefix, names = "eval_reward/", {}
+    for r in rows:
+        if r["role"] == "orchestrator" and r["name"].startswith(prefix):
+            names.setdefault(r["name"].removeprefix(prefix), None)
+    return list(names)
+
+
 def _legend_below(ax) -> None:
     """Under the panel, not on it: inside, it covered the start of the curves (the eval curve's first point)."""
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize="small", frameon=False)
@@ -49,7 +58,7 @@ def write_report(run: RunDir) -> Path | None:
     panels = [("orchestrator", "reward_mean", "rollout reward (mean)"),
               ("trainer", "behaviour_kl", "KL(inference || trainer)"),
               ("orchestrator", "tokens_per_s", "inference tokens/s")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4 + 0.25 * len(environments(rows))))  # room for the legends
     for ax, (role, name, title) in zip(axes, panels, strict=True):
         xs, ys = series(rows, role, name)
         ax.plot(xs, ys, marker=".", linewidth=1)
@@ -57,6 +66,9 @@ def write_report(run: RunDir) -> Path | None:
             ex, ey = series(rows, "orchestrator", "eval_reward")
             ax.lines[-1].set_label("rollouts (sampled)")
             ax.plot(ex, ey, "o-", label="held-out eval (greedy, every orchestrator.eval_every steps)")
+            for env in environments(rows):  # several environments: each one's held-out curve beside the mean
+                vx, vy = series(rows, "orchestrator", f"eval_reward/{env}")
+                ax.plot(vx, vy, ".--", linewidth=1, label=f"held-out eval: {env}")
             _legend_below(ax)
         if name == "behaviour_kl":
             ax.lines[-1].set_label("behaviour (all samples)")
@@ -94,6 +106,9 @@ def write_summary(run: RunDir, extra: dict) -> RunSummary:
             summary[f"{name}_steps"] = len(steps)
     if summary.get("eval_reward_before") is not None and summary.get("eval_reward_after") is not None:
         summary["eval_reward_gain"] = summary["eval_reward_after"] - summary["eval_reward_before"]
+    before, after = summary.get("eval_reward_before_by_env") or {}, summary.get("eval_reward_after_by_env") or {}
+    if before and after:
+        summary["eval_reward_gain_by_env"] = {env: after[env] - before[env] for env in after if env in before}
     typed = parse_contract(RunSummary, summary, where=str(run.summary))
     typed.write(run.summary)
     return typed

@@ -16,6 +16,8 @@ from both sides so that neither imports the other.
   [fed positions, moe_layers, top_k] -- the experts inference routed each position fed through the
   model to, prompt + completion - 1 positions (primebuild/kernels/routing.py). How the trainer packs them into
   micro-batches: primebuild/runtime/trainer/batch.py.
+- With on-policy distillation, a sample carries ``teacher_logprobs`` (float64, one per completion token,
+  like ``inference_logprobs``): the teacher's log-probs of the sampled tokens (trainer/distill.py).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ LEGACY_SUFFIX = ".pt"  # format 1, still read
 _HEADER_KEY = "primebuild_rollout_batch"
 # Sample fields stored as arrays (the rest go to the JSON header), with their on-disk dtype.
 _ARRAYS = {"prompt_ids": np.int64, "completion_ids": np.int64, "inference_logprobs": np.float64,
-           "completion_mask": np.uint8, "routed_experts": None}  # routes keep their own integer dtype
+           "completion_mask": np.uint8, "teacher_logprobs": np.float64,
+           "routed_experts": None}  # routes keep their own integer dtype
 
 
 def save_batch(path: str | os.PathLike, batch: RolloutBatch) -> None:

@@ -35,7 +35,7 @@ from primebuild.contracts.run_dir import LOOPBACK, ProcessRecord, Rendezvous, Ru
 from primebuild.errors import UserError
 from primebuild.runtime.stacks import PROCESS_ENV
 
-_PLACEHOLDER = re.compile(r"\{(run_dir|model_path|config|python|host:\d+|bind:\d+)\}")
+_PLACEHOLDER = re.compile(r"\{(run_dir|model_path|teacher_model_path|config|python|host:\d+|bind:\d+)\}")
 SUPERVISOR_PID_ENV = "PRIMEBUILD_SUPERVISOR_PID"
 _PR_SET_PDEATHSIG = 1
 BIND_RESOLVE_SECONDS = 120.0  # a Kubernetes pod's DNS record can appear a little after the pod starts
@@ -69,6 +69,7 @@ def interpreter(environment: str, rendezvous: Rendezvous) -> str:
 def resolver(run: RunDir, rendezvous: Rendezvous, config_path: Path, environment: str = "primebuild"):
     hosts = rendezvous.hosts
     values = {"run_dir": str(run.root), "model_path": rendezvous.model_path, "config": str(config_path),
+              "teacher_model_path": rendezvous.teacher_model_path or "",
               "python": interpreter(environment, rendezvous)}
     binds: dict[int, str] = {}
 

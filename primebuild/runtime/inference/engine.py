@@ -211,6 +211,13 @@ class Engine:
             raise TimeoutError("generation did not finish in time")
         return results
 
+    def prompt_logprobs(self, prompt_ids: list[int]) -> list[float]:
+        """The log-prob of each prompt token after the first under the current weights (Qwen3Forward.score).
+        It runs on the caller's thread beside the engine loop: it only reads the weights, and a swap
+        replaces the weights object whole, so a score sees one version throughout."""
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        return self.forward.score(ids).tolist()
+
     def _note_abort(self) -> None:
         self._abort_pending = True
 

@@ -215,6 +215,28 @@ class Qwen3Forward:
         return self._logits(last)
 
     @torch.inference_mode()
+    def score(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs [T - 1] of tokens[1:], each given the ones before it: one causal pass over a sequence
+        [T], no KV cache and no temperature (the model's own distribution, as vLLM's prompt_logprobs). A
+        teacher scores a student's sampled tokens with it (on-policy distillation)."""
+        c = self.config
+        steps = tokens.shape[0]
+        cos, sin = self.rope.cos[:steps][:, None, :], self.rope.sin_signed[:steps][:, None, :]
+        x = F.embedding(tokens, self.weights.embed)
+        for layer in self.weights.layers:
+            q, k, v = self._qkv(layer, self._input_norm(layer, x), cos, sin)
+            q = q.view(1, steps, c.num_heads, c.head_dim).transpose(1, 2)
+            k = k.view(1, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            v = v.view(1, steps, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            attn = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=1.0, enable_gqa=c.num_kv_heads != c.num_heads
+            )
+            x = layer.o_proj.add_to(x, attn.transpose(1, 2).reshape(steps, -1))
+            x = self._mlp(layer, x, None)
+        logprobs = torch.log_softmax(self._logits(x[:-1]), dim=-1)
+        return logprobs.gather(1, tokens[1:, None]).squeeze(1)
+
+    @torch.inference_mode()
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache, max_len: int, routed: list | None = None
     ) -> torch.Tensor:

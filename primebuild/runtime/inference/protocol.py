@@ -126,6 +126,9 @@ class CompletionRequest(CommonRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
+    # vLLM's extension: each choice also gets `prompt_logprobs`, None for the first prompt token, then
+    # {token id: {"logprob": x}} for each later one. Only 0 (the prompt's own tokens, no alternatives).
+    prompt_logprobs: int | None = Field(None, ge=0, le=0)
 
 
 class ContentPart(_Body):

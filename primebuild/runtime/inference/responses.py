@@ -270,3 +270,16 @@ async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: 
             generation.abort()
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def with_prompt_logprobs(response: JSONResponse, prompts: list[list[int]], scored: list[list[float]],
+                         n: int) -> JSONResponse:
+    """A whole completions answer with vLLM's `prompt_logprobs` in each choice: None for the first prompt
+    token (nothing precedes it), then {token id: {"logprob": x}} per later token. Choice i answers prompt
+    i // n."""
+    body = json.loads(response.body)
+    for item in body["choices"]:
+        ids, logprobs = prompts[item["index"] // n], scored[item["index"] // n]
+        item["prompt_logprobs"] = [None] + [{str(t): {"logprob": finite(lp)}} for t, lp in zip(ids[1:], logprobs,
+                                                                                              strict=True)]
+    return JSONResponse(body)

@@ -16,7 +16,7 @@ from .body_parser import BodyParser
 from .disaggregation import Disaggregation
 from .engine import Engine
 from .protocol import ApiError, ChatRequest, CompletionRequest
-from .responses import answer
+from .responses import answer, with_prompt_logprobs
 from .tokenizer import ServedTokenizer
 from .tool_parser import parse_tool_calls
 from .validation import RequestChecks
@@ -47,12 +47,19 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
         top = body.logprobs or 0
         params = body.sampling(body.max_tokens or 16, top)
         check.limits(prompts, params)
+        if body.prompt_logprobs is not None and (body.stream or body.kv_transfer):
+            raise ApiError(400, "prompt_logprobs is answered whole: not with stream or a KV transfer",
+                           param="prompt_logprobs")
         exported, prefilled = await pd.handle(engine, body.kv_transfer, prompts, params)
         if exported is not None:
             return exported
-        return await answer(engine, tokenizer, served_model_name, "completion", prompts, params,
-                            stream=bool(body.stream), include_usage=_include_usage(body),
-                            logprobs=body.logprobs is not None, top=top, prefilled=prefilled)
+        response = await answer(engine, tokenizer, served_model_name, "completion", prompts, params,
+                                stream=bool(body.stream), include_usage=_include_usage(body),
+                                logprobs=body.logprobs is not None, top=top, prefilled=prefilled)
+        if body.prompt_logprobs is None:
+            return response
+        scored = await asyncio.to_thread(lambda: [engine.prompt_logprobs(p) for p in prompts])
+        return with_prompt_logprobs(response, prompts, scored, params.n)
 
     def chat_prompt(body: ChatRequest) -> list[int]:
         messages = [m.template_input() for m in body.messages]

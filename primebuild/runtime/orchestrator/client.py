@@ -163,6 +163,15 @@ class InferenceClient:
         except ValidationError as err:
             raise RuntimeError(f"{self.base_url}/completions answered outside the rollout contract: {err}") from None
 
+    async def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[dict | None]]:
+        """vLLM's `prompt_logprobs` of each token-id prompt (None first, then {token id: {"logprob": x}} per
+        token), one request for all of them, one token generated beside each: how a distillation teacher
+        scores sampled tokens (orchestrator/teacher.py)."""
+        answer = await self._sample({"model": self.model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0,
+                                     "prompt_logprobs": 0})
+        by_index = {c["index"]: c["prompt_logprobs"] for c in answer["choices"]}
+        return [by_index[i] for i in range(len(prompts))]
+
     async def engine(self) -> dict:
         """Which engine answers, for the run's summary."""
         from primebuild import __version__

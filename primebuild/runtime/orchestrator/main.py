@@ -46,6 +46,7 @@ from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.pool import Group, IdleClock, RolloutPool
 from primebuild.runtime.orchestrator.rollout import RolloutRunner
 from primebuild.runtime.orchestrator.servers import STATE_SECONDS, ServerSet
+from primebuild.runtime.orchestrator.teacher import TeacherScorer
 from primebuild.runtime.orchestrator.vllm_client import VllmClient
 from primebuild.runtime.orchestrator.weights import weight_source
 from primebuild.runtime.rollout_file import load_batch, routing_bytes, save_batch
@@ -79,6 +80,11 @@ class Orchestrator:
                                     max_tokens_per_turn=cfg.max_completion_tokens, seq_len=cfg.seq_len,
                                     routes_of=self.routes_of if cfg.router_replay else None)
         self.groups_per_step = cfg.rollouts_per_step // cfg.group_size
+        self.teacher = None  # on-policy distillation: the teacher's server scores each batch's tokens
+        if cfg.teacher is not None:
+            self.teacher = TeacherScorer(InferenceClient.from_env(cfg.teacher.url, cfg.teacher.served_model_name,
+                                                                  retry_seconds=cfg.retry_seconds,
+                                                                  max_requests=cfg.max_requests_per_endpoint))
         self.requests = IdleClock()  # time with no request in flight on any server
 
     def new_client(self, url: str) -> InferenceClient:
@@ -241,23 +247,36 @@ class Orchestrator:
         """The held-out greedy reward; a prompt whose rollout failed is left out and counted (failures.py)."""
         tasks = self.mix.eval_tasks(self.cfg.eval_prompts)
 
-        async def one(env, task) -> float:
+        async def one(env, task) -> tuple[str, float]:
             (rollout,) = await self.runner.group(self.sample, env, task, n=1, temperature=0.0)
-            return rollout.reward
+            return self.mix.name_of(env), rollout.reward
 
         results = await asyncio.gather(*(one(env, t) for env, t in tasks), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         fatal = next((e for e in errors if costs_the_run(e)), None)
         if fatal is not None:
             raise fatal
-        scores = [r for r in results if not isinstance(r, BaseException)]
+        scored = [r for r in results if not isinstance(r, BaseException)]
+        scores = [score for _, score in scored]
         if errors:
             log.warning("held-out eval: %d of %d rollouts failed and are left out; the first: %s", len(errors),
                         len(results), cause(errors[0]))
         if not scores:
             raise RolloutsFailing(f"held-out eval: all {len(results)} rollouts failed; the first: {cause(errors[0])}")
         return {"eval_reward": sum(scores) / len(scores), "eval_failed_rollouts": len(errors),
-                "eval_policy_version": self.server_version}
+                "eval_policy_version": self.server_version, **self.per_environment("eval_reward", scored)}
+
+    def per_environment(self, metric: str, scored: list[tuple[str, float]]) -> dict[str, float]:
+        """`metric/<environment>`: the mean of each environment's scores, in a run of several environments
+        (one environment's would repeat `metric`). An environment with no score this time has no entry."""
+        if len(self.mix.names) < 2:
+            return {}
+        out = {}
+        for name in self.mix.names:
+            mine = [score for env, score in scored if env == name]
+            if mine:
+                out[f"{metric}/{name}"] = sum(mine) / len(mine)
+        return out
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -294,7 +313,8 @@ class Orchestrator:
         summary = OrchestratorSummary.read(summary_path)
         if summary.eval_reward_before is None:
             before = await self.evaluate()
-            summary = summary.model_copy(update={"eval_reward_before": before["eval_reward"]})
+            summary = summary.model_copy(update={"eval_reward_before": before["eval_reward"],
+                                                 "eval_reward_before_by_env": by_environment(before)})
             self.metrics.write(0, before)
             summary.write(summary_path)
         log.info("eval reward before RL: %.4f; starting at step %d", summary.eval_reward_before, start)
@@ -321,6 +341,8 @@ class Orchestrator:
                     await pool.wait(POLL_SECONDS)
                     continue
                 batch = self.make_batch(step, groups, next_group=seq)
+                if self.teacher is not None:
+                    await self.teacher.score_all(batch.samples)
                 save_batch(self.run_dir.rollout(step), batch)
                 now, idle = time.monotonic(), (self.requests.seconds(), pool.idle.seconds())
                 self.metrics.write(step, self.step_metrics(step, groups, batch, pool, now - last_batch_at,
@@ -340,6 +362,7 @@ class Orchestrator:
         after = await self.evaluate()
         summary = OrchestratorSummary.model_validate({
             **summary.model_dump(), "eval_reward_after": after["eval_reward"], "eval_reward_after_step": final,
+            "eval_reward_after_by_env": by_environment(after),
             "inference_engine": await self.servers.active()[0].engine(),
             "orchestrator_seconds": round(time.monotonic() - started, 2)})
         self.metrics.write(cfg.max_steps, after)
@@ -349,12 +372,15 @@ class Orchestrator:
         self.servers.write_state()
         for c in self.servers.all_clients():
             await c.close()
+        if self.teacher is not None:
+            await self.teacher.client.close()
         return summary
 
     def step_metrics(self, step: int, groups: list[Group], batch: RolloutBatch, pool: RolloutPool,
                      interval: float, idle: list[float]) -> dict:
         rollouts = [r for g in groups for r in g.rollouts]
         rewards = [s.reward for s in batch.samples]
+        by_env = [(self.mix.name_of(g.env), r.reward) for g in groups for r in g.rollouts]
         mean = sum(rewards) / len(rewards)
         model_tokens = sum(r.transcript.model_tokens for r in rollouts)
         turns = [r.transcript.turns for r in rollouts]
@@ -377,7 +403,14 @@ class Orchestrator:
             "filtered_groups": pool.filtered, "filtered_fraction": pool.filtered / (pool.filtered + len(groups)),
             "equal_reward_groups_trained": pool.equal_trained,  # > 0: the filter's budget ran out (pool.py)
             **routing_bytes(batch.samples),
+            **self.per_environment("reward_mean", by_env),
         }
+
+
+def by_environment(evaluation: dict[str, float]) -> dict[str, float] | None:
+    """An evaluate() result's per-environment rewards, by environment name (None with one environment)."""
+    prefix = "eval_reward/"
+    return {k.removeprefix(prefix): v for k, v in evaluation.items() if k.startswith(prefix)} or None
 
 
 def run_orchestrator(config: OrchestratorConfig) -> None:

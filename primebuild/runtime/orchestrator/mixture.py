@@ -29,6 +29,13 @@ class EnvironmentMix:
             raise ValueError("the plan gives the orchestrator no environments")
         self.envs: list[Environment] = [load_environment(s.id, s.version, s.args) for s in specs]
         self.weights = [s.weight for s in specs]
+        # What metrics and summary.json call each environment: its id, or id#index when the manifest
+        # lists one id twice (e.g. the same environment with other args).
+        ids = [s.id for s in specs]
+        self.names = [i if ids.count(i) == 1 else f"{i}#{n}" for n, i in enumerate(ids)]
+
+    def name_of(self, env: Environment) -> str:
+        return self.names[next(i for i, e in enumerate(self.envs) if e is env)]
 
     def sample(self, rng: random.Random, n: int) -> list[tuple[Environment, Task]]:
         out = []

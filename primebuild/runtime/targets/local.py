@@ -26,7 +26,8 @@ def write_rendezvous(run: RunDir, hosts: list[str]) -> None:
     """The node addresses a target resolved, with the model folder and the Python environments beside ours
     that `primebuild run` resolved (run.json)."""
     record = run.read_json(run.run_record)
-    rendezvous = Rendezvous(hosts=hosts, model_path=record["model_path"], environments=record.get("environments", {}))
+    rendezvous = Rendezvous(hosts=hosts, model_path=record["model_path"], environments=record.get("environments", {}),
+                            teacher_model_path=record.get("teacher_model_path"))
     write_json_atomic(run.rendezvous, rendezvous.model_dump(mode="json"))
 
 

@@ -40,6 +40,9 @@ class MicroBatch:
     advantages: torch.Tensor  # [1, T] float32
     sample_indices: list[int]  # documents -> index in the batch (empty for padding micro-batches)
     routed_experts: torch.Tensor | None = None  # [1, T, moe_layers, top_k] int64, -1 = not recorded
+    # On-policy distillation (distill.py): [1, T] float32, the teacher's log-prob of each completion token;
+    # NaN where the teacher scored nothing (prompts, padding, samples without one). None: no sample has one.
+    teacher_logprobs: torch.Tensor | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -80,7 +83,22 @@ def _collate(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBat
         adv[0, completion] = float(s.advantage)
         start += p + c
     return MicroBatch(input_ids, positions, documents, loss_mask, inf_lp, adv, list(indices),
-                      _collate_routes(samples, indices, width))
+                      _collate_routes(samples, indices, width), _collate_teacher(samples, indices, inf_lp))
+
+
+def _collate_teacher(samples: list[Sample], indices: list[int], inf_lp: torch.Tensor) -> torch.Tensor | None:
+    """The teacher's log-probs laid out like inference_logprobs, NaN where there is none."""
+    if all(samples[i].teacher_logprobs is None for i in indices):
+        return None
+    out = torch.full_like(inf_lp, float("nan"))
+    start = 0
+    for i in indices:
+        s = samples[i]
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        if s.teacher_logprobs is not None:
+            out[0, start + p: start + p + c] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+        start += p + c
+    return out
 
 
 def _collate_routes(samples: list[Sample], indices: list[int], width: int) -> torch.Tensor | None:
@@ -112,9 +130,10 @@ def pad_columns(mb: MicroBatch, width: int, pad_id: int) -> MicroBatch:
         return torch.cat([t, torch.full((t.shape[0], extra, *t.shape[2:]), value, dtype=t.dtype)], dim=1)
 
     routes = None if mb.routed_experts is None else pad(mb.routed_experts, -1)  # -1: the router's own choice
+    teacher = None if mb.teacher_logprobs is None else pad(mb.teacher_logprobs, float("nan"))
     return MicroBatch(pad(mb.input_ids, pad_id), pad(mb.position_ids, 0), pad(mb.document_ids, -1),
                       pad(mb.loss_mask, False), pad(mb.inference_logprobs, 0.0), pad(mb.advantages, 0.0),
-                      mb.sample_indices, routes)
+                      mb.sample_indices, routes, teacher)
 
 
 def empty_micro_batch(pad_id: int = 0) -> MicroBatch:

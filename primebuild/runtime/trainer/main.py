@@ -20,7 +20,7 @@ Metrics (one JSON line each, see primebuild/runtime/metrics.py), means are over 
   samples drawn with exactly the weights being trained: engine numerics only), masked_fraction, importance_ratio, entropy,
   grad_norm (before clipping), lr, tokens, samples, reward_mean, advantage_abs_mean, async_lag_mean/max
   (k − 1 − policy_version of a sample: how many optimizer steps behind its sampler was),
-  padding_fraction,
+  padding_fraction, teacher_kl (distillation: the reverse KL to the teacher, distill.py),
   wait_s, step_s, publish_s;
   with router replay (router_replay.py) also behaviour_kl_no_replay and mismatch_kl_no_replay (the same
   tokens scored once more without replay, no gradient, every ``replay_check_every`` steps: one extra
@@ -56,6 +56,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .context_parallel import make_shard, padded_length
 from .lora import trainable_parameters
 from .lora_publish import AdapterPublisher
+from .distill import distilled_advantages, reverse_kl_per_token, teacher_baseline
 from .losses import kl_per_token, resolve_loss
 from .model import (
     DistEnv,
@@ -248,6 +249,7 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
     replay = model.replay
     totals = torch.zeros(StepSums.size(), dtype=torch.float64)  # StepSums of this rank, packed
     bad_loss = None
+    baseline = teacher_baseline(samples) if config.distill_weight else 0.0  # the whole step's (distill.py)
     for (mb, shard, mask, routes), free_kl in zip(mine, free, strict=True):
         own = slice(None) if shard is None else shard.positions.cpu()  # the columns this rank computes
         inference_lp = mb.inference_logprobs.to(env.device)
@@ -256,7 +258,8 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
         with replay.replaying(routes if replayed else None) if replay is not None else contextlib.nullcontext():
             with autocast_context(env, compute_dtype(config, env.device)):
                 lp, entropy = model(mb.input_ids, mb.position_ids, config.temperature, shard)
-            loss_sum, m = loss_fn(lp, inference_lp, mb.advantages.to(env.device), mask)
+            advantages, teacher_kl, teacher_tokens = _advantages(mb, inference_lp, mask, config, env, baseline)
+            loss_sum, m = loss_fn(lp, inference_lp, advantages, mask)
             if bad_loss is None and not torch.isfinite(loss_sum).item():
                 bad_loss = f"of samples {mb.sample_indices[0]}..{mb.sample_indices[-1]}" if mb.sample_indices else ""
             # The hf engine's FSDP2 averages gradients over ranks (HSDP: over the shard and the replicate
@@ -272,9 +275,24 @@ def _backward_micro_batches(model, mine, free, samples, config: TrainerConfig, l
             padded=0.0 if mb.is_empty else float(mb.real_tokens[:, own].numel()),
             fresh_tokens=fresh.sum(), fresh_kl=torch.where(fresh, kl_per_token(lp - inference_lp), 0.0).sum(),
             kl_no_replay=free_kl[0], fresh_kl_no_replay=free_kl[1], agreed_routes=agreed,
-            replayed_routes=replayed_routes,
+            replayed_routes=replayed_routes, teacher_kl=teacher_kl, teacher_tokens=teacher_tokens,
         ).to_tensor()
     return totals, bad_loss
+
+
+def _advantages(mb, inference_lp, mask, config: TrainerConfig, env: DistEnv, baseline: float):
+    """The micro-batch's per-token advantages, with the distillation penalty when the batch has a teacher
+    (distill.py, `baseline` its k̄); also the reverse-KL sum and count over the trained tokens the teacher
+    scored, for the teacher_kl metric."""
+    advantages = mb.advantages.to(env.device)
+    if mb.teacher_logprobs is None:
+        return advantages, 0.0, 0.0
+    teacher_lp = mb.teacher_logprobs.to(env.device)
+    scored = mask & ~torch.isnan(teacher_lp)
+    kl = torch.where(scored, reverse_kl_per_token(inference_lp, teacher_lp), 0.0).sum()
+    if config.distill_weight:
+        advantages = distilled_advantages(advantages, inference_lp, teacher_lp, config.distill_weight, baseline)
+    return advantages, kl, scored.sum()
 
 
 def _sum_over_ranks(totals: torch.Tensor, env: DistEnv, tp: int = 1) -> torch.Tensor:
@@ -326,6 +344,8 @@ def _step_metrics(sums: StepSums, samples, normalizer: float, step: int, grad_no
         "async_lag_mean": sum(lags) / max(1, len(lags)),
         "async_lag_max": max(lags, default=0),
         "padding_fraction": 1.0 - sums.real / sums.padded if sums.padded else 0.0,
+        # on-policy distillation: mean μ − τ over the trained tokens the teacher scored (the reverse KL to it)
+        **({"teacher_kl": sums.teacher_kl / sums.teacher_tokens} if sums.teacher_tokens else {}),
     }
 
 

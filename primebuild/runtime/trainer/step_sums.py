@@ -29,6 +29,9 @@ class StepSums:
     fresh_kl_no_replay: float | torch.Tensor = 0.0
     agreed_routes: float | torch.Tensor = 0.0
     replayed_routes: float | torch.Tensor = 0.0
+    # on-policy distillation: the reverse-KL estimate μ − τ summed over trained tokens the teacher scored
+    teacher_kl: float | torch.Tensor = 0.0
+    teacher_tokens: float | torch.Tensor = 0.0
 
     def to_tensor(self) -> torch.Tensor:
         values = (getattr(self, f.name) for f in fields(self))  # not astuple: it deep-copies the tensors

@@ -1,0 +1,163 @@
+"""On-policy distillation, piece by piece: the teacher's prompt log-probs (embedded engine, HTTP shape),
+the teacher_logprobs field through the rollout file and the trainer's packing, the advantage penalty's
+gradient on a hand-made batch, and the plan (teacher server placed, memory counted, a teacher with
+another tokenizer refused, located). The end-to-end run is tests/test_run_distill.py."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+
+from primebuild.contracts.rollout import RolloutBatch, Sample  # noqa: E402
+from primebuild.errors import UserError  # noqa: E402
+from primebuild.runtime.rollout_file import load_batch, save_batch  # noqa: E402
+from primebuild.runtime.trainer.batch import pack  # noqa: E402
+from primebuild.runtime.trainer.distill import distilled_advantages, teacher_baseline  # noqa: E402
+from primebuild.runtime.trainer.losses import resolve_loss  # noqa: E402
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _sample(prompt, completion, mu, tau, advantage=0.0, mask=None) -> Sample:
+    return Sample(prompt_ids=prompt, completion_ids=completion, inference_logprobs=mu, teacher_logprobs=tau,
+                  advantage=advantage, reward=0.0, policy_version=0, completion_mask=mask)
+
+
+# --- the engine: prompt log-probs are the model's own ---------------------------------------------------
+
+
+def test_engine_prompt_logprobs_equal_the_models_own(tmp_path):
+    """The teacher's server scores with Qwen3Forward.score: equal (1e-5, fp32) to transformers' forward of
+    the same folder, for every token after the first."""
+    from transformers import AutoModelForCausalLM
+
+    from primebuild.runtime.inference.engine import Engine
+    from primebuild.runtime.models.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "teacher", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                              intermediate_size=128, seed=3)
+    engine = Engine(folder, max_num_seqs=2, max_model_len=64, device="cpu")
+    try:
+        ids = [1, 7, 9, 4, 12, 3, 20, 5, 2]
+        ours = torch.tensor(engine.prompt_logprobs(ids))
+    finally:
+        engine.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = hf(torch.tensor([ids])).logits[0, :-1].float()
+    theirs = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    assert ours.shape == (len(ids) - 1,)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_prompt_logprobs_response_shape():
+    """vLLM's shape: None for the first token, then {token id: {"logprob": x}}; choice i answers prompt i // n."""
+    import json
+
+    from fastapi.responses import JSONResponse
+
+    from primebuild.runtime.inference.responses import with_prompt_logprobs
+
+    answer = JSONResponse({"choices": [{"index": 0}, {"index": 1}, {"index": 2}, {"index": 3}]})
+    shaped = json.loads(with_prompt_logprobs(answer, [[5, 6, 7], [8, 9]], [[-0.5, -1.5], [-2.0]], n=2).body)
+    assert [c["prompt_logprobs"] for c in shaped["choices"][:2]] == [[None, {"6": {"logprob": -0.5}},
+                                                                      {"7": {"logprob": -1.5}}]] * 2
+    assert shaped["choices"][3]["prompt_logprobs"] == [None, {"9": {"logprob": -2.0}}]
+
+
+# --- the batch: teacher_logprobs travel and are laid out per token -----------------------------------------
+
+
+def test_teacher_logprobs_survive_the_rollout_file(tmp_path):
+    samples = [_sample([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [-0.7, -0.25, -1e-7], 1.0),
+               _sample([1], [6], [-0.4], None)]
+    save_batch(tmp_path / "b.safetensors", RolloutBatch(step=1, samples=samples))
+    back = load_batch(tmp_path / "b.safetensors").samples
+    assert back[0].teacher_logprobs == [-0.7, -0.25, -1e-7] and back[1].teacher_logprobs is None
+    with pytest.raises(UserError, match="2 teacher_logprobs for 3 completion tokens"):
+        _sample([1], [3, 4, 5], [-0.1] * 3, [-0.1] * 2).validate_shapes("batch")
+
+
+def test_distillation_penalty_gradient_sign_and_size():
+    """A = 0, so only the teacher speaks: with the trainer at the sampler's log-probs (ratio 1), grpo's
+    gradient on each trained token's log-prob is exactly weight x (mu - tau - k̄) / normaliser, k̄ the mean
+    of mu - tau over the trained tokens (0.4/3 here): a token the student is surer of than the teacher
+    (beyond the mean) is pushed down, one the teacher prefers is pushed up; prompt tokens and masked
+    tokens get nothing."""
+    weight = 0.5
+    mu, tau = [-0.2, -1.0, -0.7, -0.3], [-1.2, -0.4, -0.7, -5.0]
+    samples = [_sample([1, 2], [3, 4, 5, 6], mu, tau, mask=[1, 1, 1, 0])]
+    baseline = teacher_baseline(samples)
+    assert baseline == pytest.approx((1.0 - 0.6 + 0.0) / 3)  # the masked token's 4.7 is not in it
+    (mb,), = pack(samples, micro_batch_tokens=64, world_size=1)
+    assert mb.teacher_logprobs[0, 2:].tolist() == pytest.approx(tau)
+    logprobs = mb.inference_logprobs.clone().requires_grad_()
+    advantages = distilled_advantages(mb.advantages, mb.inference_logprobs, mb.teacher_logprobs, weight, baseline)
+    loss, _ = resolve_loss("grpo")(logprobs, mb.inference_logprobs, advantages, mb.loss_mask)
+    loss.backward()
+    grad = logprobs.grad[0].tolist()
+    assert grad[:2] == [0.0, 0.0]  # the prompt
+    want = [weight * (k - baseline) for k in (1.0, -0.6, 0.0)] + [0.0]
+    assert grad[2:] == pytest.approx(want, abs=1e-6)
+    assert grad[2] > 0 > grad[3]  # descent lowers the overconfident token, raises the teacher's favourite
+    # uncentred (baseline 0): the penalty itself, weight x (mu - tau)
+    uncentred = distilled_advantages(mb.advantages, mb.inference_logprobs, mb.teacher_logprobs, weight)
+    assert (-uncentred[0, 2:5]).tolist() == pytest.approx([0.5, -0.3, 0.0], abs=1e-6)
+
+
+def test_samples_without_a_teacher_get_no_penalty():
+    """A row mixing scored and unscored samples: the unscored one (and every prompt token) is NaN in the
+    teacher column and keeps its advantage; the scored one's tokens get the centred penalty."""
+    samples = [_sample([1], [3, 4], [-0.2, -0.9], [-1.0, -1.0], advantage=0.5), _sample([1], [5], [-0.6], None, 0.25)]
+    (mb,), = pack(samples, micro_batch_tokens=64, world_size=1)
+    baseline = teacher_baseline(samples)
+    assert baseline == pytest.approx((0.8 + 0.1) / 2)
+    got = distilled_advantages(mb.advantages, mb.inference_logprobs, mb.teacher_logprobs, 1.0, baseline)[0].tolist()
+    assert sorted(round(x, 6) for x in got) == sorted(round(x, 6) for x in [0.0, 0.0, 0.5 - 0.35, 0.5 + 0.35, 0.25])
+    assert pack([_sample([1], [5], [-0.6], None)], 64, 1)[0][0].teacher_logprobs is None
+
+
+# --- the plan --------------------------------------------------------------------------------------------
+
+
+def _workspace(tmp_path: Path, teacher: str) -> Path:
+    manifests = tmp_path / "manifests"
+    shutil.copytree(REPO / "manifests" / "models", manifests / "models")
+    for name in ("reverse-text.yaml", "reverse-text-sft.yaml", "reverse-text-teacher-sft.yaml", "tool-use-sft.yaml"):
+        shutil.copy(REPO / "manifests" / name, manifests / name)
+    doc = yaml.safe_load((REPO / "manifests" / "reverse-text-distill.yaml").read_text())
+    doc["distill"]["teacher"]["from_manifest"] = teacher
+    (manifests / "reverse-text-distill.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    return manifests / "reverse-text-distill.yaml"
+
+
+def test_plan_places_the_teacher_and_counts_its_memory(tmp_path):
+    from conftest import plan_json
+
+    plan = plan_json(_workspace(tmp_path, "reverse-text-teacher-sft.yaml"), design=False)
+    by_name = {p["name"]: p for p in plan["processes"]}
+    teacher = by_name["teacher-0"]
+    assert teacher["role"] == "teacher" and teacher["config"]["model_path"] == "{teacher_model_path}"
+    port = teacher["ports"]["http"]
+    assert by_name["orchestrator"]["config"]["teacher"]["url"] == f"http://{{host:0}}:{port}/v1"
+    assert by_name["trainer"]["config"]["distill_weight"] == 0.02
+    memory = plan["memory"]["teacher"]
+    assert memory["breakdown"]["weights"] > 2 * plan["memory"]["inference"]["breakdown"]["weights"]  # the wider model
+
+
+def test_teacher_with_another_tokenizer_is_refused_located(tmp_path):
+    from primebuild.builders.plan import compile_plan
+    from primebuild.manifest.load import load_manifest
+
+    path = _workspace(tmp_path, "tool-use-sft.yaml")
+    with pytest.raises(UserError) as err:
+        compile_plan(load_manifest(path))
+    (problem,) = err.value.problems
+    assert problem.field == "distill.teacher.from_manifest" and problem.file == str(path) and problem.line
+    assert "init:chat, vocabulary 104" in problem.message and "init:char, vocabulary 32" in problem.message

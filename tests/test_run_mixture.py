@@ -1,0 +1,71 @@
+"""Several environments in one run: per-environment rewards in metrics.jsonl, each environment's held-out
+reward in summary.json, and its eval curve in report.png (manifests/reverse-text-mix.yaml, shrunk)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import free_port, sft_workspace
+
+from primebuild.contracts.run_dir import RunDir
+from primebuild.runtime.report import environments, write_report, write_summary
+
+pytestmark = pytest.mark.timeout(400)
+ENVS = ("reverse-text", "long-tail")
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory, short_sft_store) -> tuple[subprocess.CompletedProcess, Path]:
+    root = tmp_path_factory.mktemp("mix")
+    manifests = sft_workspace(root, ("reverse-text-mix.yaml",), seed_store=short_sft_store)
+    runs = root / "runs"
+    result = subprocess.run(
+        [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "reverse-text-mix.yaml"), "--runs-dir",
+         str(runs), "--quiet", "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
+         "--set", "orchestrator.max_steps=3", "--set", "orchestrator.eval_every=2",
+         # synchronous and every group trained, so each step holds exactly the 3 + 1 groups of the split
+         # (asynchronous, a batch takes the groups that finish first: the slower long-tail ones may miss it)
+         "--set", "orchestrator.filter_zero_advantage=false", "--set", "orchestrator.max_off_policy_steps=0",
+         "--set", f"inference.port={free_port()}"],
+        capture_output=True, text=True, timeout=380,
+        env={**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1"})
+    (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
+    return result, run_dir
+
+
+def test_each_environment_has_its_rewards_and_held_out_score(mixed_run):
+    result, run_dir = mixed_run
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    names = {(r["step"], r["name"]) for r in rows if r["role"] == "orchestrator"}
+    for env in ENVS:
+        assert {(s, f"reward_mean/{env}") for s in (1, 2, 3)} <= names  # each step's groups: 3 + 1
+        assert {(s, f"eval_reward/{env}") for s in (0, 2, 3)} <= names  # before, every eval_every, after
+    # the overall held-out reward is the prompt-weighted mean of the two (30 reverse-text, 10 long-tail)
+    at0 = {r["name"]: r["value"] for r in rows if r["role"] == "orchestrator" and r["step"] == 0}
+    assert at0["eval_reward"] == pytest.approx(0.75 * at0["eval_reward/reverse-text"]
+                                               + 0.25 * at0["eval_reward/long-tail"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["eval_reward_before_by_env"]) == set(ENVS) == set(summary["eval_reward_after_by_env"])
+    for env in ENVS:
+        assert summary["eval_reward_gain_by_env"][env] == pytest.approx(
+            summary["eval_reward_after_by_env"][env] - summary["eval_reward_before_by_env"][env])
+        assert f"{env}: " in result.stdout  # the CLI prints each environment's gain
+    assert environments(rows) == list(ENVS) and (run_dir / "report.png").stat().st_size > 0
+
+
+def test_one_environment_has_no_per_environment_entries(tmp_path):
+    """A single-environment run's metrics and summary are as before: no `/<env>` names, no by-env dicts."""
+    run = RunDir(tmp_path)
+    run.metrics.write_text("".join(json.dumps({"step": s, "role": "orchestrator", "name": "eval_reward",
+                                               "value": v}) + "\n" for s, v in ((0, 0.5), (3, 0.6))))
+    run.orchestrator_state.write_text(json.dumps({"eval_reward_before": 0.5, "eval_reward_after": 0.6}))
+    summary = write_summary(run, {})
+    assert summary.eval_reward_gain == pytest.approx(0.1) and summary.eval_reward_gain_by_env is None
+    assert "by_env" not in run.summary.read_text()
+    assert write_report(run) is not None
