@@ -162,6 +162,10 @@ def test_a_cut_link_over_slurm_ends_the_attempt_naming_the_host_and_the_restart_
         if cut_ns is not None:
             subprocess.run(["ip", "link", "set", cut_ns, "up"], check=True, timeout=20)
         restored = time.monotonic()
+    # The old job's steps on that node end when slurmctld reaches its slurmd again, which it may retry
+    # only minutes later (seen: 9 min with the node COMPLETING and the restarted job PENDING on it);
+    # a reconfigure makes slurmctld reach every slurmd now, as an operator would
+    subprocess.run(["scontrol", "reconfigure"], check=True, timeout=60)
     try:
         proc.wait(timeout=900)
     finally:
