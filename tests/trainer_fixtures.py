@@ -147,7 +147,9 @@ def run_trainers_in_one_launch(configs: dict[Path, TrainerConfig], timeout: floa
     (tests/trainer_ends_worker.py): a launch pays torch's, transformers' and torchtitan's imports (most of
     a short run's time on 2 cores) once for all of them. Each config is written to its path. Returns, per
     path, "ok" or why that run failed (its exit code, gloo threads left, or never reached: a rank died);
-    a caller asserts on its own runs only."""
+    a caller asserts on its own runs only. Not every pair of layouts may follow each other in one process
+    (bench/RESULTS.md "Test suite time": HSDP then HSDP x CP x EP failed); a new sequence is checked once
+    (group names are counters: one that passes passes every time)."""
     from conftest import free_port
 
     (world,) = {c.parallel.world_size for c in configs.values()}
