@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ import torch
 import yaml
 from conftest import call_cli, free_port, run_cli, sft_workspace
 from safetensors.torch import load_file
-from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
+from trainer_fixtures import make_tiny_model, run_trainer_ranks, trainer_config, write_rollouts
 
 from primebuild.builders.export import trainer_config as run_trainer_config
 from primebuild.runtime.rollout_file import load_batch
@@ -213,12 +211,7 @@ def test_a_two_rank_checkpoint_exports_as_the_weights_the_ranks_published(tmp_pa
     config = trainer_config(model_path=str(model), run_dir=str(run), max_steps=2, checkpoint_every=2,
                             micro_batch_tokens=48, loss="dppo-kl", parallel=parallel,
                             engine="torchtitan" if moe else "hf")
-    (tmp_path / "trainer.json").write_text(config.model_dump_json())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
-                           str(tmp_path / "trainer.json")], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_trainer_ranks(config, tmp_path / "trainer.json", timeout=240)
     checkpoint = step_folder(run / "checkpoints", 2)
     assert len(list(checkpoint.glob("*.distcp"))) == 2  # one shard file per rank
     out = tmp_path / "export"

@@ -1,14 +1,9 @@
 """FSDP2 over gloo with 2 ranks (torchrun) gives the same trajectory as 1 rank, fp32."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import free_port
 from safetensors.torch import load_file
-from trainer_fixtures import attach_routes, make_tiny_model, trainer_config, write_rollouts
+from trainer_fixtures import attach_routes, make_tiny_model, run_trainer_ranks, trainer_config, write_rollouts
 
 from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.main import run_trainer
@@ -34,24 +29,9 @@ def test_two_ranks_match_one_rank(offload, tmp_path):
 
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
 
-    cfg = tmp_path / "two.json"
     two = trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2},
                          optimizer_cpu_offload=offload, **common)
-    cfg.write_text(two.model_dump_json())
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "-m",
-        "primebuild.runtime.trainer.main",
-        "--config",
-        str(cfg),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_trainer_ranks(two, tmp_path / "two.json", timeout=200)
     assert ("CPUOffloadPolicy" in proc.stderr) is offload
 
     one = read_metrics(runs["one"] / "metrics.jsonl")
@@ -104,14 +84,8 @@ def test_router_replay_on_two_ranks_with_activation_checkpointing_matches_one_pl
         for step in (1, 2):
             attach_routes(run / "rollouts" / f"step_{step:06d}.safetensors", model, seed=step)
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
-    cfg = tmp_path / "two.json"
-    cfg.write_text(trainer_config(run_dir=str(runs["two"]), parallel=spec["parallel"], activation_checkpointing=True,
-                                  **common).model_dump_json())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
-                           str(cfg)], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_trainer_ranks(trainer_config(run_dir=str(runs["two"]), parallel=spec["parallel"], activation_checkpointing=True,
+                                     **common), tmp_path / "two.json", timeout=200)
     one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
     for step in (1, 2):
         for name in ("loss", "grad_norm", "behaviour_kl", "behaviour_kl_no_replay", "routing_agreement"):

@@ -8,16 +8,12 @@ recomputation in backward gathers again). HSDP: dp_replicate 2 alone on 2 proces
 2 x dp_shard 2 and dp_replicate 2 x (cp 2, ep 2), each stopped after step 10 and resumed from its checkpoint.
 """
 
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import free_port
 from safetensors.torch import load_file
-from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
+from trainer_fixtures import make_tiny_model, run_trainers_in_one_launch, trainer_config, write_rollouts
 
 from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.main import run_trainer
@@ -25,17 +21,6 @@ from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 
 torch.set_num_threads(2)
 STEPS = 20
-
-
-def torchrun(config, tmp_path, name: str) -> None:
-    path = tmp_path / f"{name}.json"
-    path.write_text(config.model_dump_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={config.parallel.world_size}",
-           f"--master_port={free_port()}",
-           "-m", "primebuild.runtime.trainer.main", "--config", str(path)]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 CASES = {
@@ -53,24 +38,57 @@ CASES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)  # 4-rank cases launch twice; the CI machine is shared
-@pytest.mark.parametrize("case", list(CASES))
-def test_parallel_trainer_follows_the_single_process_trajectory(case, tmp_path):
-    spec = CASES[case]
-    model = make_tiny_model(tmp_path / "model", moe=spec["moe"])
-    common = dict(model_path=str(model), max_steps=STEPS, lr=3e-3, micro_batch_tokens=48, loss="dppo-kl",
-                  activation_checkpointing=spec["activation_checkpointing"], checkpoint_every=STEPS)
-    runs = {name: tmp_path / name for name in ("one", "two")}
-    write_rollouts(runs["one"], model, range(1, STEPS + 1), num_prompts=2, group_size=4)
-    shutil.copytree(runs["one"] / "rollouts", runs["two"] / "rollouts")
+def common_config(spec: dict, model) -> dict:
+    return dict(model_path=str(model), max_steps=STEPS, lr=3e-3, micro_batch_tokens=48, loss="dppo-kl",
+                activation_checkpointing=spec["activation_checkpointing"], checkpoint_every=STEPS)
 
-    run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
+
+@pytest.fixture(scope="module")
+def parallel_runs(request, tmp_path_factory) -> dict:
+    """Every selected case's multi-rank runs: the 2-rank cases one after the other in one torchrun launch
+    (trainer_fixtures.run_trainers_in_one_launch: a launch's imports cost about what 20 tiny steps do); each
+    4-rank case in two launches of its own, the second resuming from the first's checkpoint (HSDP then
+    HSDP x CP x EP in one process failed: the second's publish named a process group of the first).
+    case -> (its folder, with model/ and two/, and per run "ok" or why it failed)."""
+    wanted = [item.callspec.params["case"] for item in request.session.items
+              if item.module is request.module and item.originalname == TEST_NAME]
+    launches: list[dict] = [{}]  # the 2-rank cases; then each 4-rank case's two
+    folders = {}
+    for case in wanted:
+        spec = CASES[case]
+        folder = folders[case] = tmp_path_factory.mktemp(case)
+        model = make_tiny_model(folder / "model", moe=spec["moe"])
+        write_rollouts(folder / "two", model, range(1, STEPS + 1), num_prompts=2, group_size=4)
+        common = common_config(spec, model)
+        restart = spec.get("restart_after")
+        final = trainer_config(run_dir=str(folder / "two"), parallel=spec["parallel"], **common)
+        if restart:
+            launches += [{folder / "first.json": final.model_copy(update={"max_steps": restart})},
+                         {folder / "two.json": final}]
+        else:
+            launches[0][folder / "two.json"] = final
+    verdicts = {}
+    for configs in filter(None, launches):
+        verdicts.update(run_trainers_in_one_launch(configs, timeout=900))
+    return {case: (folder, [v for path, v in verdicts.items() if path.parent == folder])
+            for case, folder in folders.items()}
+
+
+TEST_NAME = "test_parallel_trainer_follows_the_single_process_trajectory"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # the module's multi-rank runs (five launches) start with its first test
+@pytest.mark.parametrize("case", list(CASES))
+def test_parallel_trainer_follows_the_single_process_trajectory(case, parallel_runs):
+    spec = CASES[case]
+    folder, verdicts = parallel_runs[case]
+    assert verdicts and all(v == "ok" for v in verdicts), verdicts
+    model = folder / "model"
     restart = spec.get("restart_after")
-    if restart:  # a first launch ends after `restart` steps (saving its checkpoint); the second resumes
-        torchrun(trainer_config(run_dir=str(runs["two"]), parallel=spec["parallel"], **{**common, "max_steps": restart}),
-                 tmp_path, f"{case}-first")
-    torchrun(trainer_config(run_dir=str(runs["two"]), parallel=spec["parallel"], **common), tmp_path, case)
+    runs = {name: folder / name for name in ("one", "two")}
+    shutil.copytree(runs["two"] / "rollouts", runs["one"] / "rollouts")
+    run_trainer(trainer_config(run_dir=str(runs["one"]), **common_config(spec, model)))
 
     one = read_metrics(runs["one"] / "metrics.jsonl")
     two = read_metrics(runs["two"] / "metrics.jsonl")

@@ -2,16 +2,21 @@
 
 Once, a run whose 3 steps had all trained failed anyway: rank 1 aborted at exit ("terminate called without
 an active exception": a std::thread destroyed while joinable) and torchrun reported the group failed.
-One exit is a coin toss, so each layout is ended several times; every exit must also have ended its gloo
-threads before the interpreter's own end (teardown.py warns when some still run), which fails
-deterministically where the abort is only likely: before the fix 15 exits (5 a layout, 2 loaded cores) all
-returned 0, yet every rank left its gloo threads to the interpreter's shutdown (12 with CP or hf EP, 6 with
-torchtitan EP); after it, 15 of 15 and 0 threads."""
+One exit is a coin toss, so the trainer is ended 20 times; every end must also have ended its gloo threads
+before the interpreter's own end (teardown.py warns when some still run), which fails deterministically
+where the abort is only likely: before the fix 15 exits (5 a layout, 2 loaded cores) all returned 0, yet
+every rank left its gloo threads to the interpreter's shutdown (12 with CP or hf EP, 6 with torchtitan EP);
+after it, 15 of 15 and 0 threads. The 20 ends run in one torchrun launch (tests/trainer_ends_worker.py: the
+trainer's entry point once per config, gloo threads counted after each), which then exits itself: a launch
+per end paid torch's and torchtitan's imports 20 times."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import free_port
@@ -25,38 +30,49 @@ LAYOUTS = {
     "cp2-torchtitan": dict(moe=False, engine="torchtitan", parallel={"dp_shard": 1, "cp": 2}),
     "tp2-torchtitan": dict(moe=False, engine="torchtitan", parallel={"dp_shard": 1, "tp": 2}),
 }
-# per layout: 2 keeps the test near 5 min (a torchtitan run takes 30-45 s on 2 loaded cores); raise
-# it to measure a rate
-RUNS = int(os.environ.get("PRIMEBUILD_TEARDOWN_RUNS", "2"))
+# rounds over the layouts: 4 x 5 = the 20 ends the issue asks for; raise it to measure a rate
+RUNS = int(os.environ.get("PRIMEBUILD_TEARDOWN_RUNS", "4"))
+WORKER = Path(__file__).with_name("trainer_ends_worker.py")
 
 
-def end_trainer(tmp_path, name: str, spec: dict, model) -> subprocess.CompletedProcess:
-    """One 1-step 2-rank trainer, from launch to torchrun's exit."""
-    run = tmp_path / name
-    write_rollouts(run, model, range(1, 2), num_prompts=2, group_size=2)
-    cfg = tmp_path / f"{name}.json"
-    cfg.write_text(trainer_config(run_dir=str(run), model_path=str(model), max_steps=1, engine=spec["engine"],
-                                  parallel=spec["parallel"]).model_dump_json())
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
-                           str(cfg)], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=120)
+def end_configs(tmp_path: Path) -> list[Path]:
+    """One 1-step trainer config per end, each with its own run folder holding the same step-1 batch."""
+    batches = {}
+    for moe in (False, True):  # one batch a model: the ends differ in layout, not in data
+        model = make_tiny_model(tmp_path / f"model-{moe}", moe=moe)
+        write_rollouts(tmp_path / f"batch-{moe}", model, range(1, 2), num_prompts=2, group_size=2)
+        batches[moe] = model, tmp_path / f"batch-{moe}" / "rollouts"
+    configs = []
+    for i in range(RUNS):
+        for layout, spec in LAYOUTS.items():
+            model, rollouts = batches[spec["moe"]]
+            run = tmp_path / f"{layout}-{i}"
+            shutil.copytree(rollouts, run / "rollouts")
+            cfg = tmp_path / f"{layout}-{i}.json"
+            cfg.write_text(trainer_config(run_dir=str(run), model_path=str(model), max_steps=1,
+                                          engine=spec["engine"], parallel=spec["parallel"]).model_dump_json())
+            configs.append(cfg)
+    return configs
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_finished_trainers_always_exit_zero(tmp_path):
-    models = {moe: make_tiny_model(tmp_path / f"model-{moe}", moe=moe) for moe in (False, True)}
-    failures, seconds = [], {}
-    for i in range(RUNS):
-        for layout, spec in LAYOUTS.items():
-            t0 = time.monotonic()
-            proc = end_trainer(tmp_path, f"{layout}-{i}", spec, models[spec["moe"]])
-            seconds.setdefault(layout, []).append(time.monotonic() - t0)
-            if proc.returncode != 0 or "terminate called" in proc.stderr or "gloo threads still run" in proc.stderr:
-                failures.append(f"{layout} run {i}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
-    print({layout: f"{len(s)} runs, {sum(s) / len(s):.1f} s each" for layout, s in seconds.items()})
-    assert not failures, f"{len(failures)} of {RUNS * len(LAYOUTS)} runs failed:\n" + "\n".join(failures)
+    configs = end_configs(tmp_path)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", str(WORKER), *map(str, configs)],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=800)
+    print(f"{len(configs)} ends in {time.monotonic() - t0:.1f} s")
+    out = proc.stdout + proc.stderr
+    # (two ranks' lines can meet on one line of torchrun's output)
+    ends = re.findall(r"end \d+ (\S+) exit (-?\d+) gloo_threads (\d+)", proc.stdout)
+    bad = [" ".join(e) for e in ends if e[1:] != ("0", "0")]
+    # every end on both ranks, each exit 0 with no gloo thread left; then the launch itself exits 0
+    assert len(ends) == 2 * len(configs) and not bad, "\n".join(bad) + "\n" + out[-4000:]
+    assert proc.returncode == 0, out[-4000:]
+    assert "terminate called" not in out and "gloo threads still run" not in out, out[-4000:]
+    assert {e[0] for e in ends} == set(map(str, configs))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")

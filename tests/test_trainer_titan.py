@@ -1,15 +1,17 @@
 """The torchtitan engine: torchtitan's Qwen3 modules score, train and publish as transformers' model does."""
 
-import math
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import free_port, plan_json, run_cli
+from conftest import plan_json, run_cli
 from safetensors.torch import load_file
-from trainer_fixtures import attach_routes, make_batch, make_tiny_model, trainer_config, write_rollouts
+from trainer_fixtures import (
+    attach_routes,
+    make_batch,
+    make_tiny_model,
+    run_trainers_in_one_launch,
+    trainer_config,
+    write_rollouts,
+)
 
 from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.batch import pack
@@ -76,37 +78,59 @@ LAYOUTS = {
 }
 
 
+# eps 1e-4: AdamW's first steps move every weight by ~lr * sign(g); where g is a rounding error (an expert few
+# tokens reached) summing over 2 ranks instead of 1 flips that sign, and the weights compare nothing but
+# rounding. With eps above those gradients they move by ~lr * g / eps: the comparison holds.
+COMMON = dict(max_steps=3, lr=1e-3, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl")
+
+
+def layout_rollouts(run, model, spec: dict) -> None:
+    """The same three steps of rollouts in every run of a layout (routes attached where it replays)."""
+    write_rollouts(run, model, range(1, 4), num_prompts=5, group_size=3)
+    for step in range(1, 4) if spec.get("router_replay") else ():
+        attach_routes(run / "rollouts" / f"step_{step:06d}.safetensors", model, seed=step)
+
+
+@pytest.fixture(scope="module")
+def multi_rank_runs(request, tmp_path_factory) -> dict:
+    """Every selected layout's torchtitan run on its ranks, those of one world size in one torchrun launch
+    (trainer_fixtures.run_trainers_in_one_launch: the imports of a launch cost more than 3 steps):
+    layout -> (its folder, with model/ and titan2/, and "ok" or why its run failed)."""
+    wanted = [item.callspec.params["layout"] for item in request.session.items
+              if item.module is request.module and item.originalname == "test_two_ranks_train_as_one_and_as_transformers"]
+    by_world, folders = {}, {}
+    for layout in wanted:
+        spec = LAYOUTS[layout]
+        folder = folders[layout] = tmp_path_factory.mktemp(layout)
+        model = make_tiny_model(folder / "model", moe=spec["moe"])
+        layout_rollouts(folder / "titan2", model, spec)
+        config = trainer_config(run_dir=str(folder / "titan2"), model_path=str(model), engine="torchtitan",
+                                parallel=spec["parallel"], router_replay=spec.get("router_replay", False),
+                                activation_checkpointing=spec.get("activation_checkpointing", False), **COMMON)
+        by_world.setdefault(config.parallel.world_size, {})[folder / "titan2.json"] = config
+    verdicts = {}
+    for configs in by_world.values():
+        verdicts.update(run_trainers_in_one_launch(configs, timeout=900))
+    return {layout: (folder, verdicts[folder / "titan2.json"]) for layout, folder in folders.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # the module's multi-rank runs, one launch per world size, start with the first
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_ranks_train_as_one_and_as_transformers(tmp_path, layout):
+def test_two_ranks_train_as_one_and_as_transformers(multi_rank_runs, layout):
     """Three steps on the same rollouts: 2 ranks in each layout follow 1 rank of the torchtitan engine,
     which follows the hf engine's trajectory (fp32; MoE within the grouped experts' tolerance); the
     published weights agree."""
     spec = LAYOUTS[layout]
-    model = make_tiny_model(tmp_path / "model", moe=spec["moe"])
-    # eps 1e-4: AdamW's first steps move every weight by ~lr * sign(g); where g is a rounding error (an
-    # expert few tokens reached) summing over 2 ranks instead of 1 flips that sign, and the weights compare
-    # nothing but rounding. With eps above those gradients they move by ~lr * g / eps: the comparison holds.
-    common = dict(model_path=str(model), max_steps=3, lr=1e-3, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl",
-                  router_replay=spec.get("router_replay", False))
-    runs = {name: tmp_path / name for name in ("hf", "titan", "titan2")}
-    for run in runs.values():
-        write_rollouts(run, model, range(1, 4), num_prompts=5, group_size=3)
-        for step in range(1, 4) if common["router_replay"] else ():
-            attach_routes(run / "rollouts" / f"step_{step:06d}.safetensors", model, seed=step)
+    folder, verdict = multi_rank_runs[layout]
+    assert verdict == "ok", verdict
+    model = folder / "model"
+    common = dict(model_path=str(model), router_replay=spec.get("router_replay", False), **COMMON)
+    runs = {name: folder / name for name in ("hf", "titan", "titan2")}
+    for name in ("hf", "titan"):
+        layout_rollouts(runs[name], model, spec)
     run_trainer(trainer_config(run_dir=str(runs["hf"]), engine="hf", **common))
     run_trainer(trainer_config(run_dir=str(runs["titan"]), engine="torchtitan", **common))
-    cfg = tmp_path / "titan2.json"
-    cfg.write_text(trainer_config(run_dir=str(runs["titan2"]), engine="torchtitan", parallel=spec["parallel"],
-                                  activation_checkpointing=spec.get("activation_checkpointing", False),
-                                  **common).model_dump_json())
-    ranks = math.prod(spec["parallel"].get(d, 1) for d in ("dp_replicate", "dp_shard", "cp", "tp"))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                           f"--master_port={free_port()}", "-m", "primebuild.runtime.trainer.main", "--config",
-                           str(cfg)], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = {name: read_metrics(run / "metrics.jsonl") for name, run in runs.items()}
     engines = 10 * MOE_FP32_TOLERANCE if spec["moe"] else 1e-4  # hf vs torchtitan
     for step in (1, 2, 3):

@@ -7,6 +7,7 @@ under the base weights, so at step 1 (fp32 on both sides) the trainer's mismatch
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,9 +125,9 @@ def attach_routes(batch_path, model_path, seed: int) -> None:
     save_batch(batch_path, batch)
 
 
-def run_trainer_ranks(config: TrainerConfig, config_path: Path, timeout: float = 250) -> None:
+def run_trainer_ranks(config: TrainerConfig, config_path: Path, timeout: float = 250) -> subprocess.CompletedProcess:
     """The trainer under torchrun, one gloo rank per `config.parallel.world_size` (one OMP thread each),
-    reading `config` from `config_path`; fails with the tail of its output."""
+    reading `config` from `config_path`; fails with the tail of its output, else returns the finished process."""
     from conftest import free_port
 
     config_path.write_text(config.model_dump_json())
@@ -135,3 +136,37 @@ def run_trainer_ranks(config: TrainerConfig, config_path: Path, timeout: float =
                            "--config", str(config_path)],
                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+ENDS_WORKER = Path(__file__).with_name("trainer_ends_worker.py")
+
+
+def run_trainers_in_one_launch(configs: dict[Path, TrainerConfig], timeout: float = 600) -> dict[Path, str]:
+    """Several trainer runs of one world size, one after the other in the same torchrun ranks
+    (tests/trainer_ends_worker.py): a launch pays torch's, transformers' and torchtitan's imports (most of
+    a short run's time on 2 cores) once for all of them. Each config is written to its path. Returns, per
+    path, "ok" or why that run failed (its exit code, gloo threads left, or never reached: a rank died);
+    a caller asserts on its own runs only. Not every pair of layouts may follow each other in one process
+    (bench/RESULTS.md "Test suite time": HSDP then HSDP x CP x EP failed); a new sequence is checked once
+    (group names are counters: one that passes passes every time)."""
+    from conftest import free_port
+
+    (world,) = {c.parallel.world_size for c in configs.values()}
+    for path, config in configs.items():
+        path.write_text(config.model_dump_json())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                           f"--master_port={free_port()}", str(ENDS_WORKER), *map(str, configs)],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
+    tail = proc.stdout[-3000:] + proc.stderr[-3000:]
+    ends: dict[str, list[tuple[str, str]]] = {}
+    for path, code, left in re.findall(r"end \d+ (\S+) exit (-?\d+) gloo_threads (\d+)", proc.stdout):
+        ends.setdefault(path, []).append((code, left))
+    verdicts = {}
+    for path in configs:
+        got = ends.get(str(path), [])
+        if len(got) == world and all(e == ("0", "0") for e in got):
+            verdicts[path] = "ok"
+        else:
+            verdicts[path] = f"{path.name}: (exit, gloo threads) per rank {got}, launch exit {proc.returncode}\n{tail}"
+    return verdicts
