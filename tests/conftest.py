@@ -201,6 +201,21 @@ def short_sft_store(tmp_path_factory) -> Path:
     return root / "store"
 
 
+def run_shrunk(manifest: Path, root: Path, *sets: str, timeout: float) -> tuple[subprocess.CompletedProcess, Path]:
+    """`primebuild run manifest` with 32 rollouts per step and 40 eval prompts (plus `sets`), its runs under
+    root/runs and its store root/store (sft_workspace's): the finished process and its run folder."""
+    runs = root / "runs"
+    overrides = ["orchestrator.rollouts_per_step=32", "orchestrator.eval_prompts=40", *sets,
+                 f"inference.port={free_port()}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "primebuild.cli", "run", str(manifest), "--runs-dir", str(runs), "--quiet",
+         *[arg for o in overrides for arg in ("--set", o)]],
+        capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1"})
+    (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
+    return result, run_dir
+
+
 def plan_json(path: Path | str, sets: tuple[str, ...] | list[str] = (), *, design: bool = True) -> dict:
     """The canonical JSON (as a dict) of a manifest's plan; by default a design study when the
     manifest asks for backends that are not built (glm5, qwen3), so its placement can be checked."""

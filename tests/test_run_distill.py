@@ -6,14 +6,12 @@ and the trainer logs the reverse KL to it each step."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MANIFESTS, SHORT_SFT, free_port, sft_workspace
+from conftest import MANIFESTS, SHORT_SFT, run_shrunk, sft_workspace
 
 torch = pytest.importorskip("torch")
 
@@ -30,15 +28,7 @@ def distill_run(tmp_path_factory, short_sft_store) -> tuple[subprocess.Completed
     teacher = yaml.safe_load((MANIFESTS / "reverse-text-teacher-sft.yaml").read_text())
     teacher["sft"].update(SHORT_SFT)
     (manifests / "reverse-text-teacher-sft.yaml").write_text(yaml.safe_dump(teacher))
-    runs = root / "runs"
-    result = subprocess.run(
-        [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "reverse-text-distill.yaml"), "--runs-dir",
-         str(runs), "--quiet", "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
-         "--set", f"orchestrator.max_steps={STEPS}", "--set", f"inference.port={free_port()}"],
-        capture_output=True, text=True, timeout=580,
-        env={**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1"})
-    (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
-    return result, run_dir
+    return run_shrunk(manifests / "reverse-text-distill.yaml", root, f"orchestrator.max_steps={STEPS}", timeout=580)
 
 
 def test_a_run_with_a_teacher_trains_on_its_logprobs(distill_run):

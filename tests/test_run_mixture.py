@@ -4,13 +4,11 @@ reward in summary.json, and its eval curve in report.png (manifests/reverse-text
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, sft_workspace
+from conftest import run_shrunk, sft_workspace
 
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.report import environments, write_report, write_summary
@@ -23,19 +21,11 @@ ENVS = ("reverse-text", "long-tail")
 def mixed_run(tmp_path_factory, short_sft_store) -> tuple[subprocess.CompletedProcess, Path]:
     root = tmp_path_factory.mktemp("mix")
     manifests = sft_workspace(root, ("reverse-text-mix.yaml",), seed_store=short_sft_store)
-    runs = root / "runs"
-    result = subprocess.run(
-        [sys.executable, "-m", "primebuild.cli", "run", str(manifests / "reverse-text-mix.yaml"), "--runs-dir",
-         str(runs), "--quiet", "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
-         "--set", "orchestrator.max_steps=3", "--set", "orchestrator.eval_every=2",
-         # synchronous and every group trained, so each step holds exactly the 3 + 1 groups of the split
-         # (asynchronous, a batch takes the groups that finish first: the slower long-tail ones may miss it)
-         "--set", "orchestrator.filter_zero_advantage=false", "--set", "orchestrator.max_off_policy_steps=0",
-         "--set", f"inference.port={free_port()}"],
-        capture_output=True, text=True, timeout=380,
-        env={**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1"})
-    (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
-    return result, run_dir
+    return run_shrunk(
+        manifests / "reverse-text-mix.yaml", root, "orchestrator.max_steps=3", "orchestrator.eval_every=2",
+        # synchronous and every group trained, so each step holds exactly the 3 + 1 groups of the split
+        # (asynchronous, a batch takes the groups that finish first: the slower long-tail ones may miss it)
+        "orchestrator.filter_zero_advantage=false", "orchestrator.max_off_policy_steps=0", timeout=380)
 
 
 def test_each_environment_has_its_rewards_and_held_out_score(mixed_run):
