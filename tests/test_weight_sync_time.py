@@ -23,7 +23,8 @@ def test_the_estimate_is_a_pure_function_of_bytes_and_receivers(mode):
     two = cpu_weight_sync_estimate(10**8, mode=mode, receivers=2)
     bigger = cpu_weight_sync_estimate(3 * 10**8, mode=mode, receivers=1)
     assert two.write_seconds == one.write_seconds  # the sender's part does not depend on the receivers
-    per_receiver = 10**8 / (timing.CPU_FS_LOAD_BYTES_PER_S if mode == "filesystem" else timing.CPU_BROADCAST_BYTES_PER_S)
+    per_receiver = (timing.CPU_FS_LOAD_S + 10**8 / timing.CPU_FS_LOAD_BYTES_PER_S if mode == "filesystem"
+                    else timing.CPU_BROADCAST_RECEIVER_S + 10**8 / timing.CPU_BROADCAST_BYTES_PER_S)
     assert two.read_seconds - one.read_seconds == pytest.approx(per_receiver)
     assert bigger.seconds > one.seconds > cpu_weight_sync_estimate(0, mode=mode, receivers=1).seconds > 0
 

@@ -284,7 +284,7 @@ CPU_TRAIN_FLOPS_PER_THREAD = 2.0e10
 CPU_TRAIN_STEP_OVERHEAD_S = 0.05  # optimizer step, loading the batch, per-micro-batch calls
 # Synchronous RL only: what a weight update costs beyond the sync itself (cpu_weight_sync_estimate): the
 # orchestrator noticing, the engine pausing and resuming. 0.15 s in all was calibrated with the
-# reverse-text model, whose sync is ~0.013 s of that.
+# reverse-text model, whose sync is ~0.012 s of that.
 CPU_WEIGHT_UPDATE_HANDOFF_S = 0.137
 
 # CPU weight sync, per mode (cpu_weight_sync_estimate): calibrated on the 2-core CI machine by
@@ -297,10 +297,11 @@ CPU_FS_SYNC_S = 0.004  # filesystem, per publish: config, STABLE marker, rename
 CPU_FS_CACHED_BYTES = 32e6
 CPU_FS_CACHED_BYTES_PER_S = 1.0e9
 CPU_FS_DISK_BYTES_PER_S = 0.11e9
-CPU_FS_LOAD_S = 0.003  # per sync: the receivers' 10 ms poll notices the folder
+CPU_FS_LOAD_S = 0.003  # per receiver: its 10 ms poll notices the folder, opens and parses it
 CPU_FS_LOAD_BYTES_PER_S = 0.65e9  # per receiver: sha256 verified, read (page cache), copied into its weights
-CPU_BROADCAST_SYNC_S = 0.010  # broadcast, per sync: announce, every receiver ready, go (store polls)
-# 120M model, 21 syncs each: median 0.39 s to 1 receiver, 0.61 s to 2 (the difference is one receiver's part)
+CPU_BROADCAST_SYNC_S = 0.007  # broadcast, per sync: announce and go through the store
+CPU_BROADCAST_RECEIVER_S = 0.003  # per receiver: its poll sees the announcement, its ready, a bucket's calls
+# 120M model, 30 syncs in 4 runs each: median 0.35 s to 1 receiver, 0.59 s to 2 (the difference: one receiver)
 CPU_BROADCAST_PACK_BYTES_PER_S = 1.6e9  # the sender packs every bucket once
 CPU_BROADCAST_BYTES_PER_S = 1.2e9  # per receiver: gloo over loopback and its copy into its weights
 
@@ -311,9 +312,10 @@ def cpu_weight_sync_estimate(size_bytes: int, *, mode: str, receivers: int) -> W
 
     filesystem: write = CPU_FS_SYNC_S + min(bytes, CACHED)/CPU_FS_CACHED_BYTES_PER_S
                         + max(0, bytes − CACHED)/CPU_FS_DISK_BYTES_PER_S,
-                read = CPU_FS_LOAD_S + receivers · bytes / CPU_FS_LOAD_BYTES_PER_S
+                read = receivers · (CPU_FS_LOAD_S + bytes / CPU_FS_LOAD_BYTES_PER_S)
     broadcast:  write = CPU_BROADCAST_SYNC_S,
-                read = bytes / CPU_BROADCAST_PACK_BYTES_PER_S + receivers · bytes / CPU_BROADCAST_BYTES_PER_S
+                read = bytes / CPU_BROADCAST_PACK_BYTES_PER_S
+                       + receivers · (CPU_BROADCAST_RECEIVER_S + bytes / CPU_BROADCAST_BYTES_PER_S)
     """
     if mode not in ("filesystem", "broadcast"):
         raise UserError(f"weight_sync.mode: unknown value '{mode}'", hint="use 'filesystem' or 'broadcast'")
@@ -323,10 +325,11 @@ def cpu_weight_sync_estimate(size_bytes: int, *, mode: str, receivers: int) -> W
         cached = min(size_bytes, CPU_FS_CACHED_BYTES)
         write = (CPU_FS_SYNC_S + cached / CPU_FS_CACHED_BYTES_PER_S
                  + (size_bytes - cached) / CPU_FS_DISK_BYTES_PER_S)
-        read = CPU_FS_LOAD_S + receivers * size_bytes / CPU_FS_LOAD_BYTES_PER_S
+        read = receivers * (CPU_FS_LOAD_S + size_bytes / CPU_FS_LOAD_BYTES_PER_S)
     else:
         write = CPU_BROADCAST_SYNC_S
-        read = size_bytes / CPU_BROADCAST_PACK_BYTES_PER_S + receivers * size_bytes / CPU_BROADCAST_BYTES_PER_S
+        read = (size_bytes / CPU_BROADCAST_PACK_BYTES_PER_S
+                + receivers * (CPU_BROADCAST_RECEIVER_S + size_bytes / CPU_BROADCAST_BYTES_PER_S))
     return WeightSyncEstimate(mode=mode, bytes=size_bytes, seconds=write + read, write_seconds=write,
                               read_seconds=read)
 
