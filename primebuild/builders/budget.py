@@ -7,6 +7,7 @@ turns "does not fit" into problems that name the group, the shortfall and concre
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from primebuild.builders.capabilities import applies
 from primebuild.builders.hardware import GIB, gpu_spec
@@ -16,20 +17,23 @@ from primebuild.builders.memory import (
     HF_EAGER_ACTIVATION_FACTOR,
     broadcast_staging_bytes,
     delta_copy_bytes,
+    dtype_bytes,
     inference_memory_per_gpu,
     trainer_memory_per_gpu,
+    weight_bytes,
 )
 from primebuild.builders.model_facts import ModelFacts
 from primebuild.builders.placement import Placement
 from primebuild.builders.rollout_time import Costs, Profile, profile_times
 from primebuild.builders.timing import (
     cpu_costs,
+    cpu_weight_sync_estimate,
     gpu_costs,
     step_time_estimate,
     suggest_split,
     weight_sync_estimate,
 )
-from primebuild.contracts.estimates import Estimates, ProfileTimes, SuggestedSplit
+from primebuild.contracts.estimates import Estimates, ProfileTimes, SuggestedSplit, WeightSyncEstimate
 from primebuild.contracts.memory import (
     GroupMemory,
     InferenceBreakdown,
@@ -202,6 +206,17 @@ def _host_bytes_per_node(tmem, trainer_gpus: int, hw) -> int:
     return tmem.host_bytes * min(trainer_gpus, hw.gpus_per_node)
 
 
+def cpu_sync_estimate(m: Manifest, f: ModelFacts) -> WeightSyncEstimate:
+    """The plan's seconds per weight sync on a CPU node: the weights in the trainer's precision, to every
+    inference server (timing.cpu_weight_sync_estimate)."""
+    receivers = sum(g.replicas for g in m.inference.groups.values())
+    dtype = _DTYPE[m.trainer.precision]
+    lora = m.trainer.lora
+    size = (math.ceil(adapter_params(f, lora.rank, lora.targets) * dtype_bytes(dtype)) if lora  # the adapter only
+            else sum(weight_bytes(f, dtype)))
+    return cpu_weight_sync_estimate(size, mode=m.weight_sync.mode, receivers=receivers)
+
+
 def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: dict[str, GroupMemory],
                capacity: int) -> Estimates:
     hw, o = m.hardware, m.orchestrator
@@ -215,13 +230,18 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
     decode_seqs = max(1, decode_memory.max_concurrent_seqs)  # full-length sequences one decode replica runs
     prefill_gpus = (groups["prefill"].replicas * groups["prefill"].gpus_per_replica) if "prefill" in groups else 0
     if hw.gpu == "cpu":
+        sync = cpu_sync_estimate(m, f)
+        servers = sum(g.replicas for g in m.inference.groups.values())
+        sync_line = (f"weight sync ({sync.mode}): {sync.bytes / 1e6:,.1f} MB per step to {servers} server"
+                     f"{'s' if servers > 1 else ''}, ~{sync.seconds:,.3f} s")
         if o.rollout_profile is None:
-            return Estimates(summary=["CPU run: time estimates are measured by `primebuild run`, not predicted"])
-        profile = _profile_times(m, cpu_costs(f, m.hardware.cpus_per_node), replicas=decode_replicas,
+            return Estimates(weight_sync=sync, summary=[
+                "CPU run: step times are measured by `primebuild run`, not predicted", sync_line])
+        profile = _profile_times(m, cpu_costs(f, m.hardware.cpus_per_node, sync.seconds), replicas=decode_replicas,
                                  max_concurrent=m.inference.max_num_seqs)
-        return Estimates(profile=profile,
+        return Estimates(weight_sync=sync, profile=profile,
                          summary=["CPU run (embedded engine; per-token and per-request costs calibrated on the 2-core "
-                                  "CI machine, primebuild/builders/timing.py)", *_profile_summary(profile)])
+                                  "CI machine, primebuild/builders/timing.py)", sync_line, *_profile_summary(profile)])
 
     sync = weight_sync_estimate(
         f, dtype=_DTYPE[m.trainer.precision],

@@ -282,10 +282,60 @@ CPU_TURN_OVERHEAD_S = 0.007  # one model turn: the HTTP round trip on both sides
 CPU_REQUEST_S = 0.0033
 CPU_TRAIN_FLOPS_PER_THREAD = 2.0e10
 CPU_TRAIN_STEP_OVERHEAD_S = 0.05  # optimizer step, loading the batch, per-micro-batch calls
-CPU_WEIGHT_SYNC_S = 0.15  # publish a step folder, notice it, pause, load, resume (synchronous RL only)
+# Synchronous RL only: what a weight update costs beyond the sync itself (cpu_weight_sync_estimate): the
+# orchestrator noticing, the engine pausing and resuming. 0.15 s in all was calibrated with the
+# reverse-text model, whose sync is ~0.012 s of that.
+CPU_WEIGHT_UPDATE_HANDOFF_S = 0.137
+
+# CPU weight sync, per mode (cpu_weight_sync_estimate): calibrated on the 2-core CI machine by
+# bench/weight_sync_time.py with the reverse-text model (2 MB in fp32) and a 120M Qwen3-shaped one (257 MB in
+# bf16), 1 and 2 receivers, the machine shared with other jobs (medians and spread in bench/RESULTS.md).
+# Receivers share the node's cores, so their loads add up rather than overlap.
+CPU_FS_SYNC_S = 0.004  # filesystem, per publish: config, STABLE marker, rename
+# The publish writes safetensors, sha256-lists and fsyncs them: a few MB go at page-cache speed, beyond
+# that this machine's disk sets the pace (257 MB took 1.5-3 s to write, 0.1 s to fsync: dirty-page throttling).
+CPU_FS_CACHED_BYTES = 32e6
+CPU_FS_CACHED_BYTES_PER_S = 1.0e9
+CPU_FS_DISK_BYTES_PER_S = 0.11e9
+CPU_FS_LOAD_S = 0.003  # per receiver: its 10 ms poll notices the folder, opens and parses it
+CPU_FS_LOAD_BYTES_PER_S = 0.65e9  # per receiver: sha256 verified, read (page cache), copied into its weights
+CPU_BROADCAST_SYNC_S = 0.007  # broadcast, per sync: announce and go through the store
+CPU_BROADCAST_RECEIVER_S = 0.003  # per receiver: its poll sees the announcement, its ready, a bucket's calls
+# 120M model, 30 syncs in 4 runs each: median 0.35 s to 1 receiver, 0.59 s to 2 (the difference: one receiver)
+CPU_BROADCAST_PACK_BYTES_PER_S = 1.6e9  # the sender packs every bucket once
+CPU_BROADCAST_BYTES_PER_S = 1.2e9  # per receiver: gloo over loopback and its copy into its weights
 
 
-def cpu_costs(facts: ModelFacts, cpus_per_node: int) -> Costs:
+def cpu_weight_sync_estimate(size_bytes: int, *, mode: str, receivers: int) -> WeightSyncEstimate:
+    """Seconds per weight sync of `size_bytes` to `receivers` servers on a CPU node: a pure function of
+    the two (the constants above).
+
+    filesystem: write = CPU_FS_SYNC_S + min(bytes, CACHED)/CPU_FS_CACHED_BYTES_PER_S
+                        + max(0, bytes − CACHED)/CPU_FS_DISK_BYTES_PER_S,
+                read = receivers · (CPU_FS_LOAD_S + bytes / CPU_FS_LOAD_BYTES_PER_S)
+    broadcast:  write = CPU_BROADCAST_SYNC_S,
+                read = bytes / CPU_BROADCAST_PACK_BYTES_PER_S
+                       + receivers · (CPU_BROADCAST_RECEIVER_S + bytes / CPU_BROADCAST_BYTES_PER_S)
+    """
+    if mode not in ("filesystem", "broadcast"):
+        raise UserError(f"weight_sync.mode: unknown value '{mode}'", hint="use 'filesystem' or 'broadcast'")
+    if receivers < 1 or size_bytes < 0:
+        raise UserError(f"weight sync needs ≥ 1 receiver and a size ≥ 0 (got {receivers}, {size_bytes})")
+    if mode == "filesystem":
+        cached = min(size_bytes, CPU_FS_CACHED_BYTES)
+        write = (CPU_FS_SYNC_S + cached / CPU_FS_CACHED_BYTES_PER_S
+                 + (size_bytes - cached) / CPU_FS_DISK_BYTES_PER_S)
+        read = receivers * (CPU_FS_LOAD_S + size_bytes / CPU_FS_LOAD_BYTES_PER_S)
+    else:
+        write = CPU_BROADCAST_SYNC_S
+        read = (size_bytes / CPU_BROADCAST_PACK_BYTES_PER_S
+                + receivers * (CPU_BROADCAST_RECEIVER_S + size_bytes / CPU_BROADCAST_BYTES_PER_S))
+    return WeightSyncEstimate(mode=mode, bytes=size_bytes, seconds=write + read, write_seconds=write,
+                              read_seconds=read)
+
+
+def cpu_costs(facts: ModelFacts, cpus_per_node: int, weight_sync_s: float) -> Costs:
+    """The rollout-profile model's costs on a CPU node; weight_sync_s is cpu_weight_sync_estimate's."""
     threads = max(1, cpus_per_node // 2)  # the plan's processes share a CPU node's cores (primebuild/builders/processes.py)
     n = facts.matmul_params_per_token()
     return Costs(
@@ -296,7 +346,7 @@ def cpu_costs(facts: ModelFacts, cpus_per_node: int) -> Costs:
         request_s=CPU_REQUEST_S,  # the embedded engine and its server share the process's cores
         train_s=lambda sequences, tokens: CPU_TRAIN_STEP_OVERHEAD_S + 6 * n * sequences * tokens / (
             threads * CPU_TRAIN_FLOPS_PER_THREAD),
-        weight_sync_s=CPU_WEIGHT_SYNC_S)
+        weight_sync_s=CPU_WEIGHT_UPDATE_HANDOFF_S + weight_sync_s)
 
 
 @dataclass(frozen=True)
@@ -359,5 +409,5 @@ def suggest_split(
 __all__ = [
     "StepTimes", "Split", "WeightSyncEstimate", "attention_forward_flops", "cpu_costs", "gpu_costs", "decode_step_seconds", "distinct_experts",
     "kv_read_bytes", "prefill_seconds_per_token", "step_time_estimate", "suggest_split", "train_step_seconds",
-    "weight_sync_estimate",
+    "weight_sync_estimate", "cpu_weight_sync_estimate",
 ]

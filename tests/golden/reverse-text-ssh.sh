@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 57d7cccf0ab3dc6ccaece4e08c0bd9ff563d7b46dda46cbf10f6a5517e7a170a, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 59ba2aaab3679f24288e53f7eaa893a7e785a0de9a7c7e784a58530195b0084e, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is
