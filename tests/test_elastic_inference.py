@@ -29,7 +29,12 @@ def _pool_state(run_dir: Path) -> dict:
 
 
 def _url_of(run_dir: Path, name: str) -> str:
-    """Its URL as the orchestrator spells it (the supervisor's pool list exists only where scale is built)."""
+    """Its URL as the orchestrator spells it: from the supervisor's pool list where scale is built (it holds
+    added replicas too), else from the plan."""
+    pool = run_dir / "inference_pool.json"
+    if pool.is_file():
+        (url,) = [s["url"] for s in json.loads(pool.read_text())["servers"] if s["name"] == name]
+        return url
     plan = json.loads((run_dir / "plan.json").read_text())
     (port,) = [p["ports"]["http"] for p in plan["processes"] if p["name"] == name]
     return f"http://127.0.0.1:{port}/v1"

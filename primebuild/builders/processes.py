@@ -14,7 +14,12 @@ from primebuild.builders.trainer_restart import trainer_restarts
 from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
 from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.inference import BroadcastJoin, DisaggregationRole, InferenceServerConfig
-from primebuild.contracts.orchestrator import EnvironmentConfig, OrchestratorConfig, ServerJoin, TeacherEndpoint
+from primebuild.contracts.orchestrator import (
+    EnvironmentConfig,
+    OrchestratorConfig,
+    ServerJoin,
+    TeacherEndpoint,
+)
 from primebuild.contracts.plan import HEALTH_TIMEOUT_S, START_ORDER, HealthCheck, ProcessSpec, RestartPolicy
 from primebuild.contracts.router import DecodeServer, RouterConfig, VllmPool, VllmRouterConfig
 from primebuild.contracts.run_dir import RunDir

@@ -15,7 +15,6 @@ import asyncio
 from primebuild.contracts.rollout import Sample
 from primebuild.runtime.orchestrator.client import InferenceClient
 
-
 # Samples per request: one request per sample cost ~4x the step time of RL alone on the 2-core machine (each
 # one a pass through the server's scheduler); a whole batch in one request holds the server's engine long.
 SAMPLES_PER_REQUEST = 32

@@ -54,9 +54,9 @@ from . import finite
 from .batch import loss_normalizer, pack, pad_columns
 from .checkpoint import load_checkpoint, save_checkpoint
 from .context_parallel import make_shard, padded_length
+from .distill import distilled_advantages, reverse_kl_per_token, teacher_baseline
 from .lora import trainable_parameters
 from .lora_publish import AdapterPublisher
-from .distill import distilled_advantages, reverse_kl_per_token, teacher_baseline
 from .losses import kl_per_token, resolve_loss
 from .model import (
     DistEnv,

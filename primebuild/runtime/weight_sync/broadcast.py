@@ -181,12 +181,17 @@ class BroadcastSender:
         self._group = make_group(self._store, self.generation, 0, len(self.members) + 1, self.backend,
                                  self.timeout_s)
 
-    def _refresh(self, cancelled: Callable[[], bool] | None) -> bool:
+    def _refresh(self, cancelled: Callable[[], bool] | None, survivors_only: bool = False) -> bool:
         """Before an update: a new generation if the live receivers are not the current members (False:
-        cancelled while none was live)."""
+        cancelled while none was live). `survivors_only`: an update announced again keeps to the members
+        that are still there; a receiver that registered since waits for the next update, because the
+        servers' loads of this one are already under way without it (taking it in would leave every
+        load waiting on a server nobody asked to load)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             live = self._roster.live()
+            if survivors_only:
+                live = {r: who for r, who in live.items() if self.members.get(r) == who} or live
             if live and live == self.members and self._group is not None:
                 return True
             if live:
@@ -208,7 +213,7 @@ class BroadcastSender:
         """One update; returns once every member of the group has it. Streamed weights are sent as they
         come: the sender holds the group being read and two buckets, never the whole state (unless delta
         keeps the previous one). A member that dies before the buckets go is left out: the update is
-        announced again to the members left (and to a restarted one that registered meanwhile).
+        announced again to the members left (a restarted one is admitted at the next update).
         While the receivers have not asked for it, `cancelled()` (a run being stopped: nobody will update
         the servers) ends the wait: the stream is then read through without sending (its gathers are
         collectives of every trainer rank), None is returned, and this sender sends nothing more."""
@@ -218,8 +223,9 @@ class BroadcastSender:
         specs = list(weights.layout)
         counts = bucket_counts(specs, self.bucket_bytes)
         waited = time.perf_counter()
+        outcome = None
         while True:
-            if not self._refresh(cancelled):
+            if not self._refresh(cancelled, survivors_only=outcome == "again"):
                 outcome = "cancelled"
                 break
             meta = {"step": int(step), "tensors": [[s.name, str(s.dtype), list(s.shape)] for s in specs],
