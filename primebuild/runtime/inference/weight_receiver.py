@@ -30,6 +30,11 @@ log = logging.getLogger("primebuild.inference")
 SUPERSEDED_POLL_S = 0.1  # how often an announcement no load has asked for is checked for being re-announced
 
 
+class BroadcastClosed(TimeoutError):
+    """An update the trainer will never send (it closed the broadcast: the run is stopping). A TimeoutError,
+    so /update_weights answers 409 at once, as for an update that did not come in time."""
+
+
 class BroadcastStage:
     def __init__(self, init_method: str, rank: int, world_size: int, device: torch.device | str = "cpu",
                  timeout_s: float = 600.0):
@@ -40,6 +45,7 @@ class BroadcastStage:
         # have always used: the step is here, ready to load, although its bytes cross only then).
         self.received_version = 0
         self.error: str | None = None
+        self.closed = False  # the trainer closed the broadcast (the run ends): nothing more is announced
         self._receiver: BroadcastReceiver | None = None
         self._last: Announcement | None = None  # the newest announcement heard
         self._announced: Announcement | None = None  # the one a load may take now (None while none is)
@@ -64,6 +70,7 @@ class BroadcastStage:
                          announced.generation)
                 self._wait_taken(announced)
             log.info("the trainer closed the weight broadcast")
+            self.closed = True
         except Exception as err:  # the group broke (trainer gone): say so on /health, keep serving
             self.error = f"{type(err).__name__}: {err}"
             log.error("weight broadcast stopped: %s", self.error)
@@ -107,7 +114,8 @@ class BroadcastStage:
         step = announced.step
 
         def takeable() -> bool:
-            return self.error is not None or (self._announced is not None and self._announced.step >= step)
+            return (self.error is not None or self.closed
+                    or (self._announced is not None and self._announced.step >= step))
 
         while True:
             with self._lock:
@@ -115,6 +123,10 @@ class BroadcastStage:
                     raise TimeoutError(f"step {step} was not announced again within {self.timeout_s:g} s")
                 if self.error is not None:
                     raise RuntimeError(f"weight broadcast stopped: {self.error}")
+                if self.closed and (self._announced is None or self._announced.step < step):
+                    # a stop while the update was announced again: the trainer will not send it, and
+                    # the load waiting for it would hold the orchestrator's stop for timeout_s
+                    raise BroadcastClosed(f"the trainer closed the weight broadcast before step {step} was sent")
                 announced, self._announced, self._pulling = self._announced, None, True
             try:
                 done = self._receiver.pull(announced, tracked, prefetch=prefetch)

@@ -139,6 +139,10 @@ class Orchestrator:
                     await self.weights.load(server.client, version)
             except ServerGone as err:  # revived later, on the version current then
                 self.servers.gone(server, err)
+            except RuntimeError:
+                if not self.stop_requested():
+                    raise
+                # a stop while the trainer waited for this update: it will not send it (broadcast)
 
         async def admit(server) -> None:
             """Broadcast: a restarted or joining server the trainer admitted to its weight group takes this
@@ -154,6 +158,9 @@ class Orchestrator:
                         self.servers.set_active(server, version)
             except ServerGone:
                 pass  # not back yet
+            except RuntimeError:
+                if not self.stop_requested():
+                    raise
 
         reviving = [s for s in self.servers.servers.values() if s.state in ("joining", "down")]
         await asyncio.gather(*(bring(s) for s in active),
