@@ -76,25 +76,22 @@ class VllmClient(InferenceClient):
     async def version(self) -> int:
         """The server's policy version; waits for a restarting server to come back (a dead engine behind
         a live server answers errors: Outage gives up on it after a while)."""
-        outage = Outage(self, self.root + "/weight_info")
-        while True:
-            try:
-                return await self.admin.policy_version()
-            except httpx.TransportError as err:
-                outage.gone(err)
-            except VllmAdminError as err:
-                outage.failing(err.status, str(err))
-            await asyncio.sleep(0.5)
+        return await self._until_answered("/weight_info", self.admin.policy_version)
 
     async def engine(self) -> dict:
         response = await self.http.get(self.root + "/version")
         return {"name": "vllm", "version": response.json().get("version") if response.status_code == 200 else None}
 
     async def received_version(self) -> int:
-        outage = Outage(self, self.root + BROADCAST_STATUS_PATH)
+        return await self._until_answered(BROADCAST_STATUS_PATH, self.admin.received_version)
+
+    async def _until_answered(self, path: str, ask) -> int:
+        """`ask()` of the admin API, retried while the server is away or answers errors (Outage decides
+        when to give up)."""
+        outage = Outage(self, self.root + path)
         while True:
             try:
-                return await self.admin.received_version()
+                return await ask()
             except httpx.TransportError as err:
                 outage.gone(err)
             except VllmAdminError as err:
