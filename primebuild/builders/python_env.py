@@ -220,7 +220,7 @@ def parse_requirements(text: str) -> dict[str, dict]:
 def for_python(text: str, python: str) -> dict[str, dict]:
     """The pins of `uv export` that hold for CPython `python` (major.minor) on Linux x86_64: a lock of several
     Pythons lists a package once per version, each behind a marker. A marker that depends on the patch release
-    is refused: the image's patch release is not known here."""
+    is refused: the image's patch release is not known here. The pins carry no markers: they are that Python's."""
     from packaging.markers import Marker
 
     def holds(marker: str, full: str) -> bool:
@@ -239,6 +239,7 @@ def for_python(text: str, python: str) -> dict[str, dict]:
                 raise ValueError(f"{name}=={entry['version']} depends on the patch release of Python {python} ({marker})")
             if not first:
                 continue
+            del entry["marker"]  # decided here; pip must not skip a package of this set on another Python
         if name in packages:
             raise ValueError(f"{name} is pinned twice ({packages[name]['version']}, {entry['version']})")
         packages[name] = entry
