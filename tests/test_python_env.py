@@ -138,3 +138,30 @@ def test_for_python_keeps_the_lines_of_one_python():
         python_env.for_python("a==1 ; python_full_version < '3.12.4'\n", "3.12")
     with pytest.raises(ValueError, match="pinned twice"):
         python_env.for_python("a==1\na==2 ; python_version == '3.11'\n", "3.11")
+
+
+def _image_tags(python: str) -> set:
+    """The wheel tags CPython `python` takes on python_env.PLATFORM (x86_64-manylinux_2_M: glibc 2.M and older)."""
+    from packaging.tags import compatible_tags, cpython_tags
+
+    newest = int(python_env.PLATFORM.rsplit("_", 1)[1])
+    platforms = [f"manylinux_2_{m}_x86_64" for m in range(newest, 4, -1)] + [
+        "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+    version = tuple(int(part) for part in python.split("."))
+    return {*cpython_tags(version, platforms=platforms), *compatible_tags(version, platforms=platforms)}
+
+
+@pytest.mark.parametrize("python", ["3.11", "3.12"])
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_every_pin_has_a_wheel_for_the_images_platform(variant: str, python: str):
+    """The image installs with --no-build: a pin whose only files are an sdist or wheels for a newer glibc
+    would fail `primebuild build` (vLLM's llguidance 1.7.6 has one Linux wheel, manylinux_2_31)."""
+    from packaging.utils import parse_wheel_filename
+
+    tags = _image_tags(python)
+    files = {(p["name"], p["version"]): [Path(w.get("url") or w["path"]).name for w in p.get("wheels", [])]
+             for p in UV_LOCK["package"]}
+    pins = python_env.resolve_variant(python_env.variant_request(variant, python, ["test"]))["packages"]
+    missing = [f"{name}=={pin['version']}" for name, pin in pins.items()
+               if not any(parse_wheel_filename(f)[3] & tags for f in files[(name, pin["version"])])]
+    assert not missing, f"no wheel for CPython {python} on {python_env.PLATFORM}: {missing}"

@@ -28,7 +28,9 @@ import sys
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]  # the repository root: primebuild/builders/python_env.py
-PLATFORM = "x86_64-manylinux_2_28"
+# The image's wheels: glibc 2.31 or newer (Debian bookworm has 2.36, NVIDIA's PyTorch 25.09 base 2.39). vLLM's
+# llguidance 1.7.6 ships one Linux wheel for CPython < 3.14, manylinux_2_31: at 2_28 the gpu set cannot install.
+PLATFORM = "x86_64-manylinux_2_31"
 VARIANTS = ("cpu", "gpu")
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where `+cpu` torch wheels live publicly
 ENV_LOCKS = "lockfiles/envs"  # <distribution>-<version>.txt: the vLLM environments (scripts/lock-envs)
