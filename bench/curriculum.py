@@ -90,9 +90,9 @@ def main() -> None:
                 results.append((manifest, name, r))
                 print(f"{manifest} curriculum {name}: {json.dumps(r)}", flush=True)
     print(f"\n{on}, {args.steps} steps")
-    print(f"| manifest | curriculum | held-out before -> after | gain | trained samples | groups sampled | "
-          f"gain / 1k samples | gain / 1k wall s | wall s | pools at the end (easy/normal/hard) | "
-          f"groups drawn per pool (borrowed) |")
+    print("| manifest | curriculum | held-out before -> after | gain | trained samples | groups sampled | "
+          "gain / 1k samples | gain / 1k wall s | wall s | pools at the end (easy/normal/hard) | "
+          "groups drawn per pool (borrowed) |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---|---|")
     for manifest, name, r in results:
         pools = "/".join(str(r["pools_last"][p]) for p in POOLS) if r["pools_last"] else "-"

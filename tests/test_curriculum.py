@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -201,3 +202,45 @@ def test_a_real_run_shows_the_pools_per_step_and_resumes_them(tmp_path: Path, sh
     assert steps[4]["curriculum_normal"] < 16, steps[4]  # the pass rates moved prompts out of normal
     saved = json.loads(run.curriculum.read_text())
     assert saved["step"] == 4 and len(saved["history"]["reverse-text"]) >= 4
+
+
+@pytest.mark.timeout(420)
+def test_a_stopped_run_resumes_with_its_pools(tmp_path: Path, short_sft_store):
+    """`primebuild stop` after step 3, then `run --resume`: the orchestrator reads back curriculum.json and
+    starts with the pools it had, not with every prompt normal again."""
+    sft_workspace(tmp_path, seed_store=short_sft_store)
+    runs = tmp_path / "runs"
+    sets = {"orchestrator.max_steps": 6, "orchestrator.rollouts_per_step": 32, "orchestrator.eval_prompts": 8,
+            "orchestrator.max_off_policy_steps": 0, "inference.port": free_port(),
+            "orchestrator.curriculum": "{prompts: 16, window: 2, easy_at: 0.9, hard_at: 0.6, "
+                                       "mix: {easy: 1, normal: 2, hard: 1}}"}
+    env = {**os.environ, "PRIMEBUILD_STORE": str(tmp_path / "store"), "PYTHONUNBUFFERED": "1"}
+    cli = [sys.executable, "-m", "primebuild.cli"]
+    first = subprocess.Popen([*cli, "run", str(tmp_path / "manifests" / "reverse-text.yaml"), "--runs-dir", str(runs),
+                              "--quiet", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not (list(runs.glob("*")) and RunDir(next(runs.iterdir())).rollout(3).exists()):
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read() if first.poll() else ""
+            time.sleep(0.2)
+        (run_dir,) = runs.iterdir()
+        run = RunDir(run_dir)
+        run.stop_file.touch()  # what `primebuild stop` writes
+        out, _ = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    saved = json.loads(run.curriculum.read_text())
+    history = saved["history"]["reverse-text"]
+    expected = Counter(pool_of(sum(r) / len(r), 0.9, 0.6) for r in history.values())
+    expected = {p: expected[p] + (16 - len(history) if p == "normal" else 0) for p in ("easy", "normal", "hard")}
+    run.stop_file.unlink(missing_ok=True)
+    resumed = subprocess.run([*cli, "run", "--resume", str(run_dir), "--quiet"], capture_output=True, text=True,
+                             timeout=300, env=env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    log = (run_dir / "logs" / "orchestrator.log").read_text()
+    assert f"curriculum: pass rates as of step {saved['step']} (resuming at step {saved['step'] + 1}): " \
+           f"{expected}" in log, log[-3000:]
+    steps = {k: r for k, r in read_metrics(run.metrics, role="orchestrator").items() if "curriculum_normal" in r}
+    assert sorted(steps) == list(range(1, 7))
