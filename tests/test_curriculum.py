@@ -115,6 +115,44 @@ def test_an_empty_pool_lends_its_slots_and_says_so():
     assert metrics["curriculum_sampled_normal"] == 4
 
 
+def test_with_every_prompt_running_a_draw_still_gives_one():
+    c = curriculum(groups_per_step=4)
+    drawn = [prompt_key(c.draw(s, 0)) for s in range(21)]  # 20 prompts, none ended
+    assert len(set(drawn[:20])) == 20 and drawn[20] in drawn[:20]
+
+
+def test_the_pool_tells_of_every_group_that_stops_running():
+    """RolloutPool.on_done: finished groups with their rewards, failed ones without (the curriculum frees
+    their prompt), cancelled ones too."""
+    import asyncio
+
+    from primebuild.runtime.envs.transcript import Transcript
+    from primebuild.runtime.orchestrator.pool import Group, RolloutPool
+    from primebuild.runtime.orchestrator.rollout import Rollout
+
+    async def rollouts(rewards, fail=False, hang=False):
+        await asyncio.sleep(10 if hang else 0.001)
+        if fail:
+            raise RuntimeError("environment broke")
+        t = Transcript([1])
+        t.add_model_turn([2], [-1.0], 0)
+        return [Rollout(t, r, 0.001, "episode") for r in rewards]
+
+    done = []
+    pool = RolloutPool(groups_per_step=2, max_off_policy_steps=0, next_step=1, max_failed_in_a_row=5,
+                       filter_equal_rewards=True, on_done=lambda g: done.append((g.seq, [r.reward for r in g.rollouts])))
+
+    async def main():
+        env = type("E", (), {"id": "e"})()
+        for seq, work in enumerate([rollouts([1.0, 1.0]), rollouts([0.0, 1.0], fail=True), rollouts([0.0], hang=True)]):
+            pool.start(Group(seq=seq, env=env, task=Task(prompt="", answer=""), started_version=0), work)
+        while len(done) < 2:
+            await pool.wait(0.05)
+        await pool.cancel()
+    asyncio.run(main())
+    assert sorted(done) == [(0, [1.0, 1.0]), (1, []), (2, [])]  # the equal group too: set aside, still told
+
+
 def test_pass_rates_survive_a_resume(tmp_path: Path):
     c = curriculum()
     record(c, 0, 3, [1.0, 1.0])

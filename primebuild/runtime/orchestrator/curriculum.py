@@ -124,12 +124,14 @@ class Curriculum:
         members = self.members(env)
         rng = random.Random(f"curriculum-draw/{self.seed}/{seq}")
         running = self.running[env]
-        for pool in (wanted, *LENDERS[wanted]):
+        order = (wanted, *LENDERS[wanted])
+        for pool in order:
             idle = [i for i in members[pool] if not running.get(self.keys[env][i])]
             if idle:
                 break
-        else:  # every prompt is running: a prompt set no larger than what is in flight
-            pool, idle = wanted, members[wanted] or [i for p in POOLS for i in members[p]]
+        else:  # every prompt is running (the plan refuses a set smaller than the groups in flight)
+            pool = next(p for p in order if members[p])
+            idle = members[pool]
         self.borrowed += pool != wanted
         i = rng.choice(idle)
         key = self.keys[env][i]
