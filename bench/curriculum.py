@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=128, help="orchestrator.curriculum.prompts")
     parser.add_argument("--window", type=int, default=2, help="orchestrator.curriculum.window")
     parser.add_argument("--curriculum", default="", help="more curriculum fields, e.g. 'easy_at: 0.9, mix: {...}'")
+    parser.add_argument("--arms", nargs="+", choices=["off", "on"], default=["off", "on"],
+                        help="which runs (e.g. only `on` again with other thresholds)")
     parser.add_argument("--store", default=None, help="PRIMEBUILD_STORE (default: the usual one)")
     args = parser.parse_args()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PRIMEBUILD_STORE": args.store} if args.store else {})}
@@ -86,6 +88,8 @@ def main() -> None:
     with TemporaryDirectory() as tmp:
         for manifest in args.manifests:
             for name, sets in (("off", []), ("on", [on])):
+                if name not in args.arms:
+                    continue
                 r = run(manifest, args.steps, Path(tmp), sets, env)
                 results.append((manifest, name, r))
                 print(f"{manifest} curriculum {name}: {json.dumps(r)}", flush=True)
