@@ -79,21 +79,23 @@ def main() -> None:
     parser.add_argument("--curriculum", default="", help="more curriculum fields, e.g. 'easy_at: 0.9, mix: {...}'")
     parser.add_argument("--arms", nargs="+", choices=["off", "on"], default=["off", "on"],
                         help="which runs (e.g. only `on` again with other thresholds)")
+    parser.add_argument("--seed", type=int, default=None, help="the manifest's seed (default: as written)")
     parser.add_argument("--store", default=None, help="PRIMEBUILD_STORE (default: the usual one)")
     args = parser.parse_args()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PRIMEBUILD_STORE": args.store} if args.store else {})}
     extra = f", {args.curriculum}" if args.curriculum else ""
     on = f"orchestrator.curriculum={{prompts: {args.prompts}, window: {args.window}{extra}}}"
+    seed = [f"seed={args.seed}"] if args.seed is not None else []
     results = []
     with TemporaryDirectory() as tmp:
         for manifest in args.manifests:
             for name, sets in (("off", []), ("on", [on])):
                 if name not in args.arms:
                     continue
-                r = run(manifest, args.steps, Path(tmp), sets, env)
+                r = run(manifest, args.steps, Path(tmp), seed + sets, env)
                 results.append((manifest, name, r))
                 print(f"{manifest} curriculum {name}: {json.dumps(r)}", flush=True)
-    print(f"\n{on}, {args.steps} steps")
+    print(f"\n{on}, {args.steps} steps{f', seed {args.seed}' if seed else ''}")
     print("| manifest | curriculum | held-out before -> after | gain | trained samples | groups sampled | "
           "gain / 1k samples | gain / 1k wall s | wall s | pools at the end (easy/normal/hard) | "
           "groups drawn per pool (borrowed) |")
