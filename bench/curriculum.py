@@ -65,6 +65,8 @@ def run(manifest: str, steps: int, runs: Path, sets: list[str], env: dict) -> di
                                            for r in trained)),
         "reward_first": trained[0]["reward_mean"] if trained else None, "reward_last": last.get("reward_mean"),
         "pools_last": {p: int(last[f"curriculum_{p}"]) for p in POOLS if f"curriculum_{p}" in last},
+        # the largest each pool was at a cut: an easy or hard prompt is drawn soon after it qualifies
+        "pools_max": {p: int(max(r[f"curriculum_{p}"] for r in trained)) for p in POOLS if f"curriculum_{p}" in last},
         "sampled": {p: int(sum(r.get(f"curriculum_sampled_{p}", 0) for r in trained)) for p in POOLS},
         "borrowed": int(sum(r.get("curriculum_borrowed", 0) for r in trained)),
     }
@@ -97,11 +99,12 @@ def main() -> None:
                 print(f"{manifest} curriculum {name}: {json.dumps(r)}", flush=True)
     print(f"\n{on}, {args.steps} steps{f', seed {args.seed}' if seed else ''}")
     print("| manifest | curriculum | held-out before -> after | gain | trained samples | groups sampled | "
-          "gain / 1k samples | gain / 1k wall s | wall s | pools at the end (easy/normal/hard) | "
+          "gain / 1k samples | gain / 1k wall s | wall s | pools at the end (largest) (easy/normal/hard) | "
           "groups drawn per pool (borrowed) |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---|---|")
     for manifest, name, r in results:
-        pools = "/".join(str(r["pools_last"][p]) for p in POOLS) if r["pools_last"] else "-"
+        pools = (f"{'/'.join(str(r['pools_last'][p]) for p in POOLS)} "
+                 f"({'/'.join(str(r['pools_max'][p]) for p in POOLS)})") if r["pools_last"] else "-"
         drawn = "/".join(str(r["sampled"][p]) for p in POOLS) + f" ({r['borrowed']})" if r["pools_last"] else "-"
         print(f"| {manifest} | {name} | {r['before']:.4f} -> {r['after']:.4f} | {r['gain']:+.4f} | {r['samples']:,} | "
               f"{r['groups_sampled']:,} | {1000 * r['gain'] / r['samples']:+.4f} | {1000 * r['gain'] / r['wall_s']:+.3f} "
