@@ -15,6 +15,7 @@ from __future__ import annotations
 from primebuild import __version__
 from primebuild.builders import budget, derivations
 from primebuild.builders.capabilities import SPLIT_TARGETS, Refusal, refusals
+from primebuild.builders.curriculum import curriculum_problems
 from primebuild.builders.distill import teacher_facts
 from primebuild.builders.environments import sandbox_warnings
 from primebuild.builders.kv_connector_packages import missing_from_lock
@@ -47,6 +48,7 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
         return _sft_plan(loaded, facts, lock, refused)
 
     problems = check_parallelism(m, facts) + ([] if lock is None else lock_problems(loaded, lock))
+    problems += curriculum_problems(m)  # a prompt pool that can never fill
     placement, place_problems = place(m)
     _raise_unless_design(loaded, refused, problems + place_problems, design)
     assert placement is not None

@@ -15,6 +15,7 @@ from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
 from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.inference import BroadcastJoin, DisaggregationRole, InferenceServerConfig
 from primebuild.contracts.orchestrator import (
+    CurriculumConfig,
     EnvironmentConfig,
     OrchestratorConfig,
     ServerJoin,
@@ -399,6 +400,9 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec], 
         max_steps=o.max_steps, temperature=o.temperature, top_p=o.top_p,
         normalize_advantage_std=o.normalize_advantage_std, eval_every=o.eval_every, eval_prompts=o.eval_prompts,
         max_failed_groups_in_a_row=o.max_failed_groups_in_a_row, filter_zero_advantage=o.filter_zero_advantage,
+        curriculum=None if o.curriculum is None else CurriculumConfig(
+            prompts=o.curriculum.prompts, window=o.curriculum.window, easy_at=o.curriculum.easy_at,
+            hard_at=o.curriculum.hard_at, mix=o.curriculum.mix.model_dump()),
         engine=m.inference.engine, weight_sync=m.weight_sync.mode, keep_weights=m.retention.keep_weights,
         trackers=trackers_config(m),
         router_replay=m.inference.router_replay,

@@ -35,6 +35,19 @@ class TeacherEndpoint(Contract):
     served_model_name: str
 
 
+CURRICULUM_POOLS = ("easy", "normal", "hard")  # by falling recent pass rate
+
+
+class CurriculumConfig(Contract):
+    """Prompt pools by recent pass rate (orchestrator/curriculum.py); the manifest's orchestrator.curriculum."""
+
+    prompts: int = Field(ge=1)  # distinct training prompts per environment, drawn once from the run's seed
+    window: int = Field(ge=1)  # a prompt's pass rate: mean reward of its last `window` groups
+    easy_at: float  # pass rate >= easy_at: easy
+    hard_at: float  # pass rate <= hard_at: hard; between: normal (and every prompt not yet sampled)
+    mix: dict[Literal["easy", "normal", "hard"], float]  # each pool's share of a step's groups (weights)
+
+
 class OrchestratorConfig(Contract):
     kind: Literal["orchestrator"] = "orchestrator"
     run_dir: str
@@ -63,6 +76,7 @@ class OrchestratorConfig(Contract):
     eval_prompts: int = Field(ge=1)
     max_failed_groups_in_a_row: int = Field(ge=1)  # failed rollout groups are dropped; this many in a row end the run
     filter_zero_advantage: bool = True  # equal-reward groups are set aside and refilled, not trained on (pool.py)
+    curriculum: CurriculumConfig | None = None  # None: prompts drawn afresh from each environment (mixture.py)
 
     engine: Literal["embedded", "vllm"] = "embedded"  # which API the endpoints speak (the client adapts)
     weight_sync: Literal["filesystem", "broadcast"] = "filesystem"

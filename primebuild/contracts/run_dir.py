@@ -338,6 +338,11 @@ class RunDir:
     def orchestrator_state(self) -> Path:
         return self.root / "orchestrator.json"
 
+    @property
+    def curriculum(self) -> Path:
+        """orchestrator.curriculum: each prompt's recent rewards, as of the last batch written (resume reads it)."""
+        return self.root / "curriculum.json"
+
     # results
     @property
     def summary(self) -> Path:

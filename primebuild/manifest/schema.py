@@ -303,6 +303,32 @@ class RolloutProfile(Strict):
         Quantiles(p50=0, p99=0), description="Seconds the environment takes to answer one model turn.")
 
 
+class CurriculumMix(Strict):
+    """Share of each step's prompts drawn from each pool (weights: normalised, split by largest remainder)."""
+
+    easy: float = Field(0.1, ge=0, le=1000)
+    normal: float = Field(0.8, ge=0, le=1000)
+    hard: float = Field(0.1, ge=0, le=1000)
+
+
+class Curriculum(Strict):
+    """Sample prompts from easy / normal / hard pools by their recent pass rate (runtime/orchestrator/curriculum.py).
+
+    Each environment's training prompts are a fixed set of `prompts` distinct tasks, drawn once from the run's
+    seed. A prompt's recent pass rate is the mean reward of its last `window` groups (a 0/1 reward's pass
+    rate); it is easy at or above `easy_at`, hard at or below `hard_at`, normal between, and normal until
+    first sampled. Each step's groups split over the pools by `mix`; a pool with too few prompts lends its
+    slots to the others (counted as curriculum_borrowed). A prompt changes pool only when sampled again, so
+    a pool whose share is 0 keeps its prompts out of training."""
+
+    prompts: PositiveInt = Field(256, le=1_000_000, description="Distinct training prompts per environment.")
+    window: PositiveInt = Field(4, le=10_000, description="A prompt's pass rate: the mean reward of its last "
+                                "`window` rollout groups.")
+    easy_at: float = Field(0.75, ge=-1e6, le=1e6, description="A recent pass rate at or above this is easy.")
+    hard_at: float = Field(0.25, ge=-1e6, le=1e6, description="A recent pass rate at or below this is hard.")
+    mix: CurriculumMix = CurriculumMix()
+
+
 class Orchestrator(Strict):
     rollouts_per_step: PositiveInt = Field(256, le=1 << 20, description="Samples per trainer step.")
     group_size: PositiveInt = Field(8, le=1024, description="Samples per prompt (group-relative advantage).")
@@ -334,6 +360,8 @@ class Orchestrator(Strict):
         "(counted as equal_reward_groups_trained) rather than sampling on.")
     rollout_profile: RolloutProfile | None = Field(
         None, description="Expected rollout lengths, turns and tool latency, for the plan's time model.")
+    curriculum: Curriculum | None = Field(
+        None, description="Off by default: sample prompts from easy / normal / hard pools by their recent pass rate.")
 
     @field_validator("temperature")
     @classmethod

@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 59ba2aaab3679f24288e53f7eaa893a7e785a0de9a7c7e784a58530195b0084e, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 2697c55f313c219f5e4a6a4d28b233c10cfbf6645b5c8cfc614ef356c346be66, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is

@@ -41,6 +41,7 @@ from primebuild.runtime.inference.vllm.admin import VllmAdminError
 from primebuild.runtime.metrics import MetricsWriter, read_metrics
 from primebuild.runtime.orchestrator.advantages import advantages_by_group
 from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
+from primebuild.runtime.orchestrator.curriculum import Curriculum
 from primebuild.runtime.orchestrator.failures import RolloutsFailing, cause, costs_the_run
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
 from primebuild.runtime.orchestrator.pool import Group, IdleClock, RolloutPool
@@ -80,6 +81,9 @@ class Orchestrator:
                                     max_tokens_per_turn=cfg.max_completion_tokens, seq_len=cfg.seq_len,
                                     routes_of=self.routes_of if cfg.router_replay else None)
         self.groups_per_step = cfg.rollouts_per_step // cfg.group_size
+        self.curriculum = None  # orchestrator.curriculum: prompts from easy / normal / hard pools
+        if cfg.curriculum is not None:
+            self.curriculum = Curriculum(cfg.curriculum, self.mix.envs, self.mix.names, cfg.seed, self.groups_per_step)
         self.teacher = None  # on-policy distillation: the teacher's server scores each batch's tokens
         if cfg.teacher is not None:
             self.teacher = TeacherScorer(InferenceClient.from_env(cfg.teacher.url, cfg.teacher.served_model_name,
@@ -237,10 +241,21 @@ class Orchestrator:
 
     def start_group(self, pool: RolloutPool, seq: int) -> None:
         cfg = self.cfg
-        env, task = self.mix.draw(seq, self.groups_per_step, cfg.seed)
+        if self.curriculum is not None:
+            index = self.mix.env_index(seq, self.groups_per_step)
+            env, task = self.mix.envs[index], self.curriculum.draw(seq, index)
+        else:
+            env, task = self.mix.draw(seq, self.groups_per_step, cfg.seed)
         work = self.runner.group(self.sample, env, task, n=cfg.group_size, temperature=cfg.temperature,
                                  seed=cfg.seed * 1_000_003 + seq * 10_007, is_useful=pool.is_useful)
         pool.start(Group(seq=seq, env=env, task=task, started_version=self.server_version), work)
+
+    def group_done(self, group: Group) -> None:
+        """The curriculum learns each finished group's rewards (and forgets the groups that ended without)."""
+        if group.rollouts:
+            self.curriculum.finished(group.seq, [r.reward for r in group.rollouts])
+        else:
+            self.curriculum.ended(group.seq)
 
     def make_batch(self, step: int, groups: list[Group], next_group: int) -> RolloutBatch:
         samples = [r.sample(g.env.id) for g in groups for r in g.rollouts]
@@ -330,7 +345,12 @@ class Orchestrator:
 
         pool = RolloutPool(self.groups_per_step, cfg.max_off_policy_steps, next_step=start,
                            max_failed_in_a_row=cfg.max_failed_groups_in_a_row,
-                           filter_equal_rewards=cfg.filter_zero_advantage)
+                           filter_equal_rewards=cfg.filter_zero_advantage,
+                           on_done=self.group_done if self.curriculum is not None else None)
+        if self.curriculum is not None and start > 1:
+            saved = self.curriculum.load(self.run_dir.curriculum)
+            log.info("curriculum: pass rates as of step %s (resuming at step %d): %s", saved, start,
+                     self.curriculum.sizes())
         seq = self.next_group_after(start)
         last_batch_at, idle_at_last = time.monotonic(), (self.requests.seconds(), pool.idle.seconds())
         try:
@@ -351,6 +371,8 @@ class Orchestrator:
                 if self.teacher is not None:
                     await self.teacher.score_all(batch.samples)
                 save_batch(self.run_dir.rollout(step), batch)
+                if self.curriculum is not None:
+                    self.curriculum.save(self.run_dir.curriculum, step)
                 now, idle = time.monotonic(), (self.requests.seconds(), pool.idle.seconds())
                 self.metrics.write(step, self.step_metrics(step, groups, batch, pool, now - last_batch_at,
                                                            [a - b for a, b in zip(idle, idle_at_last, strict=True)]))
@@ -410,6 +432,7 @@ class Orchestrator:
             "filtered_groups": pool.filtered, "filtered_fraction": pool.filtered / (pool.filtered + len(groups)),
             "equal_reward_groups_trained": pool.equal_trained,  # > 0: the filter's budget ran out (pool.py)
             **routing_bytes(batch.samples),
+            **(self.curriculum.step_metrics([g.seq for g in groups]) if self.curriculum is not None else {}),
             **self.per_environment("reward_mean", by_env),
         }
 

@@ -47,9 +47,14 @@ class EnvironmentMix:
         """The environment and task of rollout group number `seq`: every `per_step` consecutive groups
         split over the environments exactly by weight; the task comes from an RNG seeded by `seq`, so a
         group is the same whenever (and in whichever batch) it runs."""
-        slots = [i for i, count in enumerate(split(per_step, self.weights)) for _ in range(count)]
-        env = self.envs[slots[seq % per_step]]
+        env = self.envs[self.env_index(seq, per_step)]
         return env, env.sample_tasks(random.Random(seed * 1_000_003 + seq), 1)[0]
+
+    def env_index(self, seq: int, per_step: int) -> int:
+        """Which environment group number `seq` samples: every `per_step` consecutive groups split over the
+        environments exactly by weight."""
+        slots = [i for i, count in enumerate(split(per_step, self.weights)) for _ in range(count)]
+        return slots[seq % per_step]
 
     def eval_tasks(self, n: int) -> list[tuple[Environment, Task]]:
         out = []

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +65,10 @@ class Group:
 
 class RolloutPool:
     def __init__(self, groups_per_step: int, max_off_policy_steps: int, next_step: int, max_failed_in_a_row: int,
-                 filter_equal_rewards: bool = False):
+                 filter_equal_rewards: bool = False, on_done: Callable[[Group], None] | None = None):
         self.groups_per_step = groups_per_step
+        # told of every group that stops running (its rollouts empty unless it finished): the curriculum
+        self.on_done = on_done
         self.filter_equal_rewards = filter_equal_rewards
         self.max_off = max_off_policy_steps
         self.next_step = next_step  # the first batch not yet written
@@ -110,13 +112,16 @@ class RolloutPool:
                 group.rollouts = task.result()
             except StaleRollout:
                 self.dropped += 1
+                self.done(group)
                 continue
             except Exception as err:  # noqa: BLE001 (an environment's or a server's error costs the group)
+                self.done(group)
                 if costs_the_run(err):
                     raise
                 self.failed += 1
                 self.failures.failed(f"{group.seq} ({group.env.id})", err)
                 continue
+            self.done(group)
             self.failures.finished()
             if self.filter_equal_rewards and group.rewards_all_equal:
                 self.equal.append(group)  # out of running and finished: its slot goes to a new group
@@ -147,12 +152,17 @@ class RolloutPool:
         self.next_step += 1
         return batch
 
+    def done(self, group: Group) -> None:
+        if self.on_done is not None:
+            self.on_done(group)
+
     async def cancel(self) -> None:
         for task in self.running:
             task.cancel()
         await asyncio.gather(*self.running, return_exceptions=True)
-        for _ in self.running:
+        for group in self.running.values():
             self.idle.leave()
+            self.done(group)
         self.running.clear()
 
 
