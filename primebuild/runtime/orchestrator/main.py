@@ -129,6 +129,13 @@ class Orchestrator:
 
     async def _sync_servers(self) -> None:
         version = await self.newest_on_active_servers()
+        reviving = [s for s in self.servers.servers.values() if s.state in ("joining", "down")]
+        if version < 0 and self.weights.loads_to_advance and reviving:
+            # Broadcast with every server set aside: the members still in the trainer's group hold its
+            # pending announcement and must load it together (revive() loads one at a time: the first
+            # load would wait for the others forever). Nothing newer than what they serve: revive() does.
+            announced = await self.weights.newest_announced([s.client for s in reviving])
+            version = announced if announced > self.server_version else -1
         if version < 0:
             return
         active = [s for s in self.servers.servers.values() if s.state == "active"]
@@ -162,7 +169,6 @@ class Orchestrator:
                 if not self.stop_requested():
                     raise
 
-        reviving = [s for s in self.servers.servers.values() if s.state in ("joining", "down")]
         await asyncio.gather(*(bring(s) for s in active),
                              *(admit(s) for s in reviving if self.weights.loads_to_advance and version > 0))
         self.server_version = version
@@ -180,6 +186,8 @@ class Orchestrator:
             self.servers.settle_drains()
             async with self.sync_lock:
                 await self.servers.revive(self.server_version, self.revive_load)
+                if self.weights.loads_to_advance and not self.servers.active():
+                    await self._sync_servers()  # broadcast, every server set aside: admitted together
             self.servers.write_state()
             await asyncio.sleep(STATE_SECONDS)
 
