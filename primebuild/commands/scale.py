@@ -1,8 +1,9 @@
 """`primebuild scale [RUN_DIR] --inference +1|-1`: add or retire an inference replica of a running run.
 
 The running supervisor does it (primebuild/runtime/elastic.py): this command writes a request into the run folder,
-waits for the supervisor's answer and prints it. Exit 0 when done, 2 when refused (a target, weight
-sync or engine where scaling is not built, no run going on, the last replica).
+waits for the supervisor's answer and prints it. Exit 0 when done, 2 when refused (a target, engine or
+split where scaling is not built, no run going on, the last replica). Either weight sync: under broadcast
+the new replica joins the trainer's weight group (primebuild/runtime/weight_sync/membership.py).
 """
 
 from __future__ import annotations

@@ -15,11 +15,13 @@ about it (STOP, status, logs), and whoever may write there may stop the run anyw
     drained (nothing in flight), or after DRAIN_SECONDS, it is stopped and leaves the list. Its own
     /metrics (sequences finished, policy version) are read first and go into the answer.
 
-Built for the local target with filesystem weight sync and unsplit servers (embedded engine). Refused,
-with the reason: broadcast weight sync (the weight group is re-formed when a server dies or restarts,
-weight_sync/membership.py, but over the plan's ranks only: an added server has no rank in it),
-prefill/decode splits (the router's
-server lists are fixed), vLLM servers, multi-node replicas, and the ssh / Slurm / Kubernetes targets.
+Under broadcast weight sync an added replica joins the trainer's weight group with the next rank after
+every server's; the trainer admits it at its next update, in full (weight_sync/membership.py), and the
+orchestrator loads that update into it with the others. A retired one leaves the group as it stops.
+
+Built for the local target and unsplit servers (embedded engine). Refused, with the reason: prefill/decode
+splits (the router's server lists are fixed), vLLM servers, multi-node replicas, and the ssh / Slurm /
+Kubernetes targets.
 """
 
 from __future__ import annotations
@@ -49,10 +51,6 @@ def scale_refusal(plan: Plan, target: str) -> str | None:
     if target not in SCALE_TARGETS:
         return (f"`scale` is built for the local target only; this run's target is {target} (its processes "
                 "are started by the cluster's scheduler, whose allocation does not grow here)")
-    if plan.weight_sync.mode == "broadcast":
-        return ("`scale` is refused under broadcast weight sync: the trainer's weight group is re-formed over "
-                "the plan's ranks only (a restarted server rejoins it), so an added replica would have no rank in "
-                "it; use weight_sync.mode: filesystem")
     if plan.by_role("prefill", "decode", "router"):
         return "`scale` is refused for a prefill/decode split: the router's server lists are fixed at start"
     servers = plan.by_role("inference")
@@ -95,6 +93,11 @@ def new_replica(plan: Plan, index: int) -> ProcessSpec:
         node, gpus = _free_gpus(plan, len(template.gpus))
     config = template.config.model_copy(update={"port": port, "seed": template.config.seed - (len(servers) - 1)
                                                 + index}) if template.config else None
+    if config is not None and config.weight_broadcast is not None:
+        # broadcast: the next weight-group rank after every server's, beyond the plan's (membership.py)
+        rank = 1 + max(p.config.weight_broadcast.rank for p in servers if p.config and p.config.weight_broadcast)
+        config = config.model_copy(update={"weight_broadcast": config.weight_broadcast.model_copy(
+            update={"rank": rank})})
     health = HealthCheck(kind="http", url=template.health.url.rsplit(":", 1)[0] + f":{port}/health",
                          timeout_s=template.health.timeout_s)
     env = dict(template.env)

@@ -153,11 +153,13 @@ class Supervisor:
             url = url.replace("{host:" + str(node) + "}", host)
         return url
 
-    def _healthy(self, running: Running, deadline: float) -> bool:
+    def _healthy(self, running: Running, deadline: float, give_up=None) -> bool:
+        """Until `running` answers its health check (True), dies or `deadline` passes (False); also False
+        as soon as `give_up()` is true."""
         health = running.spec.health
         url = self.health_url(running.spec)
         while time.monotonic() < deadline:
-            if running.handle.poll() is not None:
+            if running.handle.poll() is not None or (give_up is not None and give_up()):
                 return False
             if health.kind == "process":
                 return True
@@ -220,7 +222,21 @@ class Supervisor:
         finally:
             self.progress.poll()
 
+    def _done(self) -> bool:
+        """The orchestrator and the trainers ended well: the servers have nothing left to serve."""
+        return all(self.running[p.name].handle.poll() == 0
+                   for p in [*self.plan.by_role("orchestrator"), *self.plan.by_role("trainer")])
+
+    def _ending(self) -> bool:
+        """A stop was asked for, or the run is done: a server that goes now is not restarted (its start
+        would hold this loop for minutes while the run waits to end; measured in CI: it never ended)."""
+        return self.run.stop_requested() or self._done()
+
     def _check(self) -> Outcome | None:
+        if self._done():  # first: a server that fails as the run ends is no failure of the run
+            stopped = self.run.stop_requested()
+            self.stop_all()
+            return self._stopped() if stopped else Outcome(True, "run complete", 0)
         for name, running in list(self.running.items()):
             code = running.handle.poll()
             role = running.spec.role
@@ -243,24 +259,25 @@ class Supervisor:
                 if failure is not None:
                     return failure
                 continue
+            if role not in ("trainer", "orchestrator") and self.run.stop_requested():
+                if not running.log.closed:  # gone during the stop: ended with its children, not restarted
+                    self._reap(running)
+                continue
             if role != "trainer" and policy.policy == "on-failure" and running.restarts < policy.max_restarts \
                     and running.handle.lost_contact() is None:  # no restart on a host nothing reaches
                 self.echo(f"{name} {why}: restarting ({running.restarts + 1}/{policy.max_restarts})")
                 self._reap(running)
                 replacement = self._spawn(running.spec, running.restarts + 1)
                 self.running[name] = replacement
-                if not self._healthy(replacement, time.monotonic() + running.spec.health.timeout_s):
+                if not self._healthy(replacement, time.monotonic() + running.spec.health.timeout_s,
+                                     give_up=self._ending):
+                    if self._ending():  # a stop (or the run's end) came while it started: that ends it
+                        continue
                     return self._fail(replacement, replacement.handle.poll(),
                                       f"{name} failed again after a restart; see {self.run.log(name)}", 1)
                 continue
             return self._fail(running, code, f"{name} ({role}) {why}; see {self.run.log(name)}",
                               code if code is not None and 0 < code < 128 else 1)
-        orchestrator_done = all(self.running[p.name].handle.poll() == 0 for p in self.plan.by_role("orchestrator"))
-        trainers_done = all(self.running[p.name].handle.poll() == 0 for p in self.plan.by_role("trainer"))
-        if orchestrator_done and trainers_done:
-            stopped = self.run.stop_requested()
-            self.stop_all()
-            return self._stopped() if stopped else Outcome(True, "run complete", 0)
         return None
 
     def _may_restart_trainers(self, running: Running) -> bool:

@@ -134,7 +134,10 @@ def serve(config: InferenceServerConfig) -> None:
     app = create_app(engine, tokenizer, served_model_name=config.served_model_name, admin_token=admin_token,
                      shutdown_engine_on_exit=True, weight_stage=weight_stage, pd=pd,
                      tool_call_parser=config.tool_call_parser)
-    if not run_http(app, engine, config.host, config.port):
+    served = run_http(app, engine, config.host, config.port)
+    if weight_stage is not None:
+        weight_stage.leave()  # stopped (retired by `scale`, restarted, or the run's end): out of the group now
+    if not served:
         raise SystemExit(1)  # the supervisor restarts a server that failed
 
 

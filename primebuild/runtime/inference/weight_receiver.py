@@ -142,3 +142,9 @@ class BroadcastStage:
                 log.info("loaded the weights of step %d from the broadcast", announced.step)
                 return announced.step
             log.info("step %d is announced again to a new weight group generation: waiting for it", announced.step)
+
+    def leave(self) -> None:
+        """The server stops (retired, or the run ends): the trainer forms its next weight group without it
+        at once instead of waiting for its beat to stop (membership.py)."""
+        if self._receiver is not None:
+            self._receiver.leave()

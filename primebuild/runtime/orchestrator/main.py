@@ -57,6 +57,7 @@ from primebuild.runtime.trackers import open_sinks
 log = logging.getLogger("primebuild.orchestrator")
 
 POLL_SECONDS = 0.02  # how often new weights and a STOP file are looked for while rollouts run
+ADMIT_RETRY_S = 0.2  # how often a server joining the weight group is asked again while it starts
 
 
 class Orchestrator:
@@ -133,6 +134,13 @@ class Orchestrator:
 
     async def _sync_servers(self) -> None:
         version = await self.newest_on_active_servers()
+        reviving = [s for s in self.servers.servers.values() if s.state in ("joining", "down")]
+        if version < 0 and self.weights.loads_to_advance and reviving:
+            # Broadcast with every server set aside: the members still in the trainer's group hold its
+            # pending announcement and must load it together (revive() loads one at a time: the first
+            # load would wait for the others forever). Nothing newer than what they serve: revive() does.
+            announced = await self.weights.newest_announced([s.client for s in reviving])
+            version = announced if announced > self.server_version else -1
         if version < 0:
             return
         active = [s for s in self.servers.servers.values() if s.state == "active"]
@@ -148,27 +156,49 @@ class Orchestrator:
                     raise
                 # a stop while the trainer waited for this update: it will not send it (broadcast)
 
+        loads = [asyncio.ensure_future(bring(s)) for s in active]
+
         async def admit(server) -> None:
             """Broadcast: a restarted or joining server the trainer admitted to its weight group takes this
-            update with the others (each member's load waits for all of them), and then takes requests."""
-            try:
-                served = await server.client.version()
-                if served == version or await self.weights.announced_to(server.client, version):
-                    if served != version:
-                        await self.weights.load(server.client, version)
-                    if server.state in ("joining", "down"):
-                        log.info("%s rejoined the weight group at policy version %d: it takes requests",
-                                 server.url, version)
-                        self.servers.set_active(server, version)
-            except ServerGone:
-                pass  # not back yet
-            except RuntimeError:
-                if not self.stop_requested():
-                    raise
+            update with the others (each member's load waits for all of them), and then takes requests.
+            One that does not answer yet is asked again while the others' loads last: an embedded server
+            joins the group before its HTTP server is up, and the loads wait for it once it is a member."""
+            while True:
+                try:
+                    served = await server.client.version()
+                    if served == version or await self.weights.announced_to(server.client, version):
+                        if served != version:
+                            await self.weights.load(server.client, version)
+                        if server.state in ("joining", "down"):
+                            log.info("%s rejoined the weight group at policy version %d: it takes requests",
+                                     server.url, version)
+                            self.servers.set_active(server, version)
+                    return
+                except ServerGone:
+                    if all(load.done() for load in loads):
+                        return  # not back yet, and no load waits for it
+                except RuntimeError:
+                    if not self.stop_requested():
+                        raise
+                    return
+                await asyncio.sleep(ADMIT_RETRY_S)
 
-        reviving = [s for s in self.servers.servers.values() if s.state in ("joining", "down")]
-        await asyncio.gather(*(bring(s) for s in active),
-                             *(admit(s) for s in reviving if self.weights.loads_to_advance and version > 0))
+        admitting: dict[str, asyncio.Future] = {}
+
+        def admit_reviving() -> None:
+            if self.weights.loads_to_advance and version > 0:
+                for server in list(self.servers.servers.values()):
+                    if server.state in ("joining", "down") and server.url not in admitting:
+                        admitting[server.url] = asyncio.ensure_future(admit(server))
+
+        admit_reviving()
+        while self.weights.loads_to_advance and not all(load.done() for load in loads):
+            # a server `scale` added may be in the trainer's new group before the supervisor lists it
+            # (it joins as it starts): the loads wait for it, so it is looked for, and admitted, meanwhile
+            await asyncio.sleep(ADMIT_RETRY_S)
+            self.servers.reconcile()
+            admit_reviving()
+        await asyncio.gather(*loads, *admitting.values())
         self.server_version = version
         self.weights.retire(version)
 
@@ -184,6 +214,8 @@ class Orchestrator:
             self.servers.settle_drains()
             async with self.sync_lock:
                 await self.servers.revive(self.server_version, self.revive_load)
+                if self.weights.loads_to_advance and not self.servers.active():
+                    await self._sync_servers()  # broadcast, every server set aside: admitted together
             self.servers.write_state()
             await asyncio.sleep(STATE_SECONDS)
 

@@ -66,6 +66,12 @@ class BroadcastWeights:
             await asyncio.sleep(0.1)
         return True
 
+    async def newest_announced(self, clients: list[InferenceClient]) -> int:
+        """The newest step announced to any of `clients` that answers (-1: none answers): the trainer's
+        pending update when every server is set aside."""
+        answers = await asyncio.gather(*(c.received_version() for c in clients), return_exceptions=True)
+        return max((a for a in answers if isinstance(a, int)), default=-1)
+
     def retire(self, served: int) -> None:
         """Nothing on disk: the servers hold what they were sent."""
 

@@ -4,7 +4,8 @@ The trainer's ranks already form the default process group (torchrun), and a pro
 those; so this group is built directly from a TCPStore (hosted by the sender, rank 0 of this group) and a
 ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) object — the same "stateless group" approach
 vLLM and prime-rl use for NCCL weight broadcast. Members: the sender (rank 0) and ``world_size - 1``
-receivers (ranks 1..world_size-1); everyone passes the same ``init_method`` ``tcp://HOST:PORT``.
+receivers (ranks 1..world_size-1, the plan's; a server `primebuild scale` adds takes a rank after them);
+everyone passes the same ``init_method`` ``tcp://HOST:PORT``.
 
 Membership is a generation (membership.py): the sender and the receivers alive when it was formed. A
 receiver that dies (or a restarted one that registers again) makes the sender form a new generation
@@ -348,7 +349,8 @@ class BroadcastSender:
 
 
 class BroadcastReceiver:
-    """Receiver rank ``rank`` (1..world_size-1) of the weight group, in whichever generation lists it.
+    """Receiver rank ``rank`` (1..world_size-1, or beyond for an added server) of the weight group, in
+    whichever generation lists it.
     An update is ``announcement()`` (blocks until the sender starts one), then ``pull()`` (the tensors, a
     bucket at a time, into a loader)."""
 
@@ -361,15 +363,15 @@ class BroadcastReceiver:
         timeout_s: float = 600.0,
         device: str | torch.device = "cpu",
     ):
-        if not 1 <= rank < world_size:
-            raise ValueError(f"receiver rank must be in 1..{world_size - 1}, got {rank}")
+        if rank < 1:  # beyond world_size - 1: a server `primebuild scale` added (membership.py)
+            raise ValueError(f"receiver rank must be 1 or more, got {rank}")
         self.device = torch.device(device)
         self.rank = rank
         self.backend = backend
         self.timeout_s = timeout_s
         self._base: dict[str, torch.Tensor] = {}  # delta: the last synced tensors, on the host
         self._store = open_store(init_method, host=False, timeout_s=timeout_s)
-        self._beat = Heartbeat(self._store, rank)
+        self._beat = Heartbeat(self._store, rank, extra=rank >= world_size)
         self.incarnation = self._beat.incarnation
         self._group = None
         self.generation = 0  # the generation whose group this receiver is in (0: none)
@@ -515,4 +517,9 @@ class BroadcastReceiver:
     def close(self) -> None:
         """Stop beating: the sender leaves this receiver out of its next generation."""
         self._beat.stop()
+        self._group = None
+
+    def leave(self) -> None:
+        """Leave for good (the server stops): the sender's next generation is formed without it at once."""
+        self._beat.leave()
         self._group = None

@@ -5,8 +5,12 @@ group is rebuilt, between updates, whenever its membership changes: generation n
 and the receivers listed in ``gen/<n>/members``, and its gloo/NCCL group rendezvouses under
 ``gen/<n>/group``. The store itself (hosted by the sender for the whole run) is the control plane:
 
-  member/<rank>   the incarnation (a random id) of the process that holds this planned receiver rank; a
-                  restarted server writes a new one.
+  member/<rank>   the incarnation (a random id) of the process that holds this receiver rank; a
+                  restarted server writes a new one, a server that leaves for good (retired, stopped)
+                  writes "" (LEFT).
+  extra, extra/<i>
+                  ranks beyond the plan's (`primebuild scale` added the server): a count, and the i-th
+                  such rank, so the sender learns of ranks it was not planned with.
   beat/<rank>     a counter that a live receiver bumps every BEAT_S (its own store connection and thread,
                   so it beats while the receiver is busy). The sender counts a receiver dead once the
                   counter has not moved for DEAD_AFTER_S.
@@ -19,8 +23,8 @@ and the receivers listed in ``gen/<n>/members``, and its gloo/NCCL group rendezv
   closed          the sender is done.
 
 A receiver joins the generation that lists its own incarnation; one that is not (yet) listed waits, and
-the sender admits it at its next update. Ranks are the plan's (1..world_size-1): a restart reuses its
-rank; a group larger than the plan's is not formed (`primebuild scale` stays refused under broadcast).
+the sender admits it at its next update. Ranks 1..world_size-1 are the plan's (a restart reuses its rank);
+a server added by `primebuild scale` takes the next rank after the plan's and lists it under ``extra``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ BEAT_S = 1.0  # how often a receiver says it is alive
 DEAD_AFTER_S = 10.0  # a receiver whose beat has not moved for this long is gone (a loaded CPU host stalls seconds)
 POLL_S = 0.01  # how often a receiver looks for a new generation or announcement
 LIVENESS_POLL_S = 0.25  # how often the sender looks at the beats while it waits
+LEFT = ""  # member/<rank> of a receiver that left for good
 
 
 def _parse_init_method(init_method: str) -> tuple[str, int]:
@@ -85,13 +90,16 @@ def read_int(store: dist.Store, key: str, default: int = 0) -> int:
 class Heartbeat:
     """A receiver's registration and its beat, on a store connection of its own."""
 
-    def __init__(self, store: dist.Store, rank: int):
+    def __init__(self, store: dist.Store, rank: int, *, extra: bool = False):
+        """`extra`: a rank beyond the plan's, which the sender learns of from the ``extra`` list."""
         self.rank = rank
         self.incarnation = uuid.uuid4().hex
         self._store = store.clone()
         self._stop = threading.Event()
         self._store.add(f"beat/{rank}", 1)
         store.set(f"member/{rank}", self.incarnation)
+        if extra:
+            store.set(f"extra/{store.add('extra', 1)}", str(rank))  # a restart lists it again: read as a set
         self._thread = threading.Thread(target=self._beat, name="weight-group-beat", daemon=True)
         self._thread.start()
 
@@ -105,19 +113,42 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
+    def leave(self) -> None:
+        """Leave for good: the sender forms its next generation without this rank at once, without
+        waiting DEAD_AFTER_S for the beat to stop."""
+        self.stop()
+        try:
+            self._store.set(f"member/{self.rank}", LEFT)
+        except Exception:  # noqa: BLE001 (the sender is gone already: nothing to leave)
+            pass
+
 
 class Roster:
     """The sender's view of the receivers: who registered, with which incarnation, and who still beats."""
 
     def __init__(self, store: dist.Store, ranks: range):
         self.store = store
-        self.ranks = ranks
+        self.ranks = list(ranks)  # the plan's, then the extra ones as they are listed
+        self._extras_read = 0
         self._beats: dict[int, tuple[str, int, float]] = {}  # rank -> (incarnation, beat count, when it last moved)
 
+    def _read_extras(self) -> None:
+        listed = self.store.add("extra", 0)
+        while self._extras_read < listed:
+            key = f"extra/{self._extras_read + 1}"
+            if not self.store.check([key]):  # counted, not yet written: read it next time
+                return
+            rank = int(self.store.get(key))
+            if rank not in self.ranks:
+                self.ranks.append(rank)
+            self._extras_read += 1
+
     def registered(self) -> dict[int, str]:
-        keys = [f"member/{r}" for r in self.ranks]
-        present = [r for r, k in zip(self.ranks, keys, strict=True) if self.store.check([k])]
-        return {r: self.store.get(f"member/{r}").decode() for r in present}
+        """Receivers that registered and have not left: rank -> incarnation."""
+        self._read_extras()
+        present = [r for r in self.ranks if self.store.check([f"member/{r}"])]
+        members = {r: self.store.get(f"member/{r}").decode() for r in present}
+        return {r: who for r, who in members.items() if who != LEFT}
 
     def live(self) -> dict[int, str]:
         """Registered receivers whose beat moved within DEAD_AFTER_S (a new incarnation counts as live)."""

@@ -210,7 +210,12 @@ class VllmAdmin:
             await self._call("POST", "/start_weight_update")
             await self._call("POST", "/update_weights", json={"update_info": {"version": int(want)}})
             await self._call("POST", "/finish_weight_update")
-            loaded = [s["loaded_version"] for s in await self.broadcast_status()]
+            status = await self.broadcast_status()
+            loaded = [s["loaded_version"] for s in status]
+            if any(s.get("closed") for s in status) and (None in loaded or min(loaded) < want):
+                # the trainer closed the broadcast (the run stops) before sending it: nothing was loaded
+                raise VllmAdminError(f"{self.root}: the trainer closed the weight broadcast before version "
+                                     f"{want} was sent", 409)
             if None not in loaded and len(set(loaded)) == 1:
                 return int(loaded[0])
             want = max(int(v) for v in loaded if v is not None)

@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from primebuild.runtime.inference.vllm.expert_slice import keep_local, local_experts
-from primebuild.runtime.inference.weight_receiver import BroadcastStage
+from primebuild.runtime.inference.weight_receiver import BroadcastClosed, BroadcastStage
 
 
 @dataclass
@@ -79,9 +79,10 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
 
     def status(self) -> dict[str, Any]:
         if self.stage is None:
-            return {"joined": False, "rank": None, "received_version": 0, "loaded_version": None, "error": None}
+            return {"joined": False, "rank": None, "received_version": 0, "loaded_version": None, "error": None,
+                    "closed": False}
         return {"joined": True, "rank": self.stage.rank, "received_version": self.stage.received_version,
-                "loaded_version": self.loaded_version, "error": self.stage.error}
+                "loaded_version": self.loaded_version, "error": self.stage.error, "closed": self.stage.closed}
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -97,8 +98,15 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         # first (expert_slice.py); layerwise reload (start_weight_update) processes each module once all
         # its tensors arrived. The next bucket arrives meanwhile (prefetch).
         local = local_experts(self.model)
-        self.loaded_version = self.stage.pull(announced, lambda bucket: self.model.load_weights(
-            keep_local(bucket, local)))
+        try:
+            self.loaded_version = self.stage.pull(announced, lambda bucket: self.model.load_weights(
+                keep_local(bucket, local)))
+        except BroadcastClosed:
+            # The run is stopping: the update will never come. Raising here would kill the engine (a
+            # failed worker RPC is fatal to vLLM), and the supervisor would restart a server in the middle
+            # of the stop. Nothing was loaded: finish_weight_update puts the old tensors back, and
+            # loaded_version, still the old step, tells admin.py the load did not happen.
+            return
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
