@@ -105,9 +105,9 @@ class BroadcastStage:
     def _sender_lost(self, err: SenderLost) -> None:
         """Nothing announced so far will come: forget it (the served step stays) and wake a waiting load."""
         with self._lock:
-            if self._last is not None or not self.lost:
-                log.info("weight sender lost (%s): the announced step %s is dropped", err,
-                         None if self._last is None else self._last.step)
+            if self._last is not None and self._last.step > self.loaded_version:
+                log.info("the announced step %d is dropped: its sender is gone before this server loaded it",
+                         self._last.step)
             self.lost = True
             self._announced = self._last = None
             self.received_version = self.loaded_version
