@@ -65,13 +65,13 @@ from .membership import (
     read_members,
     set_epoch,
     wait_for_key,
+    wait_until_listening,
 )
 from .stream import StreamedWeights, TensorSpec, as_stream, in_layout_order
 
 log = logging.getLogger("primebuild.weight_sync")
 READY_POLL_S = 0.005  # how often the sender looks whether every receiver asked for the update
 CLOSE_WAIT_S = 10.0  # how long a closing sender waits for its members to have seen it close
-RECONNECT_S = 1.0  # how often a receiver tries to reach a sender's store that does not listen (yet)
 Bucket = list[tuple[str, torch.Tensor]]
 
 
@@ -396,7 +396,7 @@ class BroadcastReceiver:
     def _connect(self, loaded: int) -> None:
         """Connect to the sender's store (waiting up to timeout_s for it to listen), learn its epoch and
         register, saying which step this server holds."""
-        self._store = open_store(self.init_method, host=False, timeout_s=self.timeout_s, retry_s=RECONNECT_S)
+        self._store = open_store(self.init_method, host=False, timeout_s=self.timeout_s)
         self.epoch = self._store.get("sender").decode()  # (a get waits for the sender to have set it)
         self._beat = Heartbeat(self._store, self.rank, loaded, self.incarnation)
         self.incarnation = self._beat.incarnation
@@ -410,6 +410,7 @@ class BroadcastReceiver:
         `loaded`: the step this server last loaded in full. Delta restarts from the next full update."""
         self._beat.stop()
         self._base.clear()
+        wait_until_listening(self.init_method, self.timeout_s)  # (at once, not after TCPStore's back-off)
         self._connect(loaded)
         log.info("rank %d rejoined the weight sender of epoch %s holding step %d", self.rank, self.epoch[:8], loaded)
 

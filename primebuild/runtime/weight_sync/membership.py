@@ -53,25 +53,11 @@ def _parse_init_method(init_method: str) -> tuple[str, int]:
     return url.hostname, url.port
 
 
-def open_store(init_method: str, *, host: bool, timeout_s: float, retry_s: float | None = None) -> dist.Store:
+def open_store(init_method: str, *, host: bool, timeout_s: float) -> dist.Store:
     """The group's TCPStore: hosted by the sender (for the whole run), a client anywhere else. Its size is
-    not fixed: members come and go. `retry_s` (a client): try to connect every `retry_s` until `timeout_s`,
-    for a store that comes up at an unknown moment (a restarted sender's): TCPStore's own retries back off
-    to many seconds between tries."""
+    not fixed: members come and go."""
     address, port = _parse_init_method(init_method)
     timeout = timedelta(seconds=timeout_s)
-    if retry_s is not None and not host:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                store = dist.TCPStore(address, port, None, is_master=False, timeout=timedelta(seconds=retry_s),
-                                      wait_for_workers=False)
-                break
-            except dist.DistError:
-                if time.monotonic() > deadline:
-                    raise
-        store.set_timeout(timeout)
-        return dist.PrefixStore("primebuild/weight-broadcast", store)
     if host:
         # A TCPStore server listens on every interface unless handed its socket: listen on the
         # init_method's address only (the sender's node, loopback on one host), as the trainer's
@@ -151,6 +137,23 @@ class Roster:
             if now - seen[2] < DEAD_AFTER_S:
                 out[rank] = incarnation
         return out
+
+
+def wait_until_listening(init_method: str, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Until something accepts connections at `init_method` (a restarted sender's store comes up at an
+    unknown moment). A plain connection, tried every `poll_s`: TCPStore's own connect retry backs off to many
+    seconds between tries and logs each failed one."""
+    address, port = _parse_init_method(init_method)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=poll_s).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight broadcast: nothing listens at {init_method} after {timeout_s:g} s "
+                                   "(the trainer did not come back)") from None
+            time.sleep(poll_s)
 
 
 def held_version(store: dist.Store, ranks) -> int:
