@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/trainer_restart.py                                  # the embedded main job
     .venv/bin/python bench/trainer_restart.py --manifest manifests/reverse-text-vllm.yaml
+    .venv/bin/python bench/trainer_restart.py --weight-sync broadcast                     # glm5's mode
 
 Runs `primebuild run MANIFEST` twice with the same settings (checkpoint every 3 steps), SIGKILLs the
 trainer once step `--kill-after` is trained, and times from the kill to
@@ -15,6 +16,11 @@ trainer once step `--kill-after` is trained, and times from the kill to
 (every process stopped) and is resumed from the newest checkpoint at once, as `run --resume` does, so
 the servers load the model again. The saving is that reload (and the processes' start-up). Evaluation
 is shrunk to 8 prompts and only runs before RL; the SFT model comes from the store (built once).
+
+`--weight-sync broadcast`: the trainer's rank 0 sends every step over a torch.distributed group and hosts
+its store, so the kill takes the store down too; trainer-only, the restarted rank 0 hosts it again on the
+same port and the servers rejoin (primebuild/runtime/weight_sync/broadcast.py). `--keep DIR` keeps the
+run folders there.
 """
 
 from __future__ import annotations
@@ -53,11 +59,13 @@ def trainer_rows(run_dir: Path) -> list[int]:
     return rows
 
 
-def measure(manifest: Path, mode: str, runs: Path, steps: int, kill_after: int, port: int) -> dict:
+def measure(manifest: Path, mode: str, runs: Path, steps: int, kill_after: int, port: int, sync: str) -> dict:
+    broadcast = ["--set", "weight_sync.mode=broadcast", "--set", f"weight_sync.port={port + 1}"]
     argv = [sys.executable, "-m", "primebuild.cli", "run", str(manifest), "--runs-dir", str(runs), "--quiet",
             "--set", f"orchestrator.max_steps={steps}", "--set", "trainer.checkpoint_every=3",
             "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=8",
-            "--set", "orchestrator.eval_every=0", "--set", f"inference.port={port}", *MODES[mode]]
+            "--set", "orchestrator.eval_every=0", "--set", f"inference.port={port}", *MODES[mode],
+            *(broadcast if sync == "broadcast" else [])]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -93,8 +101,11 @@ def measure(manifest: Path, mode: str, runs: Path, steps: int, kill_after: int, 
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}: exit {proc.returncode}: {out[-3000:]}")
     assert sorted(read_metrics(run_dir / "metrics.jsonl", role="trainer")) == list(range(1, steps + 1))
-    return {"mode": mode, "killed_after_step": trained_before, "first_step_s": round(first_row, 1),
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    return {"mode": mode, "weight_sync": sync, "killed_after_step": trained_before, "first_step_s": round(first_row, 1),
             "new_step_s": round(new_step, 1), "servers_kept": servers == servers_after,
+            # broadcast, trainer-only: retrained steps the servers held, so not sent again
+            "not_sent_again": trainer_log.count("not sent again"),
             "load_average": round(os.getloadavg()[0], 1)}
 
 
@@ -105,14 +116,17 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=4, help="kill the trainer once this step is trained")
     parser.add_argument("--port", type=int, default=8310)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--weight-sync", choices=("filesystem", "broadcast"), default="filesystem")
+    parser.add_argument("--keep", type=Path, help="keep the run folders under this folder")
     args = parser.parse_args()
     results = []
     with TemporaryDirectory() as tmp:
         for mode in args.modes:
-            result = measure(args.manifest, mode, Path(tmp) / mode, args.steps, args.kill_after, args.port)
+            runs = (args.keep or Path(tmp)) / f"{mode}-{args.weight_sync}"
+            result = measure(args.manifest, mode, runs, args.steps, args.kill_after, args.port, args.weight_sync)
             print(json.dumps(result), flush=True)
             results.append(result)
-    print(f"\n{args.manifest.name}: trainer SIGKILLed after step {args.kill_after} (checkpoint every 3 steps)")
+    print(f"\n{args.manifest.name}, {args.weight_sync} weight sync: trainer SIGKILLed after step {args.kill_after} (checkpoint every 3 steps)")
     print("| mode | kill -> first step trained | kill -> first new step | inference servers kept |")
     print("|---|---:|---:|---|")
     for r in results:

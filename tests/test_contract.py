@@ -550,7 +550,11 @@ FIELDS: dict[str, list] = {
     # the supervisor's trainer-only restarts (primebuild/builders/trainer_restart.py): the trainer's restart policy
     "trainer.max_restarts": [Reaches(lambda plan: next(p["restart"] for p in plan["processes"] if p["role"] == T),
                                      ("trainer.max_restarts=5",), {"policy": "on-failure", "max_restarts": 5}),
-                             Refused(("trainer.max_restarts=2", "weight_sync.mode=broadcast"))],
+                             # broadcast too (the restarted sender hosts the weight group's store again)
+                             Reaches(lambda plan: next(p["restart"] for p in plan["processes"] if p["role"] == T),
+                                     ("trainer.max_restarts=2", "weight_sync.mode=broadcast"),
+                                     {"policy": "on-failure", "max_restarts": 2}),
+                             Refused(("trainer.max_restarts=2", "target.kind=kubernetes"))],
     # LoRA (primebuild/runtime/trainer/lora.py): the trainer's config; the adapters' size shapes the trainer's memory
     "trainer.lora.rank": [Reaches(config_of(T, "lora.rank"), ("trainer.lora.rank=4", "trainer.lora.alpha=8"), 4),
                           Shapes(("trainer.lora.rank=4", "trainer.lora.alpha=8"), "memory", base=RL)],

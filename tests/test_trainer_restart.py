@@ -138,6 +138,52 @@ def test_a_killed_then_a_frozen_trainer_rank_each_restart_the_trainer_alone(mani
     assert processes_of(run_dir) == []
 
 
+def test_under_broadcast_the_servers_rejoin_the_restarted_trainers_weight_group(manifests: Path, tmp_path: Path):
+    """Broadcast weight sync (glm5's mode): the trainer's rank 0 is the sender and hosts the weight group's
+    store, so killing it -9 takes the store down too. The trainer alone restarts from its newest checkpoint
+    and hosts the store again on the same port; both servers (same processes, same loaded model) reconnect,
+    register with the step they hold, and load the restarted trainer's next steps. The retrained steps the
+    servers already hold are not sent again; every step trains once in the record, with identical values."""
+    runs = tmp_path / "runs"
+    steps = 9
+    proc = _start(manifests, runs, "--set", "weight_sync.mode=broadcast", "--set", f"weight_sync.port={free_port()}",
+                  "--set", "inference.replicas=2", "--set", f"orchestrator.max_steps={steps}")
+    try:
+        run_dir = _wait_for_trained(runs, 4, proc, timeout=300)
+        servers = sorted(_pids(run_dir, "inference-0") + _pids(run_dir, "inference-1"))
+        (orchestrator,) = _pids(run_dir, "orchestrator")
+        (trainer,) = _pids(run_dir, "trainer")
+        os.kill(trainer, signal.SIGKILL)
+        killed = time.monotonic()
+        kills = [_newest_trained(run_dir)]
+        _wait_for_trained(runs, kills[0] + 1, proc, timeout=300)
+        recovered = time.monotonic() - killed
+        assert sorted(_pids(run_dir, "inference-0") + _pids(run_dir, "inference-1")) == servers
+        assert _pids(run_dir, "orchestrator") == [orchestrator]
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"broadcast: trainer SIGKILLed after step {kills[0]} -> step {kills[0] + 1} trained {recovered:.1f} s "
+          f"later (trainer-only restart; load average {os.getloadavg()[0]:.1f})")
+    assert proc.returncode == 0, out
+    assert "restarting the trainer (1/3)" in out, out
+    _assert_retrained_identically(run_dir, steps, kills)
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    restarted = trainer_log.split("(restart 1) ---")[1]
+    held = [int(line.split("step ")[1].split(":")[0]) for line in restarted.splitlines() if "not sent again" in line]
+    for name in ("inference-0", "inference-1"):
+        log = (run_dir / "logs" / f"{name}.log").read_text()
+        assert "(restart 1)" not in log and "rejoined the weight sender of epoch" in log, log[-3000:]
+        after = log.split("rejoined the weight sender of epoch")[1]
+        loaded = [int(line.split("weights of step ")[1].split()[0]) for line in after.splitlines()
+                  if "loaded the weights of step" in line]
+        # the servers serve the restarted trainer's steps: each one after the step they held, up to the last
+        assert loaded == list(range(loaded[0], steps + 1)) and loaded[0] > max(held, default=0), (loaded, held)
+    assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == steps
+    assert processes_of(run_dir) == []
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)  # a vLLM start costs minutes on a loaded 2-core machine
 def test_a_killed_trainer_restarts_beside_the_vllm_server_it_keeps(manifests: Path, tmp_path: Path):
@@ -180,13 +226,16 @@ def test_the_plan_gives_the_trainer_restarts_where_they_work_and_refuses_them_el
 
     assert trainer_restart() == {"policy": "on-failure", "max_restarts": 3}
     assert trainer_restart("trainer.max_restarts=0") == {"policy": "never", "max_restarts": 0}
-    assert trainer_restart("weight_sync.mode=broadcast") == {"policy": "never", "max_restarts": 0}
+    assert trainer_restart("weight_sync.mode=broadcast") == {"policy": "on-failure", "max_restarts": 3}
+    assert trainer_restart("weight_sync.mode=broadcast", "trainer.max_restarts=2") == {"policy": "on-failure",
+                                                                                        "max_restarts": 2}
+    assert trainer_restart("target.kind=kubernetes") == {"policy": "never", "max_restarts": 0}
     refused = subprocess.run(
         [sys.executable, "-m", "primebuild.cli", "plan", str(manifests / "reverse-text.yaml"),
-         "--set", "weight_sync.mode=broadcast", "--set", "trainer.max_restarts=2"],
+         "--set", "target.kind=kubernetes", "--set", "trainer.max_restarts=2"],
         capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert "trainer.max_restarts" in refused.stderr and "broadcast" in refused.stderr, refused.stderr
+    assert "trainer.max_restarts" in refused.stderr and "Kubernetes" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
 
 

@@ -361,3 +361,78 @@ def test_trainer_broadcasts_each_step(parallel, tmp_path):
     assert set(sent) == set(expected)  # the tied head travels under its own name too (model.py says why)
     for k, v in sent.items():
         assert torch.equal(v, expected[k]), k
+
+
+def restarting_sender(init_method, steps, hang_on, queue):
+    """A trainer's rank 0, as `WeightPublisher` drives it (delta on): says which step the servers hold,
+    sends `steps`, then announces `hang_on` (if any) and waits for it until killed."""
+    torch.set_num_threads(1)
+    sender = BroadcastSender(init_method, 2, timeout_s=60, bucket_mb=0.01, delta=True)
+    queue.put(("holds", sender.servers_hold))
+    for step in steps:
+        stats = sender.send(make_state(step), step)
+        queue.put(("sent", (step, sender.generation, stats.encodings)))
+    if hang_on is not None:
+        sender.send(make_state(hang_on), hang_on)  # the server never asks for it: killed while waiting
+    sender.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_sender_is_replaced_on_the_same_port_and_the_server_keeps_its_loaded_step():
+    """A trainer-only restart under broadcast, at the weight-sync level: the sender dies -9 with step 3
+    announced and not loaded. The server's stage drops it (a load of it ends at once: BroadcastInterrupted,
+    the 409 the orchestrator does not count) and keeps step 2; a new sender on the same port learns the
+    server holds step 2, and its first update reaches the rejoined server in full although delta is on."""
+    from primebuild.runtime.inference.weight_receiver import BroadcastInterrupted, BroadcastStage
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    inbox = Inbox(queue)
+    first = ctx.Process(target=restarting_sender, args=(init, [1, 2], 3, queue))
+    first.start()
+    stage = BroadcastStage(init, rank=1, world_size=2, timeout_s=60)
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load(step: int) -> int:
+        return stage.pull(stage.announced(step), lambda bucket: loaded.update((k, v.clone()) for k, v in bucket))
+
+    def until(condition, what, timeout=60):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    second = None
+    try:
+        assert inbox.next("holds") == 0  # a fresh start
+        for step in (1, 2):
+            until(lambda s=step: stage.received_version >= s, f"step {step} announced")
+            assert load(step) == step
+        until(lambda: stage.received_version == 3, "step 3 announced")
+        os.kill(first.pid, 9)
+        first.join(10)
+        with pytest.raises(BroadcastInterrupted, match="keeps step 2"):
+            until(lambda: stage.lost, "the sender's loss noticed")
+            load(3)
+        assert stage.received_version == 2 and stage.loaded_version == 2 and stage.error is None
+        check([(2, loaded)], [2])  # the served weights are step 2's, whole
+
+        second = ctx.Process(target=restarting_sender, args=(init, [3, 4], None, queue))
+        second.start()
+        assert inbox.next("holds") == 2  # told by the rejoined server as it registered
+        for step in (3, 4):
+            until(lambda s=step: stage.received_version >= s, f"step {step} announced by the new sender")
+            assert load(step) == step
+            check([(step, loaded)], [step])
+        sent = [inbox.next("sent") for _ in range(4)]
+        until(lambda: stage.closed, "the new sender's close seen")
+    finally:
+        for p in (first, second):
+            if p is not None:
+                p.join(30)
+                if p.exitcode is None:
+                    p.kill()
+    assert [s[:2] for s in sent] == [(1, 1), (2, 1), (3, 1), (4, 1)]  # the new sender's generations start at 1
+    assert set(sent[2][2]) == {"full"}, sent[2]  # delta restarts: the first update after the restart is whole
+    assert stage.error is None and second.exitcode == 0

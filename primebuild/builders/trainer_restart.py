@@ -2,8 +2,11 @@
 
 A trainer-only restart keeps the inference servers' loaded model and the orchestrator's rollouts: the
 trainer resumes from its newest checkpoint and retrains the steps after it from the rollout batches on
-disk. That holds where primebuild's own supervisor restarts the group (local, ssh and Slurm targets) and
-the servers read weights from the run folder. Elsewhere the count is 0 and a written one is refused.
+disk. That holds where primebuild's own supervisor restarts the group (local, ssh and Slurm targets), in
+either weight-sync mode: with broadcast the restarted rank 0 hosts the weight group's store again on the
+same port (weight_sync.port: no new port, no new process), the servers reconnect to it and register with
+the step they hold, and the first step it sends after its restart goes to every server in full
+(runtime/weight_sync/broadcast.py). Elsewhere the count is 0 and a written one is refused.
 """
 
 from __future__ import annotations
@@ -15,10 +18,6 @@ DEFAULT_TRAINER_RESTARTS = 3
 
 def trainer_restart_gap(m: Manifest) -> str | None:
     """Why a trainer-only restart cannot work in this configuration (None: it can)."""
-    if m.weight_sync.mode == "broadcast":
-        return ("with broadcast weight sync the trainer's rank 0 is the sender of a torch.distributed group the "
-                "servers joined at start; a restarted trainer cannot join it again, so the servers would never "
-                "receive another step")
     if m.target.kind == "kubernetes":
         return ("on Kubernetes the kubelet restarts one pod's container at a time, not the trainer group together, "
                 "and a rank restarted alone cannot rejoin the others")

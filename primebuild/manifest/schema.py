@@ -254,7 +254,7 @@ class Trainer(Strict):
     max_restarts: int | None = Field(
         None, ge=0, le=100, description="Trainer-only restarts: a trainer group that crashes or hangs starts again from "
         "its newest checkpoint while the inference servers keep their model and the orchestrator its rollouts. "
-        "Default: 3 with filesystem weight sync on the local, ssh and slurm targets, else 0 (refused above 0).")
+        "Default: 3 on the local, ssh and slurm targets (either weight-sync mode), else 0 (refused above 0).")
     rendezvous_port: Port = 29500
     lora: Lora | None = Field(None, description="Train low-rank adapters only (the base model frozen); weight "
                               "sync then ships only the adapters.")

@@ -17,7 +17,7 @@ from . import metrics as prometheus
 from .disaggregation import Disaggregation
 from .engine import Engine, EngineDead
 from .protocol import ApiError, UpdateWeightsRequest, parse_body
-from .weight_receiver import BroadcastStage
+from .weight_receiver import BroadcastInterrupted, BroadcastStage
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ def admin_router(engine: Engine, served_model_name: str, admin_token: str | None
                 await asyncio.to_thread(engine.update_weights, body.path, body.version, body.in_flight)
         except UserError as err:
             raise ApiError(400, str(err), param="source" if body.source == "broadcast" else "path") from None
+        except BroadcastInterrupted as err:  # the trainer restarts alone: the orchestrator counts no update
+            raise ApiError(409, str(err), code="weight_update_lost") from None
         except TimeoutError as err:
             raise ApiError(409, str(err)) from None
         except EngineDead as err:

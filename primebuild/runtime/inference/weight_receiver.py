@@ -13,6 +13,14 @@ Membership changes (primebuild/runtime/weight_sync/membership.py): a server that
 new incarnation and is admitted to the group at the trainer's next update; if a member dies while the
 others wait for an update, the update is announced again to a new generation, and a load in progress
 here waits for that announcement and takes it (`pull` loops) instead of failing.
+
+The trainer restarted alone (primebuild/runtime/supervisor.py): the sender and its store die with the
+trainer's rank 0. The listener reconnects to the store the restarted rank 0 hosts on the same port and
+registers again with the step this server last loaded in full; the server keeps serving that step
+meanwhile. An update announced but not yet loaded is dropped (`received_version` goes back to the loaded
+step), and a load waiting for it ends at once with BroadcastInterrupted (409), so the orchestrator does not
+count it. A load the sender died inside, after some buckets were installed, leaves a mix of two versions:
+the engine refuses to serve it and stops (engine.py), and the supervisor restarts that server.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from primebuild.errors import UserError
-from primebuild.runtime.weight_sync.broadcast import Announcement, BroadcastReceiver, Bucket
+from primebuild.runtime.weight_sync.broadcast import Announcement, BroadcastReceiver, Bucket, SenderLost
 
 log = logging.getLogger("primebuild.inference")
 SUPERSEDED_POLL_S = 0.1  # how often an announcement no load has asked for is checked for being re-announced
@@ -33,6 +41,11 @@ SUPERSEDED_POLL_S = 0.1  # how often an announcement no load has asked for is ch
 class BroadcastClosed(TimeoutError):
     """An update the trainer will never send (it closed the broadcast: the run is stopping). A TimeoutError,
     so /update_weights answers 409 at once, as for an update that did not come in time."""
+
+
+class BroadcastInterrupted(TimeoutError):
+    """An announced update whose sender died before this server loaded it (the trainer restarts alone):
+    the server keeps the step it holds. /update_weights answers 409 with code "weight_update_lost"."""
 
 
 class BroadcastStage:
@@ -44,6 +57,8 @@ class BroadcastStage:
         # The newest step announced, whose tensors a load takes (the name /health and the vLLM status
         # have always used: the step is here, ready to load, although its bytes cross only then).
         self.received_version = 0
+        self.loaded_version = 0  # the newest step a load took in full (what a restarted sender is told)
+        self.lost = False  # the sender died with an announced update not loaded here; cleared by the next one
         self.error: str | None = None
         self.closed = False  # the trainer closed the broadcast (the run ends): nothing more is announced
         self._receiver: BroadcastReceiver | None = None
@@ -61,20 +76,41 @@ class BroadcastStage:
             self._receiver = receiver = BroadcastReceiver(self.init_method, self.world_size, self.rank,
                                                           backend=backend, device=self.device,
                                                           timeout_s=self.timeout_s)
-            while (announced := receiver.announcement()) is not None:
-                with self._lock:
-                    self._announced = self._last = announced
-                    self.received_version = announced.step
-                    self._lock.notify_all()
-                log.info("weights of step %d announced by broadcast (group generation %d)", announced.step,
-                         announced.generation)
-                self._wait_taken(announced)
+            while True:
+                try:
+                    if (announced := receiver.announcement()) is None:
+                        break
+                    with self._lock:
+                        self._announced = self._last = announced
+                        self._taken.clear()  # (a load that failed with the sender set it for nothing)
+                        self.received_version = announced.step
+                        self.lost = False
+                        self._lock.notify_all()
+                    log.info("weights of step %d announced by broadcast (group generation %d)", announced.step,
+                             announced.generation)
+                    self._wait_taken(announced)
+                except SenderLost as err:
+                    self._sender_lost(err)
+                    log.warning("%s: serving step %d, waiting for the restarted trainer's sender", err,
+                                self.loaded_version)
+                    receiver.rejoin(self.loaded_version)
             log.info("the trainer closed the weight broadcast")
             self.closed = True
         except Exception as err:  # the group broke (trainer gone): say so on /health, keep serving
             self.error = f"{type(err).__name__}: {err}"
             log.error("weight broadcast stopped: %s", self.error)
         with self._lock:
+            self._lock.notify_all()
+
+    def _sender_lost(self, err: SenderLost) -> None:
+        """Nothing announced so far will come: forget it (the served step stays) and wake a waiting load."""
+        with self._lock:
+            if self._last is not None and self._last.step > self.loaded_version:
+                log.info("the announced step %d is dropped: its sender is gone before this server loaded it",
+                         self._last.step)
+            self.lost = True
+            self._announced = self._last = None
+            self.received_version = self.loaded_version
             self._lock.notify_all()
 
     def _wait_taken(self, announced: Announcement) -> None:
@@ -90,7 +126,10 @@ class BroadcastStage:
     def announced(self, at_least: int) -> Announcement:
         """The announced update when it is step `at_least` or newer; a clear error otherwise."""
         with self._lock:
-            announced = self._last
+            announced, lost = self._last, self.lost
+        if lost and (announced is None or announced.step < at_least):
+            raise BroadcastInterrupted(f"the trainer's weight sender went away before step {at_least} was sent; "
+                                       f"this server keeps step {self.loaded_version}")
         if announced is None or announced.step < at_least:
             have = "nothing" if announced is None else f"version {announced.step}"
             raise UserError(f"no broadcast weights of version {at_least} or newer are announced (have {have})",
@@ -114,7 +153,7 @@ class BroadcastStage:
         step = announced.step
 
         def takeable() -> bool:
-            return (self.error is not None or self.closed
+            return (self.error is not None or self.closed or self.lost
                     or (self._announced is not None and self._announced.step >= step))
 
         while True:
@@ -127,9 +166,16 @@ class BroadcastStage:
                     # a stop while the update was announced again: the trainer will not send it, and
                     # the load waiting for it would hold the orchestrator's stop for timeout_s
                     raise BroadcastClosed(f"the trainer closed the weight broadcast before step {step} was sent")
+                if self.lost and (self._announced is None or self._announced.step < step):
+                    raise BroadcastInterrupted(f"the trainer's weight sender went away before step {step} was "
+                                               f"sent; this server keeps step {self.loaded_version}")
                 announced, self._announced, self._pulling = self._announced, None, True
             try:
                 done = self._receiver.pull(announced, tracked, prefetch=prefetch)
+            except SenderLost as err:
+                self._sender_lost(err)
+                raise BroadcastInterrupted(f"the trainer's weight sender went away during the update to step "
+                                           f"{announced.step} ({err})") from err
             except Exception as err:
                 if not load_failed:  # the group itself broke: nothing more will arrive
                     self.error = f"{type(err).__name__}: {err}"
@@ -139,6 +185,7 @@ class BroadcastStage:
                     self._pulling = False
                 self._taken.set()
             if done:
+                self.loaded_version = announced.step
                 log.info("loaded the weights of step %d from the broadcast", announced.step)
                 return announced.step
             log.info("step %d is announced again to a new weight group generation: waiting for it", announced.step)

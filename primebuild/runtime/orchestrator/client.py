@@ -35,6 +35,11 @@ class InferenceUnavailable(RuntimeError):
     pass
 
 
+class WeightUpdateLost(RuntimeError):
+    """Broadcast: the trainer's sender died before this update crossed (the trainer restarts alone); the
+    server keeps the weights it had. The update does not count."""
+
+
 class ServerGone(ConnectionError):
     """A fail-fast client's server did not answer (killed, restarting, stopped)."""
 
@@ -133,6 +138,8 @@ class InferenceClient:
             else:
                 if response.status_code < 400:
                     return response.json()
+                if response.status_code == 409 and "weight_update_lost" in response.text:
+                    raise WeightUpdateLost(f"{url}: {response.text[:500]}")
                 if response.status_code < 500:
                     raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
                 outage.failing(response.status_code, response.text)

@@ -40,7 +40,7 @@ from primebuild.runtime.config_main import config_main
 from primebuild.runtime.inference.vllm.admin import VllmAdminError
 from primebuild.runtime.metrics import MetricsWriter, read_metrics
 from primebuild.runtime.orchestrator.advantages import advantages_by_group
-from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
+from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone, WeightUpdateLost
 from primebuild.runtime.orchestrator.curriculum import Curriculum
 from primebuild.runtime.orchestrator.failures import RolloutsFailing, cause, costs_the_run
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix
@@ -144,6 +144,7 @@ class Orchestrator:
         if version < 0:
             return
         active = [s for s in self.servers.servers.values() if s.state == "active"]
+        lost: list[WeightUpdateLost] = []  # broadcast: the trainer died before the update crossed
 
         async def bring(server) -> None:
             try:
@@ -151,6 +152,8 @@ class Orchestrator:
                     await self.weights.load(server.client, version)
             except ServerGone as err:  # revived later, on the version current then
                 self.servers.gone(server, err)
+            except WeightUpdateLost as err:
+                lost.append(err)
             except RuntimeError:
                 if not self.stop_requested():
                     raise
@@ -177,6 +180,9 @@ class Orchestrator:
                 except ServerGone:
                     if all(load.done() for load in loads):
                         return  # not back yet, and no load waits for it
+                except WeightUpdateLost as err:
+                    lost.append(err)
+                    return
                 except RuntimeError:
                     if not self.stop_requested():
                         raise
@@ -199,6 +205,10 @@ class Orchestrator:
             self.servers.reconcile()
             admit_reviving()
         await asyncio.gather(*loads, *admitting.values())
+        if lost:  # the servers keep the version they had; the restarted trainer sends the next one
+            log.warning("the update to policy version %d was lost with the trainer's weight sender (%s): the servers "
+                        "keep version %d", version, lost[0], self.server_version)
+            return
         self.server_version = version
         self.weights.retire(version)
 

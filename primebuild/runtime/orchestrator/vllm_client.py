@@ -25,10 +25,10 @@ from primebuild.builders.vllm_command import LORA_ADAPTER_NAME
 from primebuild.contracts.completion import CompletionResult
 from primebuild.contracts.orchestrator import ServerJoin
 from primebuild.runtime.inference.lora import is_adapter_folder
-from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
+from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError, VllmUpdateLost
 from primebuild.runtime.inference.vllm.broadcast_status import STATUS_PATH as BROADCAST_STATUS_PATH
 from primebuild.runtime.inference.vllm.completions import adapt_response
-from primebuild.runtime.orchestrator.client import InferenceClient, Outage
+from primebuild.runtime.orchestrator.client import InferenceClient, Outage, WeightUpdateLost
 from primebuild.runtime.weight_sync.filesystem import verify
 
 
@@ -123,6 +123,8 @@ class VllmClient(InferenceClient):
             # base weights, so the whole update is done again once it answers.
             except httpx.TransportError as err:
                 outage.gone(err)
+            except VllmUpdateLost as err:
+                raise WeightUpdateLost(str(err)) from None
             except VllmAdminError as err:
                 if err.status < 500:
                     raise

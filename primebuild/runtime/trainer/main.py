@@ -395,6 +395,12 @@ class WeightPublisher:
             self.weights = model.published_weights(DTYPES[self.config.weight_dtype])
         if not self.env.is_main:
             self.weights.drain()
+        elif self.sender is not None and step <= self.sender.servers_hold:
+            # a trainer restarted alone retrains the steps after its checkpoint: the servers hold these
+            # very bytes already (same checkpoint, same rollout batches), so the first step sent is the next
+            self.weights.drain()
+            log.info("step %d: the inference servers hold it already (loaded before the trainer restarted): "
+                     "not sent again", step)
         elif self.sender is not None:
             # the servers take a step inside their update: a stopped run's orchestrator starts none
             if self.sender.send(self.weights, step, cancelled=RunDir(self.config.run_dir).stop_requested) is None:

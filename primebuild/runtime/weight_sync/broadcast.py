@@ -28,6 +28,13 @@ One update, in bounded memory at both ends:
                restarts from them), so a joining server receives the whole current weights.
 The sender holds the layer group being streamed (stream.py), the bucket on the wire and the next one, which
 it packs meanwhile.
+
+The sender's restart (a trainer-only restart, primebuild/runtime/supervisor.py): the store dies with the
+trainer's rank 0, and the restarted rank 0 hosts a new one on the same port, under a new epoch. A receiver
+finds its store connection broken (SenderLost, whatever it was doing: waiting for an announcement, for "go",
+or inside a bucket), reconnects and registers again with the step its server last loaded in full
+(``rejoin``). The new sender starts at generation 1 with full tensors (delta restarts), and leaves out
+the steps it retrains that the servers already hold (``servers_hold``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -50,12 +58,15 @@ from .membership import (
     POLL_S,
     Heartbeat,
     Roster,
+    held_version,
     make_group,
     open_store,
     publish_generation,
     read_int,
     read_members,
+    set_epoch,
     wait_for_key,
+    wait_until_listening,
 )
 from .stream import StreamedWeights, TensorSpec, as_stream, in_layout_order
 
@@ -63,6 +74,11 @@ log = logging.getLogger("primebuild.weight_sync")
 READY_POLL_S = 0.005  # how often the sender looks whether every receiver asked for the update
 CLOSE_WAIT_S = 10.0  # how long a closing sender waits for its members to have seen it close
 Bucket = list[tuple[str, torch.Tensor]]
+
+
+class SenderLost(ConnectionError):
+    """The sender (the trainer's rank 0) and the store it hosted are gone: nothing of the update in hand
+    will come. A restarted trainer hosts a new store on the same port (BroadcastReceiver.rejoin)."""
 
 
 def _broadcast(group, tensor: torch.Tensor, *, wait: bool = True):
@@ -159,6 +175,7 @@ class BroadcastSender:
         self._announced = 0  # updates announced to the current generation
         self._group = None
         self._store = open_store(init_method, host=True, timeout_s=timeout_s)
+        self.epoch = set_epoch(self._store)  # receivers of a sender that died tell this store from its by it
         self._roster = Roster(self._store, range(1, world_size))
         deadline = time.monotonic() + timeout_s
         while len(registered := self._roster.registered()) < world_size - 1:
@@ -166,6 +183,9 @@ class BroadcastSender:
                 missing = sorted(set(range(1, world_size)) - set(registered))
                 raise TimeoutError(f"weight broadcast: receiver ranks {missing} did not join within {timeout_s:g} s")
             time.sleep(LIVENESS_POLL_S)
+        # after a trainer-only restart: the step the servers hold (0 on a fresh start); the trainer sends
+        # none of the steps it retrains up to it (the same bytes), and the next one in full
+        self.servers_hold = held_version(self._store, registered)
         self._form(registered)
 
     def _form(self, members: dict[int, str]) -> None:
@@ -362,6 +382,7 @@ class BroadcastReceiver:
         backend: str = "gloo",
         timeout_s: float = 600.0,
         device: str | torch.device = "cpu",
+        loaded: int = 0,
     ):
         if rank < 1:  # beyond world_size - 1: a server `primebuild scale` added (membership.py)
             raise ValueError(f"receiver rank must be 1 or more, got {rank}")
@@ -369,14 +390,49 @@ class BroadcastReceiver:
         self.rank = rank
         self.backend = backend
         self.timeout_s = timeout_s
+        self.init_method = init_method
         self._base: dict[str, torch.Tensor] = {}  # delta: the last synced tensors, on the host
-        self._store = open_store(init_method, host=False, timeout_s=timeout_s)
-        self._beat = Heartbeat(self._store, rank, extra=rank >= world_size)
+        self.incarnation: str | None = None
+        self._extra = rank >= world_size  # a server `primebuild scale` added: listed under ``extra``
+        self._connect(loaded)
+
+    def _connect(self, loaded: int) -> None:
+        """Connect to the sender's store (waiting up to timeout_s for it to listen), learn its epoch and
+        register, saying which step this server holds."""
+        self._store = open_store(self.init_method, host=False, timeout_s=self.timeout_s)
+        self.epoch = self._store.get("sender").decode()  # (a get waits for the sender to have set it)
+        self._beat = Heartbeat(self._store, self.rank, loaded, self.incarnation, extra=self._extra)
         self.incarnation = self._beat.incarnation
         self._group = None
         self.generation = 0  # the generation whose group this receiver is in (0: none)
         self._seen = 0  # the newest generation looked at
         self._next = 1  # the next announcement's number within the generation
+
+    def rejoin(self, loaded: int) -> None:
+        """After SenderLost: register with the restarted sender's store once it listens (up to timeout_s).
+        `loaded`: the step this server last loaded in full. Delta restarts from the next full update."""
+        self._beat.stop()
+        self._base.clear()
+        wait_until_listening(self.init_method, self.timeout_s)  # (at once, not after TCPStore's back-off)
+        self._connect(loaded)
+        log.info("rank %d rejoined the weight sender of epoch %s holding step %d", self.rank, self.epoch[:8], loaded)
+
+    def _sender_alive(self) -> bool:
+        try:
+            return self._store.get("sender").decode() == self.epoch
+        except (RuntimeError, dist.DistError):
+            return False
+
+    @contextmanager
+    def _sender_watched(self):
+        """A store or group failure whose cause is the sender gone becomes SenderLost."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as err:
+            if self._sender_alive():
+                raise
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise SenderLost(f"the weight sender of epoch {self.epoch[:8]} is gone ({first})") from err
 
     def _follow(self) -> None:
         """Join the newest generation if it lists this incarnation; leave the old group either way."""
@@ -399,7 +455,11 @@ class BroadcastReceiver:
 
     def announcement(self) -> Announcement | None:
         """Block until the sender announces the next update to a generation this receiver is in (None
-        once it closed)."""
+        once it closed). SenderLost when the sender died."""
+        with self._sender_watched():
+            return self._announcement()
+
+    def _announcement(self) -> Announcement | None:
         while True:
             if self._store.check(["closed"]):
                 self._group = None
@@ -425,7 +485,12 @@ class BroadcastReceiver:
         receiver's copy, which the next update changes). With ``prefetch`` the next bucket arrives while
         ``load`` runs (two buckets held); without, one bucket plus what ``load`` allocates. If ``load``
         raises, the rest is still received (and dropped) so the group stays usable; the error is raised
-        at the end."""
+        at the end. SenderLost when the sender died meanwhile: a bucket may have been loaded (the caller
+        must not serve that mix)."""
+        with self._sender_watched():
+            return self._pull(announced, load, prefetch)
+
+    def _pull(self, announced: Announcement, load: Callable[[Bucket], None], prefetch: bool) -> bool:
         if announced.generation != self.generation or self._group is None:
             return False
         prefix = f"gen/{announced.generation}"
@@ -502,8 +567,9 @@ class BroadcastReceiver:
     def superseded(self, announced: Announcement) -> bool:
         """The sender gave up on `announced` (it announces it again to a newer generation) or closed."""
         go = f"gen/{announced.generation}/go/{announced.index}"
-        return (self._store.check(["closed"]) or read_int(self._store, "gen") != announced.generation
-                or (self._store.check([go]) and self._store.get(go) == b"again"))
+        with self._sender_watched():
+            return (self._store.check(["closed"]) or read_int(self._store, "gen") != announced.generation
+                    or (self._store.check([go]) and self._store.get(go) == b"again"))
 
     def recv(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """One whole update as a state dict (every bucket kept: tests and tools, not servers), or None

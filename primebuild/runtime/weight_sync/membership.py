@@ -21,6 +21,11 @@ and the receivers listed in ``gen/<n>/members``, and its gloo/NCCL group rendezv
                   generation). Nothing crosses the group before "send", so no collective is ever left
                   half-way by a membership change.
   closed          the sender is done.
+  sender          the sender's epoch (a random id). A trainer restarted alone hosts a new store on the same
+                  port; a receiver whose store connection broke reconnects to it, registers again and
+                  starts from generation 1 of the new epoch (BroadcastReceiver.rejoin).
+  loaded/<rank>   the newest step this receiver's server loaded in full, written as it registers: a
+                  restarted sender does not send again the steps it retrains that the servers already hold.
 
 A receiver joins the generation that lists its own incarnation; one that is not (yet) listed waits, and
 the sender admits it at its next update. Ranks 1..world_size-1 are the plan's (a restart reuses its rank);
@@ -90,13 +95,15 @@ def read_int(store: dist.Store, key: str, default: int = 0) -> int:
 class Heartbeat:
     """A receiver's registration and its beat, on a store connection of its own."""
 
-    def __init__(self, store: dist.Store, rank: int, *, extra: bool = False):
+    def __init__(self, store: dist.Store, rank: int, loaded: int = 0, incarnation: str | None = None, *,
+                 extra: bool = False):
         """`extra`: a rank beyond the plan's, which the sender learns of from the ``extra`` list."""
         self.rank = rank
-        self.incarnation = uuid.uuid4().hex
+        self.incarnation = incarnation or uuid.uuid4().hex
         self._store = store.clone()
         self._stop = threading.Event()
         self._store.add(f"beat/{rank}", 1)
+        store.set(f"loaded/{rank}", str(loaded))  # before member/: the sender reads it once all registered
         store.set(f"member/{rank}", self.incarnation)
         if extra:
             store.set(f"extra/{store.add('extra', 1)}", str(rank))  # a restart lists it again: read as a set
@@ -162,6 +169,35 @@ class Roster:
             if now - seen[2] < DEAD_AFTER_S:
                 out[rank] = incarnation
         return out
+
+
+def wait_until_listening(init_method: str, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Until something accepts connections at `init_method` (a restarted sender's store comes up at an
+    unknown moment). A plain connection, tried every `poll_s`: TCPStore's own connect retry backs off to many
+    seconds between tries and logs each failed one."""
+    address, port = _parse_init_method(init_method)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=poll_s).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight broadcast: nothing listens at {init_method} after {timeout_s:g} s "
+                                   "(the trainer did not come back)") from None
+            time.sleep(poll_s)
+
+
+def held_version(store: dist.Store, ranks) -> int:
+    """The newest step any registered receiver's server loaded in full (0: none, a fresh start). Every
+    server is brought to the next step the sender sends, in full, so the newest one counts."""
+    return max((read_int(store, f"loaded/{r}") for r in ranks), default=0)
+
+
+def set_epoch(store: dist.Store) -> str:
+    epoch = uuid.uuid4().hex
+    store.set("sender", epoch)
+    return epoch
 
 
 def wait_for_key(store: dist.Store, key: str, timeout_s: float, *, also: str) -> str | None:

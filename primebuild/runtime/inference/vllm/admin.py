@@ -58,6 +58,11 @@ class VllmAdminError(RuntimeError):
         self.status = status  # the HTTP status of the answer (0: no answer was the problem)
 
 
+class VllmUpdateLost(VllmAdminError):
+    """The trainer's weight sender died before the asked step reached this server's workers (the trainer
+    restarts alone): the server keeps what it serves, and the update does not count."""
+
+
 class VllmUnavailable(VllmAdminError):
     """503: a server behind this endpoint is down (the vLLM P/D router's answer while one restarts); the
     caller retries as it would for a server that does not answer at all."""
@@ -184,6 +189,9 @@ class VllmAdmin:
         for status in await self.broadcast_status():
             if not status["joined"] or status["error"]:
                 raise VllmAdminError(f"weight broadcast not usable on {self.root}: {status}")
+            if int(status["received_version"]) < version and status.get("lost"):
+                raise VllmUpdateLost(f"the trainer's weight sender went away before version {version} reached "
+                                     f"{self.root} (rank {status.get('rank')} keeps {status['loaded_version']})", 409)
             if int(status["received_version"]) < version:
                 raise VllmAdminError(f"{self.root} has not received version {version} "
                                      f"(has {status['received_version']} on rank {status.get('rank')})")

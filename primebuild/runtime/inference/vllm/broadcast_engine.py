@@ -80,9 +80,11 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
     def status(self) -> dict[str, Any]:
         if self.stage is None:
             return {"joined": False, "rank": None, "received_version": 0, "loaded_version": None, "error": None,
-                    "closed": False}
+                    "closed": False, "lost": False}
+        # lost: the trainer's sender died with an update announced here and not loaded (weight_receiver.py)
         return {"joined": True, "rank": self.stage.rank, "received_version": self.stage.received_version,
-                "loaded_version": self.loaded_version, "error": self.stage.error, "closed": self.stage.closed}
+                "loaded_version": self.loaded_version, "error": self.stage.error, "closed": self.stage.closed,
+                "lost": self.stage.lost}
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
