@@ -3,6 +3,7 @@ ports, and workspaces whose short SFT is built once per session."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import shutil
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from parallel_groups import pytest_collection_modifyitems, pytest_configure  # noqa: F401 (hooks: pytest -n N)
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
@@ -72,17 +74,29 @@ def _bindable(host: str, port: int) -> bool:
 _DERIVED = tuple(offset + i for offset in (0, 1000, 2000) for i in range(8))
 
 
+def _worker_bases(low: int, high: int) -> tuple[int, int]:
+    """The bases this pytest process may draw from [low, high): under `pytest -n N` each xdist worker has a
+    slice of its own, neighbourhoods included, so two workers never pick overlapping blocks in the seconds
+    between one's check and its run's bind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under pytest-xdist
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker.startswith("gw") else 0
+    width = (high - low) // max(count, 1)
+    return low + index * width, low + (index + 1) * width - max(_DERIVED)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A base port whose whole neighbourhood a run derives from it is free on `host` right now.
 
     Drawn below the kernel's ephemeral range: a port picked there (bind to 0) can be taken by any outgoing
     connection before the run binds it, which once made a P/D run see its decode port in use."""
     floor = max(_ephemeral_floor() - 2100, 12000)  # a machine whose ephemeral range starts low: best effort
+    low, high = _worker_bases(10000, floor)
     for _ in range(500):
-        base = random.randrange(10000, floor)
+        base = random.randrange(low, high)
         if all(_bindable(host, base + d) for d in _DERIVED):
             return base
-    raise RuntimeError(f"no free block of ports below {floor} on {host}")
+    raise RuntimeError(f"no free block of ports in [{low}, {high}) on {host}")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -189,15 +203,30 @@ def sft_workspace(root: Path, copies: tuple[str, ...] = ("reverse-text.yaml",), 
     return manifests
 
 
+def session_folder(tmp_path_factory) -> Path:
+    """A folder every process of this pytest session shares: the xdist workers' common parent of their
+    temporary folders (pytest-N/), or this process's own when it runs alone."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def short_sft_store(tmp_path_factory) -> Path:
     """A store holding the short reverse-text SFT (SHORT_SFT) and its random init, built once per session:
-    every module that runs reverse-text seeds its private store with it instead of training it again."""
-    root = tmp_path_factory.mktemp("short-sft")
-    manifests = sft_workspace(root, ())
-    built = run_cli("run", manifests / "reverse-text-sft.yaml", timeout=900,
-                    env={"PRIMEBUILD_STORE": str(root / "store")})
-    assert built.code == 0, built.text
+    every module that runs reverse-text seeds its private store with it instead of training it again. Under
+    `pytest -n N` the first worker to ask builds it while the others wait on the lock, then all read it."""
+    root = session_folder(tmp_path_factory) / "short-sft"
+    root.mkdir(exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not (root / "built").exists():
+            shutil.rmtree(root / "manifests", ignore_errors=True)  # a worker that failed half-way
+            shutil.rmtree(root / "store", ignore_errors=True)
+            manifests = sft_workspace(root, ())
+            built = run_cli("run", manifests / "reverse-text-sft.yaml", timeout=900,
+                            env={"PRIMEBUILD_STORE": str(root / "store")})
+            assert built.code == 0, built.text
+            (root / "built").touch()
     return root / "store"
 
 

@@ -20,7 +20,8 @@ from primebuild.runtime.rollout_file import load_batch
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(shutil.which("bwrap") is None and os.environ.get("CI") != "true",
-                                 reason="bubblewrap is not installed (scripts/bootstrap --test installs it)")]
+                                 reason="bubblewrap is not installed (scripts/bootstrap --test installs it)"),
+              pytest.mark.xdist_group("swe-tiny")]  # with test_swe_tiny.py: both watch ESCAPED and /tmp's sandboxes
 ESCAPED = Path("/var/tmp/primebuild-swe-tiny-escaped")
 
 

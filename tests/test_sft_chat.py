@@ -121,7 +121,7 @@ def test_a_bad_row_stops_the_run_before_any_rank_starts(tmp_path):
 def test_a_chat_sft_builds_into_the_store_and_an_rl_manifest_starts_from_it(tmp_path):
     """The shipped tool-use-chat-sft.yaml (shortened) plans with its ranks' memory, builds on 2 gloo ranks
     into the store, and tool-use.yaml, pointed at it, plans and runs a step from that entry."""
-    from conftest import plan_json, run_cli, sft_workspace
+    from conftest import free_port, plan_json, run_cli, sft_workspace
 
     root = tmp_path / "ws"
     manifests = sft_workspace(root, ("tool-use.yaml",), sft="tool-use-chat-sft.yaml",
@@ -134,7 +134,7 @@ def test_a_chat_sft_builds_into_the_store_and_an_rl_manifest_starts_from_it(tmp_
     env = {"PRIMEBUILD_STORE": str(root / "store")}
     result = run_cli("run", manifests / "tool-use.yaml", *rl, "--set", "orchestrator.max_steps=1",
                      "--set", "orchestrator.rollouts_per_step=16", "--set", "orchestrator.eval_every=0",
-                     "--runs-dir", root / "runs", timeout=900, env=env)
+                     "--set", f"inference.port={free_port()}", "--runs-dir", root / "runs", timeout=900, env=env)
     assert result.code == 0, result.text
     (entry,) = [p for p in (root / "store").iterdir() if p.name.endswith("-tool-use-chat-sft")]
     metrics = json.loads((entry / "sft_metrics.json").read_text())

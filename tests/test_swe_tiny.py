@@ -14,8 +14,9 @@ import pytest
 
 from primebuild.runtime.envs.swe_tiny import BUGS, SweTinyEnv
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and os.environ.get("CI") != "true",
-                                reason="bubblewrap is not installed (scripts/bootstrap --test installs it)")
+pytestmark = [pytest.mark.skipif(shutil.which("bwrap") is None and os.environ.get("CI") != "true",
+                                 reason="bubblewrap is not installed (scripts/bootstrap --test installs it)"),
+              pytest.mark.xdist_group("swe-tiny")]  # with test_run_swe_tiny.py: both watch OUTSIDE and /tmp's sandboxes
 OUTSIDE = Path("/var/tmp/primebuild-swe-tiny-escaped")  # writable here, absent inside the sandbox
 
 

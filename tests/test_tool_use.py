@@ -8,7 +8,7 @@ import asyncio
 import random
 
 import pytest
-from conftest import run_cli, sft_workspace
+from conftest import free_port, run_cli, sft_workspace
 
 from primebuild.runtime.envs.base import demonstration
 from primebuild.runtime.envs.framing import ChatEnvironment, framing
@@ -69,7 +69,7 @@ def test_a_short_run_records_tool_calls_trained_and_tool_results_masked(tmp_path
                               sft_changes={"steps": 50, "warmup_steps": 10})  # 9 of step 1's 16 rollouts call the tool
     result = run_cli("run", manifests / "tool-use.yaml", "--set", "orchestrator.max_steps=1",
                      "--set", "orchestrator.rollouts_per_step=16", "--set", "orchestrator.eval_every=0",
-                     "--runs-dir", root / "runs", timeout=900, env={"PRIMEBUILD_STORE": str(root / "store")})
+                     "--set", f"inference.port={free_port()}", "--runs-dir", root / "runs", timeout=900, env={"PRIMEBUILD_STORE": str(root / "store")})
     assert result.code == 0, result.text
     tokenizer = build_chat_tokenizer()
     (rollout,) = (root / "runs").glob("*/rollouts/step_000001.safetensors")
