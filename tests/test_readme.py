@@ -85,7 +85,7 @@ def test_every_command_has_a_rule():
 
 def test_ci_runs_the_readme_test_command():
     bootstraps = [cmd for cmd, _ in README_COMMANDS if rule(cmd) == "ci"]
-    assert "scripts/bootstrap --test && pytest" in bootstraps, bootstraps
+    assert "scripts/bootstrap --test && pytest -n 3" in bootstraps, bootstraps
     ci = (REPO / ".ci" / "run").read_text()
     assert re.search(r"^scripts/bootstrap --test\b", ci, flags=re.M) and re.search(r"^\.venv/bin/pytest\b", ci, flags=re.M)
 
