@@ -11,7 +11,7 @@ import torch
 from conftest import free_port
 
 from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
-from primebuild.runtime.weight_sync.buckets import ALIGN, bucket_counts
+from primebuild.runtime.weight_sync.buckets import ALIGN, bucket_counts, messages, offsets
 from primebuild.runtime.weight_sync.stream import TensorSpec
 
 
@@ -73,6 +73,18 @@ def test_buckets_keep_layers_whole_cut_big_layers_between_tensors_and_never_spli
     assert bucket_counts(layout, 8 * ALIGN) == [1, 4, 1, 1, 2, 1, 1]
     assert bucket_counts(layout, 100 * ALIGN) == [len(layout)]
     assert sum(bucket_counts(layout, 1)) == len(layout)  # tiny buckets: one tensor each
+
+
+def test_a_bucket_crosses_as_its_big_tensors_and_the_packed_runs_between_them():
+    layout = [TensorSpec("norm_a", torch.uint8, (10,)), TensorSpec("bias", torch.uint8, (70,)),
+              TensorSpec("big", torch.uint8, (1000,)), TensorSpec("big2", torch.uint8, (999,)),
+              TensorSpec("norm_b", torch.uint8, (5,))]
+    where, size = offsets(layout)
+    # big tensors (>= 999 bytes here) go alone, their padding unsent; small neighbours travel as one
+    assert messages(layout, direct_bytes=999) == [(0, 2, 0, where[2], False), (2, 3, where[2], where[2] + 1000, True),
+                                                  (3, 4, where[3], where[3] + 999, True), (4, 5, where[4], size, False)]
+    assert messages(layout, direct_bytes=10**6) == [(0, 5, 0, size, False)]  # all small: one packed message
+    assert messages([]) == []
 
 
 @pytest.mark.timeout(60)
