@@ -261,9 +261,11 @@ def torchrun_trainer(cfg, tmp_path) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("parallel", [{}, {"dp_replicate": 2}], ids=["one-rank", "hsdp-2-replicas"])
-def test_trainer_broadcasts_each_step(parallel, tmp_path):
-    """Rank 0 sends; with HSDP replicas the other rank gathers with it and sends nothing."""
+@pytest.mark.parametrize(("parallel", "fp8"), [({}, False), ({"dp_replicate": 2}, False), ({}, True)],
+                         ids=["one-rank", "hsdp-2-replicas", "one-rank-fp8-wire"])
+def test_trainer_broadcasts_each_step(parallel, fp8, tmp_path):
+    """Rank 0 sends; with HSDP replicas the other rank gathers with it and sends nothing. For FP8 servers
+    (fp8_served_dtype) the matmul weights cross as the blocks the server would have computed."""
     from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
     from transformers import AutoModelForCausalLM
 
@@ -276,7 +278,8 @@ def test_trainer_broadcasts_each_step(parallel, tmp_path):
     write_rollouts(run, model_path, range(1, 3), num_prompts=2)
     init = f"tcp://127.0.0.1:{free_port()}"
     cfg = trainer_config(model_path=str(model_path), run_dir=str(run), max_steps=2, lr=1e-3,
-                         weight_sync={"mode": "broadcast", "init_method": init, "world_size": 2, "timeout_s": 60},
+                         weight_sync={"mode": "broadcast", "init_method": init, "world_size": 2, "timeout_s": 60,
+                                      "fp8_served_dtype": "float32" if fp8 else None},
                          parallel=parallel)
     proc = torchrun_trainer(cfg, tmp_path)
     try:
@@ -295,6 +298,14 @@ def test_trainer_broadcasts_each_step(parallel, tmp_path):
     load_checkpoint(latest_stable(run / "checkpoints")[1], model, torch.optim.AdamW(model.parameters()))
     sent = updates[-1][1]
     expected = model.hf.state_dict()
+    if fp8:
+        from primebuild.runtime.weight_sync.fp8_wire import quantise, quantised, scale_name
+
+        blocks = {k: quantise(k, v.to(torch.float32)) for k, v in expected.items() if quantised(k)}
+        assert blocks and all(sent.pop(scale_name(k)).equal(s) for k, (_, s) in blocks.items())
+        for k, (q, _) in blocks.items():
+            assert sent[k].view(torch.uint8).equal(q.view(torch.uint8)), k
+            sent[k] = expected[k]  # checked above, in its FP8 form
     assert set(sent) == set(expected)  # the tied head travels under its own name too (model.py says why)
     for k, v in sent.items():
         assert torch.equal(v, expected[k]), k

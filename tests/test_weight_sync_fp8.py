@@ -129,3 +129,16 @@ def test_quantise_matches_the_engines_blocks_on_full_and_partial_blocks():
         assert torch.equal(q[e].view(torch.uint8), engine.q.view(torch.uint8))
         assert engine.scales is None  # 200 rows: not block-aligned, so the engine keeps per-part scales only
         assert torch.equal(scales[e], torch.cat([quantise("x.weight", h)[1] for h in gate_up[e].split(200)]))
+
+
+@pytest.mark.parametrize(("manifest", "sets", "want"), [
+    ("reverse-text.yaml", ["weight_sync.mode=broadcast", "inference.precision=fp8"], "float32"),  # embedded, CPU
+    ("reverse-text.yaml", ["weight_sync.mode=broadcast"], None),  # fp32 servers: the weights cross as published
+    ("glm5.yaml", [], None),  # vLLM's fp8_per_block quantises at reload from bf16: bf16 crosses (docs/vllm.md)
+])
+def test_the_plan_asks_the_trainer_for_fp8_on_the_wire_only_for_servers_that_load_it(manifest, sets, want):
+    from conftest import MANIFESTS, plan_json
+
+    plan = plan_json(MANIFESTS / manifest, sets)
+    trainers = [p for p in plan["processes"] if p["role"] == "trainer"]
+    assert trainers and all(p["config"]["weight_sync"]["fp8_served_dtype"] == want for p in trainers)
