@@ -1,6 +1,7 @@
 """Weight broadcast: the trainer's weight sync (primebuild/runtime/weight_sync/broadcast.py) from rank 0 to
 every other rank, one process per rank, as the RL loop runs it between the trainer and vLLM, beside a raw
-broadcast of the same bytes in the same bucket sizes on the same ranks (a second process group).
+broadcast of the same bytes in the same bucket sizes on the same ranks (a second process group), the two
+alternating sync by sync (a load change on a shared machine hits both alike; delta's raw runs after).
 
     python bench/weight_broadcast.py                          # NCCL, one rank per visible GPU
     python bench/weight_broadcast.py --backend gloo --ranks 3 --gib 0.25    # on CPUs
@@ -8,7 +9,10 @@ broadcast of the same bytes in the same bucket sizes on the same ranks (a second
     python bench/weight_broadcast.py --backend gloo --ranks 3 --model bench/models/qwen3-120m.json \\
         --dtype bfloat16 --lr 1e-6 --repeats 3 --bucket-mib 16 --delta
 
-Payload: a state dict of bf16 tensors of `--tensor-mib` each, `--gib` in all (Qwen3-1.7B in bf16 is 3.4 GB);
+    # FP8 servers: the matmul weights cross block-quantised (bytes per sync: published vs wire)
+    python bench/weight_broadcast.py --backend gloo --ranks 3 --model bench/models/qwen3-120m.json --fp8
+
+Payload: a state dict of bf16 matrices of `--tensor-mib` each, `--gib` in all (Qwen3-1.7B in bf16 is 3.4 GB);
 or with `--model` (an HF folder, or a config.json / facts file for random weights) that model's weights in
 `--dtype`, trained between syncs by AdamW at `--lr` (fp32 master weights, a language-model loss on fixed
 random tokens), as the trainer publishes them. Per sync: full and wire bytes, and seconds from the moment
@@ -37,11 +41,12 @@ NOT_MEASURABLE = 3
 
 
 def synthetic(gib: float, tensor_mib: float) -> dict[str, torch.Tensor]:
-    per_tensor = max(1, int(tensor_mib * 2**20 / 2))  # bf16: 2 bytes per element
-    count = max(1, int(gib * 2**30 / (per_tensor * 2)))
+    """bf16 matrices [rows, 1024] named as decoder layers' projections (so `--fp8` quantises them)."""
+    rows = max(1, int(tensor_mib * 2**20 / 2 / 1024))  # bf16: 2 bytes per element
+    count = max(1, int(gib * 2**30 / (rows * 1024 * 2)))
     generator = torch.Generator().manual_seed(0)
-    return {f"layers.{i}.weight": torch.randn(per_tensor, generator=generator).to(torch.bfloat16)
-            for i in range(count)}
+    return {f"model.layers.{i}.mlp.down_proj.weight": (torch.randn(rows, 1024, generator=generator) * 0.02)
+            .to(torch.bfloat16) for i in range(count)}
 
 
 class TrainedModel:
@@ -86,21 +91,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def raw_broadcast(sizes: list[int], device: torch.device, repeats: int) -> list[float]:
-    """Seconds of plain broadcasts of buffers of `sizes` bytes, on the default group (every rank calls it)."""
+def raw_once(buffers: list[torch.Tensor], device: torch.device) -> float:
+    """Seconds of plain broadcasts of `buffers` on the default group (every rank calls it)."""
     import torch.distributed as dist
 
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for buffer in buffers:
+        dist.broadcast(buffer, src=0)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def raw_broadcast(sizes: list[int], device: torch.device, repeats: int) -> list[float]:
+    """Seconds of `repeats` raw broadcasts of buffers of `sizes` bytes, after a warm-up one."""
     buffers = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
-    seconds = []
-    for _ in range(repeats + 1):  # the first warms the transport up
-        _sync(device)
-        dist.barrier()
-        start = time.perf_counter()
-        for buffer in buffers:
-            dist.broadcast(buffer, src=0)
-        _sync(device)
-        seconds.append(time.perf_counter() - start)
-    return seconds[1:]
+    return [raw_once(buffers, device) for _ in range(repeats + 1)][1:]
 
 
 def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, int], results) -> None:
@@ -108,7 +115,7 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, int], results) 
 
     from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
     from primebuild.runtime.weight_sync.buckets import bucket_counts, bucket_sizes
-    from primebuild.runtime.weight_sync.stream import TensorSpec
+    from primebuild.runtime.weight_sync.stream import InMemoryWeights, TensorSpec
 
     torch.set_num_threads(args.threads)
     device = torch.device(f"cuda:{rank}" if args.backend == "nccl" else "cpu")
@@ -116,26 +123,53 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, int], results) 
         torch.cuda.set_device(rank)
     init = f"tcp://127.0.0.1:{ports[0]}"
     report: dict = {"rank": rank}
+    # raw's group (a second one, beside the sender's). Without delta, raw and ours alternate sync by sync,
+    # so that a change of load on a shared machine hits both alike; delta's raw runs after (its sizes are
+    # known only once its syncs were measured).
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank,
+                            world_size=args.ranks, timeout=timedelta(seconds=300))
+    interleaved = not args.delta
+    raw_seconds: list[float] = []
+
+    def on_the_wire(weights):  # --fp8: the trainer's FP8 wire format, quantised inside send() (timed)
+        if not args.fp8:
+            return weights
+        from primebuild.runtime.weight_sync.fp8_wire import Fp8Wire
+
+        return Fp8Wire(InMemoryWeights(weights), torch.float32)
+
     if rank == 0:
         model = TrainedModel(args.model, args.dtype, args.lr) if args.model else None
         weights = model.published() if model else synthetic(args.gib, args.tensor_mib)
+        layout = (on_the_wire(weights).layout if args.fp8
+                  else [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in weights.items()])
+        shared = [bucket_sizes(layout, bucket_counts(layout, max(1, int(args.bucket_mib * 2**20))))]
+    else:
+        shared = [None]
+    dist.broadcast_object_list(shared, src=0)
+    full_sizes = shared[0]
+    raw_buffers = [torch.zeros(n, dtype=torch.uint8, device=device) for n in full_sizes] if interleaved else []
+    if rank == 0:
         sender = BroadcastSender(init, args.ranks, backend=args.backend, device=device, bucket_mb=args.bucket_mib,
                                  delta=args.delta)
         syncs = []
         for step in range(args.syncs + 1):  # the first one warms the transport up (and is delta's full base)
-            stats = sender.send(weights, step)
-            syncs.append({"step": step, "full_bytes": stats.full_bytes, "wire_bytes": stats.wire_bytes,
+            stats = sender.send(on_the_wire(weights), step)
+            if interleaved:  # after ours: the receivers join the sender's group in their first announcement()
+                raw_seconds.append(raw_once(raw_buffers, device))
+            syncs.append({"step": step, "published_bytes": sum(t.nbytes for t in weights.values()),
+                          "full_bytes": stats.full_bytes, "wire_bytes": stats.wire_bytes,
                           "buckets": stats.buckets, "transfer_s": stats.transfer_s, "encodings": stats.encodings})
             if model and step < args.syncs:
                 model.step()
                 weights = model.published()
         sender.close()
-        report.update(syncs=syncs, digest=digest(weights))
-        layout = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in weights.items()]
-        sizes = bucket_sizes(layout, bucket_counts(layout, sender.bucket_bytes))
+        sent = on_the_wire(weights)
+        sent = dict(t for group in sent.groups() for t in group) if args.fp8 else sent
+        report.update(syncs=syncs, digest=digest(sent))
         wire = statistics.median(s["wire_bytes"] for s in syncs[1:])
-        scale = wire / sum(sizes)  # delta: the same buckets, each as much smaller as the syncs were
-        sizes = {"full": sizes, "wire": [max(1, int(n * scale)) for n in sizes]}
+        scale = wire / sum(full_sizes)  # delta: the same buckets, each as much smaller as the syncs were
+        wire_sizes = [max(1, int(n * scale)) for n in full_sizes]
     else:
         receiver = BroadcastReceiver(init, args.ranks, rank, backend=args.backend, device=device)
         served: dict[str, torch.Tensor] = {}
@@ -147,18 +181,23 @@ def _rank(rank: int, args: argparse.Namespace, ports: tuple[int, int], results) 
                 served[name].copy_(tensor)
 
         updates = 0
-        while (announced := receiver.announcement()) is not None:
-            receiver.pull(announced, load)
-            updates += 1
+        for _ in range(args.syncs + 1):
+            if receiver.pull(receiver.announcement(), load):
+                updates += 1
+            if interleaved:
+                raw_seconds.append(raw_once(raw_buffers, device))
+        if receiver.announcement() is not None:  # (tells the sender this receiver saw it close)
+            raise RuntimeError("the sender sent more updates than the bench asked for")
         report.update(updates=updates, digest=digest(served))
-        sizes = None
-    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank,
-                            world_size=args.ranks, timeout=timedelta(seconds=300))
-    shared = [sizes]
-    dist.broadcast_object_list(shared, src=0)
-    report["raw_seconds"] = raw_broadcast(shared[0]["wire"], device, args.repeats)
-    if args.delta:  # what sending every byte raw takes, the time delta has to beat
-        report["raw_full_seconds"] = raw_broadcast(shared[0]["full"], device, args.repeats)
+        wire_sizes = None
+    if interleaved:
+        report["raw_seconds"] = raw_seconds[1:]
+    else:
+        shared = [wire_sizes]
+        dist.broadcast_object_list(shared, src=0)
+        report["raw_seconds"] = raw_broadcast(shared[0], device, args.repeats)
+        # what sending every byte raw takes, the time delta has to beat
+        report["raw_full_seconds"] = raw_broadcast(full_sizes, device, args.repeats)
     dist.destroy_process_group()
     results.put(report)
 
@@ -175,13 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", help="the published dtype (--model)")
     parser.add_argument("--lr", type=float, default=1e-6, help="AdamW's learning rate between syncs (--model)")
     parser.add_argument("--delta", action="store_true", help="weight_sync.delta: only changed elements travel")
+    parser.add_argument("--fp8", action="store_true",
+                        help="FP8 servers: the matmul weights cross block-quantised (weight_sync/fp8_wire.py)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--out", type=Path, default=None, help="results JSON")
     args = parser.parse_args(argv)
     args.syncs = args.repeats
     if args.ranks is None:
         args.ranks = torch.cuda.device_count() if args.backend == "nccl" else 2
-    result: dict = {"backend": args.backend, "ranks": args.ranks, "bucket_mib": args.bucket_mib, "delta": args.delta}
+    result: dict = {"backend": args.backend, "ranks": args.ranks, "bucket_mib": args.bucket_mib, "delta": args.delta,
+                    "fp8": args.fp8}
     if args.model:
         result.update(model=args.model, dtype=args.dtype, lr=args.lr)
     if args.backend == "nccl" and (args.ranks < 2 or torch.cuda.device_count() < args.ranks):
@@ -210,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = statistics.median(sender["raw_seconds"])
     result.update({
         "payload_gb": sender["syncs"][0]["full_bytes"] / 1e9, "buckets": sender["syncs"][0]["buckets"],
+        # bytes per sync: as published (bf16 with --dtype bfloat16) and what crossed (fp8 with --fp8)
+        "published_bytes": sender["syncs"][0]["published_bytes"], "wire_bytes_per_sync": wire,
         "syncs": [{**s, "wire_fraction": round(s["wire_bytes"] / s["full_bytes"], 6)} for s in sender["syncs"]],
         "seconds": seconds, "gb_per_s": wire / 1e9 / statistics.median(seconds),
         "raw_seconds": sender["raw_seconds"], "raw_gb_per_s": wire / 1e9 / raw,

@@ -11,7 +11,7 @@ import torch
 from conftest import free_port
 
 from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
-from primebuild.runtime.weight_sync.buckets import ALIGN, bucket_counts
+from primebuild.runtime.weight_sync.buckets import ALIGN, bucket_counts, messages, offsets
 from primebuild.runtime.weight_sync.stream import TensorSpec
 
 
@@ -73,6 +73,18 @@ def test_buckets_keep_layers_whole_cut_big_layers_between_tensors_and_never_spli
     assert bucket_counts(layout, 8 * ALIGN) == [1, 4, 1, 1, 2, 1, 1]
     assert bucket_counts(layout, 100 * ALIGN) == [len(layout)]
     assert sum(bucket_counts(layout, 1)) == len(layout)  # tiny buckets: one tensor each
+
+
+def test_a_bucket_crosses_as_its_big_tensors_and_the_packed_runs_between_them():
+    layout = [TensorSpec("norm_a", torch.uint8, (10,)), TensorSpec("bias", torch.uint8, (70,)),
+              TensorSpec("big", torch.uint8, (1000,)), TensorSpec("big2", torch.uint8, (999,)),
+              TensorSpec("norm_b", torch.uint8, (5,))]
+    where, size = offsets(layout)
+    # big tensors (>= 999 bytes here) go alone, their padding unsent; small neighbours travel as one
+    assert messages(layout, direct_bytes=999) == [(0, 2, 0, where[2], False), (2, 3, where[2], where[2] + 1000, True),
+                                                  (3, 4, where[3], where[3] + 999, True), (4, 5, where[4], size, False)]
+    assert messages(layout, direct_bytes=10**6) == [(0, 5, 0, size, False)]  # all small: one packed message
+    assert messages([]) == []
 
 
 @pytest.mark.timeout(60)
@@ -324,9 +336,11 @@ def torchrun_trainer(cfg, tmp_path) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("parallel", [{}, {"dp_replicate": 2}], ids=["one-rank", "hsdp-2-replicas"])
-def test_trainer_broadcasts_each_step(parallel, tmp_path):
-    """Rank 0 sends; with HSDP replicas the other rank gathers with it and sends nothing."""
+@pytest.mark.parametrize(("parallel", "fp8"), [({}, False), ({"dp_replicate": 2}, False), ({}, True)],
+                         ids=["one-rank", "hsdp-2-replicas", "one-rank-fp8-wire"])
+def test_trainer_broadcasts_each_step(parallel, fp8, tmp_path):
+    """Rank 0 sends; with HSDP replicas the other rank gathers with it and sends nothing. For FP8 servers
+    (fp8_served_dtype) the matmul weights cross as the blocks the server would have computed."""
     from trainer_fixtures import make_tiny_model, trainer_config, write_rollouts
     from transformers import AutoModelForCausalLM
 
@@ -339,7 +353,8 @@ def test_trainer_broadcasts_each_step(parallel, tmp_path):
     write_rollouts(run, model_path, range(1, 3), num_prompts=2)
     init = f"tcp://127.0.0.1:{free_port()}"
     cfg = trainer_config(model_path=str(model_path), run_dir=str(run), max_steps=2, lr=1e-3,
-                         weight_sync={"mode": "broadcast", "init_method": init, "world_size": 2, "timeout_s": 60},
+                         weight_sync={"mode": "broadcast", "init_method": init, "world_size": 2, "timeout_s": 60,
+                                      "fp8_served_dtype": "float32" if fp8 else None},
                          parallel=parallel)
     proc = torchrun_trainer(cfg, tmp_path)
     try:
@@ -358,6 +373,14 @@ def test_trainer_broadcasts_each_step(parallel, tmp_path):
     load_checkpoint(latest_stable(run / "checkpoints")[1], model, torch.optim.AdamW(model.parameters()))
     sent = updates[-1][1]
     expected = model.hf.state_dict()
+    if fp8:
+        from primebuild.runtime.weight_sync.fp8_wire import quantise, quantised, scale_name
+
+        blocks = {k: quantise(k, v.to(torch.float32)) for k, v in expected.items() if quantised(k)}
+        assert blocks and all(sent.pop(scale_name(k)).equal(s) for k, (_, s) in blocks.items())
+        for k, (q, _) in blocks.items():
+            assert sent[k].view(torch.uint8).equal(q.view(torch.uint8)), k
+            sent[k] = expected[k]  # checked above, in its FP8 form
     assert set(sent) == set(expected)  # the tied head travels under its own name too (model.py says why)
     for k, v in sent.items():
         assert torch.equal(v, expected[k]), k

@@ -65,12 +65,22 @@ def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ..
     elif m.inference.disaggregation:
         processes.append(_vllm_router_process(m, processes, len(heads)))
     sync = (BroadcastSync(init_method=init_method, world_size=world, bucket_mb=m.weight_sync.bucket_mb,
-                          delta=m.weight_sync.delta) if broadcast else FilesystemSync())
+                          delta=m.weight_sync.delta, fp8_served_dtype=fp8_on_the_wire(m)) if broadcast
+            else FilesystemSync())
     if m.distill is not None:
         processes.append(_teacher_process(m, placement.orchestrator_node, len(heads)))
     processes += _trainer_processes(m, placement.trainer, sync, trainer_engine)
     processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers, sync, first_ranks))
     return processes
+
+
+def fp8_on_the_wire(m: Manifest) -> str | None:
+    """The dtype FP8 servers quantise from, when the weights can cross already in their FP8 format: the
+    embedded engine's (runtime/inference/server.py: fp32 on a CPU, bf16 on a GPU). vLLM's FP8 on a bf16
+    checkpoint (`fp8_per_block`) quantises online at every reload, from bf16 weights: it is sent bf16."""
+    if m.inference.precision != "fp8" or m.inference.engine != "embedded":
+        return None
+    return "float32" if m.hardware.gpu == "cpu" else "bfloat16"
 
 
 def receiving_workers(m: Manifest, rp: ReplicaPlacement) -> int:

@@ -34,6 +34,9 @@ class BroadcastSync(Contract):
     timeout_s: float = Field(600.0, gt=0)
     bucket_mb: float = Field(DEFAULT_BUCKET_MB, gt=0)  # the tensors travel in buckets of about this size
     delta: bool = False  # only the elements that changed since the previous sync (weight_sync/delta.py)
+    # FP8 servers (inference.precision: fp8, the embedded engine): the matmul weights cross already in the
+    # serving format, quantised from the weights rounded to this dtype as the servers would (weight_sync/fp8_wire.py)
+    fp8_served_dtype: Literal["float32", "bfloat16"] | None = None
 
 
 WeightSyncConfig = Annotated[FilesystemSync | BroadcastSync, Field(discriminator="mode")]

@@ -134,12 +134,23 @@ class BlockFp8Weight:
         parts = parts or (n,)
         if sum(parts) != n:
             raise ValueError(f"parts {parts} do not add up to the weight's {n} rows")
-        quantised = [quantize_blockwise(w) for w in weight.split(list(parts))]
+        self._hold([quantize_blockwise(w) for w in weight.split(list(parts))], weight.dtype)
+
+    @classmethod
+    def from_blocks(cls, quantised: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> BlockFp8Weight:
+        """A weight that arrived already quantised (FP8 on the wire): each part's (q, scales), the pairs
+        `__init__` would have computed from a weight of `dtype`."""
+        weight = cls.__new__(cls)
+        weight._hold(quantised, dtype)
+        return weight
+
+    def _hold(self, quantised: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> None:
         self.q = torch.cat([q for q, _ in quantised])
-        aligned = all(rows % BLOCK == 0 for rows in parts[:-1])
+        n, k = self.q.shape
+        aligned = all(q.shape[0] % BLOCK == 0 for q, _ in quantised[:-1])
         self.scales = torch.cat([sc for _, sc in quantised]) if aligned else None
-        self.fast = aligned and fast_path_available(weight.device, n, k)
-        dtype = weight.dtype if weight.dtype == torch.float64 else torch.float32
+        self.fast = aligned and fast_path_available(self.q.device, n, k)
+        dtype = dtype if dtype == torch.float64 else torch.float32
         self.dequantised = torch.cat([dequantize_blockwise(q, sc, dtype=dtype) for q, sc in quantised])
 
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

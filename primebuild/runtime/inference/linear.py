@@ -73,6 +73,15 @@ class Fp8Linear(Linear):
         self.fp8 = BlockFp8Weight(weight, parts)  # parts: the checkpoint weights fused here, each its own blocks
         super().__init__(self.fp8.dequantised.to(weight.dtype), bias)
 
+    @classmethod
+    def from_blocks(cls, quantised: list[tuple[torch.Tensor, torch.Tensor]], bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> Fp8Linear:
+        """From weights sent already in FP8 (weight_sync/fp8_wire.py): each part's (q, scales)."""
+        linear = cls.__new__(cls)
+        linear.fp8 = BlockFp8Weight.from_blocks(quantised, dtype)
+        Linear.__init__(linear, linear.fp8.dequantised.to(dtype), bias)
+        return linear
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8.fast:
             y = self.fp8.matmul(x)

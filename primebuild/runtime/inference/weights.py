@@ -22,7 +22,8 @@ import torch
 from safetensors import safe_open
 
 from primebuild.errors import Problem, UserError
-from primebuild.kernels.fp8 import BlockFp8Weight
+from primebuild.kernels.fp8 import FP8_DTYPE, BlockFp8Weight
+from primebuild.runtime.weight_sync.fp8_wire import scale_name, scale_shape, split_scales
 
 from .linear import ONEDNN_MAX_PACKED_BYTES, Fp8Linear, Linear, onednn_packing_available
 from .model_config import ModelConfig
@@ -139,6 +140,10 @@ class Reader:
 
     def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = self.source.get(key)
+        if tensor.dtype == FP8_DTYPE:
+            raise UserError(Problem(f"tensor {key!r} arrived in FP8, which this server does not serve",
+                                    file=str(self.source.folder),
+                                    hint="the trainer sends FP8 only to servers of inference.precision: fp8"))
         if tuple(tensor.shape) != shape:
             raise UserError(
                 Problem(
@@ -150,6 +155,33 @@ class Reader:
             raise UserError(Problem(f"tensor {key!r} has non-finite values (NaN or inf): refusing to serve them",
                                     file=str(self.source.folder)))
         return tensor.to(device=self.device, dtype=self.dtype)
+
+    def blocks(self, key: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A matmul weight sent already in the FP8 serving format (primebuild/runtime/weight_sync/fp8_wire.py):
+        (q, scales) on the served device; None when it came in a float dtype (then it is quantised here)."""
+        if not self.has(key) or self.source.get(key).dtype != FP8_DTYPE:
+            return None
+        q, scales = self.source.get(key), self.source.get(scale_name(key))
+        want = scale_shape(key, shape)
+        if tuple(q.shape) != shape or tuple(scales.shape) != want or scales.dtype != torch.float32:
+            raise UserError(Problem(f"FP8 tensor {key!r} {tuple(q.shape)} with scales {scales.dtype} "
+                                    f"{tuple(scales.shape)}: config.json implies {shape} with float32 {want}",
+                                    file=str(self.source.folder)))
+        if not torch.isfinite(scales).all():  # a NaN or inf weight quantises to a NaN or inf block scale
+            raise UserError(Problem(f"tensor {key!r} has non-finite block scales (NaN or inf weights): refusing "
+                                    "to serve them", file=str(self.source.folder)))
+        return q.to(self.device), scales.to(self.device)
+
+    def fp8_parts(self, keys: list[tuple[str, tuple[int, ...]]]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The FP8 blocks of checkpoint weights fused into one matmul (each its own part), or None when
+        they came in a float dtype."""
+        sent = [self.blocks(key, shape) for key, shape in keys]
+        if all(b is None for b in sent):
+            return None
+        if any(b is None for b in sent):
+            raise UserError(Problem(f"of {[k for k, _ in keys]} only some arrived in FP8",
+                                    file=str(self.source.folder)))
+        return sent
 
     def maybe(self, key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.get(key, shape) if self.has(key) else None
@@ -188,6 +220,14 @@ def _matmul(weight: torch.Tensor, bias: torch.Tensor | None = None, parts: tuple
     return Fp8Linear(weight, bias, parts) if fp8 else Linear(weight, bias)
 
 
+def _sent_fp8(read: Reader, keys: list[tuple[str, tuple[int, ...]]], bias: torch.Tensor | None,
+              fp8: bool) -> Fp8Linear | None:
+    """The matmul of `keys` (fused in this order) from FP8 blocks as sent, or None when they came in a
+    float dtype. FP8 blocks reaching a server that does not serve FP8 are refused (`Reader.get`)."""
+    sent = read.fp8_parts(keys) if fp8 else None
+    return None if sent is None else Fp8Linear.from_blocks(sent, bias, read.dtype)
+
+
 def load_layer(read: Reader, c: ModelConfig, i: int, fp8: bool) -> LayerWeights:
     """Decoder layer `i`: attention, then its dense MLP or its experts, with the norms folded in."""
     p = f"model.layers.{i}."
@@ -200,7 +240,7 @@ def load_layer(read: Reader, c: ModelConfig, i: int, fp8: bool) -> LayerWeights:
     if fp8:
         layer.input_scale, layer.post_scale = input_norm, post_norm
     if c.sparse_layers and c.sparse_layers[i]:
-        _load_experts(layer, p + "mlp.", c, read)
+        _load_experts(layer, p + "mlp.", c, read, fp8)
         _fold_experts(layer, c, fold_post, post_norm, fp8)
     else:
         _load_dense_mlp(layer, read, c, p, fold_post, fp8)
@@ -212,46 +252,46 @@ def _load_attention(read: Reader, c: ModelConfig, p: str, fold_input, fp8: bool)
     h, d = c.hidden_size, c.head_dim
     q_out, kv_out = c.num_heads * d, c.num_kv_heads * d
     q_bias = read.maybe(p + "self_attn.q_proj.bias", (q_out,)) if c.attention_bias else None
-    qkv_weight = torch.cat(  # folded in place: a layer loaded while the model is served holds one copy
-        [
-            read.get(p + "self_attn.q_proj.weight", (q_out, h)),
-            read.get(p + "self_attn.k_proj.weight", (kv_out, h)),
-            read.get(p + "self_attn.v_proj.weight", (kv_out, h)),
-        ]
-    ).mul_(fold_input)
     qkv_bias = None if q_bias is None else torch.cat(
         [q_bias, read.get(p + "self_attn.k_proj.bias", (kv_out,)), read.get(p + "self_attn.v_proj.bias", (kv_out,))]
     )
+    qkv_keys = [(p + "self_attn.q_proj.weight", (q_out, h)), (p + "self_attn.k_proj.weight", (kv_out, h)),
+                (p + "self_attn.v_proj.weight", (kv_out, h))]
+    qkv = _sent_fp8(read, qkv_keys, qkv_bias, fp8)
+    if qkv is None:  # folded in place: a layer loaded while the model is served holds one copy
+        qkv_weight = torch.cat([read.get(key, shape) for key, shape in qkv_keys]).mul_(fold_input)
+        qkv = _matmul(qkv_weight, qkv_bias, parts=(q_out, kv_out, kv_out), fp8=fp8)
+    o_key, o_bias = p + "self_attn.o_proj.weight", read.maybe(p + "self_attn.o_proj.bias", (h,)) if c.attention_bias else None
+    o_proj = _sent_fp8(read, [(o_key, (h, q_out))], o_bias, fp8) or _matmul(read.get(o_key, (h, q_out)), o_bias, fp8=fp8)
     return LayerWeights(
-        qkv=_matmul(qkv_weight, qkv_bias, parts=(q_out, kv_out, kv_out), fp8=fp8),
+        qkv=qkv,
         qk_norm=torch.cat(
             [
                 read.norm_weight(p + "self_attn.q_norm.weight", d, d**-0.5).expand(c.num_heads, d),
                 read.norm_weight(p + "self_attn.k_norm.weight", d).expand(c.num_kv_heads, d),
             ]
         ),
-        o_proj=_matmul(
-            read.get(p + "self_attn.o_proj.weight", (h, q_out)),
-            read.maybe(p + "self_attn.o_proj.bias", (h,)) if c.attention_bias else None,
-            fp8=fp8,
-        ),
+        o_proj=o_proj,
     )
 
 
 def _load_dense_mlp(layer: LayerWeights, read: Reader, c: ModelConfig, p: str, fold_post, fp8: bool) -> None:
     h, inter = c.hidden_size, c.intermediate_size
-    layer.gate_up = _matmul(
-        torch.cat([read.get(p + "mlp.gate_proj.weight", (inter, h)), read.get(p + "mlp.up_proj.weight", (inter, h))])
-        .mul_(fold_post),
+    gate_up_keys = [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h))]
+    layer.gate_up = _sent_fp8(read, gate_up_keys, None, fp8) or _matmul(
+        torch.cat([read.get(key, shape) for key, shape in gate_up_keys]).mul_(fold_post),
         parts=(inter, inter),
         fp8=fp8,
     )
-    layer.down = _matmul(read.get(p + "mlp.down_proj.weight", (h, inter)), fp8=fp8)
+    down_key = p + "mlp.down_proj.weight"
+    layer.down = _sent_fp8(read, [(down_key, (h, inter))], None, fp8) or _matmul(read.get(down_key, (h, inter)), fp8=fp8)
 
 
-def _load_experts(layer: LayerWeights, prefix: str, c: ModelConfig, read: Reader) -> None:
+def _load_experts(layer: LayerWeights, prefix: str, c: ModelConfig, read: Reader, fp8: bool) -> None:
     h, inter, n = c.hidden_size, c.moe_intermediate_size, c.num_experts
     layer.router = read.get(prefix + "gate.weight", (n, h))
+    if fp8 and _load_sent_experts(layer, prefix, c, read):
+        return
     if read.has(prefix + "experts.gate_up_proj"):  # transformers-5 fused layout
         layer.experts_gate_up = read.get(prefix + "experts.gate_up_proj", (n, 2 * inter, h))
         layer.experts_down = read.get(prefix + "experts.down_proj", (n, h, inter))
@@ -273,10 +313,39 @@ def _load_experts(layer: LayerWeights, prefix: str, c: ModelConfig, read: Reader
     )
 
 
+def _load_sent_experts(layer: LayerWeights, prefix: str, c: ModelConfig, read: Reader) -> bool:
+    """The experts from FP8 blocks as sent (fused 3-D parameters or one module per expert); False when
+    they came in a float dtype."""
+    h, inter, n, dtype = c.hidden_size, c.moe_intermediate_size, c.num_experts, read.dtype
+    fused_gate_up, fused_down = prefix + "experts.gate_up_proj", prefix + "experts.down_proj"
+    if read.has(fused_gate_up):
+        sent = read.fp8_parts([(fused_gate_up, (n, 2 * inter, h)), (fused_down, (n, h, inter))])
+        if sent is None:
+            return False
+        (gu_q, gu_s), (down_q, down_s) = sent
+        gate_up = [BlockFp8Weight.from_blocks(list(zip(gu_q[e].split([inter, inter]),
+                                                       split_scales(fused_gate_up, 2 * inter, gu_s[e]), strict=True)),
+                                              dtype) for e in range(n)]
+        down = [BlockFp8Weight.from_blocks([(down_q[e], down_s[e])], dtype) for e in range(n)]
+    else:
+        per_expert = [read.fp8_parts([(f"{prefix}experts.{e}.{m}_proj.weight", (h, inter) if m == "down" else (inter, h))
+                                      for m in ("gate", "up", "down")]) for e in range(n)]
+        if all(sent is None for sent in per_expert):
+            return False
+        if any(sent is None for sent in per_expert):
+            raise UserError(Problem(f"only some experts of {prefix} arrived in FP8", file=str(read.source.folder)))
+        gate_up = [BlockFp8Weight.from_blocks(sent[:2], dtype) for sent in per_expert]
+        down = [BlockFp8Weight.from_blocks(sent[2:], dtype) for sent in per_expert]
+    layer.experts_fp8 = (gate_up, down)
+    return True
+
+
 def _fold_experts(layer: LayerWeights, c: ModelConfig, fold_post, post_norm: torch.Tensor, fp8: bool) -> None:
     """The post-attention norm into the router and the experts' gate/up weights; with FP8 the experts'
     two matrices block-quantised instead (the norm then scales the activations)."""
     layer.router = layer.router * fold_post
+    if layer.experts_fp8 is not None:  # sent in FP8 (_load_sent_experts)
+        return
     if fp8:
         inter = c.moe_intermediate_size
         layer.experts_fp8 = ([BlockFp8Weight(w, (inter, inter)) for w in layer.experts_gate_up],

@@ -393,6 +393,11 @@ class WeightPublisher:
             return
         if self.weights is None:  # names and shapes do not change from step to step
             self.weights = model.published_weights(DTYPES[self.config.weight_dtype])
+            served = getattr(self.config.weight_sync, "fp8_served_dtype", None)
+            if served is not None and self.sender is not None:  # FP8 servers: the serving format crosses
+                from primebuild.runtime.weight_sync.fp8_wire import Fp8Wire
+
+                self.weights = Fp8Wire(self.weights, DTYPES[served])
         if not self.env.is_main:
             self.weights.drain()
         elif self.sender is not None and step <= self.sender.servers_hold:

@@ -21,13 +21,17 @@ One update, in bounded memory at both ends:
                announced again to a new generation. A receiver holds no weights before that: it loads
                each bucket into the served model as it arrives, so the server must not be serving meanwhile.
   3. buckets   after ``go`` = "send", per bucket over the generation's group, the tensors' raw bytes at
-               aligned offsets (any dtype, bf16 or fp8, travels the same way); with delta (delta.py) first
-               int64[tensors, 3] (encoding, changed elements, bytes), then the encoded bytes. A receiver
+               aligned offsets (any dtype, bf16 or fp8, travels the same way; fp8_wire.py sends FP8 servers
+               their serving format): one message per big tensor, straight from the sender's memory, and one
+               per run of small ones, packed (buckets.messages), all posted at once, so the wire never waits
+               for a packing copy or a round trip between them; the receiver posts the same messages into
+               views of its bucket buffer. With delta (delta.py) first int64[tensors, 3] (encoding, changed
+               elements, bytes), then the encoded bytes. A receiver
                holds one bucket while it loads it and, with prefetch, the next one arriving: at most two
                buckets of staging, never the model. A generation with a newcomer gets full tensors (delta
                restarts from them), so a joining server receives the whole current weights.
-The sender holds the layer group being streamed (stream.py), the bucket on the wire and the next one, which
-it packs meanwhile.
+The sender holds the layer group being streamed (stream.py) and the tensors of at most two buckets in flight
+(the one the receivers are taking and the next), plus the packed copies of their small tensors.
 
 The sender's restart (a trainer-only restart, primebuild/runtime/supervisor.py): the store dies with the
 trainer's rank 0, and the restarted rank 0 hosts a new one on the same port, under a new epoch. A receiver
@@ -52,7 +56,7 @@ import torch.distributed as dist
 from primebuild.contracts.trainer import DEFAULT_BUCKET_MB
 
 from . import delta as delta_codec
-from .buckets import aligned, bucket_counts, bucket_sizes, offsets
+from .buckets import aligned, bucket_counts, messages, offsets
 from .membership import (
     LIVENESS_POLL_S,
     POLL_S,
@@ -165,9 +169,7 @@ class BroadcastSender:
         self.backend = backend
         self.delta = delta
         self._previous: dict[str, torch.Tensor] = {}  # delta: the last sent tensors, on the host
-        self._in_flight = None  # the work of the bucket on the wire while the next one is packed
-        self._buffers: list[torch.Tensor] = []  # the two payload buffers of an update, used in turn
-        self._largest = 0  # the update's largest bucket: what each of them is sized for
+        self._in_flight: list = []  # the works of the bucket on the wire while the next one is posted
         self._abandoned = False
         self.last: SendStats | None = None
         self.generation = 0
@@ -265,15 +267,12 @@ class BroadcastSender:
         stats = SendStats(step=int(step), full_bytes=sum(s.nbytes for s in specs), wire_bytes=0,
                           buckets=len(counts), ready_wait_s=started - waited, transfer_s=0.0)
         tensors = in_layout_order(weights)
-        self._in_flight = None
-        self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self._largest = max(bucket_sizes(specs, counts), default=0)
+        self._in_flight = []
         for count in counts:
             bucket = [next(tensors) for _ in range(count)]
             stats.wire_bytes += self._send_delta(bucket, stats) if self.delta else self._send_full(bucket)
-            bucket = None  # the tensors are in the bucket's payload now
+            bucket = None  # the posted messages hold what they still need
         self._finish_in_flight()
-        self._buffers = []  # the sender keeps no buffer between updates
         if next(tensors, None) is not None:
             raise RuntimeError("weight stream: more tensors than its layout")
         stats.transfer_s = time.perf_counter() - started
@@ -310,23 +309,28 @@ class BroadcastSender:
         return "send"
 
     def _finish_in_flight(self) -> None:
-        if self._in_flight is not None:
-            self._in_flight.wait()
-            self._in_flight = None  # (a finished work still holds its payload)
+        for work in self._in_flight:
+            work.wait()
+        self._in_flight = []  # (a finished work still holds its payload)
 
     def _send_full(self, bucket: list[tuple[TensorSpec, torch.Tensor]]) -> int:
-        """Pack this bucket while the previous one is on the wire, then send it: two payload buffers,
-        used in turn for the whole update (allocated and paged in once, not per bucket)."""
-        where, size = offsets([spec for spec, _ in bucket])
-        spare = self._buffers.pop(0)
-        if spare.numel() < size:  # the first use: sized for the update's largest bucket
-            spare = torch.empty(self._largest, dtype=torch.uint8, device=self.device)  # padding is never read
-        payload = spare[:size]
-        self._buffers.append(spare)
-        for at, (spec, tensor) in zip(where, bucket, strict=True):
-            payload[at : at + spec.nbytes].copy_(_raw(tensor))
+        """Post this bucket's messages (buckets.messages): a big tensor straight from its own memory, a run
+        of small ones packed; then wait for the previous bucket's, so that at most two buckets are held
+        while the receivers take one and the wire carries the next."""
+        specs = [spec for spec, _ in bucket]
+        where, size = offsets(specs)
+        posted = []
+        for first, end, start, stop, direct in messages(specs):
+            if direct:
+                data = _raw(bucket[first][1].to(self.device))
+            else:  # padding between the packed tensors is never read
+                data = torch.empty(stop - start, dtype=torch.uint8, device=self.device)
+                for at, (spec, tensor) in zip(where[first:end], bucket[first:end], strict=True):
+                    data[at - start : at - start + spec.nbytes].copy_(_raw(tensor))
+            posted.append(_broadcast(self._group, data, wait=False))
+            data = None
         self._finish_in_flight()
-        self._in_flight = _broadcast(self._group, payload, wait=False)
+        self._in_flight = posted
         return size
 
     def _send_delta(self, bucket: list[tuple[TensorSpec, torch.Tensor]], stats: SendStats) -> int:
@@ -354,7 +358,7 @@ class BroadcastSender:
         self._finish_in_flight()
         _broadcast(self._group, header.to(self.device))
         if size:
-            self._in_flight = _broadcast(self._group, payload.to(self.device), wait=False)
+            self._in_flight = [_broadcast(self._group, payload.to(self.device), wait=False)]
         return size + header.numel() * 8
 
     def close(self) -> None:
@@ -517,20 +521,23 @@ class BroadcastReceiver:
         free: list[torch.Tensor] = []  # buffers no loader holds a view of any more: refilled, not reallocated
 
         def post(i: int):
-            size = layouts[i][2]
+            specs, _, size = layouts[i]
             spare = next((b for b in free if b.numel() >= size), None)
             if spare is None:
                 spare = torch.empty(largest, dtype=torch.uint8, device=self.device)
             else:
                 free.remove(spare)
             buffer = spare[:size]
-            return spare, buffer, _broadcast(self._group, buffer, wait=False)
+            works = [_broadcast(self._group, buffer[start:stop], wait=False)
+                     for _, _, start, stop, _ in messages(specs)]
+            return spare, buffer, works
 
         arriving = post(0) if layouts else None
         for i, (specs, where, _) in enumerate(layouts):
-            spare, buffer, work = arriving
-            work.wait()
-            arriving = work = None  # a finished work still holds its tensor: that would be a bucket more
+            spare, buffer, works = arriving
+            for work in works:
+                work.wait()
+            arriving = works = None  # a finished work still holds its tensor: that would be a bucket more
             arriving = post(i + 1) if prefetch and i + 1 < len(layouts) else None
             yield [(s.name, buffer[at : at + s.nbytes].view(s.dtype).reshape(s.shape))
                    for s, at in zip(specs, where, strict=True)]

@@ -20,6 +20,10 @@ LAYER = re.compile(r"^((?:.*\.)?layers\.\d+)\.")
 # Every tensor starts at a multiple of this in its bucket, so a receiver views each tensor in the bucket's
 # bytes (no copy) whatever its dtype; 64 is also a cache line.
 ALIGN = 64
+# A tensor of at least this many bytes crosses the wire as a message of its own, straight from the sender's
+# memory (no packing copy); smaller neighbours are packed into one message (one round of per-message
+# overhead for a layer's norms and biases, not one each).
+DIRECT_BYTES = 1 << 20
 
 
 def aligned(nbytes: int) -> int:
@@ -83,3 +87,24 @@ def bucket_sizes(specs: Sequence[TensorSpec], counts: Sequence[int]) -> list[int
         sizes.append(offsets(specs[at : at + count])[1])
         at += count
     return sizes
+
+
+def messages(specs: Sequence[TensorSpec], direct_bytes: int = DIRECT_BYTES) -> list[tuple[int, int, int, int, bool]]:
+    """How one bucket crosses the wire: (first tensor, end tensor, first byte, end byte, direct) per message,
+    in order, over the bucket's layout (`offsets`). A tensor of `direct_bytes` or more is a message of its
+    own (direct: sent from where it is, its padding not sent); a run of smaller ones is one message, packed
+    by the sender. Both ends compute this from the announced specs, so it never travels."""
+    where, size = offsets(specs)
+    out: list[tuple[int, int, int, int, bool]] = []
+    run = None  # the open run of small tensors: its first tensor
+    for i, spec in enumerate(specs):
+        if spec.nbytes >= direct_bytes:
+            if run is not None:
+                out.append((run, i, where[run], where[i], False))
+                run = None
+            out.append((i, i + 1, where[i], where[i] + spec.nbytes, True))
+        elif run is None:
+            run = i
+    if run is not None:
+        out.append((run, len(specs), where[run], size, False))
+    return out
