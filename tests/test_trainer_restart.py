@@ -187,12 +187,16 @@ def test_under_broadcast_the_servers_rejoin_the_restarted_trainers_weight_group(
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)  # a vLLM start costs minutes on a loaded 2-core machine
 def test_a_killed_trainer_restarts_beside_the_vllm_server_it_keeps(manifests: Path, tmp_path: Path):
-    """The same with vLLM serving (filesystem weight sync): the vLLM server process is never restarted,
-    it loads the retrained steps' folders (the same bytes, left in place), and every step trains once."""
+    """The same with vLLM serving, under broadcast weight sync (glm5's pairing; the filesystem mode's restart
+    is the embedded test's above, and a vLLM start is the costly part): the trainer's rank 0 hosted the
+    weight group's store and died with it. The vLLM server process is never restarted: its worker
+    reconnects to the restarted sender, registers with the step it holds, and loads every step after it;
+    every step trains once in the record, with identical values."""
     vllm_python()
     runs = tmp_path / "runs"
     steps = 7
     proc = _start(manifests, runs, "--set", f"orchestrator.max_steps={steps}", "--set", "orchestrator.eval_every=0",
+                  "--set", "weight_sync.mode=broadcast", "--set", f"weight_sync.port={free_port()}",
                   manifest="reverse-text-vllm.yaml")
     try:
         run_dir = _wait_for_trained(runs, 4, proc, timeout=900)
@@ -208,12 +212,20 @@ def test_a_killed_trainer_restarts_beside_the_vllm_server_it_keeps(manifests: Pa
     finally:
         if proc.poll() is None:
             proc.kill()
-    print(f"vLLM run: trainer SIGKILLed after step {trained_before} -> step {trained_before + 1} trained "
+    print(f"vLLM run (broadcast): trainer SIGKILLed after step {trained_before} -> step {trained_before + 1} trained "
           f"{recovered:.1f} s later (load average {os.getloadavg()[0]:.1f})")
     assert proc.returncode == 0, out
     assert "restarting the trainer (1/3)" in out, out
     _assert_retrained_identically(run_dir, steps, [trained_before])
-    assert "(restart 1)" not in (run_dir / "logs" / "inference-0.log").read_text()
+    log = (run_dir / "logs" / "inference-0.log").read_text()
+    assert "(restart 1)" not in log
+    assert "rejoined the weight sender of epoch" in log, log[-3000:]  # (the worker's lines: broadcast_engine.py)
+    after = log.split("rejoined the weight sender of epoch")[1]
+    held = int(after.split("holding step ")[1].split()[0])
+    loaded = [int(line.split("weights of step ")[1].split()[0]) for line in after.splitlines()
+              if "loaded the weights of step" in line]
+    # the server serves the restarted trainer's steps: each one after the step it held, up to the last
+    assert loaded == list(range(held + 1, steps + 1)), (held, loaded, log[-3000:])
     assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == steps
     assert processes_of(run_dir) == []
 

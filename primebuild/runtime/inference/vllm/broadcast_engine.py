@@ -30,6 +30,8 @@ Runs inside vLLM's worker process.
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,19 @@ from vllm.distributed.weight_transfer.base import (
 
 from primebuild.runtime.inference.vllm.expert_slice import keep_local, local_experts
 from primebuild.runtime.inference.weight_receiver import BroadcastClosed, BroadcastStage
+
+
+def _log_to_stderr() -> None:
+    """vLLM configures logging for its own `vllm` logger only: without a handler of ours, the receiver's
+    INFO lines (each step announced and loaded, the sender lost and rejoined) would never reach the
+    server's log; only warnings would, through Python's last-resort handler."""
+    ours = logging.getLogger("primebuild")
+    if not ours.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s [primebuild weight receiver] %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False  # one line each, should vLLM or a plugin configure the root logger too
 
 
 @dataclass
@@ -63,6 +78,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        _log_to_stderr()
         self.stage: BroadcastStage | None = None
         self.loaded_version: int | None = None
 
