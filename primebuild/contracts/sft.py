@@ -75,3 +75,39 @@ class ChatSFTConfig(Contract):
     env_version: str | None = None
     env_args: dict[str, Any] = Field(default_factory=dict)
     eval_n: int = Field(200, ge=0)
+
+
+class EnvSFTConfig(Contract):
+    """SFT of an environment's demonstrations on the RL trainer (primebuild/runtime/trainer/env_sft.py):
+    each step `batch_size` fresh tasks with their demonstrations (`task.answer`, or a whole episode for a
+    multi-turn environment), rendered as the orchestrator frames them, with the old loop's loss mask
+    (model turns and their `<eos>` are targets, prompts and environment replies are given), packed as
+    documents into rows of `micro_batch_tokens` over `ranks` FSDP2 ranks. The early stop is the old loop's:
+    rank 0 greedy-decodes `validation_n` fixed training-side tasks every `check_every` steps from
+    `min_steps` on and all ranks stop once their mean reward reaches `stop_at_reward`. `{model_path}` is
+    the placeholder the store build resolves (the key is the same on every machine)."""
+
+    kind: Literal["env-sft"] = "env-sft"
+    model_path: str = "{model_path}"
+    steps: int = Field(300, ge=1)
+    seed: int = 0
+    env_id: str = "reverse-text"
+    env_version: str | None = None
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    batch_size: int = Field(64, ge=1)  # tasks per optimizer step
+    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    micro_batch_tokens: int = Field(2048, ge=1)
+    ranks: int = Field(1, ge=1)
+    device: Literal["cpu", "cuda"] = "cpu"
+    logprob_chunk_tokens: int = Field(1024, ge=1)
+    num_threads: int = Field(1, ge=1)  # per rank: bit-reproducible, and the machine stays usable
+    eval_n: int = Field(200, ge=0)  # the finished model's greedy held-out reward (0: skipped)
+    eval_max_new_tokens: int = Field(16, ge=1)
+    eval_every: int = Field(0, ge=0)  # > 0: also the held-out reward every that many steps (rank 0)
+    stop_at_reward: float | None = Field(RL_START_REWARD, ge=0, le=1)
+    check_every: int = Field(2, ge=1)
+    min_steps: int = Field(60, ge=0)
+    validation_n: int = Field(200, ge=1)

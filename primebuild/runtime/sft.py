@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from primebuild.contracts.base import load_contract
-from primebuild.contracts.sft import ChatSFTConfig, SFTConfig
+from primebuild.contracts.sft import ChatSFTConfig, EnvSFTConfig, SFTConfig
 from primebuild.errors import UserError
 
 VALIDATION_SEED = 1_000_003  # validation tasks come from their own RNG: training data stay the same
@@ -173,10 +173,11 @@ def run_sft(config: SFTConfig, out_dir: str) -> dict:
     return metrics
 
 
-def run_chat_sft(config: ChatSFTConfig, out_dir: str, echo=print) -> dict:
-    """SFT of a chat dataset on the RL trainer (primebuild/runtime/trainer/sft.py), `config.ranks` torchrun
-    ranks on this host; then, with an environment, the finished model's greedy held-out reward.
-    The dataset is read and checked here first: a bad row is a located error before any rank starts."""
+def run_chat_sft(config: ChatSFTConfig | EnvSFTConfig, out_dir: str, echo=print) -> dict:
+    """SFT on the RL trainer (primebuild/runtime/trainer/sft.py), `config.ranks` torchrun ranks on this
+    host: of a chat dataset (then, with an environment, the finished model's greedy held-out reward), or
+    of an environment's demonstrations (EnvSFTConfig: the ranks evaluate and stop early themselves).
+    A dataset is read and checked here first: a bad row is a located error before any rank starts."""
     import subprocess
     import tempfile
 
@@ -184,7 +185,8 @@ def run_chat_sft(config: ChatSFTConfig, out_dir: str, echo=print) -> dict:
 
     if Path(out_dir).exists():
         raise UserError(f"{out_dir}: output folder already exists", hint="choose a new folder")
-    read_chats(config.dataset_path)
+    if isinstance(config, ChatSFTConfig):
+        read_chats(config.dataset_path)
     with tempfile.TemporaryDirectory(prefix="primebuild-sft-") as tmp:
         config_file, metrics_file = Path(tmp) / "sft.json", Path(tmp) / "metrics.json"
         config_file.write_text(config.model_dump_json())
@@ -207,7 +209,7 @@ def run_chat_sft(config: ChatSFTConfig, out_dir: str, echo=print) -> dict:
                 raise UserError(errors[0].removeprefix("error: ").strip())
             raise RuntimeError(f"SFT trainer ranks failed (exit {ranks.returncode}):\n{''.join(lines)[-4000:]}")
         metrics = json.loads(metrics_file.read_text())
-    if config.env_id and config.eval_n:
+    if isinstance(config, ChatSFTConfig) and config.env_id and config.eval_n:
         import torch
 
         from primebuild.runtime.envs.registry import load_environment
@@ -222,7 +224,7 @@ def run_chat_sft(config: ChatSFTConfig, out_dir: str, echo=print) -> dict:
     return metrics
 
 
-_RANK0_STEP = re.compile(r"\[sft rank 0\] step (\d+) (held-out )?")
+_RANK0_STEP = re.compile(r"\[sft rank 0\] step (\d+) (held-out |validation )?")
 
 
 def _progress_line(line: str) -> bool:
