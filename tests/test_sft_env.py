@@ -15,7 +15,7 @@ from primebuild.contracts.sft import EnvSFTConfig  # noqa: E402
 from primebuild.runtime.envs.framing import framing  # noqa: E402
 from primebuild.runtime.envs.registry import load_environment  # noqa: E402
 from primebuild.runtime.models.char_tokenizer import build_char_tokenizer  # noqa: E402
-from primebuild.runtime.sft import run_chat_sft  # noqa: E402
+from primebuild.runtime.sft import run_trainer_sft  # noqa: E402
 from primebuild.runtime.trainer.env_sft import demonstration_samples  # noqa: E402
 
 ENV_SFT_MANIFESTS = ["reverse-text-sft", "wordle-sft", "tool-use-sft", "swe-tiny-sft", "reverse-text-moe-sft"]
@@ -53,8 +53,8 @@ def test_targets_are_the_model_turns_and_their_eos_as_in_the_old_loop():
 def test_one_rank_and_two_fsdp_ranks_follow_the_same_loss_trajectory(char_model, tmp_path):
     common = dict(model_path=str(char_model), steps=4, batch_size=16, micro_batch_tokens=128, warmup_steps=2,
                   stop_at_reward=None, eval_n=0)
-    one = run_chat_sft(EnvSFTConfig(ranks=1, **common), str(tmp_path / "one"))  # in this process
-    two = run_chat_sft(EnvSFTConfig(ranks=2, **common), str(tmp_path / "two"))  # torchrun, gloo, FSDP2
+    one = run_trainer_sft(EnvSFTConfig(ranks=1, **common), str(tmp_path / "one"))  # in this process
+    two = run_trainer_sft(EnvSFTConfig(ranks=2, **common), str(tmp_path / "two"))  # torchrun, gloo, FSDP2
     assert one["ranks"] == 1 and two["ranks"] == 2 and one["steps"] == two["steps"] == 4
     assert one["loss_curve"] == pytest.approx(two["loss_curve"], rel=1e-5)
     assert one["loss_curve"][-1] < one["loss_curve"][0]  # it learns
@@ -72,10 +72,10 @@ def test_the_early_stop_is_rank_zeros_greedy_reward_and_every_rank_stops(char_mo
     common = dict(model_path=str(char_model), batch_size=8, micro_batch_tokens=256, min_steps=2, check_every=2,
                   validation_n=16, eval_n=20)
     # reachable at the first check: both ranks leave the loop at step 2 (a rank that went on would hang the run)
-    stopped = run_chat_sft(EnvSFTConfig(steps=50, stop_at_reward=0.0, ranks=2, **common), str(tmp_path / "stop"))
+    stopped = run_trainer_sft(EnvSFTConfig(steps=50, stop_at_reward=0.0, ranks=2, **common), str(tmp_path / "stop"))
     assert stopped["steps"] == 2 and stopped["validation_curve"] == [[2, stopped["validation_reward"]]]
     # unreachable: runs to the cap, every check recorded
-    capped = run_chat_sft(EnvSFTConfig(steps=5, stop_at_reward=1.0, **common), str(tmp_path / "cap"))
+    capped = run_trainer_sft(EnvSFTConfig(steps=5, stop_at_reward=1.0, **common), str(tmp_path / "cap"))
     assert capped["steps"] == 5 and [s for s, _ in capped["validation_curve"]] == [2, 4]
     assert 0.0 <= capped["validation_reward"] < 0.2
     # the folder written is the model that was scored
@@ -98,3 +98,38 @@ def test_the_environment_sft_manifests_plan_on_the_trainer(name):
     assert memory["breakdown"]["overhead"] >= 2 * 4 * plan["model"]["total_params"]
     assert memory["fits"]
     assert "demonstrations trains on the RL trainer" in json.dumps(plan["estimates"])
+
+
+def _weights(folder):
+    return (folder / "model.safetensors").read_bytes()
+
+
+def test_same_seed_same_weights_and_mid_run_evaluation_changes_nothing(char_model, tmp_path):
+    common = dict(model_path=str(char_model), steps=4, batch_size=8, micro_batch_tokens=256, warmup_steps=2,
+                  stop_at_reward=None, eval_n=0)
+    plain = run_trainer_sft(EnvSFTConfig(seed=5, **common), str(tmp_path / "plain"))
+    watched = run_trainer_sft(EnvSFTConfig(seed=5, **{**common, "eval_n": 10, "eval_every": 2}), str(tmp_path / "watched"))
+    run_trainer_sft(EnvSFTConfig(seed=6, **common), str(tmp_path / "other"))
+    assert [s for s, _ in watched["eval_curve"]] == [2]  # every 2 steps before the last; the last is eval_reward
+    assert watched["loss_curve"] == plain["loss_curve"] and plain["eval_reward"] is None
+    assert _weights(tmp_path / "plain") == _weights(tmp_path / "watched")  # greedy decoding draws no random numbers
+    assert _weights(tmp_path / "plain") != _weights(tmp_path / "other")
+
+
+def test_an_existing_output_folder_is_refused(char_model, tmp_path):
+    from primebuild.errors import UserError
+
+    (tmp_path / "out").mkdir()
+    with pytest.raises(UserError, match="already exists"):
+        run_trainer_sft(EnvSFTConfig(model_path=str(char_model), steps=1), str(tmp_path / "out"))
+
+
+@pytest.mark.slow
+def test_the_default_stop_lands_in_the_rl_band(char_model, tmp_path):
+    """The shipped recipe (reverse-text-sft.yaml's: stop at 0.77, batch 64, lr 1e-3, warm-up 50) on the
+    trainer: training-side validation reaches the stop, held-out lands where RL has signal."""
+    from primebuild.contracts.sft import RL_START_REWARD
+
+    metrics = run_trainer_sft(EnvSFTConfig(model_path=str(char_model)), str(tmp_path / "sft"))
+    assert metrics["steps"] < 300 and metrics["validation_reward"] >= RL_START_REWARD
+    assert 0.70 <= metrics["eval_reward"] <= 0.86  # held out: never used to decide when to stop

@@ -85,11 +85,11 @@ def output_of(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
         runnable = config.model_copy(update={"model_path": str(base.path)})
 
     def build(out: Path) -> None:
-        from primebuild.runtime.sft import run_chat_sft
+        from primebuild.runtime.sft import run_trainer_sft
 
         _no_progress_bars()
         model_dir = out / "model-staging"
-        result = run_chat_sft(runnable, str(model_dir), echo)
+        result = run_trainer_sft(runnable, str(model_dir), echo)
         _move_contents(model_dir, out)
         metrics.update(result)
         (out / "sft_metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))

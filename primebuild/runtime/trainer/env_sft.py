@@ -2,11 +2,11 @@
 
 The data source of the trainer's SFT (sft.py) for an environment instead of a chat dataset: each step
 every rank draws the same `batch_size` tasks and demonstrations from the same seeded RNG (as the old
-one-process loop, runtime/sft.py, drew them), frames them exactly as the orchestrator does
-(envs/framing.py) with the old loop's loss mask (runtime/sft.py `episode_ids`: model turns and their
-`<eos>` are targets; prompts and environment replies are given), and trains on its share of the packed
-rows. The loss is sft.py's: summed NLL of target tokens over the step's target-token count, which is
-the old loop's mean cross-entropy over completion tokens.
+retired one-process loop drew them), frames them exactly as the orchestrator does (envs/framing.py)
+with that loop's loss mask (`episode_ids`: model turns and their `<eos>` are targets; prompts and
+environment replies are given), and trains on its share of the packed rows. The loss is sft.py's:
+summed NLL of target tokens over the step's target-token count, which is the old loop's mean
+cross-entropy over completion tokens.
 
 Early stop: every `check_every` steps from `min_steps` on, the ranks gather the full weights, rank 0
 loads them into a transformers model it keeps (one extra fp32 copy of the weights, which the plan
@@ -36,14 +36,32 @@ from .teardown import ProcessGroups
 
 log = logging.getLogger("primebuild.sft")
 
-VALIDATION_SEED = 1_000_003  # the old loop's: the same fixed validation tasks
+VALIDATION_SEED = 1_000_003  # validation tasks come from their own RNG: training data stay the same
+
+
+def episode_ids(tokenizer, prompt_ids: list[int], segments, reply_ids) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one demonstration (primebuild/runtime/envs/base.py `demonstration`) after its prompt:
+    each model turn is encoded and followed by `<eos>` (the engines stop a turn there) and is a target
+    (mask 1); each environment segment is `reply_ids(previous model turn's ids, segment)`, as the
+    orchestrator frames it (envs/framing.py: plain text, or the chat template's rendering of messages),
+    and is not."""
+    from primebuild.runtime.envs.transcript import encode_reply
+
+    row, mask, sampled = list(prompt_ids), [0] * len(prompt_ids), []
+    for by_model, segment in segments:
+        if by_model:
+            ids = sampled = encode_reply(tokenizer, segment) + [tokenizer.eos_token_id]
+        else:
+            ids = reply_ids(sampled, segment)
+        row += ids
+        mask += [int(by_model)] * len(ids)
+    return row, mask
 
 
 def demonstration_samples(env, framed, tokenizer, tasks, rng: random.Random) -> list[Sample]:
     """The tasks' demonstrations as the trainer's documents: the first token is the prompt (never a
     target), the rest the completion with the old loop's mask."""
     from primebuild.runtime.envs.base import demonstration
-    from primebuild.runtime.sft import episode_ids
 
     samples = []
     for task in tasks:
