@@ -132,7 +132,6 @@ def test_environment_tokens_carry_zero_gradient(rollouts):
 def test_sft_learns_model_turns_only():
     """A demonstration's model turns (each ended by <eos>) are targets; the environment's replies are not."""
     from primebuild.runtime.models.char_tokenizer import build_char_tokenizer
-
     from primebuild.runtime.trainer.env_sft import episode_ids
 
     tokenizer = build_char_tokenizer()
