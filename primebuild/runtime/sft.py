@@ -112,6 +112,7 @@ _RANK0_STEP = re.compile(r"\[sft rank 0\] step (\d+) (held-out |validation )?")
 
 
 def _progress_line(line: str) -> bool:
-    """Rank 0's lines worth showing while the store builds: step 1, every 100th, each held-out loss."""
+    """Rank 0's lines worth showing while the store builds: step 1, every 100th, each held-out or validation
+    score."""
     match = _RANK0_STEP.search(line)
     return bool(match) and (match.group(2) is not None or int(match.group(1)) % 100 == 0 or match.group(1) == "1")
