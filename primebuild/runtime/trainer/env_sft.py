@@ -97,13 +97,30 @@ class GreedyJudge:
         missing, unexpected = self.copy.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if self.copy.config.tie_word_embeddings else set()
         if unexpected or set(missing) - tied:
-            raise RuntimeError(f"published weights do not fit the model: missing {missing}, unexpected {unexpected}")
-        if tied:
+            # checkpoint names that transformers fuses on load (Qwen3-MoE's per-expert projections):
+            # go through a folder, so its own loader converts them
+            self.copy = self._through_folder(state)
+        elif tied:
             self.copy.tie_weights()
         from primebuild.runtime.evaluate import evaluate_tasks
 
         value = evaluate_tasks(self.copy, self.tokenizer, self.environment, tasks, max_new_tokens=self.max_new_tokens)
         return _sum_over_ranks([value], self.env)[0]
+
+
+    def _through_folder(self, state: dict):
+        import tempfile
+
+        from transformers import AutoConfig
+
+        from primebuild.runtime.evaluate import load_hf_folder
+        from primebuild.runtime.weight_sync import filesystem as fs
+
+        with tempfile.TemporaryDirectory(prefix="primebuild-sft-judge-") as tmp:
+            fs.write_hf_folder(Path(tmp) / "model", state, AutoConfig.from_pretrained(self.config.model_path),
+                               self.config.model_path)
+            model, _ = load_hf_folder(Path(tmp) / "model")
+        return model
 
 
 def train_env_sft(config: EnvSFTConfig, out: Path, env: DistEnv, groups: ProcessGroups | None = None) -> dict:
