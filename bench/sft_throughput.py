@@ -19,7 +19,7 @@ from pathlib import Path
 from primebuild.contracts.sft import ChatSFTConfig
 from primebuild.runtime.models.chat_tokenizer import build_chat_tokenizer
 from primebuild.runtime.models.tiny import init_tiny_model, save_hf_folder, tiny_config_from_facts
-from primebuild.runtime.sft import run_chat_sft
+from primebuild.runtime.sft import run_trainer_sft
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def main() -> None:
             config = ChatSFTConfig(model_path=str(model), dataset_path=str(ROOT / "manifests/data/tool-use-chat.jsonl"),
                                    steps=args.steps, batch_size=16, lr=2e-3, warmup_steps=5, micro_batch_tokens=2048,
                                    ranks=ranks)
-            runs[ranks] = run_chat_sft(config, str(Path(tmp) / f"out-{ranks}"), echo=lambda _: None)
+            runs[ranks] = run_trainer_sft(config, str(Path(tmp) / f"out-{ranks}"), echo=lambda _: None)
     one, two = runs[1]["loss_curve"], runs[2]["loss_curve"]
     worst = max(abs(a - b) / abs(a) for a, b in zip(one, two, strict=True))
     print(f"{args.steps} steps, 16 chats/step, micro_batch_tokens 2048; loss 1 vs 2 ranks: max rel diff {worst:.2e}")

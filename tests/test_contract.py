@@ -138,7 +138,7 @@ def test_shipped_plans_hand_each_process_its_typed_config(path):
 def test_the_sft_plan_is_one_build_with_its_typed_config():
     loaded = load_manifest(MANIFESTS / "reverse-text-sft.yaml")
     plan = compile_plan(loaded).to_json()
-    assert plan["processes"] == [] and plan["build"]["builder"] == derivations.SFT_BUILDER
+    assert plan["processes"] == [] and plan["build"]["builder"] == derivations.SFT_ENV_BUILDER
     sft = loaded.manifest.sft
     config = plan["build"]["config"]
     assert (config["steps"], config["lr"], config["batch_size"], config["warmup_steps"], config["stop_at_reward"]) \
@@ -342,8 +342,8 @@ FIELDS: dict[str, list] = {
                 3.0),
         Refused(("environments=[{id: reverse-text}, {id: wordle, weight: 3}]",), base=SFT, field_path="environments")],
     "hardware.cpus_per_node": [Shapes(("hardware.cpus_per_node=8",), "processes", base=RL)],
-    "hardware.gpu": [Shapes(("hardware.gpu=h200",), "memory"), Refused(("hardware.gpu=h100", "hardware.gpus_per_node=8"),
-                                                                         base=SFT),
+    "hardware.gpu": [Shapes(("hardware.gpu=h200",), "memory"),
+                     Builds(build_config("device"), ("hardware.gpu=h100", "hardware.gpus_per_node=8"), "cuda", base=SFT),
                      Builds(build_config("device"), ("hardware.gpu=h100", "hardware.gpus_per_node=2"), "cuda",
                             base=CHAT_SFT)],
     "hardware.gpu_memory_gb": [Shapes(("hardware.gpu_memory_gb=120",), "memory"),
@@ -498,9 +498,10 @@ FIELDS: dict[str, list] = {
     "sft.dataset.eval_rows": [Builds(build_config("eval_rows"), ("sft.dataset.eval_rows=8",), 8, base=CHAT_SFT)],
     "sft.micro_batch_tokens": [Builds(build_config("micro_batch_tokens"), ("sft.micro_batch_tokens=512",), 512,
                                       base=CHAT_SFT),
-                               Refused(("sft.micro_batch_tokens=512",), base=SFT)],
+                               Builds(build_config("micro_batch_tokens"), ("sft.micro_batch_tokens=512",), 512,
+                                      base=SFT)],
     "sft.ranks": [Builds(build_config("ranks"), ("sft.ranks=1",), 1, base=CHAT_SFT),
-                  Refused(("sft.ranks=2",), base=SFT),
+                  Builds(build_config("ranks"), ("sft.ranks=2",), 2, base=SFT),
                   Refused(("hardware.gpu=h100", "hardware.gpus_per_node=1"), base=CHAT_SFT, field_path="sft.ranks")],
     # the teacher's server is a process of its own, with its memory (its folder is resolved at start)
     "distill.teacher.from_manifest": [

@@ -22,7 +22,6 @@ from primebuild.runtime.envs.transcript import encode_prompt, encode_reply
 from primebuild.runtime.models.tiny import build_tiny_model
 from primebuild.runtime.orchestrator.client import InferenceClient
 from primebuild.runtime.orchestrator.rollout import RolloutRunner
-from primebuild.runtime.sft import encode_batch
 from primebuild.runtime.trainer.batch import pack
 from primebuild.runtime.trainer.losses import resolve_loss
 from primebuild.runtime.trainer.model import DistEnv, load_model
@@ -133,13 +132,14 @@ def test_environment_tokens_carry_zero_gradient(rollouts):
 def test_sft_learns_model_turns_only():
     """A demonstration's model turns (each ended by <eos>) are targets; the environment's replies are not."""
     from primebuild.runtime.models.char_tokenizer import build_char_tokenizer
+    from primebuild.runtime.trainer.env_sft import episode_ids
 
     tokenizer = build_char_tokenizer()
-    ids, mask = encode_batch(tokenizer, [">"], [[(MODEL, "ab"), (ENVIRONMENT, "zx>"), (MODEL, "ba")]])
+    ids, mask = episode_ids(tokenizer, encode_prompt(tokenizer, ">"), [(MODEL, "ab"), (ENVIRONMENT, "zx>"), (MODEL, "ba")],
+                            lambda sampled, text: encode_reply(tokenizer, text))
     bos, sep, eos, a, b, x, z = 1, 30, 2, 4, 5, 27, 29
-    assert ids[0].tolist() == [bos, sep, a, b, eos, z, x, sep, b, a, eos]
-    targets = [tok for tok, m in zip(ids[0, 1:].tolist(), mask[0].tolist(), strict=True) if m]
-    assert targets == [a, b, eos, b, a, eos]
+    assert ids == [bos, sep, a, b, eos, z, x, sep, b, a, eos]
+    assert [tok for tok, m in zip(ids, mask, strict=True) if m] == [a, b, eos, b, a, eos]
 
 
 def test_sampling_requests_wait_in_lanes_of_few_connections():

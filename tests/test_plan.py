@@ -66,7 +66,7 @@ def test_plan_shape_and_hash(plans, name):
     json.loads(render_json(plan), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     # start order: inference, then trainer, then orchestrator
     if name == "reverse-text-sft":  # a build, not processes
-        assert plan["processes"] == [] and plan["build"]["config"]["kind"] == "sft"
+        assert plan["processes"] == [] and plan["build"]["config"]["kind"] == "env-sft"
         return
     order = {p["role"]: p["start_order"] for p in plan["processes"]}
     assert max(v for k, v in order.items() if k in ("inference", "prefill", "decode")) < order["trainer"] \

@@ -13,7 +13,7 @@ from primebuild.builders.chat_dataset import read_chats  # noqa: E402
 from primebuild.contracts.sft import ChatSFTConfig  # noqa: E402
 from primebuild.errors import UserError  # noqa: E402
 from primebuild.runtime.models.chat_tokenizer import build_chat_tokenizer  # noqa: E402
-from primebuild.runtime.sft import run_chat_sft  # noqa: E402
+from primebuild.runtime.sft import run_trainer_sft  # noqa: E402
 from primebuild.runtime.trainer.sft import encode_chat  # noqa: E402
 
 TWO_TURNS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
@@ -95,8 +95,8 @@ def test_one_rank_and_two_fsdp_ranks_follow_the_same_loss_trajectory(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", reversal_rows(40))
     common = dict(model_path=str(model), dataset_path=data, steps=4, batch_size=8, lr=3e-3,
                   micro_batch_tokens=96, eval_rows=8, eval_every=2)
-    one = run_chat_sft(ChatSFTConfig(ranks=1, **common), str(tmp_path / "one"))
-    two = run_chat_sft(ChatSFTConfig(ranks=2, **common), str(tmp_path / "two"))
+    one = run_trainer_sft(ChatSFTConfig(ranks=1, **common), str(tmp_path / "one"))
+    two = run_trainer_sft(ChatSFTConfig(ranks=2, **common), str(tmp_path / "two"))
     assert one["ranks"] == 1 and two["ranks"] == 2
     assert one["loss_curve"] == pytest.approx(two["loss_curve"], rel=1e-5)
     assert [s for s, _ in one["eval_loss_curve"]] == [2, 4]
@@ -114,7 +114,7 @@ def test_a_bad_row_stops_the_run_before_any_rank_starts(tmp_path):
     model = chat_model(tmp_path / "base")
     data = write_jsonl(tmp_path / "d.jsonl", reversal_rows(3) + ['{"messages": "hi"}'])
     with pytest.raises(UserError, match=r"d.jsonl:4: line 4 is not a chat"):
-        run_chat_sft(ChatSFTConfig(model_path=str(model), dataset_path=data), str(tmp_path / "out"))
+        run_trainer_sft(ChatSFTConfig(model_path=str(model), dataset_path=data), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 

@@ -15,7 +15,7 @@ from primebuild.runtime.envs.framing import ChatEnvironment, framing
 from primebuild.runtime.envs.tool_lookup import UNKNOWN, ToolLookupEnv, is_eval_row, tool_call
 from primebuild.runtime.models.chat_tokenizer import build_chat_tokenizer
 from primebuild.runtime.rollout_file import load_batch
-from primebuild.runtime.sft import episode_ids
+from primebuild.runtime.trainer.env_sft import episode_ids
 
 
 def play(env, task, turns):

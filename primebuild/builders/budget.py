@@ -174,7 +174,8 @@ def _trainer_memory(m: Manifest, f: ModelFacts, capacity: int, dp_shard: int):
 def sft_trainer_memory(m: Manifest, f: ModelFacts, config) -> tuple[dict[str, GroupMemory], list[Problem]]:
     """The SFT build's ranks (primebuild/runtime/trainer/sft.py): the RL trainer's memory model for what
     they run: fp32 weights, gradients and AdamW state sharded over `ranks` (FSDP2), no activation
-    checkpointing, one packed row of `micro_batch_tokens` at a time, log-probs in chunks."""
+    checkpointing, one packed row of `micro_batch_tokens` at a time, log-probs in chunks; for an
+    environment's SFT, rank 0's greedy-validation copy of the weights (host memory)."""
     hw = m.hardware
     cpu = hw.gpu == "cpu"
     capacity = int(hw.host_memory_gb * GIB) if cpu else (
@@ -185,10 +186,17 @@ def sft_trainer_memory(m: Manifest, f: ModelFacts, config) -> tuple[dict[str, Gr
         seq_len=config.micro_batch_tokens, gpu_memory_bytes=capacity, activation_dtype="fp32",
         logits_chunk_tokens=config.logprob_chunk_tokens, overhead_bytes=CPU_PROCESS_OVERHEAD if cpu else None,
         activation_factor=CPU_EAGER_ACTIVATION_FACTOR if cpu else HF_EAGER_ACTIVATION_FACTOR)
-    breakdown = TrainerBreakdown(**{k: getattr(tmem, k) for k in TrainerBreakdown.model_fields})
-    used = tmem.total * (config.ranks if cpu else 1)  # CPU ranks share the host; GPU ranks have one GPU each
-    memory = {"sft-trainer": TrainerGroupMemory(  # per rank, as the plan shows every group
-        role="sft-trainer", capacity_bytes=capacity, budget_bytes=capacity, used_bytes=tmem.total,
+    # An environment's SFT (EnvSFTConfig): rank 0 keeps a transformers copy of the full fp32 weights for
+    # the greedy validation and gathers a second one to refresh it (runtime/trainer/env_sft.py GreedyJudge);
+    # it lives in host memory on either device.
+    judge = 2 * sum(weight_bytes(f, "fp32")) if getattr(config, "kind", "") == "env-sft" else 0
+    parts = {k: getattr(tmem, k) for k in TrainerBreakdown.model_fields}
+    parts["overhead"] += judge if cpu else 0
+    breakdown = TrainerBreakdown(**parts)
+    rank0 = tmem.total + (judge if cpu else 0)
+    used = tmem.total * (config.ranks if cpu else 1) + (judge if cpu else 0)  # CPU ranks share the host
+    memory = {"sft-trainer": TrainerGroupMemory(  # rank 0, as the plan shows every group
+        role="sft-trainer", capacity_bytes=capacity, budget_bytes=capacity, used_bytes=rank0,
         free_bytes=capacity - used, fits=used <= capacity, breakdown=breakdown, host_offload_bytes_per_gpu=0,
         tokens_per_gpu=tmem.tokens_per_gpu)}
     problems = []

@@ -430,17 +430,14 @@ SFT_SECTIONS = {"apiVersion", "kind", "name", "description", "seed", "model", "h
 
 
 def _sft_only(m: Manifest) -> Iterator[Refusal]:
-    """SFT is a store build: an environment's demonstrations in the primebuild process (CPU, one thread),
-    or a chat dataset on the RL trainer's ranks on this host (CPU over gloo, or its GPUs); fp32 weights."""
+    """SFT is a store build on the RL trainer's ranks on this host (CPU over gloo, or its GPUs), of an
+    environment's demonstrations or of a chat dataset; fp32 weights."""
     for section in sorted(m.model_fields_set - SFT_SECTIONS):
         yield Refusal(section, "an sft: manifest builds a model in one process; this section configures an RL run "
                       "and has no effect here", "remove it (the RL manifest that starts from this model has its own)")
     if len(m.environments) > 1:
         yield Refusal("environments", "SFT trains on (or is scored by) one environment", "list one environment")
-    if m.sft.dataset is None:
-        yield from _sft_env_loop(m)
-    else:
-        yield from _sft_on_trainer(m)
+    yield from _sft_on_trainer(m)
     if m.model.dtype != "float32":
         yield Refusal("model.dtype", "SFT trains and saves float32 weights", "use dtype: float32")
     if m.target.kind != "local":
@@ -450,21 +447,9 @@ def _sft_only(m: Manifest) -> Iterator[Refusal]:
     yield from _target(m)
 
 
-def _sft_env_loop(m: Manifest) -> Iterator[Refusal]:
-    """The environment-demonstration loop (runtime/sft.py) stays in the primebuild process: the RL warm
-    starts shipped here (reverse-text's, wordle's, ...) are calibrated on it (contracts/sft.py)."""
-    if m.hardware.gpu != "cpu":
-        yield Refusal("hardware.gpu", "SFT on an environment's demonstrations runs in the primebuild process on "
-                      "the CPU", "use gpu: cpu, or give sft.dataset (a chat dataset trains on the RL trainer's GPUs)")
-    for name, set_value in (("micro_batch_tokens", m.sft.micro_batch_tokens is not None), ("ranks", m.sft.ranks > 1)):
-        if set_value:
-            yield Refusal(f"sft.{name}", "only the chat-dataset SFT runs on the trainer's ranks and packs rows",
-                          f"remove sft.{name}, or give sft.dataset")
-
-
 def _sft_on_trainer(m: Manifest) -> Iterator[Refusal]:
-    """A chat dataset trains on the RL trainer's ranks, all on one host; it stops after `steps`."""
-    if m.sft.stop_at_reward is not None:
+    """Both SFTs train on the RL trainer's ranks, all on one host; a chat dataset's stops after `steps`."""
+    if m.sft.dataset is not None and m.sft.stop_at_reward is not None:
         yield Refusal("sft.stop_at_reward", "the chat-dataset SFT trains exactly sft.steps steps (its evaluation "
                       "is the held-out loss and, at the end, the environment's reward)", "remove stop_at_reward")
     if m.hardware.nodes > 1:

@@ -5,10 +5,11 @@ that holds the output. `primebuild lock` records keys without building anything;
 (primebuild/runtime/derivations.py) builds or reuses the entry under the same key. Nothing else computes a key.
 
 - `init: random` -> builder random-init: the architecture facts, the tokenizer kind and the seed.
-- an `sft:` manifest -> builder sft: the exact SFTConfig the trainer reads, plus the store entry (or
-  folder) of the model it starts from. A change to anything the SFT run reads rebuilds; editing a
-  comment or the description does not. With `sft.dataset`, builder sft-chat: the ChatSFTConfig of the
-  RL trainer's SFT, the dataset entering by its sha256 (not its path: the key is the same on every machine).
+- an `sft:` manifest -> builder sft-env: the exact EnvSFTConfig the RL trainer's SFT reads (the
+  environment's demonstrations), plus the store entry (or folder) of the model it starts from. A change
+  to anything the SFT run reads rebuilds; editing a comment or the description does not. With
+  `sft.dataset`, builder sft-chat: the ChatSFTConfig, the dataset entering by its sha256 (not its path:
+  the key is the same on every machine).
 - an `hf:` model's config files -> builder hf-configs: the repository, the commit and each file's sha256
   (`primebuild lock` fetches them, `plan` reads config.json back: primebuild/builders/hf_configs.py).
 """
@@ -22,13 +23,13 @@ from typing import Any
 
 from primebuild.builders.model_ref import facts_file
 from primebuild.builders.store import store_key
-from primebuild.contracts.sft import ChatSFTConfig, SFTConfig
+from primebuild.contracts.sft import ChatSFTConfig, EnvSFTConfig
 from primebuild.errors import UserError
 from primebuild.manifest.load import LoadedManifest
 
 # Bump when what a builder writes changes: the store key must change with it.
 RANDOM_INIT_BUILDER = "random-init/1"
-SFT_BUILDER = "sft/2"  # 2: keyed by the SFTConfig it runs, not by the whole manifest
+SFT_ENV_BUILDER = "sft-env/1"  # the RL trainer's SFT of environment demonstrations (was sft/2: the one-process loop)
 SFT_CHAT_BUILDER = "sft-chat/1"
 DEFAULT_SFT_MICRO_BATCH_TOKENS = 2048
 HF_CONFIGS_BUILDER = "hf-configs/1"
@@ -53,7 +54,7 @@ def random_init(loaded: LoadedManifest) -> Derivation:
                                          "seed": m.seed})
 
 
-def sft_config(loaded: LoadedManifest) -> SFTConfig | ChatSFTConfig:
+def sft_config(loaded: LoadedManifest) -> EnvSFTConfig | ChatSFTConfig:
     """What the SFT run of an `sft:` manifest reads; it starts from the folder `{model_path}`."""
     m = loaded.manifest
     if m.sft is None:
@@ -63,9 +64,11 @@ def sft_config(loaded: LoadedManifest) -> SFTConfig | ChatSFTConfig:
     version = None if env.version == "latest" else env.version
     if m.sft.dataset is not None:
         return chat_sft_config(loaded)
-    return SFTConfig(steps=m.sft.steps, seed=m.seed, env_id=env.id, env_version=version, env_args=dict(env.args),
-                     init_model_dir="{model_path}", lr=m.sft.lr, warmup_steps=m.sft.warmup_steps,
-                     batch_size=m.sft.batch_size, stop_at_reward=m.sft.stop_at_reward, eval_every=m.sft.eval_every)
+    return EnvSFTConfig(steps=m.sft.steps, seed=m.seed, env_id=env.id, env_version=version, env_args=dict(env.args),
+                        lr=m.sft.lr, warmup_steps=m.sft.warmup_steps, batch_size=m.sft.batch_size,
+                        stop_at_reward=m.sft.stop_at_reward, eval_every=m.sft.eval_every, ranks=m.sft.ranks,
+                        micro_batch_tokens=m.sft.micro_batch_tokens or DEFAULT_SFT_MICRO_BATCH_TOKENS,
+                        device="cpu" if m.hardware.gpu == "cpu" else "cuda")
 
 
 def dataset_file(loaded: LoadedManifest):
@@ -97,7 +100,7 @@ def chat_sft_config(loaded: LoadedManifest) -> ChatSFTConfig:
 def sft(loaded: LoadedManifest, base: str) -> Derivation:
     """`base`: the store key of the model the SFT run starts from (or a folder outside the store)."""
     config = sft_config(loaded)
-    builder = SFT_CHAT_BUILDER if isinstance(config, ChatSFTConfig) else SFT_BUILDER
+    builder = SFT_CHAT_BUILDER if isinstance(config, ChatSFTConfig) else SFT_ENV_BUILDER
     return Derivation(loaded.manifest.name, {"builder": builder, "config": config.model_dump(mode="json"),
                                              "base": base})
 

@@ -104,20 +104,25 @@ def _sft_plan(loaded: LoadedManifest, facts: ModelFacts, lock: dict | None, refu
     (primebuild/runtime/derivations.py); the plan shows what that build reads."""
     m = loaded.manifest
     config = derivations.sft_config(loaded)
-    if m.sft.dataset is None:
-        build = BuildSpec(builder=derivations.SFT_BUILDER, output=m.name, config=config)
-        estimates = Estimates(summary=["SFT trains in the primebuild process (a store build): measured, not modelled"])
-        return _plan(loaded, facts, lock, [], _node_map(m, []), {}, estimates, [], refused, build)
-    # a chat dataset trains on the RL trainer: its ranks' memory is the trainer's memory model
+    # a chat dataset and an environment's demonstrations both train on the RL trainer: its ranks' memory
+    # is the trainer's memory model
     problems = [Problem(f"the SFT trainer is torchtitan's: {gap}", field="model") for gap in titan_gaps(facts.model_type)]
     memory, memory_problems = budget.sft_trainer_memory(m, facts, config)
     if problems + memory_problems:
         raise UserError([_locate(loaded, p) for p in problems + memory_problems])
-    build = BuildSpec(builder=derivations.SFT_CHAT_BUILDER, output=m.name, config=config)
-    where = "CPU processes over gloo" if config.device == "cpu" else "GPUs"
-    estimates = Estimates(summary=[f"SFT trains on the RL trainer (a store build): {config.ranks} torchrun rank(s) on "
-                                   f"{where}, FSDP2, rows of {config.micro_batch_tokens} packed tokens; time measured, "
-                                   "not modelled"])
+    chat = m.sft.dataset is not None
+    build = BuildSpec(builder=derivations.SFT_CHAT_BUILDER if chat else derivations.SFT_ENV_BUILDER, output=m.name,
+                      config=config)
+    if config.device == "cpu" and config.ranks == 1 and not chat:
+        where = "1 rank in the primebuild process (CPU)"
+    else:
+        where = f"{config.ranks} torchrun rank(s) on " + ("CPU processes over gloo" if config.device == "cpu" else "GPUs")
+    data = f"chats of {m.sft.dataset.path}" if chat else f"{config.env_id}'s demonstrations"
+    stop = "" if chat or config.stop_at_reward is None else (
+        f"; stops once rank 0's greedy reward on {config.validation_n} training-side tasks reaches "
+        f"{config.stop_at_reward} (checked every {config.check_every} steps from step {config.min_steps})")
+    estimates = Estimates(summary=[f"SFT of {data} trains on the RL trainer (a store build): {where}, FSDP2, rows of "
+                                   f"{config.micro_batch_tokens} packed tokens{stop}; time measured, not modelled"])
     return _plan(loaded, facts, lock, [], _node_map(m, []), memory, estimates, [], refused, build)
 
 

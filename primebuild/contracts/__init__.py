@@ -8,7 +8,7 @@ Every class here is one contract between two sides that must not drift apart:
 | `orchestrator` | primebuild/builders/processes.py           | primebuild/runtime/orchestrator/main.py                               |
 | `inference`    | primebuild/builders/processes.py           | primebuild/runtime/inference/server.py                                |
 | `router`       | primebuild/builders/processes.py           | primebuild/runtime/inference/router.py (P/D)                          |
-| `sft`          | primebuild/builders/derivations.py         | primebuild/runtime/sft.py (through primebuild/runtime/derivations.py) |
+| `sft`          | primebuild/builders/derivations.py         | primebuild/runtime/trainer/env_sft.py, trainer/sft.py (through primebuild/runtime/derivations.py) |
 | `plan`         | primebuild/builders/plan.py                | worker, supervisor, run/status/replay/diff                            |
 | `run_dir`      | every process of a run, targets            | every process of a run, and the CLI                                   |
 | `render`       | the CLI (`render`), the targets            | primebuild/builders/render/ (the cluster artifacts)                   |

@@ -29,7 +29,7 @@ from primebuild.contracts.memory import GroupMemory
 from primebuild.contracts.model_ref import ModelRef
 from primebuild.contracts.orchestrator import OrchestratorConfig
 from primebuild.contracts.router import DecodeServer, RouterConfig, VllmRouterConfig  # noqa: F401  (DecodeServer: re-export)
-from primebuild.contracts.sft import ChatSFTConfig, SFTConfig
+from primebuild.contracts.sft import ChatSFTConfig, EnvSFTConfig
 from primebuild.contracts.trainer import TrainerConfig
 from primebuild.errors import UserError
 from primebuild.hashing import canonical_json, sha256_json
@@ -103,7 +103,7 @@ class BuildSpec(Contract):
 
     builder: str  # builder id and version, part of the store key (primebuild/builders/derivations.py)
     output: str  # the store entry's name
-    config: SFTConfig | ChatSFTConfig  # the two have different `kind`s and keys, so the JSON says which
+    config: EnvSFTConfig | ChatSFTConfig  # the two have different `kind`s and keys, so the JSON says which
 
 
 class Unsupported(Contract):

@@ -397,9 +397,10 @@ class SFTDataset(Strict):
 class SFT(Strict):
     """Supervised warm-start training (used by a manifest whose output model another one consumes).
 
-    Without `dataset` the model imitates the environment's demonstrations in the primebuild process (one
-    CPU thread). With `dataset` it trains on the chat dataset on the RL trainer (torchtitan, FSDP2 over
-    `ranks` torchrun ranks, packed documents), the loss on assistant tokens only."""
+    Both train on the RL trainer (torchtitan, FSDP2 over `ranks` ranks, packed documents). Without
+    `dataset` the model imitates the first environment's demonstrations (model turns are learned, prompts
+    and environment replies given), optionally until a greedy reward; with `dataset` it trains on the chat
+    dataset, the loss on assistant tokens only."""
 
     steps: PositiveInt = Field(300, le=10_000_000, description="Step cap (exact count without stop_at_reward).")
     stop_at_reward: float | None = Field(
@@ -409,9 +410,9 @@ class SFT(Strict):
     warmup_steps: int = Field(50, ge=0)
     dataset: SFTDataset | None = Field(None, description="Train on this chat dataset, on the RL trainer.")
     micro_batch_tokens: PositiveInt | None = Field(
-        None, le=10_000_000, description="With dataset: tokens per packed row (default 2048).")
-    ranks: PositiveInt = Field(1, le=1024, description="With dataset: trainer ranks on the one host (GPUs, or CPU "
-                               "processes over gloo).")
+        None, le=10_000_000, description="Tokens per packed row (default 2048).")
+    ranks: PositiveInt = Field(1, le=1024, description="Trainer ranks on the one host (GPUs, or CPU processes over "
+                               "gloo; one CPU rank runs in the primebuild process).")
     eval_every: int = Field(0, ge=0, description="Held-out evaluation every this many steps (0: at the end only): "
                             "the env's reward without dataset, dataset.eval_rows' loss with it.")
 

@@ -79,19 +79,17 @@ def output_of(loaded: LoadedManifest, store: Store, echo=print) -> Resolved:
         runnable = config.model_copy(update={"model_path": str(base.path),
                                              "dataset_path": str(derivations.dataset_file(loaded))})
     else:
-        until = f", until reward {config.stop_at_reward}" if loaded.manifest.sft.stop_at_reward is not None else ""
-        echo(f"building {loaded.manifest.name} (SFT, at most {config.steps} steps{until}) into the store …")
-        runnable = config.model_copy(update={"init_model_dir": str(base.path)})
+        until = f", until reward {config.stop_at_reward}" if config.stop_at_reward is not None else ""
+        echo(f"building {loaded.manifest.name} (SFT of {config.env_id}'s demonstrations on the trainer, at most "
+             f"{config.steps} steps{until}, {config.ranks} rank(s)) into the store …")
+        runnable = config.model_copy(update={"model_path": str(base.path)})
 
     def build(out: Path) -> None:
-        from primebuild.runtime.sft import run_chat_sft, run_sft
+        from primebuild.runtime.sft import run_trainer_sft
 
         _no_progress_bars()
         model_dir = out / "model-staging"
-        if isinstance(runnable, ChatSFTConfig):
-            result = run_chat_sft(runnable, str(model_dir), echo)
-        else:
-            result = run_sft(runnable, str(model_dir))
+        result = run_trainer_sft(runnable, str(model_dir), echo)
         _move_contents(model_dir, out)
         metrics.update(result)
         (out / "sft_metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))

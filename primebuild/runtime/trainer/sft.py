@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node N -m primebuild.runtime.trainer.sft --config ChatSFTConfig.json --out DIR --metrics M.json
 
+An EnvSFTConfig (kind env-sft) trains on an environment's demonstrations instead (env_sft.py).
+
 The pieces are the RL step's (main.py): load_titan_model (meta init, FSDP2 over the ranks, each rank its
 shards of the HF checkpoint), batch.pack (chats as documents in rows of `micro_batch_tokens`, document
 mask, balanced over ranks, every rank the same number of rows), main._optimizer_step (finite checks,
@@ -29,7 +31,7 @@ import torch.distributed as dist
 
 from primebuild.contracts.base import load_contract
 from primebuild.contracts.rollout import Sample
-from primebuild.contracts.sft import ChatSFTConfig
+from primebuild.contracts.sft import ChatSFTConfig, EnvSFTConfig
 from primebuild.contracts.trainer import ParallelDims
 from primebuild.errors import UserError
 
@@ -193,7 +195,7 @@ def train_sft(config: ChatSFTConfig, out: Path, env: DistEnv, groups: ProcessGro
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m primebuild.runtime.trainer.sft", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="a ChatSFTConfig as JSON, placeholders resolved")
+    parser.add_argument("--config", required=True, help="a ChatSFTConfig or EnvSFTConfig as JSON, placeholders resolved")
     parser.add_argument("--out", required=True, help="the HF folder to write (must not exist)")
     parser.add_argument("--metrics", required=True, help="where rank 0 writes the run's metrics as JSON")
     args = parser.parse_args(argv)
@@ -202,11 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     groups = ProcessGroups()
     finished = False
     try:
-        config = load_contract(ChatSFTConfig, args.config)
+        is_env = json.loads(Path(args.config).read_text()).get("kind") == "env-sft"
+        config = load_contract(EnvSFTConfig if is_env else ChatSFTConfig, args.config)
         torch.set_num_threads(config.num_threads)
         if Path(args.out).exists():
             raise UserError(f"{args.out}: output folder already exists", hint="choose a new folder")
-        metrics = train_sft(config, Path(args.out), env, groups)
+        if is_env:
+            from .env_sft import train_env_sft
+
+            metrics = train_env_sft(config, Path(args.out), env, groups)
+        else:
+            metrics = train_sft(config, Path(args.out), env, groups)
         if env.is_main:
             Path(args.metrics).write_text(json.dumps(metrics, indent=2))
         finished = True
