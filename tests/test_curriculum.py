@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import MANIFESTS, call_cli, free_port, sft_workspace
+from conftest import MANIFESTS, call_cli, free_port, run_shrunk, sft_workspace
 
 from primebuild.contracts.orchestrator import CurriculumConfig
 from primebuild.contracts.run_dir import RunDir
@@ -24,6 +24,11 @@ from primebuild.runtime.envs.base import Task
 from primebuild.runtime.envs.wordle import WordleEnv
 from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.orchestrator.curriculum import Curriculum, pool_of, prompt_key, prompt_set
+
+# The real runs: reverse-text over 16 prompts, 4 groups a step, synchronous, with all three pools in the mix.
+RUN_SETS = ("orchestrator.eval_prompts=8", "orchestrator.max_off_policy_steps=0",
+            "orchestrator.curriculum={prompts: 16, window: 2, easy_at: 0.9, hard_at: 0.6, "
+            "mix: {easy: 1, normal: 2, hard: 1}}")
 
 
 class Numbered:
@@ -217,18 +222,9 @@ def test_a_real_run_shows_the_pools_per_step_and_resumes_them(tmp_path: Path, sh
     draws, every step's groups come from the mix (borrowed ones counted), and curriculum.json holds the
     pass rates a resume reads."""
     sft_workspace(tmp_path, seed_store=short_sft_store)
-    runs = tmp_path / "runs"
-    sets = {"orchestrator.max_steps": 4, "orchestrator.rollouts_per_step": 32, "orchestrator.eval_prompts": 8,
-            "orchestrator.max_off_policy_steps": 0, "inference.port": free_port(),
-            "orchestrator.curriculum": "{prompts: 16, window: 2, easy_at: 0.9, hard_at: 0.6, "
-                                       "mix: {easy: 1, normal: 2, hard: 1}}"}
-    done = subprocess.run(
-        [sys.executable, "-m", "primebuild.cli", "run", str(tmp_path / "manifests" / "reverse-text.yaml"),
-         "--runs-dir", str(runs), "--quiet", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
-        capture_output=True, text=True, timeout=280,
-        env={**os.environ, "PRIMEBUILD_STORE": str(tmp_path / "store"), "PYTHONUNBUFFERED": "1"})
+    done, run_dir = run_shrunk(tmp_path / "manifests" / "reverse-text.yaml", tmp_path, *RUN_SETS,
+                               "orchestrator.max_steps=4", timeout=280)
     assert done.returncode == 0, done.stdout + done.stderr
-    (run_dir,) = runs.iterdir()
     run = RunDir(run_dir)
     steps = {k: r for k, r in read_metrics(run.metrics, role="orchestrator").items() if "curriculum_normal" in r}
     assert sorted(steps) == [1, 2, 3, 4]
@@ -248,14 +244,12 @@ def test_a_stopped_run_resumes_with_its_pools(tmp_path: Path, short_sft_store):
     starts with the pools it had, not with every prompt normal again."""
     sft_workspace(tmp_path, seed_store=short_sft_store)
     runs = tmp_path / "runs"
-    sets = {"orchestrator.max_steps": 6, "orchestrator.rollouts_per_step": 32, "orchestrator.eval_prompts": 8,
-            "orchestrator.max_off_policy_steps": 0, "inference.port": free_port(),
-            "orchestrator.curriculum": "{prompts: 16, window: 2, easy_at: 0.9, hard_at: 0.6, "
-                                       "mix: {easy: 1, normal: 2, hard: 1}}"}
+    sets = [*RUN_SETS, "orchestrator.max_steps=6", "orchestrator.rollouts_per_step=32",
+            f"inference.port={free_port()}"]
     env = {**os.environ, "PRIMEBUILD_STORE": str(tmp_path / "store"), "PYTHONUNBUFFERED": "1"}
     cli = [sys.executable, "-m", "primebuild.cli"]
     first = subprocess.Popen([*cli, "run", str(tmp_path / "manifests" / "reverse-text.yaml"), "--runs-dir", str(runs),
-                              "--quiet", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
+                              "--quiet", *[a for o in sets for a in ("--set", o)]],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 240

@@ -7,13 +7,10 @@ real run of the embedded default whose one-token completions make most groups eq
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, sft_workspace
+from conftest import run_shrunk, sft_workspace
 
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.envs.base import Task
@@ -88,17 +85,10 @@ def test_a_real_run_counts_filtered_groups_per_step_and_trains_full_batches(tmp_
     in the reversed text, so most groups are all equal; every step still trains rollouts_per_step
     samples, and the equal groups in a batch are exactly those the metrics say the budget let in."""
     sft_workspace(tmp_path, seed_store=short_sft_store)
-    runs = tmp_path / "runs"
-    sets = {"orchestrator.max_steps": 3, "orchestrator.rollouts_per_step": 32, "orchestrator.eval_prompts": 8,
-            "orchestrator.max_completion_tokens": 1, "orchestrator.max_off_policy_steps": 0,
-            "inference.port": free_port()}
-    done = subprocess.run(
-        [sys.executable, "-m", "primebuild.cli", "run", str(tmp_path / "manifests" / "reverse-text.yaml"),
-         "--runs-dir", str(runs), "--quiet", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
-        capture_output=True, text=True, timeout=220,
-        env={**os.environ, "PRIMEBUILD_STORE": str(tmp_path / "store"), "PYTHONUNBUFFERED": "1"})
+    done, run_dir = run_shrunk(tmp_path / "manifests" / "reverse-text.yaml", tmp_path, "orchestrator.max_steps=3",
+                               "orchestrator.eval_prompts=8", "orchestrator.max_completion_tokens=1",
+                               "orchestrator.max_off_policy_steps=0", timeout=220)
     assert done.returncode == 0, done.stdout + done.stderr
-    (run_dir,) = runs.iterdir()
     run = RunDir(run_dir)
     steps = {k: r for k, r in read_metrics(run.metrics, role="orchestrator").items() if "filtered_groups" in r}
     assert sorted(steps) == [1, 2, 3]
