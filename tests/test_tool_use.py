@@ -5,17 +5,31 @@ whose rollouts hold the model's tool calls (trained) and the tool's results (mas
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import random
+from pathlib import Path
 
 import pytest
 from conftest import free_port, run_cli, sft_workspace
 
+from primebuild.builders.derivations import sft_config
+from primebuild.manifest.load import load_manifest
 from primebuild.runtime.envs.base import demonstration
 from primebuild.runtime.envs.framing import ChatEnvironment, framing
 from primebuild.runtime.envs.tool_lookup import UNKNOWN, ToolLookupEnv, is_eval_row, tool_call
 from primebuild.runtime.models.chat_tokenizer import build_chat_tokenizer
 from primebuild.runtime.rollout_file import load_batch
 from primebuild.runtime.trainer.env_sft import episode_ids
+
+MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
+# What tool-use-sft's training and held-out eval read, as tokens: the first 3 steps' demonstrations (ids and
+# loss mask) and the 48 eval tasks' prompts and tool turns. Equal at 9cf91cc (the 2026-12-03 build that
+# scored 0.479, transformers 5.24) and after its 2026-12-05 regression (transformers 5.25, the trainer's
+# SFT): that regression was not in these tokens (docs/environments.md). A change here is a change of the
+# template, tokenizer, framing or environment data, and tool-use-sft needs re-measuring.
+SFT_STREAM_SHA256 = "5619d8fa892ff1df5053b5b0693773d3136eb6d6c1e963341004d3f1857edf2b"
+EVAL_TOKENS_SHA256 = "8207e9d1cc46667dd78d261b293c2c597f44b46aca396a28cc434bc1d12fa3e7"
 
 
 def play(env, task, turns):
@@ -87,3 +101,22 @@ def test_a_short_run_records_tool_calls_trained_and_tool_results_masked(tmp_path
         env_tokens = [i for i, m in enumerate(mask) if m == 0]
         assert env_tokens and all(s["inference_logprobs"][i] == 0.0 for i in env_tokens)
         assert all(s["inference_logprobs"][i] < 0.0 for i, m in enumerate(mask) if m == 1)
+
+
+def test_tool_use_sft_reads_the_tokens_its_measured_build_read():
+    config = sft_config(load_manifest(MANIFESTS / "tool-use-sft.yaml"))
+    tokenizer = build_chat_tokenizer()
+    env = ToolLookupEnv(**config.env_args)
+    framed, rng = framing(env, tokenizer), random.Random(config.seed)
+    stream = hashlib.sha256()
+    for _ in range(3):  # the SFT's first steps, drawn as trainer/env_sft.py draws them
+        for task in env.sample_tasks(rng, config.batch_size):
+            row = episode_ids(tokenizer, framed.prompt_ids(task), demonstration(env, task, rng),
+                              lambda sampled, reply, task=task: framed.reply_ids(task, sampled, reply))
+            stream.update(json.dumps(row).encode())
+    held_out = hashlib.sha256()
+    for task in env.eval_tasks():
+        tool_turn = framed.reply_ids(task, tokenizer.encode("x") + [tokenizer.eos_token_id],
+                                     [{"role": "tool", "content": task.answer}])
+        held_out.update(json.dumps([framed.prompt_ids(task), task.answer, tool_turn]).encode())
+    assert (stream.hexdigest(), held_out.hexdigest()) == (SFT_STREAM_SHA256, EVAL_TOKENS_SHA256)
