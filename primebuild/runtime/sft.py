@@ -56,8 +56,8 @@ def run_trainer_sft(config: ChatSFTConfig | EnvSFTConfig, out_dir: str, echo=pri
         with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as ranks:
             for line in ranks.stderr:
                 lines.append(line)
-                if _progress_line(line):
-                    echo(line.rstrip().split("] ", 1)[-1])
+                if _progress_line(line):  # "sft ...": never read as one of the RL run's step lines
+                    echo("sft " + line.rstrip().split("] ", 1)[-1])
         if ranks.returncode != 0:
             errors = [line for line in lines if line.startswith("error:")]
             if errors:  # a rank's UserError (exit 2): shown as ours
@@ -93,7 +93,7 @@ def _env_sft_in_process(config: EnvSFTConfig, out_dir: str, echo) -> dict:
         def emit(self, record):
             line = f"[sft rank 0] {record.getMessage()}"
             if _progress_line(line):
-                echo(record.getMessage())
+                echo("sft " + record.getMessage())
 
     log, handler = logging.getLogger("primebuild.sft"), Progress()
     log.addHandler(handler)
