@@ -64,6 +64,13 @@ def specs(sizes: dict[str, int]) -> list[TensorSpec]:
     return [TensorSpec(name, torch.uint8, (n * ALIGN,)) for name, n in sizes.items()]
 
 
+def reap(procs) -> None:
+    """Join every process (30 s each); kill one that is still running, so a failing test leaves none behind."""
+    for p in procs:
+        p.join(30)
+        if p.exitcode is None:
+            p.kill()
+
 def test_buckets_keep_layers_whole_cut_big_layers_between_tensors_and_never_split_a_tensor():
     layout = specs({"embed": 5, "model.layers.0.q": 2, "model.layers.0.k": 2, "model.layers.1.q": 2,
                     "model.layers.1.k": 2, "model.layers.2.big": 9, "model.layers.2.small": 1,
@@ -239,10 +246,7 @@ def test_a_receiver_killed_mid_run_is_left_out_and_its_restart_rejoins_at_the_ne
         admitted.set()
         results = {tag: inbox.next(tag) for tag in ("rank 1", "rank 2", "sender")}
     finally:
-        for p in procs:
-            p.join(30)
-            if p.exitcode is None:
-                p.kill()
+        reap(procs)
     assert results["rank 1"] == [1, 2, 3, 4]
     assert results["rank 2"] == [3, 4]  # the restarted one: from its admission on, whole weights first
     # generation 1: both; 2: rank 1 alone (step 2 again); 3: rank 1 and the restarted rank 2
@@ -313,10 +317,7 @@ def test_a_rank_beyond_the_plans_is_admitted_at_the_next_update_and_leaves_witho
         left.set()
         results = {tag: inbox.next(tag) for tag in ("rank 1", "sender")}
     finally:
-        for p in procs:
-            p.join(30)
-            if p.exitcode is None:
-                p.kill()
+        reap(procs)
     assert results["rank 1"] == [1, 2, 3, 4]
     generations, last_send_s = results["sender"]
     # generation 1: the plan's rank; 2: with the added rank 2; 3: without it, formed at once
