@@ -69,8 +69,7 @@ def _scale(run_dir: Path, delta: str, workspace: Path) -> subprocess.CompletedPr
                           capture_output=True, text=True, env=_env(workspace), timeout=200)
 
 
-@pytest.mark.parametrize("sync", ["filesystem", pytest.param("broadcast", marks=pytest.mark.skipif(
-    not os.environ.get("PRIMEBUILD_LONG_TESTS"), reason="opt-in (PRIMEBUILD_LONG_TESTS=1): a known race, the restarted server admitted alone to a newer step deadlocks the sync round (closing note of 2026-12-05)"))])
+@pytest.mark.parametrize("sync", ["filesystem", "broadcast"])
 def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weights(workspace: Path, tmp_path: Path,
                                                                                     sync: str):
     """Broadcast too: the trainer leaves the dead replica out of its weight group (a new generation,

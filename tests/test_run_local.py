@@ -85,7 +85,7 @@ def _wait_for_trained(run_dir_parent: Path, step: int, proc: subprocess.Popen, t
         if dirs and (dirs[0] / "metrics.jsonl").exists() and step in _trained_steps(dirs[0]):
             return dirs[0]
         time.sleep(0.2)
-    raise AssertionError(f"step {step} was not trained within {timeout} s")
+    raise AssertionError(f"step {step} was not trained within {timeout} s\n" + _logs(run_dir_parent))
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,10 @@ class Orchestrator:
             version = announced if announced > self.server_version else -1
         if version < 0:
             return
-        active = [s for s in self.servers.servers.values() if s.state == "active"]
+        # broadcast: a retired server stays in the trainer's group until it is stopped, and each member's load
+        # waits for all of them: it takes the update too (else the round waits for its stop, 60 s later)
+        members = ("active", "draining", "drained") if self.weights.loads_to_advance else ("active",)
+        active = [s for s in self.servers.servers.values() if s.state in members]
         lost: list[WeightUpdateLost] = []  # broadcast: the trainer died before the update crossed
 
         async def bring(server) -> None:
@@ -222,6 +225,7 @@ class Orchestrator:
         while True:
             self.servers.reconcile()
             self.servers.settle_drains()
+            self.servers.write_state()  # a drain shows at once, not after the weight round in progress
             async with self.sync_lock:
                 await self.servers.revive(self.server_version, self.revive_load)
                 if self.weights.loads_to_advance and not self.servers.active():

@@ -57,14 +57,16 @@ class BroadcastWeights:
         await client.update_weights({"source": "broadcast", "version": version})
 
     async def announced_to(self, client: InferenceClient, version: int, wait_s: float = ANNOUNCED_WAIT_S) -> bool:
-        """Has `client`'s server (one not taking requests: restarted, or joining) been announced `version`?
-        It has within moments when the trainer admitted it to the group it announced `version` to."""
+        """Was `client`'s server (one not taking requests: restarted, or joining) announced `version` itself?
+        It was within moments when the trainer admitted it to the group it announced `version` to. One
+        announced a newer step joined a later group: it loads that step in that step's round, with the
+        members it was announced to (loading it now, alone, would wait for them while they finish this round)."""
         deadline = asyncio.get_running_loop().time() + wait_s
-        while await client.received_version() < version:
+        while (received := await client.received_version()) < version:
             if asyncio.get_running_loop().time() > deadline:
                 return False
             await asyncio.sleep(0.1)
-        return True
+        return received == version
 
     async def newest_announced(self, clients: list[InferenceClient]) -> int:
         """The newest step announced to any of `clients` that answers (-1: none answers): the trainer's

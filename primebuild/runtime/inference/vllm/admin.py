@@ -224,6 +224,11 @@ class VllmAdmin:
                 # the trainer closed the broadcast (the run stops) before sending it: nothing was loaded
                 raise VllmAdminError(f"{self.root}: the trainer closed the weight broadcast before version "
                                      f"{want} was sent", 409)
+            if any(s.get("lost") for s in status) and (None in loaded or min(loaded) < want):
+                # the sender died between the status check and the load (the trainer restarts alone):
+                # nothing was loaded, the server keeps its step
+                raise VllmUpdateLost(f"the trainer's weight sender went away while version {want} was being "
+                                     f"loaded into {self.root}; it keeps {loaded}", 409)
             if None not in loaded and len(set(loaded)) == 1:
                 return int(loaded[0])
             want = max(int(v) for v in loaded if v is not None)

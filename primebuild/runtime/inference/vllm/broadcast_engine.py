@@ -43,7 +43,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from primebuild.runtime.inference.vllm.expert_slice import keep_local, local_experts
-from primebuild.runtime.inference.weight_receiver import BroadcastClosed, BroadcastStage
+from primebuild.runtime.inference.weight_receiver import BroadcastClosed, BroadcastInterrupted, BroadcastStage
 
 
 def _log_to_stderr() -> None:
@@ -110,20 +110,29 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
     def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
         if self.stage is None:
             raise RuntimeError("no weight broadcast group joined: call /init_weight_transfer_engine first")
-        announced = self.stage.announced(update_info.version)
         # a bucket at a time, in checkpoint (HF) names and layouts as the trainer sends them: the model's
         # loaders fuse qkv/gate_up and keep this worker's TP shard, other EP ranks' experts are dropped
         # first (expert_slice.py); layerwise reload (start_weight_update) processes each module once all
         # its tensors arrived. The next bucket arrives meanwhile (prefetch).
         local = local_experts(self.model)
+        installed = 0
+
+        def load(bucket) -> None:
+            nonlocal installed
+            self.model.load_weights(keep_local(bucket, local))
+            installed += 1
+
         try:
-            self.loaded_version = self.stage.pull(announced, lambda bucket: self.model.load_weights(
-                keep_local(bucket, local)))
-        except BroadcastClosed:
-            # The run is stopping: the update will never come. Raising here would kill the engine (a
-            # failed worker RPC is fatal to vLLM), and the supervisor would restart a server in the middle
-            # of the stop. Nothing was loaded: finish_weight_update puts the old tensors back, and
-            # loaded_version, still the old step, tells admin.py the load did not happen.
+            announced = self.stage.announced(update_info.version)
+            self.loaded_version = self.stage.pull(announced, load)
+        except (BroadcastClosed, BroadcastInterrupted):
+            # The run is stopping, or the trainer's sender died (it restarts alone) after admin.py checked
+            # the status: the update will never come. Raising here would kill the engine (a failed worker RPC
+            # is fatal to vLLM) and the supervisor would restart the server. With nothing loaded,
+            # finish_weight_update puts the old tensors back, and loaded_version, still the old step, with
+            # the status's closed/lost, tells admin.py the load did not happen (409).
+            if installed:
+                raise  # part of the model is the new step's: no whole policy left to serve
             return
 
     def finish_weight_update(self) -> None:
