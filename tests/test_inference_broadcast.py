@@ -4,6 +4,7 @@ model when told, then answers with the new log-probs."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 
@@ -175,6 +176,33 @@ def test_a_server_restarted_after_the_last_update_never_serves_the_base_weights(
             assert httpx.post(a.v1 + "/completions", json=body, timeout=60).json()["choices"][0]["policy_version"] == 1
 
 
+async def _the_orchestrator_sets_a_mixed_server_aside(server, tmp_path) -> None:
+    """What the orchestrator makes of a server with mixed weights, at policy version 0 (the update to step 1
+    was the one cut off): a rollout sent there is passed on (ServerGone), the server has no whole policy,
+    and reviving it does not make it active: only the trainer's next whole update does (main.py's admit)."""
+    from primebuild.contracts.completion import NO_WHOLE_POLICY
+    from primebuild.contracts.run_dir import RunDir
+    from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
+    from primebuild.runtime.orchestrator.servers import ServerSet
+
+    client = InferenceClient(server.v1, "tiny", admin_token=ADMIN_TOKEN, retry_seconds=2)
+    servers = ServerSet([client], RunDir(tmp_path / "run"), None, retry_seconds=2)
+    try:
+        with pytest.raises(ServerGone, match="weights_mixed"):
+            await client.complete([1, 11, 8], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+        assert await client.version() == NO_WHOLE_POLICY
+        (entry,) = servers.servers.values()
+        entry.state = "down"  # as sample() leaves it after the ServerGone
+
+        async def broadcast_revive_load(client, version):  # main.py's, for an embedded server under broadcast
+            raise ServerGone("waits for the trainer's next update")
+
+        await servers.revive(0, broadcast_revive_load)
+        assert entry.state == "down"  # not active on version 0's label: its weights are not version 0's
+    finally:
+        await client.close()
+
+
 def sender_process(init_method: str, state_file: str, step: int, stall_file: str | None) -> None:
     """The trainer's rank 0 as its own process (it hosts the group's store: killing it takes that down too),
     sending one step; with `stall_file` it stalls half-way through its buckets (broadcast.STALL_ENV)."""
@@ -246,6 +274,7 @@ def test_a_sender_killed_inside_a_load_leaves_the_server_up_and_serving_nothing_
             new = httpx.post(server.v1 + "/completions", json=body, timeout=60)
             assert new.status_code == 503 and new.json()["error"]["code"] == "weights_mixed", new.text
             assert server.engine.dead is None
+            asyncio.run(_the_orchestrator_sets_a_mixed_server_aside(server, tmp_path))
 
             second = ctx.Process(target=sender_process, args=(init, str(v2 / "model.safetensors"), 2, None))
             second.start()  # the restarted trainer's sender, on the same port: its first send is whole
