@@ -4,6 +4,7 @@ model when told, then answers with the new log-probs."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 
@@ -173,3 +174,125 @@ def test_a_server_restarted_after_the_last_update_never_serves_the_base_weights(
             loop.close()
             body = {"model": "tiny", "prompt": [1, 11, 8], "max_tokens": 4, "temperature": 1.0}
             assert httpx.post(a.v1 + "/completions", json=body, timeout=60).json()["choices"][0]["policy_version"] == 1
+
+
+async def _the_orchestrator_sets_a_mixed_server_aside(server, tmp_path) -> None:
+    """What the orchestrator makes of a server with mixed weights, at policy version 0 (the update to step 1
+    was the one cut off): a rollout sent there is passed on (ServerGone), the server has no whole policy,
+    and reviving it does not make it active: only the trainer's next whole update does (main.py's admit)."""
+    from primebuild.contracts.completion import NO_WHOLE_POLICY
+    from primebuild.contracts.run_dir import RunDir
+    from primebuild.runtime.orchestrator.client import InferenceClient, ServerGone
+    from primebuild.runtime.orchestrator.servers import ServerSet
+
+    client = InferenceClient(server.v1, "tiny", admin_token=ADMIN_TOKEN, retry_seconds=2)
+    servers = ServerSet([client], RunDir(tmp_path / "run"), None, retry_seconds=2)
+    try:
+        with pytest.raises(ServerGone, match="weights_mixed"):
+            await client.complete([1, 11, 8], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+        assert await client.version() == NO_WHOLE_POLICY
+        (entry,) = servers.servers.values()
+        entry.state = "down"  # as sample() leaves it after the ServerGone
+
+        async def broadcast_revive_load(client, version):  # main.py's, for an embedded server under broadcast
+            raise ServerGone("waits for the trainer's next update")
+
+        await servers.revive(0, broadcast_revive_load)
+        assert entry.state == "down"  # not active on version 0's label: its weights are not version 0's
+    finally:
+        await client.close()
+
+
+def sender_process(init_method: str, state_file: str, step: int, stall_file: str | None) -> None:
+    """The trainer's rank 0 as its own process (it hosts the group's store: killing it takes that down too),
+    sending one step; with `stall_file` it stalls half-way through its buckets (broadcast.STALL_ENV)."""
+    import os
+
+    from primebuild.runtime.weight_sync.broadcast import STALL_ENV, BroadcastSender
+
+    torch.set_num_threads(1)
+    if stall_file is not None:
+        os.environ[STALL_ENV] = stall_file
+    sender = BroadcastSender(init_method, 2, timeout_s=60, bucket_mb=0.05)  # a layer cut over several buckets
+    sender.send(load_file(state_file), step)
+    sender.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_sender_killed_inside_a_load_leaves_the_server_up_and_serving_nothing_until_a_whole_update(tmp_path):
+    """The trainer's sender dies -9 after half of step 1's buckets were installed in place: the served model
+    is a mix of step 0 and step 1 with no copy to go back to. The server stays up (engine alive, /health 200
+    saying weights_mixed), answers the request it held and every new one with 503 weights_mixed, and a
+    restarted sender's whole update (step 2) makes it serve again, with step 2's exact log-probs: every
+    piece was replaced."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    v0, v1, v2 = (save_model(tmp_path / f"v{i}", seed=i) for i in range(3))
+    init = f"tcp://127.0.0.1:{free_port()}"
+    stall = tmp_path / "stall"
+    stall.touch()
+    ctx = mp.get_context("spawn")
+    first = ctx.Process(target=sender_process, args=(init, str(v1 / "model.safetensors"), 1, str(stall)))
+    first.start()
+    second = None
+    body = {"model": "tiny", "prompt": [1, 11, 8, 15], "max_tokens": 12, "ignore_eos": True, "temperature": 1.0}
+    try:
+        with serve_with_stage(v0, init) as server:
+            deadline = time.monotonic() + 60
+            while httpx.get(server.url + "/health").json()["received_version"] < 1:
+                assert time.monotonic() < deadline, "step 1 not announced"
+                time.sleep(0.05)
+            answers = {}
+            updating = threading.Thread(target=lambda: answers.setdefault(
+                "update", server.admin("/update_weights", {"source": "broadcast", "version": 1})), daemon=True)
+            updating.start()
+            while stall.exists():  # the sender removes it as it stalls, once half the buckets crossed
+                assert time.monotonic() < deadline and first.is_alive(), "the send did not stall"
+                time.sleep(0.05)
+            # a request that comes while the engine is parked in the update: held, then answered when it ends
+            held = threading.Thread(target=lambda: answers.setdefault(
+                "held", httpx.post(server.v1 + "/completions", json=body, timeout=60)), daemon=True)
+            held.start()
+            time.sleep(1.0)  # the crossed buckets are installed (milliseconds on a quiet machine)
+            os.kill(first.pid, signal.SIGKILL)
+            updating.join(60)
+            held.join(60)
+
+            update, refused = answers["update"], answers["held"]
+            assert update.status_code == 409 and update.json()["error"]["code"] == "weight_update_lost", update.text
+            assert "mix of two policies" in update.json()["error"]["message"], update.text
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "weights_mixed", refused.text
+            health = httpx.get(server.url + "/health")
+            assert health.status_code == 200, health.text  # up: the supervisor restarts nothing
+            state = health.json()
+            assert state["status"] == "weights_mixed" and state["policy_version"] == 0, state
+            installed = int(state["weights_mixed"].split("stopped after ")[1].split()[0])
+            assert 1 <= installed < 4, state  # some of the 4 pieces (2 layers, embedding, head): a real mix
+            new = httpx.post(server.v1 + "/completions", json=body, timeout=60)
+            assert new.status_code == 503 and new.json()["error"]["code"] == "weights_mixed", new.text
+            assert server.engine.dead is None
+            asyncio.run(_the_orchestrator_sets_a_mixed_server_aside(server, tmp_path))
+
+            second = ctx.Process(target=sender_process, args=(init, str(v2 / "model.safetensors"), 2, None))
+            second.start()  # the restarted trainer's sender, on the same port: its first send is whole
+            deadline = time.monotonic() + 60
+            while httpx.get(server.url + "/health").json()["received_version"] < 2:
+                assert time.monotonic() < deadline, "step 2 not announced by the restarted sender"
+                time.sleep(0.05)
+            reply = server.admin("/update_weights", {"source": "broadcast", "version": 2})
+            assert reply.status_code == 200, reply.text
+            state = httpx.get(server.url + "/health").json()
+            assert state["status"] == "ok" and state["policy_version"] == 2 and "weights_mixed" not in state, state
+            choice = httpx.post(server.v1 + "/completions", json=body, timeout=60).json()["choices"][0]
+            assert choice["policy_version"] == 2
+            want = teacher_forced_logprobs(load_hf(v2), choice["prompt_token_ids"], choice["token_ids"])
+            assert max(abs(a - b) for a, b in zip(choice["token_logprobs"], want, strict=True)) < 1e-5
+    finally:
+        for p in (first, second):
+            if p is not None:
+                p.join(30)
+                if p.exitcode is None:
+                    p.kill()

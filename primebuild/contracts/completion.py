@@ -45,10 +45,19 @@ class CompletionResult(BaseModel):
     choices: list[SampledChoice] = Field(min_length=1)
 
 
+# An embedded server whose weights are a mix of two policies (a broadcast update in place whose sender died
+# after some pieces were installed: engine.py) answers completions with 503 and this error code, and /health
+# with this status; it serves again once a whole update lands. The orchestrator re-routes and counts it down.
+WEIGHTS_MIXED = "weights_mixed"
+NO_WHOLE_POLICY = -1  # InferenceClient.version() of such a server: no policy version is whole there
+
+
 class ServerHealth(BaseModel):
-    """`GET /health`: the policy version being served, and (broadcast sync) the newest one staged."""
+    """`GET /health`: the policy version being served, and (broadcast sync) the newest one staged. While
+    `status` is WEIGHTS_MIXED, `policy_version` is the last whole one, no longer what the weights are."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
+    status: str = "ok"
     policy_version: int = Field(ge=0)
     received_version: int = Field(0, ge=0)

@@ -24,6 +24,14 @@ failed steps in a row (a broken device or model, not one bad batch), or the loop
 error, mark the engine dead (`dead` holds the cause): pending requests are aborted, new ones refused
 (EngineDead), and the server's /health answers 503 and the server exits (server.py), so that the
 supervisor restarts it instead of the run waiting on a live server with a dead engine.
+
+Mixed weights are not a dead engine: an update in place (a bucketed broadcast, `update_weights_in_place`)
+whose source went away after some pieces were installed, each piece whole (old or new), leaves a model that
+is neither policy. With no staged copy to go back to (on purpose: the memory of a second model), the engine
+keeps running but marks it (`mixed` holds the cause): the requests it held are answered with an error, new
+ones refused (WeightsMixed: 503 "weights_mixed" on the API) and /health says so, until a whole update lands
+(the restarted trainer's next send, always whole) and clears it. The process, its model memory and KV cache
+stay: no restart, no model load.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from primebuild.contracts.completion import WEIGHTS_MIXED
 from primebuild.errors import Problem, UserError
 from primebuild.kernels.dtypes import DTYPES
 from primebuild.kernels.routing import encode_routes, routes_dtype
@@ -65,6 +74,11 @@ class EngineDead(RuntimeError):
     """The engine's loop has ended on an error: nothing will be served any more."""
 
 
+class WeightsMixed(RuntimeError):
+    """The served weights are a mix of two policies (an update in place cut off half-way): nothing is
+    served until a whole update lands."""
+
+
 @dataclass
 class _Swap:
     forward_weights: object  # the weights to swap in; None for an update in place (update_weights_in_place)
@@ -77,6 +91,7 @@ class _Swap:
     loaded: threading.Event | None = None
     changed: bool = False
     broken: str | None = None
+    mixed: bool = False  # broken, but every piece whole (old or new): the engine keeps running, serving nothing
 
 
 class EngineMetrics:
@@ -155,6 +170,7 @@ class Engine:
         self._ids = itertools.count()
         self._abort_pending = False  # set by Request.abort from any thread; read by the engine thread
         self.dead: str | None = None  # why the engine stopped serving, once it has
+        self.mixed: str | None = None  # why the weights are a mix of two policies, while they are
         self._thread = threading.Thread(target=self._run, name="primebuild-engine", daemon=True)
         self._thread.start()
 
@@ -182,6 +198,8 @@ class Engine:
         with self._cv:
             if self.dead is not None:
                 raise EngineDead(f"the engine is dead: {self.dead}")
+            if self.mixed is not None:
+                raise WeightsMixed(f"the served weights are a mix of two policies: {self.mixed}")
             self._incoming.append(request)
             self._cv.notify()
         return request
@@ -215,6 +233,8 @@ class Engine:
         """The log-prob of each prompt token after the first under the current weights (Qwen3Forward.score).
         It runs on the caller's thread beside the engine loop: it only reads the weights, and a swap
         replaces the weights object whole, so a score sees one version throughout."""
+        if self.mixed is not None:
+            raise WeightsMixed(f"the served weights are a mix of two policies: {self.mixed}")
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         return self.forward.score(ids).tolist()
 
@@ -274,11 +294,17 @@ class Engine:
                 raise EngineDead(f"the engine is dead: {self.dead}")
 
     def update_weights_in_place(self, names: list[str], pull: Callable[[Callable[[list], None]], int],
-                                in_flight: str = "resume", timeout: float = 600) -> int:
+                                in_flight: str = "resume", timeout: float = 600,
+                                resumable: tuple[type[BaseException], ...] = ()) -> int:
         """Swap in weights that arrive a bucket at a time (a bucketed broadcast) without a second copy of
         the model: once the engine stops at a safe point (as for any swap), `pull(add)` hands every bucket
         to `add`, which installs each piece of the model it completes (weights_in_place.py), and returns
-        the version they are. The engine serves nothing meanwhile. Returns that version."""
+        the version they are. The engine serves nothing meanwhile. Returns that version.
+
+        If `pull` fails after some pieces were installed, the model is a mix of two versions. With an
+        error of a `resumable` type (its source went away and a whole update will follow) and every piece
+        whole, the engine marks the weights mixed and keeps running (see the module's docstring);
+        otherwise it stops. Either way the error is raised."""
         if in_flight not in ("resume", "finish"):
             raise UserError(f"in_flight must be 'resume' or 'finish', not {in_flight!r}")
         with self._update_lock:
@@ -296,7 +322,9 @@ class Engine:
                 installer.finish()
             except BaseException as err:
                 if installer.installed:
-                    swap.broken = f"a weight update failed half-way ({type(err).__name__}: {err})"
+                    swap.broken = (f"an update in place stopped after {installer.installed} of {installer.pieces} "
+                                   f"pieces were installed ({type(err).__name__}: {err})")
+                    swap.mixed = isinstance(err, resumable) and not installer.torn()
                 raise
             finally:
                 swap.changed = installer.installed > 0
@@ -344,6 +372,17 @@ class Engine:
                 self._swap.done.set()  # its caller reads `dead`
         self._fail_all(f"engine died: {cause}")
 
+    def _mix(self, cause: str) -> None:
+        """The weights are a mix of two versions: answer every request held with an error, refuse new ones
+        (submit), and keep running until a whole update lands. The version label stays the last whole one."""
+        with self._cv:  # after this no submit() gets in
+            self.mixed = cause
+            self.waiting.extend(self._incoming)
+            self._incoming.clear()
+        log.warning("the served weights are a mix of two policies (%s): serving nothing until a whole update",
+                    cause)
+        self._fail_all(f"the served weights are a mix of two policies: {cause}", code=WEIGHTS_MIXED)
+
     def _loop(self) -> None:
         failed_steps = 0
         while True:
@@ -375,8 +414,13 @@ class Engine:
         if swap.parked is not None:  # in place: the caller's thread changes the weights while this one waits
             swap.parked.set()
             swap.loaded.wait()
+            if swap.broken and not swap.mixed:
+                raise RuntimeError(swap.broken)  # a mix with a piece missing, or nothing to mend it: it stops
             if swap.broken:
-                raise RuntimeError(swap.broken)  # the model is a mix of two versions: the engine stops
+                self._mix(swap.broken)
+                self._swap = None
+                swap.done.set()
+                return
             if not swap.changed:  # failed before changing anything, or timed out: the old weights stay
                 self._swap = None
                 swap.done.set()
@@ -384,6 +428,9 @@ class Engine:
         else:
             self.forward.weights = swap.forward_weights
         self.version = swap.version
+        if self.mixed is not None:
+            log.info("policy version %d is whole: serving again", self.version)
+            self.mixed = None  # every piece was replaced: a whole policy again
         # Resume in-flight sequences on the new weights: re-prefill them (front of the queue, in order).
         preempted = list(self.running)
         self.running.clear()
@@ -640,7 +687,7 @@ class Engine:
             log.exception("request sink failed; aborting request %s", request.id)
             request.abort()
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, code: str | None = None) -> None:
         units = list(self.running) + list(self.waiting)
         self.running.clear()
         self.waiting.clear()
@@ -649,7 +696,7 @@ class Engine:
             request = _request_of(unit)
             indices = range(1 if request.export else request.params.n) if isinstance(unit, Request) else [unit.index]
             for index in indices:
-                update = SeqUpdate(index, (), (), (), finish_reason="abort", error=message)
+                update = SeqUpdate(index, (), (), (), finish_reason="abort", error=message, error_code=code)
                 seen.setdefault(request.id, (request, []))[1].append(update)
         for request, updates in seen.values():
             self._deliver(request, updates)

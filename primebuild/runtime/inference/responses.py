@@ -20,9 +20,10 @@ from typing import Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from primebuild.contracts.completion import WEIGHTS_MIXED
 from primebuild.errors import UserError
 
-from .engine import Engine, EngineDead
+from .engine import Engine, EngineDead, WeightsMixed
 from .prefilled import Prefilled
 from .protocol import ApiError
 from .sampling import SamplingParams
@@ -61,6 +62,9 @@ class Generation:
         except EngineDead as err:
             self.abort()
             raise ApiError(503, str(err), code="engine_dead") from None
+        except WeightsMixed:
+            self.abort()
+            raise  # (server.py answers it)
 
     def _sink(self, prompt_index: int, updates: list[SeqUpdate]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (prompt_index, updates))
@@ -239,9 +243,9 @@ async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: 
                     choices[index].result.apply(update)
         finally:
             generation.abort()  # no-op once finished; frees slots if the client went away
-        errors = [c.result.error for c in choices if c.result.error]
-        if errors:
-            raise ApiError(500, errors[0])
+        failed = [c.result for c in choices if c.result.error]
+        if failed:
+            raise error_answer(failed[0].error, failed[0].error_code)
         items = [choice_item(c, api, tokenizer, logprobs=logprobs, top=top, parse_tools=parse_tools) for c in choices]
         return JSONResponse({**meta, "choices": items, "usage": usage(prompts, choices)})
 
@@ -258,7 +262,7 @@ async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: 
                     before = len(choice.result.token_ids)
                     choice.result.apply(update)
                     if update.error:
-                        yield sse(ApiError(500, update.error).body())
+                        yield sse(error_answer(update.error, update.error_code).body())
                         yield sse("[DONE]")  # an error ends the stream as vLLM ends it
                         return
                     item = choice_item(choice, api, tokenizer, logprobs=logprobs, top=top, new=slice(before, None))
@@ -270,6 +274,12 @@ async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: 
             generation.abort()
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def error_answer(message: str, code: str | None) -> ApiError:
+    """A choice the engine ended with an error: 503 where the server will serve again (its weights were
+    mixed: the client goes elsewhere meanwhile), else 500."""
+    return ApiError(503 if code == WEIGHTS_MIXED else 500, message, code=code)
 
 
 def with_prompt_logprobs(response: JSONResponse, prompts: list[list[int]], scored: list[list[float]],

@@ -27,6 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from primebuild.contracts.completion import WEIGHTS_MIXED
 from primebuild.contracts.router import RouterConfig
 from primebuild.runtime.config_main import config_main
 
@@ -147,7 +148,10 @@ class PdRouter:
                                 status_code=503)
         states = [a.json() for a in answers]
         versions = [s["policy_version"] for s in states]
-        return {"status": "ok", "model": self.config.served_model_name, "policy_version": min(versions),
+        # one server's mixed weights (a broadcast cut off inside its update) make the fleet's: it serves nothing whole
+        mixed = any(s.get("status") == WEIGHTS_MIXED for s in states)
+        return {"status": WEIGHTS_MIXED if mixed else "ok", "model": self.config.served_model_name,
+                "policy_version": min(versions),
                 "policy_versions": dict(zip(self.every, versions, strict=True)),
                 "received_version": min(s.get("received_version", s["policy_version"]) for s in states),
                 "paused": any(s.get("paused") for s in states)}

@@ -11,6 +11,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from primebuild.contracts.completion import WEIGHTS_MIXED
 from primebuild.errors import UserError
 
 from . import metrics as prometheus
@@ -39,6 +40,8 @@ def admin_router(engine: Engine, served_model_name: str, admin_token: str | None
             return JSONResponse({"status": "dead", "error": engine.dead}, status_code=503)
         state = {"status": "ok", "model": served_model_name, "policy_version": engine.version,
                  "paused": engine.paused}
+        if engine.mixed is not None:  # up (no restart wanted), serving nothing: policy_version is the last whole one
+            state["status"], state["weights_mixed"] = WEIGHTS_MIXED, engine.mixed
         if pd is not None and pd.role is not None:
             state["role"] = pd.role
         if weight_stage is not None:
@@ -74,16 +77,21 @@ def admin_router(engine: Engine, served_model_name: str, admin_token: str | None
                     raise ApiError(400, "this server was started without a weight broadcast", param="source")
                 announced = weight_stage.announced(body.version)
                 # one bucket at a time straight into the served model: no staged copy (weight_receiver.py);
-                # without prefetch the bucket and the layer built from it are all an update adds
+                # without prefetch the bucket and the layer built from it are all an update adds. A sender
+                # that dies half-way leaves the weights mixed, not the engine dead: the restarted trainer's
+                # next send is whole (broadcast.py) and mends every piece.
                 await asyncio.to_thread(
                     engine.update_weights_in_place, [s.name for s in announced.specs],
-                    lambda add: weight_stage.pull(announced, add, prefetch=False), body.in_flight)
+                    lambda add: weight_stage.pull(announced, add, prefetch=False), body.in_flight,
+                    resumable=(BroadcastInterrupted,))
             else:
                 await asyncio.to_thread(engine.update_weights, body.path, body.version, body.in_flight)
         except UserError as err:
             raise ApiError(400, str(err), param="source" if body.source == "broadcast" else "path") from None
         except BroadcastInterrupted as err:  # the trainer restarts alone: the orchestrator counts no update
-            raise ApiError(409, str(err), code="weight_update_lost") from None
+            mixed = "" if engine.mixed is None else (f"; the served weights are a mix of two policies, "
+                                                     f"served by nothing until a whole update: {engine.mixed}")
+            raise ApiError(409, f"{err}{mixed}", code="weight_update_lost") from None
         except TimeoutError as err:
             raise ApiError(409, str(err)) from None
         except EngineDead as err:

@@ -29,6 +29,7 @@ class SeqUpdate(NamedTuple):
     stop_text: str | None = None  # the stop string that ended it, if any
     routed_experts: str | None = None  # on the final update only: primebuild/kernels/routing.py's wire form
     error: str | None = None
+    error_code: str | None = None  # with `error`: the API's code for it (None: an internal error, 500)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class ChoiceResult:
     stop_text: str | None = None
     routed_experts: str | None = None  # base64 .npy [position, decoder_layer, k] (primebuild/kernels/routing.py)
     error: str | None = None
+    error_code: str | None = None
 
     def apply(self, update: SeqUpdate) -> None:
         self.token_ids.extend(update.token_ids)
@@ -57,6 +59,7 @@ class ChoiceResult:
             self.stop_text = update.stop_text
             self.routed_experts = update.routed_experts
             self.error = update.error
+            self.error_code = update.error_code
 
     @property
     def policy_version(self) -> int | None:

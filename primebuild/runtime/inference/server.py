@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from primebuild.contracts.completion import WEIGHTS_MIXED
 from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.inference import InferenceServerConfig
 from primebuild.errors import UserError
@@ -33,7 +34,7 @@ from primebuild.runtime.config_main import config_main
 
 from .body_parser import BodyParser, PromptBounds
 from .disaggregation import Disaggregation
-from .engine import Engine
+from .engine import Engine, WeightsMixed
 from .protocol import ApiError
 from .routes_admin import admin_router
 from .routes_openai import openai_router
@@ -77,6 +78,11 @@ def create_app(
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
         return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(WeightsMixed)
+    async def _weights_mixed(request: Request, err: WeightsMixed):
+        # the server is up and will serve again after a whole update: 503, so a client goes elsewhere
+        return JSONResponse(ApiError(503, str(err), code=WEIGHTS_MIXED).body(), status_code=503)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):

@@ -19,8 +19,13 @@ trainer's rank 0. The listener reconnects to the store the restarted rank 0 host
 registers again with the step this server last loaded in full; the server keeps serving that step
 meanwhile. An update announced but not yet loaded is dropped (`received_version` goes back to the loaded
 step), and a load waiting for it ends at once with BroadcastInterrupted (409), so the orchestrator does not
-count it. A load the sender died inside, after some buckets were installed, leaves a mix of two versions:
-the engine refuses to serve it and stops (engine.py), and the supervisor restarts that server.
+count it. A load the sender died inside, after some buckets were installed, leaves a mix of two versions
+(no staged copy to go back to: that would be a second model's memory): the load ends the same way, the
+engine marks its weights mixed and serves nothing, the server process stays (engine.py). The listener
+registers with the restarted sender with the step last loaded in full, as ever: the restarted sender's first
+send is whole whatever it is told (a new group, delta restarting) and is a step after that one, so it
+replaces every piece. (Registering with 0 instead would make it send again the retrained steps up to the
+one the orchestrator already counted, which no load would ever ask for.)
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ A piece is what the lean forward keeps as one unit (weights.py): a decoder layer
 FP8-quantised as at load) once every tensor the announced layout names for it has arrived; the embedding at
 once; the lm_head once the final norm (and, untied, the head) arrived. The served piece is dropped just
 before its replacement is built, so an update adds a bucket and one piece's temporaries to the served model.
-The engine serves nothing meanwhile (Engine.update_weights_in_place), so no forward pass sees a mix; if a
-piece fails once the first was dropped, the model is a mix and the engine stops.
+The engine serves nothing meanwhile (Engine.update_weights_in_place), so no forward pass sees a mix; if the
+update stops once the first piece was installed, the model is a mix: the engine marks it and serves nothing
+until a whole update replaced every piece (its source went away between pieces), or stops (a piece failed).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class WeightsInPlace:
         self.head: dict[str, torch.Tensor] = {}  # the final norm (and the untied head) until the head is built
         self.embed_done = self.head_done = False
         self.installed = 0  # pieces installed: after one, a failure leaves a mix
+        self.pieces = config.num_layers + 2  # the layers, the embedding and the lm_head
 
     def _reader(self, tensors: dict[str, torch.Tensor]) -> Reader:
         return Reader(DictSource(tensors, "broadcast weights"), self.dtype, self.device)
@@ -129,6 +131,12 @@ class WeightsInPlace:
         self.head.clear()  # (the same dict `add` looks at for tensors to keep)
         self.head_done = True
         self.installed += 1
+
+    def torn(self) -> bool:
+        """A piece is missing (dropped, its replacement not built): a mix with a hole, not servable again
+        by any update that does not rebuild it first. A failure between pieces never leaves one."""
+        w = self.weights
+        return w.embed is None or w.lm_head is None or any(layer is None for layer in w.layers)
 
     def finish(self) -> None:
         """Every piece arrived and was installed."""

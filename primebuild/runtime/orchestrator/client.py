@@ -9,6 +9,9 @@ restart in between, the request fails, naming the server and its answer. Either 
 failed for QUIET_SECONDS, a WARNING says so on the terminal (at most every WARN_SECONDS per server), so a run
 never waits in silence. With several servers (primebuild/runtime/orchestrator/servers.py) a client fails fast
 instead: a server that does not answer raises ServerGone at once, and its request goes to another one.
+A server whose weights are a mix of two policies (503 "weights_mixed": a broadcast whose sender died inside
+its update, engine.py) is treated as one that restarts: it is up, but serves again only after a whole
+update; its `version()` is NO_WHOLE_POLICY meanwhile, so it is brought to the current weights first.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 import httpx
 from pydantic import ValidationError
 
-from primebuild.contracts.completion import CompletionResult, ServerHealth
+from primebuild.contracts.completion import NO_WHOLE_POLICY, WEIGHTS_MIXED, CompletionResult, ServerHealth
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 
 log = logging.getLogger("primebuild.orchestrator")
@@ -82,6 +85,13 @@ class Outage:
                                        f"and was not restarted: {text[:300]}")
 
 
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class InferenceClient:
     def __init__(self, base_url: str, model: str, *, admin_token: str | None = None, retry_seconds: float = 120.0,
                  max_requests: int = 256):
@@ -140,9 +150,13 @@ class InferenceClient:
                     return response.json()
                 if response.status_code == 409 and "weight_update_lost" in response.text:
                     raise WeightUpdateLost(f"{url}: {response.text[:500]}")
-                if response.status_code < 500:
+                if response.status_code == 503 and _error_code(response) == WEIGHTS_MIXED:
+                    # up, serving again after a whole update: gone meanwhile (re-routed, or waited for)
+                    outage.gone(RuntimeError(f"503 {WEIGHTS_MIXED}: its weights are a mix of two policies"))
+                elif response.status_code < 500:
                     raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:500]}")
-                outage.failing(response.status_code, response.text)
+                else:
+                    outage.failing(response.status_code, response.text)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -186,8 +200,10 @@ class InferenceClient:
         return {"name": "embedded", "version": __version__}
 
     async def version(self) -> int:
-        """The server's policy version; waits for a restarting server to come back."""
-        return (await self.health()).policy_version
+        """The server's policy version (NO_WHOLE_POLICY while its weights are mixed: it needs an update);
+        waits for a restarting server to come back."""
+        health = await self.health()
+        return NO_WHOLE_POLICY if health.status == WEIGHTS_MIXED else health.policy_version
 
     async def received_version(self) -> int:
         """Broadcast weight sync: the newest version the server has received and staged."""

@@ -24,6 +24,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from primebuild.contracts.completion import NO_WHOLE_POLICY
 from primebuild.contracts.run_dir import InferencePool, PoolState, RunDir, ServerState, write_json_atomic
 from primebuild.runtime.orchestrator.client import InferenceClient, InferenceUnavailable, ServerGone
 
@@ -161,7 +162,9 @@ class ServerSet:
         for server in [s for s in self.servers.values() if s.state in ("joining", "down")]:
             try:
                 served = await server.client.version()
-                if version > 0 and served != version:
+                # (a server with mixed weights needs a load even at version 0; under broadcast `load`
+                # leaves it to the trainer's next update: main.py's revive_load)
+                if served != version and (version > 0 or served == NO_WHOLE_POLICY):
                     await load(server.client, version)
             except (ServerGone, InferenceUnavailable):
                 continue  # not back yet

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -78,6 +79,12 @@ log = logging.getLogger("primebuild.weight_sync")
 READY_POLL_S = 0.005  # how often the sender looks whether every receiver asked for the update
 CLOSE_WAIT_S = 10.0  # how long a closing sender waits for its members to have seen it close
 Bucket = list[tuple[str, torch.Tensor]]
+# Test-only fault injection, read by nothing but BroadcastSender: while the file this variable names exists,
+# a send stalls half-way through its buckets, once those sent so far have crossed, and removes the file (so
+# the restarted sender, started with the same environment, sends whole). A test kills the sender then, with
+# part of an update installed in the servers (tests/test_trainer_restart.py). A run never sets it.
+STALL_ENV = "PRIMEBUILD_TEST_STALL_SEND"
+STALL_S = 600.0
 
 
 class SenderLost(ConnectionError):
@@ -171,6 +178,7 @@ class BroadcastSender:
         self._previous: dict[str, torch.Tensor] = {}  # delta: the last sent tensors, on the host
         self._in_flight: list = []  # the works of the bucket on the wire while the next one is posted
         self._abandoned = False
+        self._stall_file = os.environ.get(STALL_ENV)  # (tests only: see STALL_ENV)
         self.last: SendStats | None = None
         self.generation = 0
         self.members: dict[int, str] = {}  # receiver rank -> incarnation, in the current generation
@@ -268,16 +276,29 @@ class BroadcastSender:
                           buckets=len(counts), ready_wait_s=started - waited, transfer_s=0.0)
         tensors = in_layout_order(weights)
         self._in_flight = []
-        for count in counts:
+        for i, count in enumerate(counts):
             bucket = [next(tensors) for _ in range(count)]
             stats.wire_bytes += self._send_delta(bucket, stats) if self.delta else self._send_full(bucket)
             bucket = None  # the posted messages hold what they still need
+            if self._stall_file and i + 1 == len(counts) // 2:
+                self._stall_if_asked(step, i + 1, len(counts))
         self._finish_in_flight()
         if next(tensors, None) is not None:
             raise RuntimeError("weight stream: more tensors than its layout")
         stats.transfer_s = time.perf_counter() - started
         self.last = stats
         return stats
+
+    def _stall_if_asked(self, step: int, sent: int, buckets: int) -> None:
+        """STALL_ENV (tests only): stall here if its file exists, once the buckets so far have crossed."""
+        try:
+            os.remove(self._stall_file)
+        except FileNotFoundError:
+            return
+        self._finish_in_flight()
+        log.warning("%s: the send of step %d stalls after %d of %d buckets (a test's fault injection)", STALL_ENV,
+                    step, sent, buckets)
+        time.sleep(STALL_S)
 
     def _wait_ready(self, step: int, cancelled: Callable[[], bool] | None) -> str:
         """Until every member asked for the announced update ("send"), one of them died or was replaced
