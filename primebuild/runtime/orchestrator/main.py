@@ -6,10 +6,11 @@ weights/step_k (trained on batch k) is policy version k; the base model is versi
 Rollouts come from a continuous pool (pool.py: the staleness, admission and drop policy, docs/async.md):
 groups of `group_size` episodes of one task run concurrently, each model turn a request to the server
 that holds the newest policy; as soon as `rollouts_per_step / group_size` groups that batch k accepts
-have finished, each environment's share by weight among them, batch k is written (rollouts/step_k.pt, atomically) and the trainer picks it up. Whenever
+have finished, batch k is written (rollouts/step_k.pt, atomically) and the trainer picks it up. Whenever
 the trainer publishes new weights the servers are brought to them (pause -> update -> resume; in-flight
 requests resume on the new weights). With max_off_policy_steps 0 this is synchronous RL: one batch's
-groups, all sampled by the weights that batch trains.
+groups, all sampled by the weights that batch trains. With several environments every batch holds each
+one's share of its groups by weight, asynchronous too (pool.py).
 
 Resume: the next batch is the first not on disk, so a restarted orchestrator neither loses nor repeats
 a step; groups that were running when it stopped are simply not in any batch, and the group stream
