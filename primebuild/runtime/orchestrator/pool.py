@@ -21,7 +21,8 @@ Policy (docs/async.md):
   those sampled earliest first (then in the order they finished): a group that waits is the next to go
   stale. The rest wait for the next batch. The batch is cut as soon as every environment has its quota:
   the trainer waits for nothing but the slowest environment's share, which no batch can do without
-  and keep the split (its groups were started as early as the bound allows).
+  and keep the split (its groups were started as early as the bound allows). The wait ends: no newer
+  batch is cut meanwhile, so a group started on the current weights cannot go stale before it finishes.
 - Drop: a group that no batch can accept any more (its oldest token too old) is dropped, whether it has
   finished or is still running (a running one stops at its next turn), and counted; a new group of a
   new task of the same environment takes its place. Nothing is resampled for the same task.
