@@ -35,6 +35,7 @@ Policy (docs/async.md):
   environment's groups, that environment's share is completed from the newest of them (see FILTER_BUDGET
   for why the run goes on rather than ends).
 """
+
 from __future__ import annotations
 
 import asyncio
