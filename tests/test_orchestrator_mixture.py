@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+from conftest import MANIFESTS, call_cli
 
 from primebuild.contracts.orchestrator import EnvironmentConfig
 from primebuild.runtime.orchestrator.mixture import EnvironmentMix, split
@@ -39,3 +41,24 @@ def test_mix_draws_each_environment_by_weight_and_keeps_pairs():
 def test_no_environment_is_refused():
     with pytest.raises(ValueError):
         EnvironmentMix([])
+
+
+def test_an_environment_no_step_trains_on_is_refused_located(capsys, tmp_path: Path):
+    manifest = tmp_path / "mix.yaml"
+    manifest.write_text(f"""apiVersion: primebuild/v1
+kind: Experiment
+extends: [{MANIFESTS / 'reverse-text-mix.yaml'}]
+orchestrator:
+  rollouts_per_step: 16
+environments:
+  - id: reverse-text
+    weight: 3
+  - id: long-tail
+    weight: 0.5
+""")
+    result = call_cli(capsys, "plan", manifest)
+    assert result.code == 2 and "Traceback" not in result.err
+    assert (f"{manifest}:10:5: environments[1].weight: environment long-tail (weight 0.5 of 3.5) gets none of a "
+            "step's 2 groups: it would never be trained on") in result.err
+    assert "hint: raise its weight to at least 1.75" in result.err
+    assert call_cli(capsys, "plan", MANIFESTS / "reverse-text-mix.yaml").code == 0  # 3:1 of 16 groups: 12 and 4

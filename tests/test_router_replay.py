@@ -201,7 +201,7 @@ def test_routes_travel_from_http_through_the_orchestrator_unchanged(tmp_path):
             max_completion_tokens=6, seq_len=64, max_steps=1, temperature=1.0, eval_prompts=1, max_failed_groups_in_a_row=1, router_replay=True,
             moe_layers=[0])
         orchestrator = Orchestrator(config)
-        env, task = orchestrator.mix.draw(0, orchestrator.groups_per_step, config.seed)
+        env, task = orchestrator.mix.envs[0], orchestrator.mix.draw(0, 0, config.seed)
         seed = 12_345
 
         async def group_and_close():

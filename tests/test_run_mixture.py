@@ -1,10 +1,12 @@
-"""Several environments in one run: per-environment rewards in metrics.jsonl, each environment's held-out
-reward in summary.json, and its eval curve in report.png (manifests/reverse-text-mix.yaml, shrunk)."""
+"""Several environments in one run: every batch holds the weights' split (asynchronous too), per-environment
+rewards and group counts in metrics.jsonl, each environment's held-out reward in summary.json, and its eval
+curve in report.png (manifests/reverse-text-mix.yaml, shrunk)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from conftest import run_shrunk, sft_workspace
 
 from primebuild.contracts.run_dir import RunDir
 from primebuild.runtime.report import environments, write_report, write_summary
+from primebuild.runtime.rollout_file import load_batch
 
 pytestmark = pytest.mark.timeout(400)
 ENVS = ("reverse-text", "long-tail")
@@ -22,10 +25,10 @@ def mixed_run(tmp_path_factory, short_sft_store) -> tuple[subprocess.CompletedPr
     root = tmp_path_factory.mktemp("mix")
     manifests = sft_workspace(root, ("reverse-text-mix.yaml",), seed_store=short_sft_store)
     return run_shrunk(
+        # asynchronous (the manifest's max_off_policy_steps 1) with the difficulty filter on: every batch
+        # still holds exactly the 3 + 1 groups of the split, though long-tail's episodes take longer
         manifests / "reverse-text-mix.yaml", root, "orchestrator.max_steps=3", "orchestrator.eval_every=2",
-        # synchronous and every group trained, so each step holds exactly the 3 + 1 groups of the split
-        # (asynchronous, a batch takes the groups that finish first: the slower long-tail ones may miss it)
-        "orchestrator.filter_zero_advantage=false", "orchestrator.max_off_policy_steps=0", timeout=380)
+        timeout=380)
 
 
 def test_each_environment_has_its_rewards_and_held_out_score(mixed_run):
@@ -36,6 +39,12 @@ def test_each_environment_has_its_rewards_and_held_out_score(mixed_run):
     for env in ENVS:
         assert {(s, f"reward_mean/{env}") for s in (1, 2, 3)} <= names  # each step's groups: 3 + 1
         assert {(s, f"eval_reward/{env}") for s in (0, 2, 3)} <= names  # before, every eval_every, after
+    split = {(r["step"], r["name"].removeprefix("batch_groups/")): r["value"] for r in rows
+             if r["role"] == "orchestrator" and r["name"].startswith("batch_groups/")}
+    assert split == {(s, env): n for s in (1, 2, 3) for env, n in zip(ENVS, (3, 1), strict=True)}
+    for step in (1, 2, 3):  # the batch files say the same: 8 samples per group, each naming its environment
+        samples = load_batch(RunDir(run_dir).rollout(step)).samples
+        assert Counter(s.env_id for s in samples) == {"reverse-text": 24, "long-tail": 8}
     # the overall held-out reward is the prompt-weighted mean of the two (30 reverse-text, 10 long-tail)
     at0 = {r["name"]: r["value"] for r in rows if r["role"] == "orchestrator" and r["step"] == 0}
     assert at0["eval_reward"] == pytest.approx(0.75 * at0["eval_reward/reverse-text"]

@@ -19,6 +19,7 @@ from primebuild.builders.curriculum import curriculum_problems
 from primebuild.builders.distill import teacher_facts
 from primebuild.builders.environments import sandbox_warnings
 from primebuild.builders.kv_connector_packages import missing_from_lock
+from primebuild.builders.mixture import environment_split_problems
 from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
 from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
@@ -49,6 +50,7 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
 
     problems = check_parallelism(m, facts) + ([] if lock is None else lock_problems(loaded, lock))
     problems += curriculum_problems(m)  # a prompt pool that can never fill
+    problems += environment_split_problems(m)  # an environment no step trains on
     placement, place_problems = place(m)
     _raise_unless_design(loaded, refused, problems + place_problems, design)
     assert placement is not None

@@ -9,7 +9,8 @@ that holds the newest policy; as soon as `rollouts_per_step / group_size` groups
 have finished, batch k is written (rollouts/step_k.pt, atomically) and the trainer picks it up. Whenever
 the trainer publishes new weights the servers are brought to them (pause -> update -> resume; in-flight
 requests resume on the new weights). With max_off_policy_steps 0 this is synchronous RL: one batch's
-groups, all sampled by the weights that batch trains.
+groups, all sampled by the weights that batch trains. With several environments every batch holds each
+one's share of its groups by weight, asynchronous too (pool.py).
 
 Resume: the next batch is the first not on disk, so a restarted orchestrator neither loses nor repeats
 a step; groups that were running when it stopped are simply not in any batch, and the group stream
@@ -285,16 +286,17 @@ class Orchestrator:
         return sample_routes(choice.routed_experts, self.cfg.moe_layers, len(choice.prompt_token_ids),
                              len(choice.token_ids))
 
-    def start_group(self, pool: RolloutPool, seq: int) -> None:
+    def start_group(self, pool: RolloutPool, seq: int, index: int) -> None:
+        """Group number `seq`, of environment number `index` (the one whose quota has room: pool.py)."""
         cfg = self.cfg
+        env = self.mix.envs[index]
         if self.curriculum is not None:
-            index = self.mix.env_index(seq, self.groups_per_step)
-            env, task = self.mix.envs[index], self.curriculum.draw(seq, index)
+            task = self.curriculum.draw(seq, index)
         else:
-            env, task = self.mix.draw(seq, self.groups_per_step, cfg.seed)
+            task = self.mix.draw(index, seq, cfg.seed)
         work = self.runner.group(self.sample, env, task, n=cfg.group_size, temperature=cfg.temperature,
                                  seed=cfg.seed * 1_000_003 + seq * 10_007, is_useful=pool.is_useful)
-        pool.start(Group(seq=seq, env=env, task=task, started_version=self.server_version), work)
+        pool.start(Group(seq=seq, env=env, task=task, started_version=self.server_version, env_index=index), work)
 
     def group_done(self, group: Group) -> None:
         """The curriculum learns each finished group's rewards (and forgets the groups that ended without)."""
@@ -392,7 +394,8 @@ class Orchestrator:
         pool = RolloutPool(self.groups_per_step, cfg.max_off_policy_steps, next_step=start,
                            max_failed_in_a_row=cfg.max_failed_groups_in_a_row,
                            filter_equal_rewards=cfg.filter_zero_advantage,
-                           on_done=self.group_done if self.curriculum is not None else None)
+                           on_done=self.group_done if self.curriculum is not None else None,
+                           quotas=self.mix.quotas(self.groups_per_step))
         if self.curriculum is not None and start > 1:
             saved = self.curriculum.load(self.run_dir.curriculum)
             log.info("curriculum: pass rates as of step %s (resuming at step %d): %s", saved, start,
@@ -405,9 +408,10 @@ class Orchestrator:
                     log.info("stop requested: leaving after step %d", pool.next_step - 1)
                     break
                 await self.sync_if_newer()
-                for _ in range(pool.open_slots(self.server_version)):
-                    self.start_group(pool, seq)
-                    seq += 1
+                for index, free in enumerate(pool.open_slots_by_env(self.server_version)):
+                    for _ in range(free):
+                        self.start_group(pool, seq, index)
+                        seq += 1
                 step = pool.next_step
                 groups = pool.take_batch()
                 if groups is None:
@@ -480,7 +484,19 @@ class Orchestrator:
             **routing_bytes(batch.samples),
             **(self.curriculum.step_metrics([g.seq for g in groups]) if self.curriculum is not None else {}),
             **self.per_environment("reward_mean", by_env),
+            **self.split_metrics(groups, pool),
         }
+
+    def split_metrics(self, groups: list[Group], pool: RolloutPool) -> dict[str, int]:
+        """In a run of several environments, each one's groups in the batch (its quota: pool.py holds the
+        split) and its equal-reward groups set aside for this step."""
+        if len(self.mix.names) < 2:
+            return {}
+        out = {}
+        for index, name in enumerate(self.mix.names):
+            out[f"batch_groups/{name}"] = sum(g.env_index == index for g in groups)
+            out[f"filtered_groups/{name}"] = pool.filtered_by_env[index]
+        return out
 
 
 def by_environment(evaluation: dict[str, float]) -> dict[str, float] | None:

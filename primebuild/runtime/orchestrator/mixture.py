@@ -1,7 +1,8 @@
 """The manifest's environments as one source of tasks, each drawn in proportion to its weight.
 
-Counts are split by largest remainder, so a step of 16 prompts over weights 3:1 always gets 12 and 4
-(no sampling noise in the mix itself), and the same split applies to the held-out evaluation prompts.
+Counts are split by largest remainder, so a step of 16 groups over weights 3:1 always trains 12 and 4
+(no sampling noise in the mix itself: the rollout pool cuts every batch to this split, pool.py), and the
+same split applies to the held-out evaluation prompts.
 """
 
 from __future__ import annotations
@@ -43,18 +44,15 @@ class EnvironmentMix:
             out += [(env, task) for task in env.sample_tasks(rng, count)]
         return out
 
-    def draw(self, seq: int, per_step: int, seed: int) -> tuple[Environment, Task]:
-        """The environment and task of rollout group number `seq`: every `per_step` consecutive groups
-        split over the environments exactly by weight; the task comes from an RNG seeded by `seq`, so a
-        group is the same whenever (and in whichever batch) it runs."""
-        env = self.envs[self.env_index(seq, per_step)]
-        return env, env.sample_tasks(random.Random(seed * 1_000_003 + seq), 1)[0]
+    def quotas(self, per_step: int) -> list[int]:
+        """Each environment's groups in every batch of `per_step` groups (the pool holds every batch to it)."""
+        return split(per_step, self.weights)
 
-    def env_index(self, seq: int, per_step: int) -> int:
-        """Which environment group number `seq` samples: every `per_step` consecutive groups split over the
-        environments exactly by weight."""
-        slots = [i for i, count in enumerate(split(per_step, self.weights)) for _ in range(count)]
-        return slots[seq % per_step]
+    def draw(self, index: int, seq: int, seed: int) -> Task:
+        """The task of rollout group number `seq`, of environment number `index` (the pool's admission chose
+        it: the environment whose quota has room): from an RNG seeded by `seq`, so a group is the same
+        whenever (and in whichever batch) it runs."""
+        return self.envs[index].sample_tasks(random.Random(seed * 1_000_003 + seq), 1)[0]
 
     def eval_tasks(self, n: int) -> list[tuple[Environment, Task]]:
         out = []

@@ -2,26 +2,38 @@
 finished, so the trainer never waits for the slowest rollout of a step.
 
 Policy (docs/async.md):
+- The environment split: every batch holds exactly `quotas[i]` groups of environment i (the manifest's
+  weights split by largest remainder over the step's groups: mixture.split), whichever finish first. A
+  batch cut from whatever finished first would over-represent the fast environments whenever episodes
+  run long in one and short in another, and the trained mix would drift from the manifest's weights.
+  So every rule below holds per environment: a group counts only against its own environment's quota.
 - Staleness: batch k (trained on weights k-1) accepts a group whose oldest token was sampled by policy
   version v >= k - 1 - max_off_policy_steps. Every model turn is a new request to a server that holds the
   newest weights, so a long episode spans updates; only its oldest token counts against the bound.
-- Admission: a group started while the servers serve version v can join batches up to
-  v + 1 + max_off_policy_steps, so at most that many batches' worth of groups (from the next unwritten
-  batch on) are in flight or finished-but-unbatched. With max_off_policy_steps 0 that is exactly one
-  batch, sampled entirely by the weights it trains: synchronous RL.
-- Emission: batch k takes groups_per_step finished groups that batch k accepts, those sampled earliest
-  first (then in the order they finished): a group that waits is the next to go stale. The rest wait
-  for the next batch.
+- Admission, per environment: a group started while the servers serve version v can join batches up to
+  v + 1 + max_off_policy_steps, so at most that many batches' worth of each environment's groups (from
+  the next unwritten batch on, quotas[i] per batch) are in flight or finished-but-unbatched. A slow
+  environment thus always has as many groups in flight as the staleness bound lets be useful, whatever
+  the fast one has finished: a fast environment's finished groups wait for their batch in their own
+  slots and never take a slow one's. With max_off_policy_steps 0 that is exactly one batch, sampled
+  entirely by the weights it trains: synchronous RL.
+- Emission: batch k takes, of each environment, its quota of finished groups that batch k accepts,
+  those sampled earliest first (then in the order they finished): a group that waits is the next to go
+  stale. The rest wait for the next batch. The batch is cut as soon as every environment has its quota:
+  the trainer waits for nothing but the slowest environment's share, which no batch can do without
+  and keep the split (its groups were started as early as the bound allows). The wait ends: no newer
+  batch is cut meanwhile, so a group started on the current weights cannot go stale before it finishes.
 - Drop: a group that no batch can accept any more (its oldest token too old) is dropped, whether it has
   finished or is still running (a running one stops at its next turn), and counted; a new group of a
-  new task takes its place. Nothing is resampled for the same task.
+  new task of the same environment takes its place. Nothing is resampled for the same task.
 - Failure: a group whose environment or server raised is dropped and counted the same way, and too many
-  in a row end the run (failures.py).
+  in a row (of any environment) end the run (failures.py).
 - Difficulty filter (orchestrator.filter_zero_advantage): a finished group whose rewards are all equal has
   advantage 0 for every sample, so it is set aside and counted instead of trained on; setting it aside
-  frees its slot, so another group is sampled to fill the batch. Refilling is bounded: once a step has
-  set aside FILTER_BUDGET batches' worth of groups, the batch is completed from the newest of them (see
-  FILTER_BUDGET for why the run goes on rather than ends).
+  frees its environment's slot, so another group of that environment is sampled to fill its quota.
+  Refilling is bounded per environment: once a step has set aside FILTER_BUDGET quotas' worth of an
+  environment's groups, that environment's share is completed from the newest of them (see FILTER_BUDGET
+  for why the run goes on rather than ends).
 """
 
 from __future__ import annotations
@@ -36,8 +48,8 @@ from primebuild.runtime.envs.base import Environment, Task
 from primebuild.runtime.orchestrator.failures import GroupFailures, costs_the_run
 from primebuild.runtime.orchestrator.rollout import Rollout, StaleRollout
 
-# A step sets aside at most this many batches' worth of equal-reward groups; then it trains on the newest
-# of them instead of sampling on. Why go on rather than end the run: a task the policy has solved (or not
+# A step sets aside at most this many quotas' worth of an environment's equal-reward groups; then it trains
+# on the newest of them instead of sampling on. Why go on rather than end the run: a task the policy has solved (or not
 # yet begun to solve) gives equal groups too, and that run is still worth finishing, with its last eval
 # and summary; the metrics show it (equal_reward_groups_trained > 0). Why 4: a step then samples at most
 # 4x its groups, enough while at most 3 in 4 groups are equal: with group_size 8 and a 0/1 reward, pass
@@ -51,6 +63,7 @@ class Group:
     env: Environment
     task: Task
     started_version: int
+    env_index: int = 0  # which of the run's environments (the pool's quotas are per environment)
     rollouts: list[Rollout] = field(default_factory=list)
 
     @property
@@ -65,8 +78,13 @@ class Group:
 
 class RolloutPool:
     def __init__(self, groups_per_step: int, max_off_policy_steps: int, next_step: int, max_failed_in_a_row: int,
-                 filter_equal_rewards: bool = False, on_done: Callable[[Group], None] | None = None):
+                 filter_equal_rewards: bool = False, on_done: Callable[[Group], None] | None = None,
+                 quotas: list[int] | None = None):
         self.groups_per_step = groups_per_step
+        # groups of each environment in every batch (mixture.split of the weights); one environment: all
+        self.quotas = [groups_per_step] if quotas is None else list(quotas)
+        if sum(self.quotas) != groups_per_step:
+            raise ValueError(f"environment quotas {self.quotas} do not add up to {groups_per_step} groups per step")
         # told of every group that stops running (its rollouts empty unless it finished): the curriculum
         self.on_done = on_done
         self.filter_equal_rewards = filter_equal_rewards
@@ -78,6 +96,7 @@ class RolloutPool:
         self.failed = 0  # groups dropped because a rollout raised, since the last batch
         self.equal: list[Group] = []  # equal-reward groups set aside since the last batch, in the order they finished
         self.filtered = 0  # equal-reward groups left out of the last batch cut
+        self.filtered_by_env = [0] * len(self.quotas)  # the same, per environment
         self.equal_trained = 0  # equal-reward groups the last batch took because the budget ran out
         self.failures = GroupFailures(max_failed_in_a_row)
         self.idle = IdleClock()  # time with no group running: the inference side has nothing to do
@@ -90,10 +109,17 @@ class RolloutPool:
         """Can a group whose oldest token is that old still join a batch not yet written?"""
         return self.accepts(self.next_step, oldest_version)
 
-    def open_slots(self, served_version: int) -> int:
+    def open_slots_by_env(self, served_version: int) -> list[int]:
+        """How many new groups of each environment may start now (admission, per environment)."""
         last_batch = served_version + 1 + self.max_off  # the last batch a group started now can join
-        capacity = max(0, last_batch - self.next_step + 1) * self.groups_per_step
-        return max(0, capacity - len(self.running) - len(self.finished))
+        batches = max(0, last_batch - self.next_step + 1)
+        held = [0] * len(self.quotas)
+        for group in [*self.running.values(), *self.finished]:
+            held[group.env_index] += 1
+        return [max(0, batches * quota - n) for quota, n in zip(self.quotas, held, strict=True)]
+
+    def open_slots(self, served_version: int) -> int:
+        return sum(self.open_slots_by_env(served_version))
 
     def start(self, group: Group, work: Coroutine[Any, Any, list[Rollout]]) -> None:
         self.idle.enter()
@@ -129,7 +155,8 @@ class RolloutPool:
                 self.finished.append(group)
 
     def take_batch(self) -> list[Group] | None:
-        """The groups of batch `next_step` once enough have finished (dropping the stale ones), else None."""
+        """The groups of batch `next_step` once every environment has its quota finished (dropping the stale
+        ones), else None. The batch lists each environment's groups in turn."""
         kept = []
         for group in self.finished:
             if self.accepts(self.next_step, group.oldest_version):
@@ -137,18 +164,29 @@ class RolloutPool:
             else:
                 self.dropped += 1
         self.finished = kept
-        equal = [g for g in self.equal if self.accepts(self.next_step, g.oldest_version)]
-        short = self.groups_per_step - len(kept)
-        top_up = []
-        if short > 0 and len(equal) >= FILTER_BUDGET * self.groups_per_step:
-            top_up = equal[-short:]  # the newest: the least off-policy of them
-        if len(kept) + len(top_up) < self.groups_per_step:
-            return None
         # oldest first (stable: then in the order they finished): a group that waits goes stale first
-        kept.sort(key=lambda g: g.oldest_version)
-        batch, self.finished = kept[: self.groups_per_step] + top_up, kept[self.groups_per_step:]
+        kept = sorted(kept, key=lambda g: g.oldest_version)
+        equal = [g for g in self.equal if self.accepts(self.next_step, g.oldest_version)]
+        shares, top_ups = [], []
+        for index, quota in enumerate(self.quotas):
+            mine = [g for g in kept if g.env_index == index]
+            short = quota - len(mine)
+            top_up = []
+            mine_equal = [g for g in equal if g.env_index == index]
+            if short > 0 and len(mine_equal) >= FILTER_BUDGET * quota:
+                top_up = mine_equal[-short:]  # the newest: the least off-policy of them
+            if len(mine) + len(top_up) < quota:
+                return None
+            shares.append(mine[:quota] + top_up)
+            top_ups.append(top_up)
+        batch = [g for share in shares for g in share]
+        taken = {id(g) for g in batch}
+        self.finished = [g for g in self.finished if id(g) not in taken]
         # every set-aside group counts for this step, stale ones too: each was sampled and not trained on
-        self.filtered, self.equal_trained, self.equal = len(self.equal) - len(top_up), len(top_up), []
+        self.filtered_by_env = [sum(g.env_index == i for g in self.equal) - len(top_ups[i])
+                                for i in range(len(self.quotas))]
+        self.filtered, self.equal_trained = sum(self.filtered_by_env), sum(map(len, top_ups))
+        self.equal = []
         self.next_step += 1
         return batch
 
