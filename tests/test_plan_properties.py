@@ -104,6 +104,7 @@ def gpu_manifest(draw) -> dict:
     ep = draw(st.sampled_from(pow2_divisors(dp_shard * cp))) if moe else 1
     seq_len = draw(st.sampled_from([1024, 4096] if moe else [64, 128]))  # the tiny model has 128 positions
     group_size = draw(st.sampled_from([1, 4, 8]))
+    two_envs = draw(st.booleans())  # a second environment needs a group of every step (builders/mixture.py)
     return {
         "apiVersion": "primebuild/v1",
         "name": draw(st.from_regex(r"[a-z][a-z0-9_.-]{0,20}", fullmatch=True)),
@@ -116,9 +117,9 @@ def gpu_manifest(draw) -> dict:
         "trainer": {"nodes": trainer_nodes, "dp_shard": dp_shard, "dp_replicate": dp_replicate, "cp": cp, "tp": tp,
                     "ep": ep, "micro_batch_tokens": seq_len},
         "orchestrator": {"seq_len": seq_len, "max_completion_tokens": seq_len // 2, "group_size": group_size,
-                         "rollouts_per_step": group_size * draw(st.integers(1, 64)),
+                         "rollouts_per_step": group_size * draw(st.integers(2 if two_envs else 1, 64)),
                          "max_off_policy_steps": draw(st.integers(0, 3))},
-        "environments": [{"id": "reverse-text"}, *([{"id": "wordle", "weight": 0.5}] if draw(st.booleans()) else [])],
+        "environments": [{"id": "reverse-text"}, *([{"id": "wordle", "weight": 0.5}] if two_envs else [])],
         "weight_sync": {"mode": draw(st.sampled_from(["filesystem", "broadcast"]))},
         "target": draw(st.sampled_from([{"kind": "local"}, {"kind": "slurm", "partition": "gpu"},
                                         {"kind": "ssh", "hosts": ["a", "b"]}, {"kind": "kubernetes"}])),
