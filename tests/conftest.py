@@ -287,3 +287,11 @@ def vllm_tiny_early(request) -> None:
     overlap (a start is mostly three processes importing vLLM, much of it waiting on the disk)."""
     if any("vllm_tiny" in item.fixturenames for item in request.session.items):
         request.getfixturevalue("vllm_tiny_launched")
+
+
+def reap(procs) -> None:
+    """Join every process (30 s each); kill one that is still running, so a failing test leaves none behind."""
+    for p in procs:
+        p.join(30)
+        if p.exitcode is None:
+            p.kill()

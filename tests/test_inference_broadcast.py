@@ -11,7 +11,7 @@ import threading
 import httpx
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, reap
 from inference_helpers import (
     ADMIN_TOKEN,
     Served,
@@ -291,8 +291,4 @@ def test_a_sender_killed_inside_a_load_leaves_the_server_up_and_serving_nothing_
             want = teacher_forced_logprobs(load_hf(v2), choice["prompt_token_ids"], choice["token_ids"])
             assert max(abs(a - b) for a, b in zip(choice["token_logprobs"], want, strict=True)) < 1e-5
     finally:
-        for p in (first, second):
-            if p is not None:
-                p.join(30)
-                if p.exitcode is None:
-                    p.kill()
+        reap(p for p in (first, second) if p is not None)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, reap
 
 from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, BroadcastSender
 from primebuild.runtime.weight_sync.buckets import ALIGN, bucket_counts, messages, offsets
@@ -63,13 +63,6 @@ def specs(sizes: dict[str, int]) -> list[TensorSpec]:
     """Tensors of `ALIGN` x n bytes each (uint8), so sizes count in alignment units."""
     return [TensorSpec(name, torch.uint8, (n * ALIGN,)) for name, n in sizes.items()]
 
-
-def reap(procs) -> None:
-    """Join every process (30 s each); kill one that is still running, so a failing test leaves none behind."""
-    for p in procs:
-        p.join(30)
-        if p.exitcode is None:
-            p.kill()
 
 def test_buckets_keep_layers_whole_cut_big_layers_between_tensors_and_never_split_a_tensor():
     layout = specs({"embed": 5, "model.layers.0.q": 2, "model.layers.0.k": 2, "model.layers.1.q": 2,
@@ -452,11 +445,7 @@ def test_a_killed_sender_is_replaced_on_the_same_port_and_the_server_keeps_its_l
         sent = [inbox.next("sent") for _ in range(4)]
         until(lambda: stage.closed, "the new sender's close seen")
     finally:
-        for p in (first, second):
-            if p is not None:
-                p.join(30)
-                if p.exitcode is None:
-                    p.kill()
+        reap(p for p in (first, second) if p is not None)
     assert [s[:2] for s in sent] == [(1, 1), (2, 1), (3, 1), (4, 1)]  # the new sender's generations start at 1
     assert set(sent[2][2]) == {"full"}, sent[2]  # delta restarts: the first update after the restart is whole
     assert stage.error is None and second.exitcode == 0
