@@ -21,26 +21,21 @@ NOT_IN_TORCHTITAN = {
 }
 
 
-def titan_gaps(model_type: str | None, tp: int = 1) -> list[str]:
+def titan_gaps(model_type: str | None) -> list[str]:
     """What the torchtitan engine does not do yet for this model and layout (empty: it does it all).
     `model_type` None: not known here (a hand-written trainer config; the trainer's model load checks).
-    FP8 training, LoRA, context and tensor parallelism run on it (runtime/trainer/titan_fp8.py,
-    titan_lora.py, titan_model.py, titan_parallelize.py)."""
+    FP8 training, LoRA, context and tensor parallelism (a MoE's too, beside EP or not) run on it
+    (runtime/trainer/titan_fp8.py, titan_lora.py, titan_model.py, titan_parallelize.py)."""
     gaps = []
     if model_type in NOT_IN_TORCHTITAN:
         gaps.append(f"model_type {model_type!r}: {NOT_IN_TORCHTITAN[model_type]}")
     elif model_type is not None and model_type not in TITAN_MODELS:
         gaps.append(f"model_type {model_type or '?'!r} is not built for it (it builds {', '.join(TITAN_MODELS)})")
-    if tp > 1 and model_type == "qwen3_moe":
-        # measured (tests/test_trainer_titan.py's layouts, fp32): loss equal, gradient norm 0.2% off one rank's
-        gaps.append("tensor parallelism of a MoE: torchtitan's TP plan for the routed experts did not match one "
-                    "rank here (gradient norm 0.2% off in fp32); use ep")
     return gaps
 
 
 def manifest_gaps(m, model_type: str) -> list[str]:
-    t = m.trainer
-    return titan_gaps(model_type, t.tp)
+    return titan_gaps(model_type)
 
 
 def trainer_engine(m, model_type: str) -> tuple[str, str]:

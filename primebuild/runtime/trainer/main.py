@@ -433,7 +433,7 @@ def check_launch(config: TrainerConfig, env: DistEnv) -> None:
     if config.engine == "torchtitan":
         from primebuild.builders.trainer_engine import titan_gaps
 
-        gaps = titan_gaps(None, config.parallel.tp)
+        gaps = titan_gaps(None)
         if gaps:
             raise UserError(f"the torchtitan engine: {'; '.join(gaps)}", hint="set engine: hf")
     if config.lora is not None and config.weight_sync.mode != "filesystem":

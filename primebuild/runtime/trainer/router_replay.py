@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from primebuild.errors import UserError
 
@@ -81,8 +82,13 @@ GATES: dict[str, RouterKind] = {
     "glm_moe_dsa": _hf_router("GlmMoeDsaTopkRouter", _glm_moe_dsa_gate),
 }
 # torchtitan's router, whatever the model (the torchtitan engine: titan_policy.py)
-TITAN_ROUTER = RouterKind("TokenChoiceTopKRouter", own_choice=lambda out: out[1].reshape(-1, out[1].shape[-1]),
-                          replayed=_titan_replayed)
+# (its ids [B, L, K] as they are: under TP a DTensor, which a flattening view would redistribute)
+TITAN_ROUTER = RouterKind("TokenChoiceTopKRouter", own_choice=lambda out: out[1], replayed=_titan_replayed)
+
+
+def _whole(x: Tensor) -> Tensor:
+    """A count over this rank's DTensor part as the count over all of it (sequence-split: summed)."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 class RouterReplay:
@@ -129,15 +135,21 @@ class RouterReplay:
             if self.routes is None:
                 return None
             own = self.kind.own_choice(output)
-            recorded = self.routes[:, layer].to(own.device)
-            if recorded.shape != own.shape:
+            recorded = self.routes[:, layer].to(own.device)  # [tokens, top_k]
+            if recorded.numel() != own.numel() or recorded.shape[-1] != own.shape[-1]:
                 raise UserError(f"router replay: {tuple(recorded.shape)} recorded routes for a router choosing "
                                 f"{tuple(own.shape)} (tokens x top_k)")
+            recorded = recorded.view(own.shape)
+            if isinstance(own, DTensor):
+                # under TP torchtitan's router outputs are DTensors: every rank holds the whole micro-batch's
+                # routes; this rank takes its part of them as the router laid its own out (a local slice)
+                recorded = DTensor.from_local(recorded, own.device_mesh, [Replicate()] * own.device_mesh.ndim,
+                                              run_check=False).redistribute(placements=own.placements)
             known = (recorded >= 0).all(dim=-1, keepdim=True)
             indices = torch.where(known, recorded, own)
             with torch.no_grad():
-                same = (indices.sort(-1).values == own.sort(-1).values).all(-1) & known[:, 0]
-                counts = torch.stack([same.sum(), known.sum()]).double()
+                same = (indices.sort(-1).values == own.sort(-1).values).all(-1) & known[..., 0]
+                counts = torch.stack([_whole(same.sum()), _whole(known.sum())]).double()
                 self.agree = counts if self.agree is None else self.agree + counts
             return self.kind.replayed(router, output, indices)
 

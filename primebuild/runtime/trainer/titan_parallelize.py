@@ -81,6 +81,8 @@ def parallelize_titan(root: nn.Module, titan: nn.Module, dims: TitanDims, comput
 
     if dims.ep_enabled or dims.tp_enabled:
         titan.parallelize(dims)
+        if dims.tp_enabled and not dims.ep_enabled:
+            keep_expert_input_gradients(titan)
         if dims.tp_enabled and titan.enable_weight_tying:
             # TP gave the embedding and the head a DTensor parameter each (both split along the vocabulary,
             # Shard(0)): tie them again, or each would train on half of the tied weight's gradient
@@ -109,6 +111,27 @@ def parallelize_titan(root: nn.Module, titan: nn.Module, dims: TitanDims, comput
             module.set_gradient_divide_factor(1.0)  # summed: see the module docstring
             # a plain SUM on the wire: FSDP would otherwise pre-multiply (PREMUL_SUM), which gloo lacks
             module.set_force_sum_reduction_for_comms(True)
+
+
+def keep_expert_input_gradients(titan: nn.Module) -> None:
+    """Under TP without EP the routed experts' input is the MoE's input all-gathered along the sequence,
+    which torchtitan redistributes asynchronously (a DTensor over an AsyncCollectiveTensor). torch's
+    `local_map` (torchtitan's wrapper of the experts) then takes `.wait()` of that tensor, which returns its
+    buffer outside autograd: the experts' share of the gradient of the MoE's input was dropped and only
+    the router's reached the block below (measured: the MoE input's gradient was the router's alone, so
+    `ffn_norm` and every layer under the last MoE were off; grad norm 0.2%). A clone before the experts
+    waits for the gather inside autograd; its backward passes the gradient through."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    def materialize(_module, args):
+        return tuple(a.clone() if isinstance(a, DTensor) and isinstance(a._local_tensor, AsyncCollectiveTensor)
+                     else a for a in args)
+
+    for block in titan.layers.values():
+        moe = getattr(_unwrapped(block), "moe", None)
+        if moe is not None:
+            moe.routed_experts.register_forward_pre_hook(materialize)
 
 
 def apply_block_checkpointing(titan: nn.Module) -> None:

@@ -107,13 +107,16 @@ class TitanPolicy(nn.Module):
 
 def _init_buffers(module: Module, device: torch.device) -> None:
     """Recompute `module`'s buffers on `device`, keeping the DTensor layout TP gave them: torchtitan's
-    initialiser assigns plain tensors, and a plain RoPE cache indexed by DTensor positions fails."""
+    initialiser assigns plain tensors, and a plain RoPE cache indexed by DTensor positions fails. A Partial
+    buffer (a MoE's token counts under TP with EP: each TP rank counts its own tokens) starts at zero on
+    every rank, the sum's identity."""
     before = dict(module._buffers)
     module._init_self_buffers(buffer_device=device)
     for name, old in before.items():
         new = module._buffers[name]
         if isinstance(old, DTensor) and not isinstance(new, DTensor):
-            assert all(p.is_replicate() for p in old.placements), (name, old.placements)
+            assert all(p.is_replicate() or (p.is_partial() and not new.any()) for p in old.placements), \
+                (name, old.placements)
             module._buffers[name] = DTensor.from_local(new, old.device_mesh, old.placements, run_check=False)
 
 
@@ -140,8 +143,6 @@ def load_titan_model(model_path: str, env: DistEnv, compute_dtype: str, activati
 
     config = AutoConfig.from_pretrained(model_path)
     dims = dims or ParallelDims(dp_shard=env.world_size)
-    if dims.tp > 1 and config.model_type == "qwen3_moe":  # the plan refuses it first (builders/trainer_engine.py)
-        raise UserError("tp > 1 with a MoE on the torchtitan engine: not verified to match one rank", hint="use ep")
     flex = env.device.type == "cuda" and dims.cp == 1  # CP: DocumentAttention (titan_model.py says why)
     model_config = titan_config(config, flex, exact_experts=compute_dtype == "float32")
     if env.distributed:
