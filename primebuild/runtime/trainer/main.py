@@ -171,10 +171,15 @@ def place(mb, config: TrainerConfig, env: DistEnv, meshes: Meshes):
 
     With context parallelism the micro-batch is padded to equal chunks and this rank scores only the
     tokens of its own positions (the other CP ranks score the rest); its recorded routes are those of
-    the positions it computes, in the order the model sees them."""
+    the positions it computes, in the order the model sees them. With EP beside TP the rows a rank
+    computes are padded to a multiple of tp: torchtitan's MoE splits them along the sequence over TP
+    and pads its own copy to equal parts, which then no longer adds to the block's residual."""
     shard = None
-    if meshes.dims.cp > 1:
-        mb = pad_columns(mb, padded_length(mb.input_ids.shape[1], meshes.dims.cp), config.pad_token_id)
+    dims, length = meshes.dims, mb.input_ids.shape[1]
+    multiple = (padded_length(1, dims.cp) if dims.cp > 1 else 1) * (dims.tp if dims.tp > 1 and dims.ep > 1 else 1)
+    if length % multiple:
+        mb = pad_columns(mb, -(-length // multiple) * multiple, config.pad_token_id)
+    if dims.cp > 1:
         shard = make_shard(mb.document_ids[0], meshes.dims.cp, dist.get_rank(meshes.cp_group), meshes.cp_group,
                            env.device)
     mb.input_ids = mb.input_ids.to(env.device)
