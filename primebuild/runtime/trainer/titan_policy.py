@@ -20,7 +20,6 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.module import Module
 
 from primebuild.contracts.trainer import LoraConfig, ParallelDims
-from primebuild.errors import UserError
 from primebuild.kernels.dtypes import DTYPES
 
 from .context_parallel import ContextShard
