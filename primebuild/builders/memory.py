@@ -186,7 +186,8 @@ def layer_activation_bytes(facts: ModelFacts, *, moe_layer: bool, act_bytes: flo
 
 
 def _largest_layer_params(facts: ModelFacts, *, tp: int, ep: int) -> int:
-    """Params of the biggest unit FSDP gathers at once, still split by TP (dense) and EP (experts)."""
+    """Params of the biggest unit FSDP gathers at once, still split by TP (dense) and EP (experts); without
+    EP, TP splits each expert's hidden dimension too (torchtitan's MoE plan)."""
     counts = facts.param_counts()
     layer_common = facts.attention_params_per_layer() + 2 * facts.hidden_size
     dense_layer = layer_common + 3 * facts.hidden_size * facts.intermediate_size if facts.num_dense_layers else 0
@@ -194,7 +195,7 @@ def _largest_layer_params(facts: ModelFacts, *, tp: int, ep: int) -> int:
     if facts.num_moe_layers:
         moe_layer = (
             layer_common + (facts.num_shared_experts * facts.expert_size + facts.num_experts * facts.hidden_size)
-        ) / tp + facts.num_experts * facts.expert_size / ep
+        ) / tp + facts.num_experts * facts.expert_size / (ep if ep > 1 else tp)
     return math.ceil(max(dense_layer / tp, moe_layer, counts.embedding / tp))
 
 
