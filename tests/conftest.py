@@ -74,39 +74,51 @@ def _bindable(host: str, port: int) -> bool:
 _DERIVED = tuple(offset + i for offset in (0, 1000, 2000) for i in range(8))
 
 
-def _worker_bases(low: int, high: int) -> tuple[int, int]:
-    """The bases this pytest process may draw from [low, high): under `pytest -n N` each xdist worker has a
-    slice of its own, neighbourhoods included, so two workers never pick overlapping blocks in the seconds
-    between one's check and its run's bind."""
+def _worker_span() -> tuple[int, int]:
+    """The ports [low, high) this pytest process may use: under `pytest -n N` each xdist worker has a slice of
+    its own, so two workers never pick overlapping blocks in the seconds between one's check and its run's
+    bind. Drawn below the kernel's ephemeral range: a port picked there (bind to 0) can be taken by any
+    outgoing connection before the run binds it, which once made a P/D run see its decode port in use."""
+    floor = max(_ephemeral_floor() - 100, 12000)  # a machine whose ephemeral range starts low: best effort
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under pytest-xdist
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     index = int(worker[2:]) if worker.startswith("gw") else 0
-    width = (high - low) // max(count, 1)
-    return low + index * width, low + (index + 1) * width - max(_DERIVED)
+    width = (floor - 10000) // max(count, 1)
+    return 10000 + index * width, 10000 + (index + 1) * width
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A base port whose whole neighbourhood a run derives from it is free on `host` right now.
-
-    Drawn below the kernel's ephemeral range: a port picked there (bind to 0) can be taken by any outgoing
-    connection before the run binds it, which once made a P/D run see its decode port in use."""
-    floor = max(_ephemeral_floor() - 2100, 12000)  # a machine whose ephemeral range starts low: best effort
-    low, high = _worker_bases(10000, floor)
+def _free_base(host: str, low: int, high: int, avoid: int | None = None) -> int:
+    """A base in [low, high) whose whole neighbourhood (base + _DERIVED) lies below `high`, is free now, and
+    does not overlap the neighbourhood of `avoid`."""
     for _ in range(500):
-        base = random.randrange(low, high)
+        base = random.randrange(low, high - max(_DERIVED))
+        if avoid is not None and abs(base - avoid) <= max(_DERIVED):
+            continue
         if all(_bindable(host, base + d) for d in _DERIVED):
             return base
     raise RuntimeError(f"no free block of ports in [{low}, {high}) on {host}")
 
 
+_last_base: int | None = None  # a test often draws two (inference.port, weight_sync.port) before its run binds them
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A base port whose whole neighbourhood a run derives from it is free on `host` right now, apart from
+    the one handed out just before."""
+    global _last_base
+    _last_base = _free_base(host, *_worker_span(), avoid=_last_base)
+    return _last_base
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` bases as free_port gives them, whose neighbourhoods do not overlap: for runs started side by side."""
-    picked: list[int] = []
-    while len(picked) < n:
-        base = free_port(host)
-        if all(abs(base - other) > max(_DERIVED) for other in picked):
-            picked.append(base)
-    return picked
+    """`n` bases as free_port gives them, for runs started side by side: each from its own part of this
+    process's span, so their neighbourhoods never overlap (random picks over the whole span could leave no
+    room for the last one)."""
+    low, high = _worker_span()
+    part = (high - low) // n
+    if part <= max(_DERIVED):
+        raise RuntimeError(f"{n} blocks of {max(_DERIVED) + 1} ports do not fit in [{low}, {high})")
+    return [_free_base(host, low + i * part, low + (i + 1) * part) for i in range(n)]
 
 
 @pytest.fixture
