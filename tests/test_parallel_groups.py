@@ -83,12 +83,17 @@ def test_alone_the_hooks_keep_pytests_order(tmp_path: Path):
 
 
 def test_workers_draw_ports_from_disjoint_slices(monkeypatch):
-    slices = []
+    spans = []
     for worker in range(3):
         monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{worker}")
         monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
-        slices.append(conftest._worker_bases(10000, max(conftest._ephemeral_floor() - 2100, 12000)))
-        base = conftest.free_port()
-        assert slices[-1][0] <= base < slices[-1][1]
-    spans = [(low, high + max(conftest._DERIVED)) for low, high in slices]  # each base's whole neighbourhood
+        low, high = conftest._worker_span()
+        spans.append((low, high))
+        for base in [conftest.free_port(), conftest.free_port(), *conftest.free_ports(3)]:
+            assert low <= base and base + max(conftest._DERIVED) < high  # each base's whole neighbourhood
+        first, second, third = conftest.free_ports(3)  # side by side: neighbourhoods apart
+        assert second - first > max(conftest._DERIVED) and third - second > max(conftest._DERIVED)
+        a, b = conftest.free_port(), conftest.free_port()  # drawn one after the other: apart too
+        assert abs(a - b) > max(conftest._DERIVED)
     assert all(spans[i][1] <= spans[i + 1][0] for i in range(2)) and spans[0][0] == 10000, spans
+    assert spans[-1][1] < conftest._ephemeral_floor()
