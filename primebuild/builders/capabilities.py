@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from primebuild.builders.environments import environment_problems, sandbox_problems
 from primebuild.builders.model_facts import ModelFacts
-from primebuild.builders.trainer_engine import manifest_gaps, trainer_engine
+from primebuild.builders.trainer_engine import titan_gaps, trainer_engine
 from primebuild.builders.trainer_restart import trainer_restart_gap
 from primebuild.contracts.inference import EMBEDDED_MODEL_TYPES
 from primebuild.errors import Problem
@@ -310,7 +310,7 @@ REPLAYABLE_ROUTERS = {"qwen3_moe": "Qwen3MoeTopKRouter (softmax gate)",
 
 def _model(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
     """What the model's architecture rules out."""
-    if m.trainer.engine == "torchtitan" and (gaps := manifest_gaps(m, f.model_type)):
+    if m.trainer.engine == "torchtitan" and (gaps := titan_gaps(f.model_type)):
         yield Refusal("trainer.engine", f"the torchtitan engine: {'; '.join(gaps)}",
                       "set trainer.engine: auto (or hf) to train on transformers' layers")
     elif m.trainer.tp != 1 and (engine := trainer_engine(m, f.model_type))[0] != "torchtitan":

@@ -22,8 +22,8 @@ NOT_IN_TORCHTITAN = {
 
 
 def titan_gaps(model_type: str | None) -> list[str]:
-    """What the torchtitan engine does not do yet for this model and layout (empty: it does it all).
-    `model_type` None: not known here (a hand-written trainer config; the trainer's model load checks).
+    """What the torchtitan engine does not do yet for this model, whatever the layout (empty: it does it all).
+    `model_type` None: not known here (the trainer's model load checks).
     FP8 training, LoRA, context and tensor parallelism (a MoE's too, beside EP or not) run on it
     (runtime/trainer/titan_fp8.py, titan_lora.py, titan_model.py, titan_parallelize.py)."""
     gaps = []
@@ -34,16 +34,12 @@ def titan_gaps(model_type: str | None) -> list[str]:
     return gaps
 
 
-def manifest_gaps(m, model_type: str) -> list[str]:
-    return titan_gaps(model_type)
-
-
 def trainer_engine(m, model_type: str) -> tuple[str, str]:
     """(engine, why) for the manifest `m` training a model of `model_type`. An explicit `torchtitan` that
     cannot apply is refused by capabilities.py with the same gaps; here it resolves to what would run."""
     if m.trainer.engine == "hf":
         return "hf", "trainer.engine: hf"
-    gaps = manifest_gaps(m, model_type)
+    gaps = titan_gaps(model_type)
     if not gaps:
         return "torchtitan", TITAN_MODELS[model_type]
     return "hf", "transformers' eager layers, not torchtitan: " + "; ".join(gaps)

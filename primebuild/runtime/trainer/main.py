@@ -435,12 +435,6 @@ def check_launch(config: TrainerConfig, env: DistEnv) -> None:
     if config.parallel.tp > 1 and config.engine != "torchtitan":
         raise UserError(f"parallel tp={config.parallel.tp}: tensor parallelism is torchtitan's Qwen3 plan, applied "
                         "on the torchtitan engine only", hint="set engine: torchtitan, or tp: 1")
-    if config.engine == "torchtitan":
-        from primebuild.builders.trainer_engine import titan_gaps
-
-        gaps = titan_gaps(None)
-        if gaps:
-            raise UserError(f"the torchtitan engine: {'; '.join(gaps)}", hint="set engine: hf")
     if config.lora is not None and config.weight_sync.mode != "filesystem":
         raise UserError("LoRA publishes adapter folders: it needs filesystem weight sync")
     if config.optimizer_cpu_offload and env.world_size < 2:
