@@ -198,8 +198,7 @@ class Engine:
         with self._cv:
             if self.dead is not None:
                 raise EngineDead(f"the engine is dead: {self.dead}")
-            if self.mixed is not None:
-                raise WeightsMixed(f"the served weights are a mix of two policies: {self.mixed}")
+            self._refuse_if_mixed()
             self._incoming.append(request)
             self._cv.notify()
         return request
@@ -233,8 +232,7 @@ class Engine:
         """The log-prob of each prompt token after the first under the current weights (Qwen3Forward.score).
         It runs on the caller's thread beside the engine loop: it only reads the weights, and a swap
         replaces the weights object whole, so a score sees one version throughout."""
-        if self.mixed is not None:
-            raise WeightsMixed(f"the served weights are a mix of two policies: {self.mixed}")
+        self._refuse_if_mixed()
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         return self.forward.score(ids).tolist()
 
@@ -292,6 +290,10 @@ class Engine:
                 raise TimeoutError("the weight swap did not happen in time (paused with requests in flight?)")
             if self.dead is not None:
                 raise EngineDead(f"the engine is dead: {self.dead}")
+
+    def _refuse_if_mixed(self) -> None:
+        if self.mixed is not None:
+            raise WeightsMixed(f"the served weights are a mix of two policies: {self.mixed}")
 
     def update_weights_in_place(self, names: list[str], pull: Callable[[Callable[[list], None]], int],
                                 in_flight: str = "resume", timeout: float = 600,
