@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torchtitan.models.common import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
@@ -28,10 +29,20 @@ from .titan_model import ExactGroupedExperts
 
 
 class Fp8TitanLinear(Linear):
-    """torchtitan's Linear whose forward is block-scaled FP8."""
+    """torchtitan's Linear whose forward is block-scaled FP8. Under TP each rank multiplies its own shards
+    (a column-split weight gives its columns of the output, a row-split one a partial sum): the blocks are
+    the whole weight's where every split dimension is a multiple of 128 x tp, which the plan requires."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias)
+        if not isinstance(self.weight, DTensor):
+            return fp8_linear(x, self.weight, self.bias)
+        (split,) = self.weight.placements  # the TP mesh's: Shard(0) column-wise, Shard(1) row-wise
+        columns = split == Shard(0)
+        # column-wise, x is whole on every rank and each rank's gradient of it only its columns' share: Partial
+        local_x = x.to_local(grad_placements=[Partial()] if columns else None)
+        y = fp8_linear(local_x, self.weight.to_local())
+        y = DTensor.from_local(y, self.weight.device_mesh, [Shard(-1) if columns else Partial()], run_check=False)
+        return y if self.bias is None else y + self.bias
 
 
 class Fp8GroupedExperts(ExactGroupedExperts):
