@@ -120,6 +120,9 @@ LAYOUTS = {
     # EP on the TP ranks alone (no FSDP rank: dp_shard*cp = 1): the EP group is the TP group, each rank
     # owning half the experts whole and dispatching its half of the sequence to them
     "tp2-ep2-replay": dict(moe=True, parallel={"dp_shard": 1, "tp": 2, "ep": 2}, router_replay=True),
+    # EP over FSDP and TP ranks together (ep 4 = dp_shard 2 x tp 2: one expert a rank), refused before ep could
+    # borrow TP ranks
+    "fsdp2-tp2-ep4-replay": dict(moe=True, parallel={"dp_shard": 2, "tp": 2, "ep": 4}, router_replay=True),
 }
 
 
