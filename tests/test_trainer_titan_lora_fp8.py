@@ -242,6 +242,20 @@ def test_tensor_parallel_moe_with_lora_or_fp8_gradients_equal_one_rank(tmp_path,
         assert any(".routed_experts." in name for name in one) and max(off.values()) < TP_FP8_GRADIENTS, worst
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fp8_under_tensor_parallelism_refuses_a_model_whose_blocks_would_straddle_ranks(tmp_path):
+    """A hand-written config meets the plan's 128 x tp rule at load (titan_fp8.check_tp_blocks_whole): the
+    tiny MoE's q width 64 cannot be split into whole 128-blocks over 2 ranks."""
+    model = make_tiny_model(tmp_path / "model", moe=True, seed=3)
+    worker = Path(__file__).with_name("titan_grads_worker.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", str(worker), str(model), str(tmp_path / "out.pt"), "fp8"],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and not (tmp_path / "out.pt").exists()
+    assert "precision fp8 under tp=2: layers.0.attention.qkv_linear.wq.weight splits a dimension of 64" in proc.stderr
+
+
 def test_fp8_under_tensor_parallelism_is_planned_where_its_blocks_stay_whole():
     """The plan takes FP8 with tp > 1 where every TP-split width is a multiple of 128 x tp (as the aligned
     model above), and refuses it, located at trainer.tp, where a block would straddle two ranks."""
