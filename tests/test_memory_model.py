@@ -138,6 +138,18 @@ def test_trainer_expert_parallel_shrinks_the_gathered_layer():
     assert layer_activation_bytes(MOE, moe_layer=True, act_bytes=2) == 2 * (16 + 32 + 16 + 28) + 16
 
 
+def test_expert_parallel_on_the_tensor_parallel_ranks_counts_whole_experts_per_rank():
+    """torchtitan's expert mesh is cut from dp_shard·cp·tp, ep innermost: tp 2 x ep 2 on 2 ranks puts 2 of
+    the 4 experts, whole, on each rank (TP splits attention, embeddings and router rows, not them)."""
+    borrowed = trainer(MOE, dp_shard=1, tp=2, ep=2)
+    assert borrowed.params == 2 * 828  # 1656 / (dp_shard·cp·tp = 2): 2 experts of 48 per rank among them
+    assert borrowed.fsdp_buffers == 0  # no FSDP rank: TP and EP shard the model, nothing is gathered
+    # with FSDP beside them a gathered MoE layer holds (304 / tp) + 4/ep experts · 48
+    assert trainer(MOE, dp_shard=2, tp=2, ep=2).fsdp_buffers == (152 + 2 * 48) * 8
+    assert trainer(MOE, dp_shard=2, tp=2, ep=4).fsdp_buffers == (152 + 1 * 48) * 8  # ep spans dp_shard x tp
+    assert trainer(MOE, dp_shard=2, tp=2, ep=4).params == 2 * 414
+
+
 def test_expert_parallel_keeps_the_received_tokens_of_each_moe_layer():
     # per token per MoE layer: k·h·a = 2·8·2 bytes for the routed copies the local experts received
     one, two = trainer(MOE, dp_shard=4, ep=1), trainer(MOE, dp_shard=4, ep=2)
@@ -149,6 +161,7 @@ def test_expert_parallel_keeps_the_received_tokens_of_each_moe_layer():
 @pytest.mark.parametrize("kw, message", [
     (dict(ep=3, dp_shard=6), "divide the number of experts"),
     (dict(ep=4, dp_shard=2), "dp_shard·cp·tp"),
+    (dict(ep=4, dp_shard=1, tp=2), "dp_shard·cp·tp"),
     (dict(micro_batch_tokens=2, seq_len=4), "smaller than seq_len"),
     (dict(optimizer="lion"), "unknown optimizer"),
     (dict(param_dtype="int4"), "unknown dtype"),

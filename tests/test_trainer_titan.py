@@ -18,6 +18,7 @@ from trainer_fixtures import (
     write_rollouts,
 )
 
+from primebuild.errors import UserError
 from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.batch import pack
 from primebuild.runtime.trainer.main import run_trainer
@@ -116,6 +117,12 @@ LAYOUTS = {
     # EP beside TP on 4 ranks: torchtitan's experts whole on their EP ranks, which it carves from
     # dp_shard x tp, tokens split along the sequence over TP; routes replayed at each rank's slice
     "fsdp2-tp2-ep2-replay": dict(moe=True, parallel={"dp_shard": 2, "tp": 2, "ep": 2}, router_replay=True),
+    # EP on the TP ranks alone (no FSDP rank: dp_shard*cp = 1): the EP group is the TP group, each rank
+    # owning half the experts whole and dispatching its half of the sequence to them
+    "tp2-ep2-replay": dict(moe=True, parallel={"dp_shard": 1, "tp": 2, "ep": 2}, router_replay=True),
+    # EP over FSDP and TP ranks together (ep 4 = dp_shard 2 x tp 2: one expert a rank), refused before ep could
+    # borrow TP ranks
+    "fsdp2-tp2-ep4-replay": dict(moe=True, parallel={"dp_shard": 2, "tp": 2, "ep": 4}, router_replay=True),
 }
 
 
@@ -202,6 +209,19 @@ def test_two_ranks_train_as_one_and_as_transformers(multi_rank_runs, layout):
             torch.testing.assert_close(weights["hf"][key], tensor, rtol=1e-4, atol=2e-5)
 
 
+def test_the_trainer_checks_again_that_ep_borrows_ranks_it_can():
+    """A hand-written config meets the plan's rules at launch (main.check_launch -> check_dims)."""
+    from primebuild.contracts.trainer import ParallelDims
+    from primebuild.runtime.trainer.parallel_dims import check_dims
+
+    check_dims(ParallelDims(dp_shard=1, tp=2, ep=2), 2)  # the EP group is the TP group
+    check_dims(ParallelDims(dp_shard=2, tp=2, ep=4), 4)  # EP over every rank
+    with pytest.raises(UserError, match="must divide dp_shard\\*cp\\*tp=2"):
+        check_dims(ParallelDims(dp_shard=1, tp=2, ep=4), 2)
+    with pytest.raises(UserError, match="no FSDP rank"):
+        check_dims(ParallelDims(dp_shard=1, tp=4, ep=2), 4)
+
+
 def test_the_plan_chooses_torchtitan_where_it_is_built_and_says_why_not_elsewhere(tmp_path):
     def engine(plan):
         return next(p for p in plan["processes"] if p["name"] == "trainer")["config"]["engine"]
@@ -240,6 +260,19 @@ def test_context_and_tensor_parallel_plans_train_on_torchtitan_and_glm5_says_why
     beside = plan_json("manifests/reverse-text-moe.yaml", ["trainer.dp_shard=2", "trainer.tp=2", "trainer.ep=2",
                                                            "trainer.ranks=4", "hardware.cpus_per_node=4"], design=False)
     assert trainer(beside)["engine"] == "torchtitan" and trainer(beside)["parallel"]["ep"] == 2
+    # EP on the TP ranks alone (the tp2-ep2-replay layout): each of the 2 ranks holds half the model, the
+    # experts whole, and gathers nothing (no FSDP rank)
+    two = ["trainer.dp_shard=1", "trainer.tp=2", "trainer.ranks=2"]
+    borrowed = plan_json("manifests/reverse-text-moe.yaml", [*two, "trainer.ep=2"], design=False)
+    assert trainer(borrowed)["engine"] == "torchtitan" and trainer(borrowed)["parallel"]["ep"] == 2
+    memory = borrowed["memory"]["trainer"]["breakdown"]
+    assert memory["fsdp_buffers"] == 0 and memory["params"] == moe["memory"]["trainer"]["breakdown"]["params"]
+    for sets, message in ((["trainer.ep=4"], "ep=4 must divide dp_shard*cp*tp=2"),
+                          (["trainer.tp=4", "trainer.ranks=4", "hardware.cpus_per_node=4", "trainer.ep=2"],
+                           "ep=2 < tp=4 with no FSDP rank")):
+        with pytest.raises(UserError) as err:
+            plan_json("manifests/reverse-text-moe.yaml", [*two, *sets], design=False)
+        assert [(p.field, message in p.message) for p in err.value.problems] == [("trainer.ep", True)]
     glm5 = plan_json("manifests/glm5.yaml")
     (why,) = [w for w in glm5["warnings"] if w.startswith("trainer: transformers' eager layers")]
     assert "no GLM model" in why and "spmd_types" in why and "torch 2.13" in why

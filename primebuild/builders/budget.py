@@ -277,7 +277,7 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
 
             def trainer_fits(gpus: int) -> bool:  # the same layout, FSDP over whatever GPUs remain
                 shard = gpus // other
-                if shard < 1 or (shard * m.trainer.cp) % m.trainer.ep:
+                if shard < 1 or (shard * m.trainer.cp * m.trainer.tp) % m.trainer.ep:
                     return False
                 tmem = _trainer_memory(m, f, capacity, shard)
                 return tmem.fits and _host_bytes_per_node(tmem, gpus, hw) <= hw.host_memory_gb * GIB

@@ -66,7 +66,7 @@ def refusals(m: Manifest, facts: ModelFacts | None = None) -> list[Refusal]:
     if m.sft is not None:
         return list(_sft_only(m)) + environments
     architecture = [*_model(m, facts), *_embedded_architecture(m, facts), *_sparse_attention_under_cp(m, facts),
-                    *_lora_targets(m, facts)] if facts is not None else []
+                    *_lora_targets(m, facts), *_fp8_tensor_parallel(m, facts)] if facts is not None else []
     return list(_rl(m)) + architecture + environments
 
 
@@ -300,6 +300,43 @@ def _lora_targets(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
     if f.is_moe and m.inference.engine == "embedded":
         yield Refusal("trainer.lora", "LoRA on a MoE with the embedded engine: its adapter merge covers dense "
                       "layers' modules only (primebuild/runtime/inference/lora.py)", "use a dense model")
+
+
+FP8_BLOCK = 128  # the block-scaled FP8 recipe's block edge (runtime/trainer/fp8.py)
+
+
+def tp_split_widths(m: Manifest, f: ModelFacts) -> dict[str, int]:
+    """The widths torchtitan's TP plan splits over tp ranks: attention heads (q and o), KV heads (k, v),
+    the dense MLP's and the shared experts' hidden widths, and the routed experts' unless EP holds them whole."""
+    widths = {"q/o projection width (heads x head_dim)": f.num_attention_heads * f.head_dim,
+              "k/v projection width (KV heads x head_dim)": f.num_kv_heads * f.head_dim}
+    if f.num_dense_layers:
+        widths["dense MLP width (intermediate_size)"] = f.intermediate_size
+    if f.num_shared_experts:
+        widths["shared experts' width"] = f.num_shared_experts * f.moe_intermediate_size
+    if f.is_moe and m.trainer.ep == 1:
+        widths["routed experts' width (moe_intermediate_size)"] = f.moe_intermediate_size
+    return widths
+
+
+def _fp8_tensor_parallel(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
+    """FP8 under TP: each rank quantises its own shard of a weight (titan_fp8.Fp8TitanLinear) in 128 x 128
+    blocks; they are the whole weight's blocks (the checkpoint's, the inference engine's) only where every
+    split width is a multiple of 128 x tp. Elsewhere a block would straddle two ranks and each would scale
+    its half on its own: the trainer would not score what the server samples."""
+    t = m.trainer
+    if t.precision != "fp8" or t.tp == 1:
+        return
+    for what, width in tp_split_widths(m, f).items():
+        if width % (FP8_BLOCK * t.tp):
+            fits = [d for d in (2, 4, 8) if width % (FP8_BLOCK * d) == 0]
+            hint = f"use tp: {' or '.join(map(str, fits))}" if fits else "use tp: 1 (shard with dp_shard), or precision: bf16"
+            if what.startswith("routed"):
+                hint += ", or ep >= 2 (EP keeps each expert whole on its rank)"
+            yield Refusal("trainer.tp", f"tp={t.tp} with precision fp8: the {what} {width} is not a multiple of "
+                          f"128 x tp = {FP8_BLOCK * t.tp}, so a rank's FP8 blocks would straddle the shards and "
+                          "quantise unlike the checkpoint and the inference engine", hint)
+            return
 
 
 # model_type -> how the fsdp2 trainer replays its router (primebuild/runtime/trainer/router_replay.py): the router

@@ -7,8 +7,9 @@ KV cache, not to predict the allocator to the megabyte: the constants below err 
 Trainer conventions (torchtitan-style FSDP2 + EP + CP + TP):
 - FSDP shards over dp_shard × cp (torchtitan folds the context-parallel ranks into the FSDP mesh) and
   TP splits each matrix, so a dense parameter lives on dp_shard·cp·tp ranks.
-- Expert parallelism borrows its ranks from that same dp_shard·cp·tp group: each EP rank owns
-  num_experts/ep whole experts, and those are FSDP-sharded again over the remaining
+- Expert parallelism borrows its ranks from that same dp_shard·cp·tp group (torchtitan's expert mesh,
+  ep innermost: the TP ranks first): each EP rank owns num_experts/ep whole experts (with ep > 1 TP
+  does not split them), and those are FSDP-sharded again over the remaining
   dp_shard·cp·tp/ep ranks ("expert FSDP"). Per GPU, expert params therefore also end up divided by
   dp_shard·cp·tp; what EP changes is the size of a gathered layer (experts/ep instead of all experts).
 - dp_replicate (HSDP) replicates the shards: each replica holds the whole model split dp_shard·cp·tp
@@ -232,8 +233,9 @@ def trainer_memory_per_gpu(
                         (with optimizer_cpu_offload all four go to host_bytes: FSDP2's CPUOffloadPolicy keeps
                         the shards on the host; the device holds the gathered layers, activations, logits)
     fsdp_buffers      = largest gathered layer L (params/tp, experts/ep) · (2 · bytes(param) + bytes(grad))
-                        when shards · dp_replicate > 1 (fully_shard wraps every layer as soon as there are
-                        two ranks): the current and prefetched layer, and one layer's unsharded grads
+                        when dp_shard · cp · dp_replicate > 1 (fully_shard wraps every layer as soon as there
+                        are two FSDP ranks; TP, and EP on the TP ranks, shard without it): the current and
+                        prefetched layer, and one layer's unsharded grads
     tokens_per_gpu    = ceil(micro_batch_tokens / cp)
     activations       = tokens_per_gpu / tp · (num_layers · h · act_bytes + f · max_layer_activation)
                         with full activation checkpointing (each layer's input kept, one layer live);
@@ -281,7 +283,7 @@ def trainer_memory_per_gpu(
         params = grads = master = optimizer_state = 0
 
     fsdp_buffers = 0
-    if shards * dp_replicate > 1:
+    if dp_shard * cp * dp_replicate > 1:  # TP (and EP on its ranks) alone shard without FSDP: nothing gathered
         layer_grad_bytes = 0 if adapter_params is not None else g_bytes  # frozen base: no full-size grads
         fsdp_buffers = math.ceil(_largest_layer_params(facts, tp=tp, ep=ep) * (2 * p_bytes + layer_grad_bytes))
 

@@ -157,9 +157,15 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
         elif f.num_experts % t.ep:
             problems.append(Problem(f"trainer: {f.num_experts} experts are not divisible by ep={t.ep}",
                                     field="trainer.ep", hint=_divisors_hint(f.num_experts, "ep")))
-        if (t.dp_shard * t.cp) % t.ep:
-            problems.append(Problem(f"trainer: ep={t.ep} must divide dp_shard*cp={t.dp_shard * t.cp}",
-                                    field="trainer.ep", hint="expert parallelism borrows ranks from dp_shard*cp"))
+        # torchtitan's sparse mesh (efsdp, ep), ep innermost: EP borrows the FSDP, CP and TP ranks alike,
+        # and experts are whole on their EP rank (not TP-split) once ep > 1
+        if (t.dp_shard * t.cp * t.tp) % t.ep:
+            problems.append(Problem(f"trainer: ep={t.ep} must divide dp_shard*cp*tp={t.dp_shard * t.cp * t.tp}",
+                                    field="trainer.ep", hint="expert parallelism borrows ranks from dp_shard*cp*tp"))
+        elif t.tp > t.ep and t.dp_replicate * t.dp_shard * t.cp == 1:
+            problems.append(Problem(f"trainer: ep={t.ep} < tp={t.tp} with no FSDP rank: the tp/ep ranks that own the "
+                                    "same experts would never sum their gradients (FSDP over efsdp does that)",
+                                    field="trainer.ep", hint=f"set ep: {t.tp}, or dp_shard >= 2"))
         if t.ep % t.cp and t.cp % t.ep:
             problems.append(Problem(f"trainer: ep={t.ep} and cp={t.cp}: one must be a multiple of the other (an EP "
                                     "group spans whole CP groups, or lies inside one)", field="trainer.ep",

@@ -239,7 +239,8 @@ class Trainer(Strict):
                                       "dp_shard*cp, gradients all-reduced across them. Saves no memory per GPU.")
     cp: PositiveInt = Field(1, description="Context parallel degree.")
     tp: PositiveInt = Field(1, description="Tensor parallel degree (inside a node).")
-    ep: PositiveInt = Field(1, description="Expert parallel degree; must divide dp_shard*cp.")
+    ep: PositiveInt = Field(1, description="Expert parallel degree; must divide dp_shard*cp*tp (EP borrows FSDP, CP "
+                           "and TP ranks; with ep > 1 each rank holds num_experts/ep whole experts, not TP-split).")
     engine: Literal["auto", "torchtitan", "hf"] = Field(
         "auto", description="Whose model code trains: torchtitan's modules, or transformers' eager layers. auto: "
         "torchtitan where it is built for the model and layout (the plan says why not, where not).")

@@ -20,12 +20,14 @@ dp_shard * cp ways. The EP and CP groups lie inside one replica, so their traffi
 
 EP ranks are carved from the FSDP dimension: with ep a multiple of cp an EP group is ep/cp whole CP
 groups (torchtitan's layout: dp_shard = efsdp * ep/cp); with cp a multiple of ep it lies inside one CP
-group. Either way ep | dp_shard * cp (the plan checks it, and num_experts % ep).
+group. Either way ep | dp_shard * cp when tp = 1 (the plan checks it, and num_experts % ep).
 
 TP (the torchtitan engine only: torchtitan's Qwen3 plan, titan_parallelize.py) is the innermost
 dimension, as in torchtitan's meshes: the tp ranks of a group are consecutive and compute the same
 micro-batches, so the batch is dealt over rank // (cp * tp). torchtitan builds the meshes it shards
-over itself; from these it needs only the data layout, the CP group and the replica.
+over itself; from these it needs only the data layout, the CP group and the replica. Its expert mesh
+(efsdp, ep) is cut from dp_shard * cp * tp with ep innermost, so EP borrows the TP ranks first (tp 2 x
+ep 2 on 2 ranks: the EP group is the TP group) and ep | dp_shard * cp * tp.
 """
 
 from __future__ import annotations
@@ -72,10 +74,13 @@ def check_dims(dims: ParallelDims, world_size: int) -> None:
     if dims.world_size != world_size:
         raise UserError(f"parallel dp_replicate*dp_shard*cp*tp = {dims.world_size} but the launch has {world_size} "
                         "rank(s)")
-    shards = dims.dp_shard * dims.cp
+    shards = dims.dp_shard * dims.cp * dims.tp
     if shards % dims.ep:
-        raise UserError(f"parallel.ep={dims.ep} must divide dp_shard*cp={shards}: EP ranks are carved from the "
-                        "FSDP dimension")
+        raise UserError(f"parallel.ep={dims.ep} must divide dp_shard*cp*tp={shards}: EP ranks are carved from the "
+                        "FSDP, CP and TP ranks")
+    if dims.ep > 1 and dims.tp > dims.ep and dims.dp_replicate * dims.dp_shard * dims.cp == 1:
+        raise UserError(f"parallel ep={dims.ep} < tp={dims.tp} with no FSDP rank: the ranks owning the same experts "
+                        "would not sum their gradients", hint=f"set ep: {dims.tp}, or dp_shard >= 2")
     if dims.ep % dims.cp and dims.cp % dims.ep:
         raise UserError(f"parallel ep={dims.ep}, cp={dims.cp}: one must be a multiple of the other (an EP group "
                         "spans whole CP groups, or lies inside one)")

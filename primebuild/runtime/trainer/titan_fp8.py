@@ -20,18 +20,31 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torchtitan.models.common import Linear
 from torchtitan.models.common.moe import GroupedExperts
+
+from primebuild.errors import UserError
 
 from .fp8 import fp8_linear
 from .titan_model import ExactGroupedExperts
 
 
 class Fp8TitanLinear(Linear):
-    """torchtitan's Linear whose forward is block-scaled FP8."""
+    """torchtitan's Linear whose forward is block-scaled FP8. Under TP each rank multiplies its own shards
+    (a column-split weight gives its columns of the output, a row-split one a partial sum): the blocks are
+    the whole weight's where every split dimension is a multiple of 128 x tp, which the plan requires."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias)
+        if not isinstance(self.weight, DTensor):
+            return fp8_linear(x, self.weight, self.bias)
+        (split,) = self.weight.placements  # the TP mesh's: Shard(0) column-wise, Shard(1) row-wise
+        columns = split == Shard(0)
+        # column-wise, x is whole on every rank and each rank's gradient of it only its columns' share: Partial
+        local_x = x.to_local(grad_placements=[Partial()] if columns else None)
+        y = fp8_linear(local_x, self.weight.to_local())
+        y = DTensor.from_local(y, self.weight.device_mesh, [Shard(-1) if columns else Partial()], run_check=False)
+        return y if self.bias is None else y + self.bias
 
 
 class Fp8GroupedExperts(ExactGroupedExperts):
@@ -59,3 +72,26 @@ def apply_titan_fp8(titan: nn.Module) -> dict[str, int]:
             module.__class__ = Fp8TitanLinear
             counts["linear"] += 1
     return counts
+
+
+BLOCK = 128  # the recipe's block edge (fp8.py)
+
+
+def check_tp_blocks_whole(titan: nn.Module) -> None:
+    """After torchtitan's TP plan: every FP8 weight's TP-split dimension must be a multiple of 128 x tp, so
+    that each rank's blocks are the whole weight's (the plan refuses the rest: capabilities._fp8_tensor_parallel;
+    a hand-written config meets the same rule here)."""
+    for name, module in titan.named_modules():
+        if not isinstance(module, (Fp8TitanLinear, Fp8GroupedExperts)):
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if not isinstance(param, DTensor):
+                continue
+            mesh = param.device_mesh
+            for axis, size, placement in zip(mesh.mesh_dim_names, mesh.shape, param.placements, strict=True):
+                # EP splits whole experts (dim 0), which FP8 never blocks across: the TP axis only
+                if axis == "tp" and placement.is_shard() and param.shape[placement.dim] % (BLOCK * size):
+                    raise UserError(f"precision fp8 under tp={size}: {name}.{param_name} splits a dimension of "
+                                    f"{param.shape[placement.dim]}, no multiple of 128 x {size}: a rank's FP8 blocks "
+                                    "would straddle the shards", hint="use a tp that keeps 128-blocks whole, or "
+                                    "precision: bf16")

@@ -51,6 +51,26 @@ def add_adapter(linear: Linear, rank: int, alpha: float, hf_module: str) -> None
     linear.hf_module = hf_module
 
 
+def shard_adapters_as_their_base(titan: nn.Module) -> int:
+    """Under TP (after torchtitan's plan made each target's weight a DTensor on the TP mesh) split the
+    adapters so their product B·A is split as the weight is: a column-split weight (Shard(0), out rows)
+    gets A whole and B's rows split, its update a column slice of the output like the base's; a row-split
+    one (Shard(1), in columns) gets A's columns split and B whole, its update a partial sum like the
+    base's. Each rank then adds its own part of the output. Returns how many modules were split."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    split = 0
+    for module in titan.modules():
+        if isinstance(module, LoraLinear) and isinstance(module.weight, DTensor):
+            (placement,) = module.weight.placements
+            a, b = (Replicate(), Shard(0)) if placement == Shard(0) else (Shard(1), Replicate())
+            for adapter, where in ((module.lora_A, a), (module.lora_B, b)):
+                adapter.weight = nn.Parameter(distribute_tensor(adapter.weight, module.weight.device_mesh, [where]),
+                                              requires_grad=adapter.weight.requires_grad)
+            split += 1
+    return split
+
+
 def titan_targets(from_hf_map: dict[str, str | None], targets: list[str]) -> dict[str, str]:
     """torchtitan module pattern (`layers.{}.attention.qkv_linear.wq`) -> Hugging Face module pattern
     (`model.layers.{}.self_attn.q_proj`) for each target, read off the state-dict adapter's map (a routed

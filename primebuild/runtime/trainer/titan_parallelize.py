@@ -81,6 +81,13 @@ def parallelize_titan(root: nn.Module, titan: nn.Module, dims: TitanDims, comput
 
     if dims.ep_enabled or dims.tp_enabled:
         titan.parallelize(dims)
+        if dims.tp_enabled:
+            from .titan_lora import shard_adapters_as_their_base
+
+            shard_adapters_as_their_base(titan)  # LoRA's adapters follow their TP-split weights
+            from .titan_fp8 import check_tp_blocks_whole
+
+            check_tp_blocks_whole(titan)
         if dims.tp_enabled and not dims.ep_enabled:
             keep_expert_input_gradients(titan)
         if dims.tp_enabled and titan.enable_weight_tying:
