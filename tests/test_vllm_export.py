@@ -20,7 +20,8 @@ from conftest import run_cli
 from primebuild.runtime.rollout_file import load_batch
 from primebuild.runtime.weight_sync.filesystem import step_folder
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(300)]
+# the setup may wait for the shared run (another worker building it) and for the shared server's start
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_vllm_serves_the_export(broadcast_checkpoint_run: Path, vllm_tiny, tmp_path: Path):
