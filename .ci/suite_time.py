@@ -1,7 +1,7 @@
 """The suite's time against its budget: where the time went (per test file, from pytest's junit XML)
 and whether the whole pytest run fit. `.ci/run` calls it after pytest; standard library only.
 
-    python .ci/suite_time.py JUNIT_XML --wall SECONDS --budget SECONDS
+    python .ci/suite_time.py JUNIT_XML --wall SECONDS --budget SECONDS [--cpu-start FILE]
 
 A file's time is the sum of its tests' setup + call + teardown, so a session fixture (the short SFT,
 the shared vLLM server) is charged to the first file that asks for it. Under `pytest -n N` tests run side by
@@ -12,6 +12,7 @@ over the budget (naming the budget and the slowest files), else 0.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -39,6 +40,17 @@ def seconds_per_file(junit: Path) -> dict[str, tuple[float, int]]:
     return {name: (t, n) for name, (t, n) in totals.items()}
 
 
+def cpu_busy(start_line: str, end_line: str) -> tuple[float, int]:
+    """The share of the machine's CPU time that was busy between two readings of /proc/stat's "cpu" line,
+    and the number of CPUs: near 1.0, more pytest workers would only slow each test; well below, tests wait
+    (servers starting, timeouts) and another worker could use the idle cores."""
+    start, end = ([int(x) for x in line.split()[1:]] for line in (start_line, end_line))
+    delta = [b - a for a, b in zip(start, end)]
+    idle = delta[3] + delta[4]  # idle + iowait
+    cpus = sum(1 for line in Path("/proc/stat").read_text().splitlines() if re.match(r"cpu\d+ ", line))
+    return 1 - idle / max(sum(delta), 1), cpus
+
+
 def report(files: dict[str, tuple[float, int]], wall: float, budget: float) -> tuple[str, bool]:
     slowest = sorted(files.items(), key=lambda kv: -kv[1][0])[:SHOWN]
     lines = [f"ci: slowest test files (setup + call + teardown; of {len(files)} files, "
@@ -63,12 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("junit", type=Path)
     parser.add_argument("--wall", type=float, required=True, help="pytest's wall time in seconds")
     parser.add_argument("--budget", type=float, required=True, help="the most seconds pytest may take")
+    parser.add_argument("--cpu-start", type=Path, help="/proc/stat's first line, saved when pytest started")
     args = parser.parse_args(argv)
     if not args.junit.is_file():
         print(f"ci: no junit report at {args.junit}: pytest did not run to its end", file=sys.stderr)
         return 1
     text, over = report(seconds_per_file(args.junit), args.wall, args.budget)
     print(text)
+    if args.cpu_start and args.cpu_start.is_file():
+        busy, cpus = cpu_busy(args.cpu_start.read_text(), Path("/proc/stat").read_text().splitlines()[0])
+        print(f"ci: the {cpus} CPUs were {busy:.0%} busy during pytest")
     return 1 if over else 0
 
 

@@ -8,6 +8,16 @@ import torch
 
 from primebuild.runtime.models.chat_tokenizer import END_OF_TEXT, IM_END, VOCAB, save_chat_tokenizer
 
+# The tool of the tool-call tests, and the call a taught model answers with (train_tool_caller).
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "the value of a key",
+                                           "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}]
+# the same tool as verifiers' MCP toolset server describes it (captured from the null harness's request)
+MCP_TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "The value of a key.",
+    "parameters": {"type": "object", "properties": {"key": {"title": "Key", "type": "string"}}, "required": ["key"],
+                   "title": "lookupArguments"}}}]
+CALL = '<tool_call>{"name": "lookup", "arguments": {"key": "ab"}}</tool_call>'
+
 
 def save_chat_model(folder: Path, seed: int = 0, head_dim: int = 16) -> Path:
     """head_dim 32 for vLLM (its CPU attention has none below 32)."""

@@ -222,24 +222,73 @@ def session_folder(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-@pytest.fixture(scope="session")
-def short_sft_store(tmp_path_factory) -> Path:
-    """A store holding the short reverse-text SFT (SHORT_SFT) and its random init, built once per session:
-    every module that runs reverse-text seeds its private store with it instead of training it again. Under
-    `pytest -n N` the first worker to ask builds it while the others wait on the lock, then all read it."""
-    root = session_folder(tmp_path_factory) / "short-sft"
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """session_folder/name, made by `build(folder)` once per pytest session: under `pytest -n N` the first
+    worker to ask builds it while the others wait on the lock, then all read it. A worker that failed
+    half-way leaves no `built` mark, and the next one starts over."""
+    root = session_folder(tmp_path_factory) / name
     root.mkdir(exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         if not (root / "built").exists():
-            shutil.rmtree(root / "manifests", ignore_errors=True)  # a worker that failed half-way
-            shutil.rmtree(root / "store", ignore_errors=True)
-            manifests = sft_workspace(root, ())
-            built = run_cli("run", manifests / "reverse-text-sft.yaml", timeout=900,
-                            env={"PRIMEBUILD_STORE": str(root / "store")})
-            assert built.code == 0, built.text
+            for part in root.iterdir():
+                if part.name != ".lock":
+                    shutil.rmtree(part) if part.is_dir() else part.unlink()
+            build(root)
             (root / "built").touch()
-    return root / "store"
+    return root
+
+
+@pytest.fixture(scope="session")
+def short_sft_store(tmp_path_factory) -> Path:
+    """A store holding the short reverse-text SFT (SHORT_SFT) and its random init, built once per session:
+    every module that runs reverse-text seeds its private store with it instead of training it again."""
+    def build(root: Path) -> None:
+        manifests = sft_workspace(root, ())
+        built = run_cli("run", manifests / "reverse-text-sft.yaml", timeout=900,
+                        env={"PRIMEBUILD_STORE": str(root / "store")})
+        assert built.code == 0, built.text
+
+    return built_once(tmp_path_factory, "short-sft", build) / "store"
+
+
+@pytest.fixture(scope="session")
+def broadcast_checkpoint_run(tmp_path_factory, short_sft_store) -> Path:
+    """A run folder of the embedded default (reverse-text on the short SFT): two steps in broadcast mode, a
+    checkpoint after each, so no weights/ folder, DCP checkpoints only. Built once per session: the export
+    tests (tests/test_export.py) and vLLM serving an export (tests/test_vllm_export.py) both read it. Its
+    folder's parent's parent holds the workspace (sft_workspace's manifests/ and store/, where the run's
+    model is); only tests/test_export.py writes there."""
+    def build(root: Path) -> None:
+        manifests = sft_workspace(root, ("reverse-text.yaml",), seed_store=short_sft_store)
+        result = run_cli("run", manifests / "reverse-text.yaml", "--runs-dir", root / "runs", "--quiet",
+                         "--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40",
+                         "--set", f"inference.port={free_port()}", "--set", "orchestrator.max_steps=2",
+                         "--set", "orchestrator.max_off_policy_steps=0", "--set", "weight_sync.mode=broadcast",
+                         "--set", "trainer.checkpoint_every=1", env={"PRIMEBUILD_STORE": str(root / "store")},
+                         timeout=280)
+        assert result.code == 0, result.text[-3000:]
+
+    (run,) = [p for p in (built_once(tmp_path_factory, "broadcast-checkpoint-run", build) / "runs").iterdir()
+              if p.is_dir()]
+    assert not (run / "weights").exists()
+    assert (run / "checkpoints" / "step_000001" / "STABLE").is_file()
+    return run
+
+
+@pytest.fixture(scope="session")
+def tool_caller_model(tmp_path_factory) -> Path:
+    """The tiny chat model taught to answer any user with the `lookup` call (chat_helpers.CALL, under the
+    tool's own schema and MCP's) and any tool result with `done`, trained once per session: the embedded
+    engine's tool-call tests and vLLM's (head_dim 32: vLLM's CPU attention has none smaller) read it."""
+    from chat_helpers import CALL, MCP_TOOLS, TOOLS, save_chat_model, train_tool_caller
+
+    def build(root: Path) -> None:
+        model = save_chat_model(root / "model", seed=2, head_dim=32)
+        loss = train_tool_caller(model, TOOLS, CALL, "done", other_tools=(MCP_TOOLS,))
+        assert loss < 0.05, loss
+
+    return built_once(tmp_path_factory, "tool-caller", build) / "model"
 
 
 def run_shrunk(manifest: Path, root: Path, *sets: str, timeout: float) -> tuple[subprocess.CompletedProcess, Path]:

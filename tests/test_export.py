@@ -1,9 +1,10 @@
 """`primebuild export`: a run's checkpoint becomes a Hugging Face folder in the store that scores as the
 trainer's policy, that a manifest starts from, and that bad input leaves untouched.
 
-One real run of the embedded default (broadcast weight sync: it leaves DCP checkpoints only) is shared by
-the module; the 2-rank and LoRA checkpoints come from the trainer alone on synthetic rollouts, as the
-trainer's own tests make them.
+One real run of the embedded default (broadcast weight sync: it leaves DCP checkpoints only) is shared with
+tests/test_vllm_export.py (conftest `broadcast_checkpoint_run`), where the session's vLLM server serves the
+export: that test alone joins the serial `vllm` group, and this module runs beside it. The 2-rank and LoRA
+checkpoints come from the trainer alone on synthetic rollouts, as the trainer's own tests make them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import call_cli, free_port, run_cli, sft_workspace
+from conftest import call_cli, free_port, run_cli
 from safetensors.torch import load_file
 from trainer_fixtures import make_tiny_model, run_trainer_ranks, trainer_config, write_rollouts
 
@@ -34,10 +35,15 @@ LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "down_proj"]}
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory, short_sft_store) -> Path:
-    root = tmp_path_factory.mktemp("export")
-    sft_workspace(root, ("reverse-text.yaml",), seed_store=short_sft_store)
-    return root
+def run_dir(broadcast_checkpoint_run: Path) -> Path:
+    """Two steps in broadcast mode, a checkpoint after each (conftest: one run for the session)."""
+    return broadcast_checkpoint_run
+
+
+@pytest.fixture(scope="module")
+def workspace(run_dir: Path) -> Path:
+    """The run's manifests/ and store/: this module's exports go into that store."""
+    return run_dir.parent.parent
 
 
 def _env(workspace: Path) -> dict:
@@ -50,17 +56,6 @@ def _run(workspace: Path, manifest: Path, runs: Path, *sets: str) -> Path:
     assert result.code == 0, result.text[-3000:]
     (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
     return run_dir
-
-
-@pytest.fixture(scope="module")
-def run_dir(workspace: Path) -> Path:
-    """Two steps in broadcast mode, a checkpoint after each: no weights/ folder, DCP checkpoints only."""
-    run = _run(workspace, workspace / "manifests" / "reverse-text.yaml", workspace / "runs",
-               "--set", "orchestrator.max_steps=2", "--set", "orchestrator.max_off_policy_steps=0",
-               "--set", "weight_sync.mode=broadcast", "--set", "trainer.checkpoint_every=1")
-    assert not (run / "weights").exists()
-    assert (run / "checkpoints" / "step_000001" / "STABLE").is_file()
-    return run
 
 
 def _export(workspace: Path, *args) -> Path:
@@ -275,58 +270,3 @@ def _lora_policy(config, checkpoint: Path):
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
     load_checkpoint(checkpoint, policy, optimizer)
     return policy.eval()
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_vllm_serves_the_export(workspace: Path, run_dir: Path, vllm_tiny, tmp_path: Path):
-    """The session's vLLM server (conftest `vllm_tiny`: the same architecture, seed-0 weights) reloads
-    the exported folder and samples with transformers' log-probs on it; it is left on the seed-0 weights
-    at version "default", as tests/test_vllm_oracle.py and tests/test_vllm_server.py expect to find it."""
-    import asyncio
-
-    import httpx
-    from inference_helpers import load_hf, teacher_forced_logprobs
-    from transformers import AutoModelForCausalLM
-    from vllm_helpers import VLLM_ADMIN_TOKEN
-
-    from primebuild.builders.store import ENTRY_FILE
-    from primebuild.runtime.inference.vllm.admin import VllmAdmin
-    from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
-    from primebuild.runtime.trainer.model import Policy, full_state_dict
-    from primebuild.runtime.weight_sync.filesystem import publish_dir, publish_hf_weights
-
-    exported = _export(workspace, run_dir, "--step", "2")
-    # a server's weight update reads a published step folder (STABLE-marked): the export's files, as they are
-    weights = tmp_path / "weights"
-    publish_dir(step_folder(weights, 1), lambda d: [shutil.copy(p, d / p.name) for p in exported.iterdir()
-                                                    if p.name != ENTRY_FILE], 1)
-    seed_zero = load_hf(vllm_tiny.model_path)
-    publish_hf_weights(weights, 2, full_state_dict(Policy(seed_zero, chunk_tokens=64), torch.float32),
-                       seed_zero.config, tokenizer_src=vllm_tiny.model_path)
-
-    async def load(step: int, version: int) -> None:
-        async with VllmAdmin(vllm_tiny.url, admin_token=VLLM_ADMIN_TOKEN) as admin:
-            await admin.update_weights(version=version, path=step_folder(weights, step))
-
-    async def as_started() -> None:  # the seed-0 weights under vLLM's own first version name, "default"
-        await load(2, version=0)
-        async with VllmAdmin(vllm_tiny.url, admin_token=VLLM_ADMIN_TOKEN) as admin:
-            await admin._call("POST", "/update_weight_version", json={"new_version": "default"})
-
-    hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
-    prompts = [s.prompt_ids for s in load_batch(run_dir / "rollouts" / "step_000002.safetensors").samples[::8][:4]]
-    asyncio.run(load(1, version=41))
-    try:
-        body = completion_request(vllm_tiny.model_name, prompts, max_tokens=8, temperature=1.0, seed=3)
-        choices = adapt_response(vllm_tiny.complete(body), policy_version=41)
-        assert len(choices) == len(prompts)
-        for choice in choices:
-            expected = teacher_forced_logprobs(hf, choice["prompt_token_ids"], choice["token_ids"])
-            assert choice["token_logprobs"] == pytest.approx(expected, abs=2e-4)
-        # and not the seed-0 weights' log-probs: the server really serves the export
-        theirs = teacher_forced_logprobs(seed_zero, choices[0]["prompt_token_ids"], choices[0]["token_ids"])
-        assert choices[0]["token_logprobs"] != pytest.approx(theirs, abs=1e-2)
-    finally:
-        asyncio.run(as_started())
-    assert httpx.get(vllm_tiny.url + "/weight_info", timeout=10).json() == {"weight_version": "default"}

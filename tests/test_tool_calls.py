@@ -1,8 +1,9 @@
 """OpenAI tool calls: the hermes parser, `/v1/chat/completions` with `tools` on the embedded engine, vLLM's
 flags from the plan, and the interception that records an agent's tool-using episode token in / token out.
 
-The model is the tiny chat model taught (here, in seconds) to answer any user with a `lookup` tool call and
-any tool result with `done`: a real model whose greedy answers hold real tool calls."""
+The model is the tiny chat model taught (in seconds, once per session: conftest `tool_caller_model`) to answer
+any user with a `lookup` tool call and any tool result with `done`: a real model whose greedy answers hold real
+tool calls."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 
 import pytest
 import torch
-from chat_helpers import save_chat_model, train_tool_caller
+from chat_helpers import CALL, TOOLS
 from inference_helpers import ADMIN_TOKEN, Served, running_server
 from transformers import AutoTokenizer
 
@@ -24,14 +25,6 @@ from primebuild.runtime.inference.tool_parser import parse_tool_calls
 from primebuild.runtime.orchestrator.client import InferenceClient
 
 torch.set_num_threads(1)
-TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "the value of a key",
-                                           "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}]
-# the same tool as verifiers' MCP toolset server describes it (captured from the null harness's request)
-MCP_TOOLS = [{"type": "function", "function": {
-    "name": "lookup", "description": "The value of a key.",
-    "parameters": {"type": "object", "properties": {"key": {"title": "Key", "type": "string"}}, "required": ["key"],
-                   "title": "lookupArguments"}}}]
-CALL = '<tool_call>{"name": "lookup", "arguments": {"key": "ab"}}</tool_call>'
 
 
 def test_the_hermes_parser_reads_calls_and_leaves_broken_ones_as_text():
@@ -56,11 +49,10 @@ def test_vllm_gets_the_tool_call_flags_only_when_asked():
 
 
 @pytest.fixture(scope="module")
-def tool_model(tmp_path_factory):
-    folder = save_chat_model(tmp_path_factory.mktemp("tools") / "model", seed=2)
-    loss = train_tool_caller(folder, TOOLS, CALL, "done", other_tools=(MCP_TOOLS,))
-    assert loss < 0.05, loss
-    return folder
+def tool_model(tool_caller_model):
+    """The tiny chat model taught to call `lookup` (conftest: trained once per session, shared with
+    tests/test_vllm_tool_calls.py)."""
+    return tool_caller_model
 
 
 @contextlib.contextmanager

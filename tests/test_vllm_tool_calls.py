@@ -1,6 +1,6 @@
 """The same tool calls through vLLM: the plan's flags (--enable-auto-tool-choice --tool-call-parser hermes)
 make vLLM's chat endpoint render the tools with the model's own template and answer OpenAI `tool_calls`;
-the model is the tiny chat model taught to call `lookup` (tests/chat_helpers.py)."""
+the model is the tiny chat model taught to call `lookup` (tests/chat_helpers.py, conftest `tool_caller_model`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import json
 import httpx
 import pytest
 import torch
-from chat_helpers import save_chat_model, train_tool_caller
-from test_tool_calls import CALL, TOOLS
+from chat_helpers import TOOLS
 from vllm_helpers import START_TIMEOUT_S, VLLM_ADMIN_TOKEN, VllmServer
 
 from primebuild.builders.vllm_command import VllmServer as ServerSpec
@@ -20,9 +19,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 torch.set_num_threads(1)
 
 
-def test_vllm_answers_tool_calls_with_the_plans_flags(tmp_path):
-    model = save_chat_model(tmp_path / "model", seed=2, head_dim=32)
-    assert train_tool_caller(model, TOOLS, CALL, "done") < 0.05
+def test_vllm_answers_tool_calls_with_the_plans_flags(tool_caller_model, tmp_path):
+    model = tool_caller_model  # taught once per session (conftest), shared with tests/test_tool_calls.py
     planned = server_argv(ServerSpec(python="python", model_path=str(model), served_model_name="tiny", port=1,
                                      tool_call_parser="hermes"))
     flags = tuple(planned[planned.index("--enable-auto-tool-choice"):])  # what inference.tool_call_parser adds
