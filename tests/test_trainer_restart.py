@@ -283,8 +283,8 @@ def test_a_trainer_killed_inside_a_vllm_load_restarts_beside_the_server_it_keeps
         run_dir = _wait_for_trained(runs, 4, proc, timeout=900)
         servers = sorted(_pids(run_dir, "inference-0"))  # the API server and its EngineCore
         (trainer,) = _pids(run_dir, "trainer")
-        served = json.loads((run_dir / "config" / "inference-0.json").read_text())
-        url = f"http://{served['host']}:{served['port']}"
+        served = json.loads((run_dir / "config" / "orchestrator.json").read_text())
+        url = served["endpoints"][0].removesuffix("/v1")
         stall.touch()  # the next send stalls half-way
         trainer_log = run_dir / "logs" / "trainer.log"
         deadline = time.monotonic() + 300

@@ -66,19 +66,29 @@ class WeightsMixedGuard:
             await _answer(send, 409, _error(f"not resumed: the weights are a mix of two policies ({self.mixed}); "
                                             "the next whole update resumes the server", "conflict"))
         elif method == "GET" and path in ("/health", "/weight_info"):
+            held = await self._held(scope, receive)  # vLLM's own answer first: a dead engine still fails /health
+            if held[0]["status"] != 200:
+                for message in held:
+                    await send(message)
+                return
             version = await scope["app"].state.engine_client.get_weight_version()
             await _answer(send, 200, {"status": WEIGHTS_MIXED, "weight_version": version, WEIGHTS_MIXED: self.mixed})
         else:
             await self.app(scope, receive, send)
 
-    async def _finish(self, scope: dict, receive: Any, send: Any) -> None:
-        """Finish the update, then read the workers' verdict before the answer goes out."""
+    async def _held(self, scope: dict, receive: Any) -> list[dict]:
+        """vLLM's answer to the request, held back (its messages, the start first)."""
         held: list[dict] = []
 
         async def hold(message: dict) -> None:
             held.append(message)
 
         await self.app(scope, receive, hold)
+        return held
+
+    async def _finish(self, scope: dict, receive: Any, send: Any) -> None:
+        """Finish the update, then read the workers' verdict before the answer goes out."""
+        held = await self._held(scope, receive)
         mixed = [s["mixed"] for s in await worker_statuses(scope["app"]) if s.get("mixed")]
         if mixed and self.mixed is None:
             log.warning("the served weights are a mix of two policies (%s): completions answer 503 %s and the "
