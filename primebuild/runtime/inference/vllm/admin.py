@@ -59,9 +59,10 @@ RECEIVE_WAIT_S = 60.0  # how long the other workers may take to finish receiving
 
 
 class VllmAdminError(RuntimeError):
-    def __init__(self, message: str, status: int = 0):
+    def __init__(self, message: str, status: int = 0, code: str | None = None):
         super().__init__(message)
         self.status = status  # the HTTP status of the answer (0: no answer was the problem)
+        self.code = code  # the answer's error code ({"error": {"code": ...}}), when it has one
 
 
 class VllmUpdateLost(VllmAdminError):
@@ -72,6 +73,13 @@ class VllmUpdateLost(VllmAdminError):
 class VllmUnavailable(VllmAdminError):
     """503: a server behind this endpoint is down (the vLLM P/D router's answer while one restarts); the
     caller retries as it would for a server that does not answer at all."""
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _root(url: str) -> str:
@@ -119,7 +127,7 @@ class VllmAdmin:
             raise VllmUnavailable(f"{method} {path} answered 503: {response.text[:500]}", 503)
         if response.status_code >= 400:
             raise VllmAdminError(f"{method} {path} answered {response.status_code}: {response.text[:500]}",
-                                 response.status_code)
+                                 response.status_code, _error_code(response))
         return response.json() if response.content else None
 
     # status
@@ -153,7 +161,7 @@ class VllmAdmin:
         try:
             await self._call("POST", "/resume")
         except VllmAdminError as err:
-            if err.status == 409 and WEIGHTS_MIXED in str(err):
+            if err.status == 409 and err.code == WEIGHTS_MIXED:
                 return False
             raise
         return True

@@ -141,8 +141,9 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
             # and stay marked so until a whole update. loaded_version, still the last whole step, with the
             # status's closed/lost/mixed, tells admin.py the load did not happen (409).
             if installed:
+                why = "the run stops" if isinstance(err, BroadcastClosed) else "the trainer's weight sender went away"
                 self.mixed = (f"the update to step {announced.step} stopped after {installed} bucket(s) were "
-                              f"installed, the rest of the model is step {self.loaded_version}: {err}")
+                              f"installed ({why}); the rest of the model is step {self.loaded_version}")
                 log.warning("the served weights are a mix of two policies (%s); serving nothing until a whole "
                             "update", self.mixed)
             return
