@@ -320,8 +320,8 @@ def test_a_trainer_killed_inside_a_vllm_load_restarts_beside_the_server_it_keeps
     _assert_retrained_identically(run_dir, steps, kills)
     log = (run_dir / "logs" / "inference-0.log").read_text()
     assert "(restart 1)" not in log
-    # the worker's lines (broadcast_engine.py), then the API server's guard (weights_mixed_guard.py)
-    mixed = log.split("the served weights are a mix of two policies (")[1]
+    # from the worker's line (broadcast_engine.py; the API server's guard, weights_mixed_guard.py, follows)
+    mixed = log.split("the served weights are a mix of two policies (", 1)[1]
     installed = int(mixed.split("stopped after ")[1].split()[0])
     assert installed >= 1, mixed[:300]
     while_mixed, mended = mixed.split(" are whole: serving again", 1)
