@@ -3,11 +3,14 @@ parallel (two engine cores behind one API server, `--data-parallel-size 2`) and 
 engine core, two workers holding half of each sharded weight, `--tensor-parallel-size 2`). Each worker
 joins the trainer's weight group with a rank of its own (the server's first rank + the worker's
 index); the server takes the version only once every worker has loaded the same step; a worker whose
-group broke stops the update before the server is touched."""
+group broke stops the update before the server is touched; a sender that dies inside the load (data
+parallel) leaves both engine cores' workers mixed and the server up, serving nothing until a whole update."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 import subprocess
 import sys
 import time
@@ -27,9 +30,11 @@ from vllm_helpers import (
     wait_listening,
 )
 
+from primebuild.contracts.completion import NO_WHOLE_POLICY
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmUpdateLost
 from primebuild.runtime.inference.vllm.broadcast_status import STATUS_PATH
 from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
+from primebuild.runtime.weight_sync.broadcast import STALL_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -160,3 +165,72 @@ def test_broadcast_reaches_both_workers_and_a_dead_sender_stops_the_next_update(
         if sender.poll() is None:
             sender.kill()
             sender.wait(10)
+    if server.layout == "dp":  # (both engine cores' workers: what the API server's guard must ask)
+        _a_sender_killed_inside_the_load_leaves_the_weights_mixed_until_a_whole_update(
+            server, init_method, b, reference_b, tmp_path)
+
+
+def _send(init_method: str, step: int, folder: Path, log: Path, *options: str,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, str(SENDER), init_method, "3", str(step), str(folder), *options],
+                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})})
+
+
+def _received(server, step: int, sender: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while admin_call(server, VllmAdmin.received_version) != step:
+        assert sender.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.25)
+
+
+def _a_sender_killed_inside_the_load_leaves_the_weights_mixed_until_a_whole_update(
+        server, init_method: str, b: Path, reference_b: list[list[int]], tmp_path: Path) -> None:
+    """The restarted trainer's sender dies half-way through the buckets of step 6 (STALL_ENV holds it there):
+    each worker finishes the reload without raising and reports its weights mixed; the server stays up and
+    paused (the resume is refused), completions answer 503 weights_mixed, /health 200 weights_mixed, the
+    version reads NO_WHOLE_POLICY. The next restarted sender's first (whole) send of step 7 mends it."""
+    stall = tmp_path / "stall-the-send"
+    stall.touch()
+    log = tmp_path / "sender-6.log"
+    # 10 kB buckets: a send has a half-way point
+    sender = _send(init_method, 6, b, log, "hold", "0.01", env={STALL_ENV: str(stall)})
+    try:
+        _received(server, 6, sender, log)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            update = pool.submit(admin_call, server, lambda a: a.update_weights(version=6, source="broadcast"))
+            deadline = time.monotonic() + 120
+            while "stalls after" not in log.read_text():
+                assert time.monotonic() < deadline and not update.done(), log.read_text()
+                time.sleep(0.1)
+            time.sleep(3.0)  # the buckets that crossed are installed
+            sender.kill()
+            with pytest.raises(VllmUpdateLost, match="mix of two policies"):
+                update.result(timeout=120)
+    finally:
+        sender.kill()
+        sender.wait(10)
+    status = admin_call(server, VllmAdmin.broadcast_status)
+    assert len(status) == 2 and all(s["mixed"] for s in status), status
+    assert [s["loaded_version"] for s in status] == [5, 5], status  # the last whole step (what a rejoin tells)
+    assert admin_call(server, VllmAdmin.policy_version) == NO_WHOLE_POLICY
+    assert admin_call(server, VllmAdmin.is_paused)  # the resume was refused: nothing runs on the mix
+    health = httpx.get(server.url + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "weights_mixed", health.text
+    body = completion_request(server.model_name, [PROMPTS[0]], max_tokens=4, temperature=0.0)
+    refused = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "weights_mixed", refused.text
+
+    log = tmp_path / "sender-7.log"
+    sender = _send(init_method, 7, b, log, "hold")
+    try:
+        _received(server, 7, sender, log)
+        assert admin_call(server, lambda a: a.update_weights(version=7, source="broadcast")) == 7
+    finally:
+        sender.kill()
+        sender.wait(10)
+    status = admin_call(server, VllmAdmin.broadcast_status)
+    assert [(s["loaded_version"], s["mixed"]) for s in status] == [(7, None), (7, None)], status
+    assert not admin_call(server, VllmAdmin.is_paused)
+    assert greedy_one_by_one(server, PROMPTS) == reference_b

@@ -16,7 +16,9 @@ Flags we always add, and why:
   it was drawn from (after temperature / top-k / top-p), as our embedded engine reports it.
 - ``--worker-extension-cls``: registers our broadcast weight-transfer engine in the worker (see
   worker_extension.py), and ``--middleware``: the admin token on the RL endpoints (admin_auth.py);
-  with weight broadcast also the route that reports every worker's receiver (broadcast_status.py).
+  with weight broadcast also the route that reports every worker's receiver (broadcast_status.py) and the
+  guard that serves nothing while a load cut off by the trainer's death left the weights mixed
+  (weights_mixed_guard.py).
 - ``VLLM_SERVER_DEV_MODE=1``: vLLM mounts its RL endpoints (/pause, /update_weights, ...) and
   /collective_rpc only in this mode.
 - ``--no-enable-chunked-prefill`` on CPUs (``cpu=True``): the orchestrator seeds every request, so vLLM
@@ -41,6 +43,7 @@ MODULE = "vllm.entrypoints.openai.api_server"
 WORKER_EXTENSION = "primebuild.runtime.inference.vllm.worker_extension.PrimebuildWorkerExtension"
 ADMIN_MIDDLEWARE = "primebuild.runtime.inference.vllm.admin_auth.AdminTokenMiddleware"
 BROADCAST_STATUS_MIDDLEWARE = "primebuild.runtime.inference.vllm.broadcast_status.BroadcastStatusRoute"
+WEIGHTS_MIXED_MIDDLEWARE = "primebuild.runtime.inference.vllm.weights_mixed_guard.WeightsMixedGuard"
 BROADCAST_BACKEND = "primebuild_broadcast"  # worker_extension.BROADCAST_BACKEND (that module needs vllm)
 
 
@@ -108,7 +111,7 @@ def server_argv(s: VllmServer) -> list[str]:
             "--seed", str(s.seed), "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
             "--worker-extension-cls", WORKER_EXTENSION]
     if s.weight_broadcast:  # before the admin token's: vLLM runs the last-listed middleware first
-        argv += ["--middleware", BROADCAST_STATUS_MIDDLEWARE]
+        argv += ["--middleware", BROADCAST_STATUS_MIDDLEWARE, "--middleware", WEIGHTS_MIXED_MIDDLEWARE]
     argv += ["--middleware", ADMIN_MIDDLEWARE]
     if s.max_num_seqs is not None:
         argv += ["--max-num-seqs", str(s.max_num_seqs)]

@@ -21,7 +21,8 @@ meanwhile. An update announced but not yet loaded is dropped (`received_version`
 step), and a load waiting for it ends at once with BroadcastInterrupted (409), so the orchestrator does not
 count it. A load the sender died inside, after some buckets were installed, leaves a mix of two versions
 (no staged copy to go back to: that would be a second model's memory): the load ends the same way, the
-engine marks its weights mixed and serves nothing, the server process stays (engine.py). The listener
+engine marks its weights mixed and serves nothing, the server process stays (engine.py; vLLM:
+vllm/broadcast_engine.py and vllm/weights_mixed_guard.py). The listener
 registers with the restarted sender with the step last loaded in full, as ever: the restarted sender's first
 send is whole whatever it is told (a new group, delta restarting) and is a step after that one, so it
 replaces every piece. (Registering with 0 instead would make it send again the retrained steps up to the

@@ -10,6 +10,10 @@ What differs underneath, and is absorbed here so the orchestrator cannot tell (d
 - a weight update is a sequence of vLLM calls (pause, reload, drop stale KV, set version, resume), and a
   load that fails inside vLLM takes the server down: the step folder is verified (its STABLE listing,
   finite values) before the server is touched.
+- broadcast, a trainer's sender that died inside a load (some buckets installed): the server stays up with
+  its weights mixed (weights_mixed_guard.py): completions answer 503 "weights_mixed" (re-routed or waited for,
+  as for the embedded engine), `version()` is NO_WHOLE_POLICY, and the load raises WeightUpdateLost; the
+  requests the update froze stay frozen until the restarted trainer's whole update resumes them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import httpx
 from pydantic import ValidationError
 
 from primebuild.builders.vllm_command import LORA_ADAPTER_NAME
-from primebuild.contracts.completion import CompletionResult
+from primebuild.contracts.completion import NO_WHOLE_POLICY, CompletionResult
 from primebuild.contracts.orchestrator import ServerJoin
 from primebuild.runtime.inference.lora import is_adapter_folder
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmAdminError, VllmUpdateLost
@@ -60,7 +64,8 @@ class VllmClient(InferenceClient):
             body["seed"] = seed
         answer = await self._sample(body)
         version = await self.version()
-        resumed = before if before != version else None
+        # (before is NO_WHOLE_POLICY when the server was mixed: the answer came after a whole update mended it)
+        resumed = before if before not in (version, NO_WHOLE_POLICY) else None
         if self.transport_errors != errors:
             # The server died around this request: the answer may come from its restart, on the weights it
             # started with, and a re-sync may have happened since. Label it as the base policy, so the

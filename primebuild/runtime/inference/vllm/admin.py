@@ -23,6 +23,11 @@ Same choreography as for our embedded engine (pause -> update -> resume), on vLL
      ``in_flight="resume"``.
   4. ``POST /update_weight_version {"new_version": "<v>"}``, then ``POST /resume``.
 
+Broadcast, a trainer's sender that dies inside step 2 after some buckets were installed: the server stays
+up with its weights marked mixed (broadcast_engine.py, weights_mixed_guard.py); the load raises
+VllmUpdateLost, ``/resume`` is refused so the server stays paused (the requests it froze wait for the
+restarted trainer's whole update, which resumes them), and ``policy_version`` reads NO_WHOLE_POLICY.
+
 vLLM keeps the weight version as a string (``"default"`` until set); ``GET /weight_info`` reads it
 back. We use the decimal trainer step; ``"default"`` reads as 0 (the served checkpoint).
 Admin calls carry ``Authorization: Bearer <token>`` (admin_auth.py guards them server-side).
@@ -40,6 +45,7 @@ from typing import Any, Literal
 import httpx
 
 from primebuild.builders.vllm_command import LORA_ADAPTER_NAME
+from primebuild.contracts.completion import NO_WHOLE_POLICY, WEIGHTS_MIXED
 from primebuild.runtime.inference.lora import is_adapter_folder
 from primebuild.runtime.inference.vllm.broadcast_status import STATUS_PATH as BROADCAST_STATUS_PATH
 from primebuild.runtime.weight_sync.filesystem import is_stable
@@ -53,9 +59,10 @@ RECEIVE_WAIT_S = 60.0  # how long the other workers may take to finish receiving
 
 
 class VllmAdminError(RuntimeError):
-    def __init__(self, message: str, status: int = 0):
+    def __init__(self, message: str, status: int = 0, code: str | None = None):
         super().__init__(message)
         self.status = status  # the HTTP status of the answer (0: no answer was the problem)
+        self.code = code  # the answer's error code ({"error": {"code": ...}}), when it has one
 
 
 class VllmUpdateLost(VllmAdminError):
@@ -66,6 +73,13 @@ class VllmUpdateLost(VllmAdminError):
 class VllmUnavailable(VllmAdminError):
     """503: a server behind this endpoint is down (the vLLM P/D router's answer while one restarts); the
     caller retries as it would for a server that does not answer at all."""
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _root(url: str) -> str:
@@ -113,7 +127,7 @@ class VllmAdmin:
             raise VllmUnavailable(f"{method} {path} answered 503: {response.text[:500]}", 503)
         if response.status_code >= 400:
             raise VllmAdminError(f"{method} {path} answered {response.status_code}: {response.text[:500]}",
-                                 response.status_code)
+                                 response.status_code, _error_code(response))
         return response.json() if response.content else None
 
     # status
@@ -134,14 +148,23 @@ class VllmAdmin:
         return bool((await self._call("GET", "/is_paused"))["is_paused"])
 
     async def policy_version(self) -> int:
-        return parse_policy_version((await self._call("GET", "/weight_info"))["weight_version"])
+        """The served trainer step; NO_WHOLE_POLICY while the weights are mixed (it needs a whole update)."""
+        info = await self._call("GET", "/weight_info")
+        return NO_WHOLE_POLICY if info.get("status") == WEIGHTS_MIXED else parse_policy_version(info["weight_version"])
 
     # the choreography's steps
     async def pause(self, in_flight: InFlight = "resume") -> None:
         await self._call("POST", "/pause", params={"mode": PAUSE_MODE[in_flight]})
 
-    async def resume(self) -> None:
-        await self._call("POST", "/resume")
+    async def resume(self) -> bool:
+        """False when the server refused because its weights are mixed: it stays paused, by design."""
+        try:
+            await self._call("POST", "/resume")
+        except VllmAdminError as err:
+            if err.status == 409 and err.code == WEIGHTS_MIXED:
+                return False
+            raise
+        return True
 
     async def set_policy_version(self, version: int) -> None:
         await self._call("POST", "/update_weight_version", json={"new_version": str(int(version))})
@@ -174,7 +197,7 @@ class VllmAdmin:
 
     async def broadcast_status(self) -> list[dict]:
         """Per worker of every member server (all engine cores of a data-parallel one):
-        {"joined", "rank", "received_version", "loaded_version", "error"}."""
+        {"joined", "rank", "received_version", "loaded_version", "error", "closed", "lost", "mixed"}."""
         answers = await asyncio.gather(*(self._call("POST", member + BROADCAST_STATUS_PATH)
                                          for member in self.members))
         return [status for answer in answers for status in answer["results"]]
@@ -224,6 +247,12 @@ class VllmAdmin:
                 # the trainer closed the broadcast (the run stops) before sending it: nothing was loaded
                 raise VllmAdminError(f"{self.root}: the trainer closed the weight broadcast before version "
                                      f"{want} was sent", 409)
+            if mixed := [s["mixed"] for s in status if s.get("mixed")]:
+                # the sender died inside the load, after some buckets were installed: up, serving nothing
+                # (paused, completions refused) until the restarted trainer's whole update
+                raise VllmUpdateLost(f"the trainer's weight sender went away while version {want} was being loaded "
+                                     f"into {self.root}: the served weights are a mix of two policies, served by "
+                                     f"nothing until a whole update ({mixed[0]})", 409)
             if any(s.get("lost") for s in status) and (None in loaded or min(loaded) < want):
                 # the sender died between the status check and the load (the trainer restarts alone):
                 # nothing was loaded, the server keeps its step
@@ -243,7 +272,8 @@ class VllmAdmin:
         or newer) -> drop stale KV -> set the version -> resume; returns the version now served (the
         wall time is in ``last_update_seconds``). What can be checked is checked before the server is
         touched: a failed load inside vLLM shuts the server down. It resumes even when a step fails,
-        so a live server is never left paused."""
+        so a live server is never left paused -- unless its weights are mixed (the server refuses the
+        resume: see the module's docstring)."""
         if source == "folder":
             if path is None:
                 raise ValueError("a folder update needs the step folder's path")

@@ -21,7 +21,12 @@ This engine speaks that protocol and keeps vLLM's own control plane:
 
 An exception in a worker during these calls shuts the whole vLLM server down (vLLM treats a failed
 worker RPC as fatal), so callers check ``received_version`` first (admin.py does) and nothing here
-raises for a condition they can check.
+raises for a condition they can check. Nor for the one they cannot: the trainer's sender dying inside a
+load (it restarts alone) after some buckets were installed. The worker then finishes the reload with what
+it has and records that its weights are ``mixed`` (part of two steps, and a layer cut half-way holds
+unset values: vLLM's layerwise reload materialises it empty); the status says so, the server serves
+nothing until a whole update (weights_mixed_guard.py) and the restarted sender's first send, always
+whole, replaces every piece and clears it.
 
 vLLM finds it by name: worker_extension registers it as ``primebuild_broadcast``, and the server is
 started with ``--weight-transfer-config '{"backend": "primebuild_broadcast"}'``.
@@ -44,6 +49,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from primebuild.runtime.inference.vllm.expert_slice import keep_local, local_experts
 from primebuild.runtime.inference.weight_receiver import BroadcastClosed, BroadcastInterrupted, BroadcastStage
+
+log = logging.getLogger("primebuild.inference")
 
 
 def _log_to_stderr() -> None:
@@ -80,7 +87,8 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         super().__init__(*args, **kwargs)
         _log_to_stderr()
         self.stage: BroadcastStage | None = None
-        self.loaded_version: int | None = None
+        self.loaded_version: int | None = None  # the last step loaded in full (also while mixed)
+        self.mixed: str | None = None  # why the weights are a mix of two steps, while they are
 
     def worker_rank(self) -> int:
         """This worker's index among all workers of the server (data parallel x tensor/pipeline)."""
@@ -96,11 +104,11 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
     def status(self) -> dict[str, Any]:
         if self.stage is None:
             return {"joined": False, "rank": None, "received_version": 0, "loaded_version": None, "error": None,
-                    "closed": False, "lost": False}
+                    "closed": False, "lost": False, "mixed": None}
         # lost: the trainer's sender died with an update announced here and not loaded (weight_receiver.py)
         return {"joined": True, "rank": self.stage.rank, "received_version": self.stage.received_version,
                 "loaded_version": self.loaded_version, "error": self.stage.error, "closed": self.stage.closed,
-                "lost": self.stage.lost}
+                "lost": self.stage.lost, "mixed": self.mixed}
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -125,15 +133,23 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         try:
             announced = self.stage.announced(update_info.version)
             self.loaded_version = self.stage.pull(announced, load)
-        except (BroadcastClosed, BroadcastInterrupted):
+        except (BroadcastClosed, BroadcastInterrupted) as err:
             # The run is stopping, or the trainer's sender died (it restarts alone) after admin.py checked
             # the status: the update will never come. Raising here would kill the engine (a failed worker RPC
-            # is fatal to vLLM) and the supervisor would restart the server. With nothing loaded,
-            # finish_weight_update puts the old tensors back, and loaded_version, still the old step, with
-            # the status's closed/lost, tells admin.py the load did not happen (409).
+            # is fatal to vLLM) and the supervisor would restart the server: a full model load. With nothing
+            # installed, finish_weight_update puts the old tensors back; with some, the weights are a mix
+            # and stay marked so until a whole update. loaded_version, still the last whole step, with the
+            # status's closed/lost/mixed, tells admin.py the load did not happen (409).
             if installed:
-                raise  # part of the model is the new step's: no whole policy left to serve
+                why = "the run stops" if isinstance(err, BroadcastClosed) else "the trainer's weight sender went away"
+                self.mixed = (f"the update to step {announced.step} stopped after {installed} bucket(s) were "
+                              f"installed ({why}); the rest of the model is step {self.loaded_version}")
+                log.warning("the served weights are a mix of two policies (%s); serving nothing until a whole "
+                            "update", self.mixed)
             return
+        if self.mixed is not None:  # a whole step: every piece of the mix was replaced
+            log.warning("the weights of step %d are whole: serving again", self.loaded_version)
+            self.mixed = None
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -21,6 +21,13 @@ STATUS_PATH = "/primebuild/broadcast_status"
 STATUS_METHOD = "primebuild_broadcast_status"  # worker_extension.PrimebuildWorkerExtension
 
 
+async def worker_statuses(app: Any) -> list[dict]:
+    """The receiver status of every worker of every engine core of the vLLM server `app`."""
+    engine_core = app.state.engine_client.engine_core
+    per_core = await engine_core.call_utility_all_async("collective_rpc", STATUS_METHOD, None, (), None)
+    return [status for workers in per_core for status in workers]
+
+
 class BroadcastStatusRoute:
     """Pure ASGI middleware that answers one path itself and passes every other request on."""
 
@@ -32,9 +39,7 @@ class BroadcastStatusRoute:
         if scope["type"] != "http" or path != STATUS_PATH or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        engine_core = scope["app"].state.engine_client.engine_core
-        per_core = await engine_core.call_utility_all_async("collective_rpc", STATUS_METHOD, None, (), None)
-        body = json.dumps({"results": [status for workers in per_core for status in workers]}).encode()
+        body = json.dumps({"results": await worker_statuses(scope["app"])}).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -26,9 +26,10 @@ class PrimebuildWorkerExtension:
     """Mixed into vLLM's worker class; names carry our prefix so they cannot clash with vLLM's."""
 
     def primebuild_broadcast_status(self) -> dict[str, Any]:
-        """{"joined", "rank", "received_version", "loaded_version", "error"} of this worker's receiver."""
+        """{"joined", "rank", "received_version", "loaded_version", "error", "closed", "lost", "mixed"} of this
+        worker's receiver (broadcast_engine.BroadcastWeightTransferEngine.status)."""
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "status"):
             return {"joined": False, "rank": None, "received_version": 0, "loaded_version": None,
-                    "error": "no primebuild_broadcast engine configured"}
+                    "error": "no primebuild_broadcast engine configured", "mixed": None}
         return engine.status()
