@@ -31,6 +31,7 @@ from cluster_helpers import (
     wait_trained,
 )
 from conftest import SHIPPED_NAMES, free_port, sft_workspace
+from test_trainer_restart import _assert_retrained_identically
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 SMALL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.eval_prompts=40"]
@@ -165,4 +166,43 @@ def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path
     while _job_state(new_job) not in ("CANCELLED", "gone") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _job_state(new_job) in ("CANCELLED", "gone"), (run_dir / "logs" / "watchdog.log").read_text()
+    assert wait_gone(run_dir, 30) == []
+
+
+def test_a_killed_trainer_restarts_alone_inside_the_job_under_broadcast(ws, tmp_path: Path):
+    """Trainer-only restart on the Slurm target, in glm5's weight-sync mode: the trainer (rank 0, the weight
+    sender, its own het-job component) is SIGKILLed after step 4. The in-job supervisor starts the trainer's
+    srun step again from the checkpoint of step 3, inside the same job; the inference server (another
+    component, another node) keeps its process and its loaded weights, reconnects to the restarted sender's
+    store and registers with the step it holds. Every step is in metrics once, the retrained ones with the
+    values of their first attempt (the plan claims this restart for Slurm: primebuild/builders/trainer_restart.py)."""
+    manifests, env = ws
+    runs = tmp_path / "runs"
+    steps = 8
+    proc = start("run", manifests / "reverse-text-slurm.yaml", "--runs-dir", runs, "--quiet", *SMALL,
+                 "--set", f"orchestrator.max_steps={steps}", "--set", f"inference.port={free_port()}",
+                 "--set", "weight_sync.mode=broadcast", "--set", f"weight_sync.port={free_port()}",
+                 # the trainer's broadcast address is its own node's (plan: inference on node 0, trainer on 1)
+                 "--set", "hardware.nodes=2", "--set", "trainer.checkpoint_every=3", env=env)
+    try:
+        run_dir = wait_trained(runs, 4, proc)
+        server = pid_of(run_dir, "primebuild.runtime.inference.server")
+        orchestrator = pid_of(run_dir, "primebuild.runtime.orchestrator.main")
+        kills = [trained_steps(run_dir)[-1]]
+        os.kill(pid_of(run_dir, "primebuild.runtime.trainer.main"), signal.SIGKILL)
+        wait_trained(runs, kills[0] + 1, proc, timeout=300)
+        assert pid_of(run_dir, "primebuild.runtime.inference.server") == server
+        assert pid_of(run_dir, "primebuild.runtime.orchestrator.main") == orchestrator
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + logs_tail(run_dir)
+    job = json.loads((run_dir / "launch.json").read_text())
+    assert job["launches"] == 1 and _job_state(job["job_id"]) == "COMPLETED"  # one job: no resume, no requeue
+    _assert_retrained_identically(run_dir, steps, kills)
+    server_log = (run_dir / "logs" / "inference-0.log").read_text()
+    assert "(restart 1)" not in server_log
+    assert "rejoined the weight sender of epoch" in server_log, server_log[-3000:]
+    assert "(restart 1)" in (run_dir / "logs" / "trainer.log").read_text()
     assert wait_gone(run_dir, 30) == []
