@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from cluster_helpers import (
     SSH_HOSTS,
     cli,
     logs_tail,
+    pid_of,
     require_sshd,
     start,
     trained_steps,
@@ -25,6 +27,7 @@ from cluster_helpers import (
     wait_trained,
 )
 from conftest import SHIPPED_NAMES, free_port, sft_workspace
+from test_trainer_restart import _assert_retrained_identically
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -124,3 +127,37 @@ def test_the_rendered_script_gates_each_start_order_on_health_over_real_ssh(ws, 
     assert "rendezvous" in log.lower() and "Traceback" not in log, log  # the worker's own located error
     assert not (run_dir / "logs" / "trainer.log").exists() and not (run_dir / "logs" / "orchestrator.log").exists()
     assert (run_dir / "STOP").exists()
+
+
+def test_a_killed_trainer_restarts_alone_on_its_host_under_broadcast(ws, tmp_path: Path):
+    """Trainer-only restart on the ssh target, in glm5's weight-sync mode: the trainer (the weight sender, on
+    the second host) is SIGKILLed after step 4; the supervisor starts it again over ssh from the checkpoint
+    of step 3, while the inference server on the first host keeps its process and weights, reconnects to
+    the restarted sender and registers with the step it holds. Every step is in metrics once, the
+    retrained ones with their first attempt's values (the plan claims this restart for ssh:
+    primebuild/builders/trainer_restart.py)."""
+    manifests, env, workdir, _ = ws
+    runs = tmp_path / "runs"
+    steps = 7
+    proc = start("run", manifests / "reverse-text-ssh.yaml", "--runs-dir", runs, "--quiet",
+                 "--set", f"orchestrator.max_steps={steps}", "--set", "orchestrator.rollouts_per_step=32",
+                 "--set", "orchestrator.eval_prompts=40", "--set", f"inference.port={free_port()}",
+                 "--set", "weight_sync.mode=broadcast", "--set", f"weight_sync.port={free_port()}",
+                 "--set", "trainer.checkpoint_every=3", "--set", f"target.workdir={workdir}", env=env)
+    try:
+        run_dir = wait_trained(runs, 4, proc)
+        server = pid_of(run_dir, "primebuild.runtime.inference.server")
+        kills = [trained_steps(run_dir)[-1]]
+        os.kill(pid_of(run_dir, "primebuild.runtime.trainer.main"), signal.SIGKILL)
+        wait_trained(runs, kills[0] + 1, proc, timeout=240)
+        assert pid_of(run_dir, "primebuild.runtime.inference.server") == server
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + logs_tail(run_dir)
+    assert "restarting the trainer (1/3)" in out, out
+    _assert_retrained_identically(run_dir, steps, kills)
+    server_log = (run_dir / "logs" / "inference-0.log").read_text()
+    assert "(restart 1)" not in server_log and "rejoined the weight sender of epoch" in server_log, server_log[-3000:]
+    assert wait_gone(run_dir, 10) == []
