@@ -9,10 +9,12 @@ the task's setup wrote the file, and the task's reward reads its output from the
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.server
 import os
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -124,21 +126,30 @@ import verifiers.v1 as vf
 
 class Row(vf.TaskData):
     secret: str = ""
+    blocking: bool = False
+
+
+class SecretConfig(vf.TasksetConfig):
+    blocking: bool = False  # secret.txt is a FIFO nobody writes: `cat secret.txt` blocks until it is killed
 
 
 class SecretTask(vf.Task[Row]):
     async def setup(self, trace, runtime):  # the file exists only in the rollout's sandbox
-        await runtime.write("secret.txt", self.data.secret.encode())
+        if self.data.blocking:
+            await runtime.run(["mkfifo", "secret.txt"], {})
+        else:
+            await runtime.write("secret.txt", self.data.secret.encode())
 
     @vf.reward
     async def read_the_file(self, trace) -> float:
         return float(any(m.role == "tool" and self.data.secret in str(m.content) for m in trace.messages))
 
 
-class SecretTaskset(vf.Taskset[SecretTask, vf.TasksetConfig]):
+class SecretTaskset(vf.Taskset[SecretTask, SecretConfig]):
     def load(self):
         for i in range(4):
-            yield SecretTask(Row(prompt="what does secret.txt say?", secret=f"k{i}x{i * 7}"), self.config.task)
+            yield SecretTask(Row(prompt="what does secret.txt say?", secret=f"k{i}x{i * 7}",
+                                 blocking=self.config.blocking), self.config.task)
 
 
 __all__ = ["SecretTaskset"]
@@ -149,11 +160,12 @@ __all__ = ["SecretTaskset"]
 def bash_model(tmp_path_factory):
     import torch
     from chat_helpers import save_chat_model, train_tool_caller
+    from verifiers.v1.harnesses.bash.harness import BASH_SYSTEM_PROMPT
     from verifiers.v1.harnesses.utils.core import BASH_TOOL
 
     torch.set_num_threads(1)
     folder = save_chat_model(tmp_path_factory.mktemp("bash") / "model", seed=2)
-    loss = train_tool_caller(folder, [BASH_TOOL], CALL, "done")
+    loss = train_tool_caller(folder, [BASH_TOOL], CALL, "done", system=BASH_SYSTEM_PROMPT)
     assert loss < 0.05, loss
     return folder
 
@@ -185,7 +197,7 @@ def _play(model, env, n=2):
         async def play():
             client = InferenceClient(served.v1, "tiny")
             try:
-                return await runner.group(client.complete, env, env.eval_tasks()[0], n=n, temperature=0.0, seed=1)
+                return await runner.group(functools.partial(client.complete, top_p=1.0), env, env.eval_tasks()[0], n=n, temperature=0.0, seed=1)
             finally:
                 await client.close()
         return tokenizer, asyncio.run(play())
@@ -195,17 +207,25 @@ def test_the_bash_harness_runs_the_models_command_in_the_sandbox(bash_model, sec
     """The model's `cat secret.txt` runs in the sandbox that task setup wrote the file into; the task's
     reward reads the command's output from the trace; the recorded tokens hold the tool result."""
     env = secret_env(cpu_seconds=5, command_seconds=5, wall_seconds=60)
-    secret = env.eval_tasks()[0].info
+    from primebuild.runtime.envs.verifiers_adapter import VERIFIERS_TASK
+
+    secret = env.eval_tasks()[0].info[VERIFIERS_TASK].data.secret
     tokenizer, rollouts = _play(bash_model, env)
     assert [r.reward for r in rollouts] == [1.0, 1.0]
     t = rollouts[0].transcript
     assert t.turns == 2 and 0 in t.loss_mask and 1 in t.loss_mask
     between = tokenizer.decode([i for i, m in zip(t.completion_ids, t.loss_mask) if m == 0])
-    assert "<tool_response>" in between and "k" in between, (between, secret)
+    assert f"<tool_response>{secret}</tool_response>" in between  # the file that exists only in the sandbox
     assert '"name": "bash"' in tokenizer.decode(t.prompt_ids)  # verifiers' bash tool, rendered by the template
 
 
-def test_an_episode_over_its_wall_limit_is_ended_and_scored_zero(bash_model, secret_env):
-    env = secret_env(wall_seconds=1)  # the harness program cannot even start its first turn in 1 s
-    _, rollouts = _play(bash_model, env, n=1)
-    assert [r.reward for r in rollouts] == [0.0]
+def test_a_command_or_an_episode_over_its_time_is_ended_and_the_episode_scored(bash_model, secret_env):
+    """`cat` on a FIFO blocks: at command_seconds the command is killed and the model answers anyway; at
+    wall_seconds (command_seconds longer) the whole sandbox is killed. Either way the episode is scored 0
+    with its recorded turns, and the group comes back (the run goes on)."""
+    tokenizer, (command,) = _play(bash_model, secret_env(blocking=True, command_seconds=2, wall_seconds=60), n=1)
+    assert command.reward == 0.0 and command.transcript.turns == 2  # the tool result came back, empty
+    assert tokenizer.decode(command.transcript.completion_ids).endswith("done<|im_end|>")
+    started = time.monotonic()
+    _, (episode,) = _play(bash_model, secret_env(blocking=True, command_seconds=300, wall_seconds=15), n=1)
+    assert episode.reward == 0.0 and episode.transcript.turns == 1 and time.monotonic() - started < 60

@@ -143,6 +143,10 @@ def _tool_problems(i: int, env_id: str, args: dict) -> Iterator[tuple[str, str, 
         yield (f"environments[{i}].id", f"environment {env_id}: its tasks use tools ({', '.join(tools)}); verifiers "
                "runs MCP toolsets inside its harness programs, which primebuild's own turn loop does not drive",
                'play it with a verifiers harness: args.harness: "null" (its chat program calls the tools)')
+    elif tools and args.get("harness") == "bash":
+        yield (f"environments[{i}].args.harness", f"environment {env_id}: its tasks use MCP tools ({', '.join(tools)}), "
+               "which verifiers serves as background processes of the harness's runtime; the bash harness's sandbox "
+               "runs its one program and no tool servers", 'play it with args.harness: "null"')
 
 
 # --- the sandbox of swe-tiny ---------------------------------------------------------------------------
