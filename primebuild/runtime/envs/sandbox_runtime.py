@@ -46,6 +46,7 @@ from primebuild.runtime.envs.sandbox import WORKDIR, Limits, Sandbox
 
 SUPPORT = "/opt/primebuild"  # inside: the bridge, the bash wrapper, the program, the route sockets (read-only)
 VENV = "/opt/primebuild-venv"  # inside: this project's virtual environment (read-only)
+PYTHON = f"{VENV}/bin/python{sys.version_info.major}.{sys.version_info.minor}"  # a venv's, or a system prefix's
 WALL_KILLED = 137  # the exit code run() reports for a program killed at the episode's wall limit
 SCRIPT_DEPENDENCIES = re.compile(r"^# dependencies = \[(.*)\]$", re.MULTILINE)
 
@@ -110,7 +111,7 @@ class SandboxRuntime(SubprocessRuntime):
 
     async def run(self, argv: list[str], env: dict[str, str]) -> ProgramResult:
         bridge = [f"{port}={SUPPORT}/routes/{sock.name}" for port, sock in self._routes.items()]
-        result = await self.sandbox.run([f"{VENV}/bin/python", f"{SUPPORT}/bridge.py", *bridge, "--", *argv],
+        result = await self.sandbox.run([PYTHON, f"{SUPPORT}/bridge.py", *bridge, "--", *argv],
                                         env=self._env(env))
         if result.timed_out:
             self.wall_killed = True
@@ -133,7 +134,7 @@ class SandboxRuntime(SubprocessRuntime):
                             hint=f"install {' '.join(missing)} into the run's environment")
         program = self.support / "program.py"
         program.write_text(text)
-        return [f"{VENV}/bin/python", f"{SUPPORT}/program.py"]
+        return [PYTHON, f"{SUPPORT}/program.py"]
 
     def host_url(self, url: str) -> str:
         parts = urlsplit(url)  # the sandbox has no /etc/hosts: name the loopback by number

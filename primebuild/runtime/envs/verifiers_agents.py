@@ -58,7 +58,8 @@ class VerifiersAgentEnvironment(VerifiersEnvironment):
         self.harness, self.max_turns = harness, max_turns
 
     def agent(self, base_url: str) -> Any:
-        """verifiers' own Agent: the harness program on a local subprocess, its model at `base_url`."""
+        """verifiers' own Agent, its model at `base_url`: the harness program on a local subprocess (null), or
+        in the sandbox runtime that `play` lends it (bash)."""
         import os
 
         vf = _import_verifiers()
@@ -82,8 +83,9 @@ class VerifiersAgentEnvironment(VerifiersEnvironment):
             from primebuild.runtime.envs.sandbox_runtime import SandboxLimits, SandboxRuntime
 
             runtime = SandboxRuntime(SandboxLimits(**self.limits))
-            await runtime.start()
         try:
+            if runtime is not None:  # borrowed by verifiers' rollout: we start and stop it
+                await runtime.start()
             async with self.agent(base_url) as agent:
                 trace = await agent.run(task.info[VERIFIERS_TASK], runtime=runtime)
         finally:
