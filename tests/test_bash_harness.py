@@ -82,12 +82,12 @@ def test_the_sandbox_runtime_reaches_only_its_routes_and_ends_commands_at_their_
             await runtime.write("probe.py", PROBE.format(allowed=allowed, other=other).encode())
             python, _ = await runtime.prepare_uv_script('# /// script\n# dependencies = ["httpx"]\n# ///\n')
             result = await runtime.run([python, "probe.py"], {})
-            folder = runtime.workdir
+            folders = runtime.workdir, runtime.support
         finally:
             await runtime.stop()
-        return result, folder
+        return result, folders
 
-    result, folder = asyncio.run(run())
+    result, folders = asyncio.run(run())
     assert result.exit_code == 0, result.stderr
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
     assert lines["allowed"] == "hello from the host"  # through the bridge
@@ -97,7 +97,7 @@ def test_the_sandbox_runtime_reaches_only_its_routes_and_ends_commands_at_their_
     code, seconds, _ = eval(lines["sleep"])
     assert code == 124 and seconds < 10  # `timeout` at command_seconds
     assert eval(lines["file"])[2] == "s3cret/work"  # the file task setup wrote; the sandbox folder is /work
-    assert not folder.exists()  # removed with the runtime
+    assert not any(folder.exists() for folder in folders)  # removed with the runtime, sockets included
 
 
 def test_an_absolute_path_outside_the_sandbox_and_a_missing_dependency_are_refused():

@@ -77,14 +77,14 @@ class SandboxRuntime(SubprocessRuntime):
         self.wall_killed = False  # a program of this rollout ran past wall_seconds
 
     async def start(self) -> None:
-        self.support = Path(_mkdtemp("primebuild-sandbox-support-"))
+        self.support = Path(_mkdtemp("primebuild-bash-support-"))
         (self.support / "bin").mkdir()
         (self.support / "routes").mkdir()
         shutil.copyfile(sandbox_bridge.__file__, self.support / "bridge.py")
         bash = self.support / "bin" / "bash"  # first on PATH inside: each command the program runs, timed
         bash.write_text(f'#!/bin/sh\nexec timeout -k 1 {self.limits.command_seconds} /bin/bash "$@"\n')
         bash.chmod(0o755)
-        self.sandbox = Sandbox(self.limits.sandbox_limits(), read_only={
+        self.sandbox = Sandbox(self.limits.sandbox_limits(), prefix="primebuild-bash-", read_only={
             str(self.support): SUPPORT, sys.prefix: VENV})
         self.workdir = self.sandbox.root
         self.info.id = str(self.workdir)
