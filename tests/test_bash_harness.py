@@ -214,7 +214,7 @@ def test_the_bash_harness_runs_the_models_command_in_the_sandbox(bash_model, sec
     assert [r.reward for r in rollouts] == [1.0, 1.0]
     t = rollouts[0].transcript
     assert t.turns == 2 and 0 in t.loss_mask and 1 in t.loss_mask
-    between = tokenizer.decode([i for i, m in zip(t.completion_ids, t.loss_mask) if m == 0])
+    between = tokenizer.decode([i for i, m in zip(t.completion_ids, t.loss_mask, strict=True) if m == 0])
     assert f"<tool_response>{secret}</tool_response>" in between  # the file that exists only in the sandbox
     assert '"name": "bash"' in tokenizer.decode(t.prompt_ids)  # verifiers' bash tool, rendered by the template
 

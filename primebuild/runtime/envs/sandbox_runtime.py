@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -77,7 +78,7 @@ class SandboxRuntime(SubprocessRuntime):
         self.wall_killed = False  # a program of this rollout ran past wall_seconds
 
     async def start(self) -> None:
-        self.support = Path(_mkdtemp("primebuild-bash-support-"))
+        self.support = Path(tempfile.mkdtemp(prefix="primebuild-bash-support-"))
         (self.support / "bin").mkdir()
         (self.support / "routes").mkdir()
         shutil.copyfile(sandbox_bridge.__file__, self.support / "bridge.py")
@@ -171,12 +172,6 @@ def script_dependencies(script: str) -> list[str]:
         return []
     names = [re.split(r"[<>=!~\[; ]", item.strip().strip('"'))[0] for item in found.group(1).split(",")]
     return [name.replace("-", "_") for name in names if name]
-
-
-def _mkdtemp(prefix: str) -> str:
-    import tempfile
-
-    return tempfile.mkdtemp(prefix=prefix)
 
 
 def _to_port(port: int):
