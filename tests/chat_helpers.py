@@ -36,14 +36,15 @@ def save_chat_model(folder: Path, seed: int = 0, head_dim: int = 16) -> Path:
     return folder
 
 
-def tool_use_sequence(template, tokenizer, rng, tools: list[dict], call: str, answer: str):
+def tool_use_sequence(template, tokenizer, rng, tools: list[dict], call: str, answer: str, system: str | None = None):
     """(ids, loss mask) of one episode: a random user (and maybe system) message, the model's tool call,
     the tool's result, the model's answer; built the way the orchestrator records it (chat_template.py)."""
     def text(n):
         return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz 0123456789?") for _ in range(n))
 
     end = tokenizer.convert_tokens_to_ids(IM_END)
-    messages = ([{"role": "system", "content": text(rng.randint(5, 40))}] if rng.random() < 0.5 else [])
+    messages = ([{"role": "system", "content": system}] if system is not None else
+                [{"role": "system", "content": text(rng.randint(5, 40))}] if rng.random() < 0.5 else [])
     messages.append({"role": "user", "content": text(rng.randint(3, 30))})
     ids = template.prompt_ids(messages, tools=tools)
     mask = [0] * len(ids)
@@ -56,11 +57,12 @@ def tool_use_sequence(template, tokenizer, rng, tools: list[dict], call: str, an
 
 
 def train_tool_caller(folder: Path, tools: list[dict], call: str, answer: str, steps: int = 200, seed: int = 0,
-                      other_tools: tuple[list[dict], ...] = ()):
+                      other_tools: tuple[list[dict], ...] = (), system: str | None = None):
     """Teach the tiny chat model in `folder` (in place) to answer any user with the tool call `call` and any
     tool result with `answer`: a real model that calls a tool, for the tests of the tool-call path.
     `other_tools`: the same tool as other clients describe it (an MCP server's schema adds titles and
-    `required`), so the model calls it under those prompts too."""
+    `required`), so the model calls it under those prompts too. `system`: the system prompt every
+    episode has (a harness that always sends its own), instead of a random one half the time."""
     import random
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,7 +75,8 @@ def train_tool_caller(folder: Path, tools: list[dict], call: str, answer: str, s
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(seed)
     for _ in range(steps):
-        rows = [tool_use_sequence(template, tokenizer, rng, rng.choice([tools, *other_tools]), call, answer)
+        rows = [tool_use_sequence(template, tokenizer, rng, rng.choice([tools, *other_tools]), call, answer,
+                                  system)
                 for _ in range(6)]
         width = max(len(ids) for ids, _ in rows)
         ids = torch.tensor([r + [0] * (width - len(r)) for r, _ in rows])

@@ -140,12 +140,19 @@ def test_verifiers_tool_use_is_refused_at_plan_time_unless_a_harness_plays_it(wo
     assert any(f"tools.yaml:{env_line}:" in line and "environments[0].id" in line
                and "its tasks use tools (Calculator)" in line for line in lines), lines
     # played by a verifiers harness (its chat program calls the tools): the plan takes it
-    def harness(name: str) -> Path:
-        return write(workdir, f"tools-{name}.yaml", CPU_MANIFEST.replace(
-            "  - id: reverse-text", f'  - id: verifiers:pb-plan-tools\n    args: {{harness: "{name}"}}'))
+    def harness(name: str, more: str = "") -> Path:
+        return write(workdir, f"tools-{name}{len(more)}.yaml", CPU_MANIFEST.replace(
+            "  - id: reverse-text", f'  - id: verifiers:pb-plan-tools\n    args: {{harness: "{name}"{more}}}'))
 
     assert "environments[0].id" not in _fields(harness("null"))
     assert "environments[0].args.harness" in _fields(harness("cursor"))
+    # bash runs the model's commands in the bubblewrap sandbox, its limits from the args
+    assert "environments[0].args.harness" in _fields(harness("bash"))  # MCP tool servers: not in the sandbox
+    bash = write(workdir, "bash.yaml", CPU_MANIFEST.replace("  - id: reverse-text", "  - id: verifiers:pb-plan-plain\n"
+                                                            "    args: {harness: bash, cpu_seconds: 5, wall_seconds: 60}"))
+    assert not {"environments[0].id", "environments[0].args.harness", "environments[0].args.cpu_seconds"} & _fields(bash)
+    assert "environments[0].args.cpu_seconds" in _fields(harness("bash", ", cpu_seconds: 0"))  # not positive
+    assert "environments[0].args.wall_seconds" in _fields(harness("null", ", wall_seconds: 60"))  # bash's only
     plain = write(workdir, "plain.yaml", CPU_MANIFEST.replace("  - id: reverse-text", "  - id: verifiers:pb-plan-plain"))
     assert "environments[0].id" not in _fields(plain)
     # the planner itself imported neither verifiers' tasksets nor torch (the check ran in a child process)

@@ -73,14 +73,23 @@ ADAPTER_ARGS = {
     "prompt_format": ("a string holding {prompt}", lambda v: isinstance(v, str) and "{prompt}" in v),
     "reply_format": ("a string holding {message}", lambda v: isinstance(v, str) and "{message}" in v),
     "env": ("a mapping (the verifiers Env's config fields)", lambda v: isinstance(v, dict)),
-    "harness": ('"null" (the verifiers harness that plays a taskset with tools)', lambda v: v == "null"),
+    "harness": ('"null" or "bash" (the verifiers harness that plays a taskset with tools; bash runs the model\'s '
+                'shell commands in the bubblewrap sandbox)', lambda v: v in ("null", "bash")),
+    # the bash harness's sandbox limits (primebuild/runtime/envs/sandbox_runtime.py)
+    **{name: ("a positive integer (an arg of harness: bash)", lambda v: isinstance(v, int) and not isinstance(v, bool)
+              and v > 0) for name in ("cpu_seconds", "memory_mb", "command_seconds", "wall_seconds")},
 }
+
+
+SANDBOX_LIMIT_ARGS = ("cpu_seconds", "memory_mb", "command_seconds", "wall_seconds")
 
 
 def adapter_arg_problems(args: dict) -> Iterator[tuple[str, str]]:
     for name, (wanted, ok) in ADAPTER_ARGS.items():
         if name in args and not ok(args[name]):
             yield name, f"{name} must be {wanted}, got {args[name]!r}"
+        elif name in SANDBOX_LIMIT_ARGS and name in args and args.get("harness") != "bash":
+            yield name, f"{name} limits the bash harness's sandbox; this environment sets no harness: bash"
 
 
 def environment_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
@@ -134,6 +143,10 @@ def _tool_problems(i: int, env_id: str, args: dict) -> Iterator[tuple[str, str, 
         yield (f"environments[{i}].id", f"environment {env_id}: its tasks use tools ({', '.join(tools)}); verifiers "
                "runs MCP toolsets inside its harness programs, which primebuild's own turn loop does not drive",
                'play it with a verifiers harness: args.harness: "null" (its chat program calls the tools)')
+    elif tools and args.get("harness") == "bash":
+        yield (f"environments[{i}].args.harness", f"environment {env_id}: its tasks use MCP tools ({', '.join(tools)}), "
+               "which verifiers serves as background processes of the harness's runtime; the bash harness's sandbox "
+               "runs its one program and no tool servers", 'play it with args.harness: "null"')
 
 
 # --- the sandbox of swe-tiny ---------------------------------------------------------------------------
@@ -145,10 +158,15 @@ def _image_has_bubblewrap(m: Manifest) -> bool | None:
     return "bubblewrap" in m.image.packages
 
 
+def _sandboxed(env) -> bool:
+    """swe-tiny, and a verifiers taskset played by the bash harness (sandbox_runtime.py)."""
+    return env.id in SANDBOXED or (env.id.startswith(VERIFIERS_PREFIX) and (env.args or {}).get("harness") == "bash")
+
+
 def sandbox_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
     """(field, message, hint) for a sandboxed environment whose orchestrator host is known to lack bwrap."""
     for i, env in enumerate(m.environments):
-        if env.id not in SANDBOXED:
+        if not _sandboxed(env):
             continue
         field = f"environments[{i}].id"
         if m.target.kind == "local" and shutil.which("bwrap") is None:
@@ -164,7 +182,7 @@ def sandbox_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
 
 def sandbox_warnings(m: Manifest) -> list[str]:
     """What the plan cannot check: bwrap on hosts or in images it cannot see into."""
-    sandboxed = sorted({env.id for env in m.environments if env.id in SANDBOXED})
+    sandboxed = sorted({env.id for env in m.environments if _sandboxed(env)})
     if not sandboxed or m.target.kind == "local" or _image_has_bubblewrap(m):
         return []
     where = ("the inventory hosts" if m.target.kind == "ssh" else

@@ -69,8 +69,10 @@ def python_in_sandbox() -> str:
 class Sandbox:
     """A temporary folder for one rollout, and the confined programs run in it."""
 
-    def __init__(self, limits: Limits = Limits(), prefix: str = "primebuild-sandbox-"):
+    def __init__(self, limits: Limits = Limits(), prefix: str = "primebuild-sandbox-",
+                 read_only: dict[str, str] | None = None):
         self.limits = limits
+        self.read_only = dict(read_only or {})  # host path -> where it appears inside, read-only
         self._bwrap = bwrap()
         self.root = Path(tempfile.mkdtemp(prefix=prefix))
 
@@ -81,7 +83,7 @@ class Sandbox:
             raise ValueError(f"{name!r} is outside the sandbox")
         return target
 
-    def _argv(self, argv: list[str]) -> list[str]:
+    def _argv(self, argv: list[str], env: dict[str, str] | None = None) -> list[str]:
         args = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
                 "--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: /bin -> usr/bin, ...
@@ -95,8 +97,12 @@ class Sandbox:
             args += ["--ro-bind", str(prefix), str(prefix)]
         args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(self.root), WORKDIR,
                  "--chdir", WORKDIR, "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
-                 "--setenv", "HOME", WORKDIR, "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-                 "--remount-ro", "/", "--", *argv]  # the root itself read-only too: only /work and /tmp take writes
+                 "--setenv", "HOME", WORKDIR, "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
+        for source, target in self.read_only.items():
+            args += ["--ro-bind", source, target]
+        for name, value in (env or {}).items():
+            args += ["--setenv", name, value]
+        args += ["--remount-ro", "/", "--", *argv]  # the root itself read-only too: only /work and /tmp take writes
         return args
 
     def _limit(self) -> None:  # runs in the child between fork and exec; inherited by everything inside
@@ -107,10 +113,10 @@ class Sandbox:
         resource.setrlimit(resource.RLIMIT_NOFILE, (lim.open_files, lim.open_files))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-    async def run(self, argv: list[str], timeout: float | None = None) -> Result:
+    async def run(self, argv: list[str], timeout: float | None = None, env: dict[str, str] | None = None) -> Result:
         timeout = self.limits.wall_seconds if timeout is None else timeout
         proc = await asyncio.create_subprocess_exec(
-            *self._argv(argv), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            *self._argv(argv, env), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, preexec_fn=self._limit, start_new_session=True)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout)

@@ -223,19 +223,21 @@ def load_verifiers_environment(taskset_id: str, args: Mapping[str, Any]) -> Veri
             hint="install the taskset's package into the run's environment",
         ) from e
     if env_class is vf.SingleAgentEnv and "harness" in args:  # played by verifiers' harness, tools included
-        from primebuild.runtime.envs.verifiers_agents import VerifiersAgentEnvironment
+        from primebuild.runtime.envs.verifiers_agents import SANDBOX_ARGS, VerifiersAgentEnvironment
 
         harness = args.pop("harness")
+        limits = {name: args.pop(name) for name in SANDBOX_ARGS if name in args}
         unknown = sorted(set(adapter_args) - {"max_turns"})
         if unknown:
             raise UserError(f"environment {env_id}: {unknown} apply to primebuild-driven multi-turn environments, "
-                            "not to one played by a verifiers harness (args: harness, max_turns, num_eval)")
+                            "not to one played by a verifiers harness (args: harness, max_turns, num_eval; bash: "
+                            "cpu_seconds, memory_mb, command_seconds, wall_seconds)")
         try:
             config = config_type.model_validate({**args, "id": taskset_id})
         except ValidationError as e:
             raise UserError(f"verifiers taskset {taskset_id!r}: invalid args: {e}") from e
         return VerifiersAgentEnvironment(vf.load_taskset(config), env_id=env_id, version=_package_version(taskset_id),
-                                         num_eval=num_eval, harness=harness, **adapter_args)
+                                         num_eval=num_eval, harness=harness, **adapter_args, **limits)
     if env_class is vf.SingleAgentEnv:
         if adapter_args:
             raise UserError(f"environment {env_id}: {sorted(adapter_args)} apply to multi-turn environments only, "

@@ -9,9 +9,17 @@ turn through the orchestrator's inference client and records its ids, log-probs 
 episode's token sequence is that recording; its reward is the trace's, scored by the task's own
 `@vf.reward`s when verifiers' rollout closes.
 
-Manifest args (besides the taskset's config fields): `num_eval`, `harness` ("null"),
-`max_turns` (model turns per episode, verifiers' agent limit). The program runs as a local subprocess
-(verifiers' SubprocessRuntime); verifiers installs its script's dependencies with uv on first use.
+Manifest args (besides the taskset's config fields): `num_eval`, `harness` ("null" or "bash"),
+`max_turns` (model turns per episode, verifiers' agent limit).
+
+`null`: the program runs as a local subprocess (verifiers' SubprocessRuntime; verifiers installs its
+script's dependencies with uv on first use); its only tools are the taskset's MCP tools.
+`bash`: verifiers' bash harness, whose `bash` tool runs the model's shell commands. Each episode's program,
+and so every command, runs in primebuild's bubblewrap sandbox (sandbox_runtime.py: no network but the
+model's endpoint, its own folder, rlimits), with the limits `cpu_seconds`, `memory_mb`, `command_seconds`
+and `wall_seconds` from the manifest's args (defaults: SandboxLimits). An episode killed at its wall limit
+is scored 0 and the run goes on. The harness's `edit` tool and context compaction are off (compaction
+rewrites history, which the token-in/out recording refuses).
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Task
 from primebuild.runtime.envs.verifiers_adapter import VERIFIERS_TASK, VerifiersEnvironment, _import_verifiers
 
-HARNESSES = ("null",)  # bash would run the model's shell commands on this host, unsandboxed: not offered
+HARNESSES = ("null", "bash")
+SANDBOX_ARGS = ("cpu_seconds", "memory_mb", "command_seconds", "wall_seconds")  # bash only: SandboxLimits' fields
 INTERCEPTION_KEY_ENV = "PRIMEBUILD_INTERCEPTION_KEY"  # the program's API key; the interception checks none
 
 
@@ -32,17 +41,25 @@ class VerifiersAgentEnvironment(VerifiersEnvironment):
     plays_itself = True  # the orchestrator hands it an endpoint instead of driving its turns
 
     def __init__(self, taskset: Any, *, env_id: str, version: str, num_eval: int = 200, harness: str = "null",
-                 max_turns: int = 8):
+                 max_turns: int = 8, **limits: int):
         if harness not in HARNESSES:
             raise UserError(f"environment {env_id}: harness {harness!r} is not one primebuild runs",
                             hint=f"one of {', '.join(HARNESSES)}")
+        for name, value in limits.items():
+            if name not in SANDBOX_ARGS or harness != "bash":
+                raise UserError(f"environment {env_id}: {name} is not an arg of the {harness} harness",
+                                hint=f"the bash harness's sandbox limits: {', '.join(SANDBOX_ARGS)}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"environment {env_id}: {name} must be a positive integer, got {value!r}")
+        self.limits = limits
         if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
             raise UserError(f"environment {env_id}: max_turns must be a positive integer, got {max_turns!r}")
         super().__init__(taskset, env_id=env_id, version=version, num_eval=num_eval)
         self.harness, self.max_turns = harness, max_turns
 
     def agent(self, base_url: str) -> Any:
-        """verifiers' own Agent: the harness program on a local subprocess, its model at `base_url`."""
+        """verifiers' own Agent, its model at `base_url`: the harness program on a local subprocess (null), or
+        in the sandbox runtime that `play` lends it (bash)."""
         import os
 
         vf = _import_verifiers()
@@ -51,15 +68,31 @@ class VerifiersAgentEnvironment(VerifiersEnvironment):
         from verifiers.v1.utils.loaders import harness_config_type
 
         os.environ.setdefault(INTERCEPTION_KEY_ENV, "primebuild")
-        config = vf.AgentConfig(harness=harness_config_type(self.harness)(id=self.harness), runtime=SubprocessConfig(),
+        harness = harness_config_type(self.harness)(id=self.harness)
+        if self.harness == "bash":  # its shell tool only; compaction would rewrite the recorded history
+            harness = harness.model_copy(update={"edit": False, "compaction": None})
+        config = vf.AgentConfig(harness=harness, runtime=SubprocessConfig(),
                                 model="policy", max_turns=self.max_turns,
                                 client=EvalClientConfig(base_url=base_url, api_key_var=INTERCEPTION_KEY_ENV))
         return vf.Agent(config)
 
     async def play(self, task: Task, base_url: str) -> tuple[float, str]:
         """One episode; returns (reward, why it stopped). The tokens are what the interception recorded."""
-        async with self.agent(base_url) as agent:
-            trace = await agent.run(task.info[VERIFIERS_TASK])
+        runtime = None
+        if self.harness == "bash":
+            from primebuild.runtime.envs.sandbox_runtime import SandboxLimits, SandboxRuntime
+
+            runtime = SandboxRuntime(SandboxLimits(**self.limits))
+        try:
+            if runtime is not None:  # borrowed by verifiers' rollout: we start and stop it
+                await runtime.start()
+            async with self.agent(base_url) as agent:
+                trace = await agent.run(task.info[VERIFIERS_TASK], runtime=runtime)
+        finally:
+            if runtime is not None:
+                await runtime.stop()
+        if runtime is not None and runtime.wall_killed:  # over its time: ended, scored 0, the run goes on
+            return 0.0, "sandbox_wall_limit"
         if not trace.ok:
             errors = "; ".join(f"{e.type}: {e.message}"[:300] for e in trace.errors) or "no error recorded"
             raise RuntimeError(f"environment {self.id}: the {self.harness} harness failed: {errors}")
