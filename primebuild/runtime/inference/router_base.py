@@ -15,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from primebuild.runtime.http_pool import pool_limits
+
 from .protocol import MAX_BODY_BYTES, ApiError
 
 
@@ -40,8 +42,7 @@ def router_app(title: str) -> tuple[FastAPI, httpx.AsyncClient]:
     async def _api_error(request: Request, err: ApiError):
         return JSONResponse(err.body(), status_code=err.status)
 
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-    return app, httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=limits)
+    return app, httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=pool_limits(1024))
 
 
 def authorize(request: Request, admin_token: str | None) -> str:

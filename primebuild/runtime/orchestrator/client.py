@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from primebuild.contracts.completion import NO_WHOLE_POLICY, WEIGHTS_MIXED, CompletionResult, ServerHealth
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
+from primebuild.runtime.http_pool import pool_limits
 
 log = logging.getLogger("primebuild.orchestrator")
 LANE_CONNECTIONS = 16  # connections per httpx pool of sampling requests (see InferenceClient.__init__)
@@ -106,14 +107,13 @@ class InferenceClient:
         timeout = httpx.Timeout(600.0, connect=5.0)
         # Health, pause, update and resume have their own connections: they never wait behind sampling.
         self.http = httpx.AsyncClient(timeout=timeout, headers=headers,
-                                      limits=httpx.Limits(max_connections=4, max_keepalive_connections=4))
+                                      limits=pool_limits(4))
         # Sampling requests go through lanes of LANE_CONNECTIONS connections each, at most max_requests at
         # once (more would only wait in the server's queue). One pool for all of them is what httpx would
         # do, but httpcore scans every connection of a pool (a socket call each) whenever a request starts
         # or ends: with 128-512 rollouts in flight that took 60-75% of the orchestrator's CPU and made it
         # the bottleneck (long-tail bench, m = 32: bench/RESULTS.md).
-        lanes = [httpx.AsyncClient(timeout=timeout, headers=headers, limits=httpx.Limits(
-            max_connections=LANE_CONNECTIONS, max_keepalive_connections=LANE_CONNECTIONS))
+        lanes = [httpx.AsyncClient(timeout=timeout, headers=headers, limits=pool_limits(LANE_CONNECTIONS))
             for _ in range(-(-max_requests // LANE_CONNECTIONS))]
         self.lanes = lanes
         self.free_lanes: asyncio.Queue[httpx.AsyncClient] = asyncio.Queue()

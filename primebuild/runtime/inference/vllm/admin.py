@@ -46,6 +46,7 @@ import httpx
 
 from primebuild.builders.vllm_command import LORA_ADAPTER_NAME
 from primebuild.contracts.completion import NO_WHOLE_POLICY, WEIGHTS_MIXED
+from primebuild.runtime.http_pool import pool_limits
 from primebuild.runtime.inference.lora import is_adapter_folder
 from primebuild.runtime.inference.vllm.broadcast_status import STATUS_PATH as BROADCAST_STATUS_PATH
 from primebuild.runtime.weight_sync.filesystem import is_stable
@@ -103,7 +104,7 @@ class VllmAdmin:
         # itself, or the prefill and decode servers behind a P/D router (which fans the calls out).
         self.members = [_root(m) for m in members] or [self.root]
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self.http = httpx.AsyncClient(base_url=self.root, headers=headers,
+        self.http = httpx.AsyncClient(base_url=self.root, headers=headers, limits=pool_limits(100),
                                       timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.last_update_seconds: float | None = None  # wall time of the last full weight update
 
