@@ -10,6 +10,7 @@ import ipaddress
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -121,6 +122,18 @@ def wait_trained(runs: Path, step: int, proc: subprocess.Popen | None, timeout: 
             return dirs[0]
         time.sleep(0.3)
     raise AssertionError(f"step {step} was not trained within {timeout} s")
+
+
+def kill_the_trainer_keeping_the_rest(run_dir: Path, runs: Path, proc: subprocess.Popen, timeout: float) -> list[int]:
+    """SIGKILL the trainer of a running run and wait for the next step: the inference server and the orchestrator
+    are the same processes after its restart. Returns [the newest step trained when it died]."""
+    others = ("primebuild.runtime.inference.server", "primebuild.runtime.orchestrator.main")
+    kept = {name: pid_of(run_dir, name) for name in others}
+    kills = [trained_steps(run_dir)[-1]]
+    os.kill(pid_of(run_dir, "primebuild.runtime.trainer.main"), signal.SIGKILL)
+    wait_trained(runs, kills[0] + 1, proc, timeout=timeout)
+    assert {name: pid_of(run_dir, name) for name in others} == kept
+    return kills
 
 
 def processes_of(run_dir: Path) -> list[str]:

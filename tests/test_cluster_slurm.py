@@ -20,6 +20,7 @@ import pytest
 from cluster_helpers import (
     NASTY,
     cli,
+    kill_the_trainer_keeping_the_rest,
     logs_tail,
     pid_of,
     require_slurm,
@@ -186,13 +187,7 @@ def test_a_killed_trainer_restarts_alone_inside_the_job_under_broadcast(ws, tmp_
                  "--set", "hardware.nodes=2", "--set", "trainer.checkpoint_every=3", env=env)
     try:
         run_dir = wait_trained(runs, 4, proc)
-        server = pid_of(run_dir, "primebuild.runtime.inference.server")
-        orchestrator = pid_of(run_dir, "primebuild.runtime.orchestrator.main")
-        kills = [trained_steps(run_dir)[-1]]
-        os.kill(pid_of(run_dir, "primebuild.runtime.trainer.main"), signal.SIGKILL)
-        wait_trained(runs, kills[0] + 1, proc, timeout=300)
-        assert pid_of(run_dir, "primebuild.runtime.inference.server") == server
-        assert pid_of(run_dir, "primebuild.runtime.orchestrator.main") == orchestrator
+        kills = kill_the_trainer_keeping_the_rest(run_dir, runs, proc, timeout=300)
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 from pathlib import Path
 
@@ -18,8 +17,8 @@ from cluster_helpers import (
     REPO,
     SSH_HOSTS,
     cli,
+    kill_the_trainer_keeping_the_rest,
     logs_tail,
-    pid_of,
     require_sshd,
     start,
     trained_steps,
@@ -146,11 +145,7 @@ def test_a_killed_trainer_restarts_alone_on_its_host_under_broadcast(ws, tmp_pat
                  "--set", "trainer.checkpoint_every=3", "--set", f"target.workdir={workdir}", env=env)
     try:
         run_dir = wait_trained(runs, 4, proc)
-        server = pid_of(run_dir, "primebuild.runtime.inference.server")
-        kills = [trained_steps(run_dir)[-1]]
-        os.kill(pid_of(run_dir, "primebuild.runtime.trainer.main"), signal.SIGKILL)
-        wait_trained(runs, kills[0] + 1, proc, timeout=240)
-        assert pid_of(run_dir, "primebuild.runtime.inference.server") == server
+        kills = kill_the_trainer_keeping_the_rest(run_dir, runs, proc, timeout=240)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:

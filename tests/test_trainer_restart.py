@@ -90,6 +90,30 @@ def _newest_trained(run_dir: Path) -> int:
     return max(read_metrics(run_dir / "metrics.jsonl", role="trainer"))
 
 
+def kill_inside_a_send(run_dir: Path, proc: subprocess.Popen, stall: Path, trainer: int,
+                       settle_s: float) -> tuple[int, list[int]]:
+    """Stall the trainer's next weight send half-way (STALL_ENV's file), give the buckets that crossed
+    `settle_s` to be installed (milliseconds; seconds on a loaded CI machine), then SIGKILL the trainer.
+    Returns the step whose send stalled and [the newest step trained when it died]."""
+    stall.touch()
+    trainer_log = run_dir / "logs" / "trainer.log"
+    deadline = time.monotonic() + 300
+    while "stalls after" not in trainer_log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, "no send stalled"
+        time.sleep(0.1)
+    stalled = int(trainer_log.read_text().split("the send of step ")[1].split()[0])
+    time.sleep(settle_s)
+    kills = [_newest_trained(run_dir)]
+    os.kill(trainer, signal.SIGKILL)
+    return stalled, kills
+
+
+def assert_completions_refused_as_mixed(url: str, model: str) -> None:
+    refused = httpx.post(url + "/v1/completions", json={"model": model, "prompt": [1, 5, 6], "max_tokens": 4},
+                         timeout=30)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "weights_mixed", refused.text
+
+
 def test_a_killed_then_a_frozen_trainer_rank_each_restart_the_trainer_alone(manifests: Path, tmp_path: Path):
     """A 2-rank trainer loses rank 1 to SIGKILL after step 4: torchrun ends the group, and the supervisor
     starts it again from the checkpoint of step 3. After step 8 rank 0 of the new group is frozen (SIGSTOP):
@@ -208,24 +232,13 @@ def test_a_sender_killed_inside_a_load_leaves_the_server_up_until_the_restarted_
         (trainer,) = _pids(run_dir, "trainer")
         served = json.loads((run_dir / "config" / "inference-0.json").read_text())
         url = f"http://{served['host']}:{served['port']}"
-        stall.touch()  # the next send stalls half-way
-        trainer_log = run_dir / "logs" / "trainer.log"
-        deadline = time.monotonic() + 120
-        while "stalls after" not in trainer_log.read_text():
-            assert time.monotonic() < deadline and proc.poll() is None, "no send stalled"
-            time.sleep(0.1)
-        stalled = int(trainer_log.read_text().split("the send of step ")[1].split()[0])
-        time.sleep(3.0)  # the buckets that crossed are installed (milliseconds; seconds on a loaded CI machine)
-        kills = [_newest_trained(run_dir)]
-        os.kill(trainer, signal.SIGKILL)
+        stalled, kills = kill_inside_a_send(run_dir, proc, stall, trainer, settle_s=3.0)
         deadline = time.monotonic() + 60
         while (health := httpx.get(url + "/health", timeout=10).json())["status"] != "weights_mixed":
             assert time.monotonic() < deadline, health
             time.sleep(0.1)
         assert health["policy_version"] == stalled - 1, (health, stalled)  # the last whole one, not a clean new label
-        refused = httpx.post(url + "/v1/completions", json={"model": served["served_model_name"], "prompt": [1, 5, 6],
-                                                             "max_tokens": 4}, timeout=30)
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "weights_mixed", refused.text
+        assert_completions_refused_as_mixed(url, served["served_model_name"])
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -252,8 +265,9 @@ def test_a_sender_killed_inside_a_load_leaves_the_server_up_until_the_restarted_
     assert "the served weights are a mix of two policies" in orchestrator_log, orchestrator_log[-3000:]  # not counted
     # a rollout that reached the server meanwhile (timing: the off-policy bound may hold them all back) had it
     # counted down, and the trainer's next update admitted it again; else the next sync brought it back
-    if f"{url}/v1 is gone" in orchestrator_log:
-        assert "rejoined the weight group at policy version" in orchestrator_log, orchestrator_log[-3000:]
+    after_mixed = orchestrator_log.split("the served weights are a mix of two policies", 1)[1]
+    if f"{url}/v1 is gone" in after_mixed:
+        assert "rejoined the weight group at policy version" in after_mixed, orchestrator_log[-3000:]
     _assert_retrained_identically(run_dir, steps, kills)
     assert json.loads((run_dir / "summary.json").read_text())["eval_reward_after_step"] == steps
     assert processes_of(run_dir) == []

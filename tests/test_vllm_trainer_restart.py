@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -19,7 +18,12 @@ from cluster_helpers import processes_of
 from conftest import free_port, sft_workspace
 from test_hang_watchdog import _pids
 from test_run_local import _wait_for_trained
-from test_trainer_restart import _assert_retrained_identically, _newest_trained, _start
+from test_trainer_restart import (
+    _assert_retrained_identically,
+    _start,
+    assert_completions_refused_as_mixed,
+    kill_inside_a_send,
+)
 from vllm_helpers import vllm_python
 
 from primebuild.runtime.weight_sync.broadcast import STALL_ENV
@@ -57,16 +61,7 @@ def test_a_trainer_killed_inside_a_vllm_load_restarts_beside_the_server_it_keeps
         (trainer,) = _pids(run_dir, "trainer")
         served = json.loads((run_dir / "config" / "orchestrator.json").read_text())
         url = served["endpoints"][0].removesuffix("/v1")
-        stall.touch()  # the next send stalls half-way
-        trainer_log = run_dir / "logs" / "trainer.log"
-        deadline = time.monotonic() + 300
-        while "stalls after" not in trainer_log.read_text():
-            assert time.monotonic() < deadline and proc.poll() is None, "no send stalled"
-            time.sleep(0.1)
-        stalled = int(trainer_log.read_text().split("the send of step ")[1].split()[0])
-        time.sleep(5.0)  # the buckets that crossed are installed (milliseconds; seconds on a loaded CI machine)
-        kills = [_newest_trained(run_dir)]
-        os.kill(trainer, signal.SIGKILL)
+        stalled, kills = kill_inside_a_send(run_dir, proc, stall, trainer, settle_s=5.0)
         killed = time.monotonic()
         deadline = time.monotonic() + 120
         while (info := httpx.get(url + "/weight_info", timeout=30).json()).get("status") != "weights_mixed":
@@ -75,9 +70,7 @@ def test_a_trainer_killed_inside_a_vllm_load_restarts_beside_the_server_it_keeps
         assert info["weight_version"] == str(stalled - 1), (info, stalled)  # the last whole step, not a new label
         health = httpx.get(url + "/health", timeout=30)
         assert health.status_code == 200 and health.json()["status"] == "weights_mixed", health.text  # up
-        refused = httpx.post(url + "/v1/completions", json={"model": served["served_model_name"], "prompt": [1, 5, 6],
-                                                             "max_tokens": 4}, timeout=30)
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "weights_mixed", refused.text
+        assert_completions_refused_as_mixed(url, served["served_model_name"])
         _wait_for_trained(runs, kills[0] + 1, proc, timeout=600)
         recovered = time.monotonic() - killed
         assert sorted(_pids(run_dir, "inference-0")) == servers
