@@ -174,7 +174,7 @@ def test_vllm_pd_on_slurm_needs_an_address_per_listening_group():
 
 def test_glm5_memory_and_estimates(plans):
     plan = plans["glm5"]
-    assert set(plan["memory"]) == {"prefill", "decode", "trainer"}
+    assert set(plan["memory"]) == {"prefill", "decode", "trainer", "orchestrator"}
     for group, mem in plan["memory"].items():
         assert mem["fits"] and 0 < mem["used_bytes"] <= mem["capacity_bytes"], group
     assert plan["estimates"]["summary"]

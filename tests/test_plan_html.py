@@ -60,7 +60,7 @@ def test_chromium_builds_one_map_cell_per_gpu(glm5_page: Path, tmp_path: Path):
     cells = re.findall(r'<div class="gpu" data-role="(\w+)"', dom)
     assert len(cells) == 28 * 8
     assert {role: cells.count(role) for role in set(cells)} == {"prefill": 32, "decode": 96, "trainer": 96}
-    assert len(re.findall(r'<div class="mem" data-role=', dom)) == 3  # prefill, decode, trainer bars
+    assert len(re.findall(r'<div class="mem" data-role=', dom)) == 4  # prefill, decode, trainer, orchestrator bars
     assert re.search(r'data-phase="rollout"', dom) and "~861 s" in dom
 
 

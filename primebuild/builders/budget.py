@@ -23,6 +23,7 @@ from primebuild.builders.memory import (
     weight_bytes,
 )
 from primebuild.builders.model_facts import ModelFacts
+from primebuild.builders.orchestrator_memory import orchestrator_memory
 from primebuild.builders.placement import Placement
 from primebuild.builders.rollout_time import Costs, Profile, profile_times
 from primebuild.builders.timing import (
@@ -129,6 +130,14 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
             f"trainer: {_g(tmem.total)} GiB per GPU needed, {_g(capacity)} GiB available (short by "
             f"{_g(-tmem.free)} GiB): " + ", ".join(f"{k} {_g(v)}" for k, v in breakdown if v),
             field="trainer.dp_shard", hint=_trainer_fixes(m, tmem, can)))
+    orchestrator = memory["orchestrator"] = orchestrator_memory(m, host_bytes)
+    if not orchestrator.fits:
+        problems.append(Problem(
+            f"orchestrator: its node's processes need {_g(orchestrator.used_bytes)} GiB of host memory ("
+            + ", ".join(f"{k} {_g(v)}" for k, v in orchestrator.breakdown if v)
+            + f"; {orchestrator.programs_in_flight} episode programs at once), hardware.host_memory_gb is "
+            f"{hw.host_memory_gb:g}", field="orchestrator.rollouts_per_step",
+            hint="fewer episodes in flight: lower rollouts_per_step, max_off_policy_steps or eval_prompts"))
     need = _host_bytes_per_node(tmem, t.world_size, hw)
     if hw.gpu != "cpu" and need > host_bytes:
         problems.append(Problem(
@@ -382,7 +391,7 @@ def _teacher_memory(m: Manifest, teacher: ModelFacts, capacity: int) -> Inferenc
 def _process_count(m: Manifest, group: str) -> int:
     if group == "trainer":
         return m.trainer.ranks or m.trainer.world_size
-    if group == "teacher":
+    if group in ("teacher", "orchestrator"):
         return 1
     return m.inference.groups[group].replicas
 

@@ -1,5 +1,6 @@
 """A plan as one self-contained HTML page: the node x GPU map coloured by role, the memory of one GPU of
-each role as a stacked bar (weights, KV cache, activations, the rest, free), and the step-time estimate.
+each role as a stacked bar (weights, KV cache, activations, the rest, free) and the host memory of the
+orchestrator's node, and the step-time estimate.
 
 Pure: it reads the typed plan (primebuild/contracts/plan.py) and imports no torch. Nothing is fetched by
 the page (inline CSS, no script, no font or image URL), so it opens anywhere, offline.
@@ -31,6 +32,8 @@ MEMORY_PARTS = [
     ("weight_staging", "weight-sync staging", ("weight_staging",), "#D55E00"),
     ("activations", "activations + logits", ("activations", "logits", "sparse_index"), "#E69F00"),
     ("overhead", "overhead", ("overhead",), "#999999"),
+    ("host_processes", "orchestrator + supervisor", ("process", "supervisor"), "#009E73"),
+    ("episode_programs", "episodes' programs", ("episode_programs",), "#56B4E9"),
 ]
 FREE_COLOUR = "#F3F4F6"
 

@@ -26,6 +26,12 @@ class TrainerBreakdown(Contract):
     overhead: int
 
 
+class OrchestratorBreakdown(Contract):
+    process: int  # the orchestrator itself (asyncio, tokenizer, rollout buffers)
+    supervisor: int  # `primebuild run` and its watchdog, where they run on this node (local target, Slurm's batch host)
+    episode_programs: int  # agent harness programs and sandboxed commands of the episodes in flight at once
+
+
 class _GroupMemory(Contract):
     role: str
     capacity_bytes: int
@@ -48,5 +54,12 @@ class TrainerGroupMemory(_GroupMemory):
     tokens_per_gpu: int
 
 
-# The two shapes have different keys (and contracts forbid unknown ones), so the JSON says which it is.
-GroupMemory = InferenceGroupMemory | TrainerGroupMemory
+class OrchestratorGroupMemory(_GroupMemory):
+    """Host memory of the orchestrator's node taken by primebuild's CPU processes there."""
+
+    breakdown: OrchestratorBreakdown
+    programs_in_flight: int  # episodes whose programs may run at once (training groups in flight + one eval)
+
+
+# The shapes have different keys (and contracts forbid unknown ones), so the JSON says which it is.
+GroupMemory = InferenceGroupMemory | TrainerGroupMemory | OrchestratorGroupMemory

@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 2697c55f313c219f5e4a6a4d28b233c10cfbf6645b5c8cfc614ef356c346be66, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 1e836c4706f3243102fdba2ce9d70c37f644705b787e8c756bea34040d4f9f30, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is

@@ -1,0 +1,61 @@
+"""The host memory of the orchestrator's node taken by primebuild's own CPU processes. Pure.
+
+The orchestrator is one asyncio process; beside it run the supervisor (`primebuild run` and its
+watchdog) on the local target and on Slurm's batch host, and every episode of an agent environment has
+programs of its own: a verifiers harness program per episode (`args.harness`), in the bubblewrap
+sandbox with a bridge for `bash`, and swe-tiny's sandboxed test run. Their number is the pool's bound
+(primebuild/runtime/orchestrator/pool.py): each environment has at most (1 + max_off_policy_steps) steps'
+worth of its groups in flight, and a held-out eval runs its share of `eval_prompts` at once beside them.
+
+Sizes are peak resident sets measured on this project's CPU machine (bench/RESULTS.md): the
+orchestrator of the main job 105 MiB, `primebuild run` with its watchdog 127 MiB
+(bench/process_memory.py); a bash-harness episode ~95 MiB (its program 57-74 MiB, the bridge ~20 MiB,
+bwrap 2 MiB), a null-harness episode its program; a swe-tiny test run in its sandbox 18 MiB.
+"""
+
+from __future__ import annotations
+
+from primebuild.contracts.environments import SANDBOXED, VERIFIERS_PREFIX
+from primebuild.contracts.memory import OrchestratorBreakdown, OrchestratorGroupMemory
+from primebuild.manifest.schema import Manifest
+
+MIB = 1 << 20
+ORCHESTRATOR_BYTES = 112 * MIB  # 105 MiB measured, rounded up
+SUPERVISOR_BYTES = 128 * MIB  # 127 MiB measured: `primebuild run` + watchdog
+HARNESS_PROGRAM_BYTES = {"null": 76 * MIB, "bash": 96 * MIB}  # per episode in flight
+SANDBOXED_RUN_BYTES = 20 * MIB  # swe-tiny: one sandboxed test run per episode at a time
+SUPERVISED_HERE = ("local", "slurm")  # over ssh `primebuild run` supervises from the machine it was typed on
+
+
+def episode_program_bytes(env) -> int:
+    """What one episode of `env` runs beside the orchestrator while it is in flight."""
+    if env.id.startswith(VERIFIERS_PREFIX) and "harness" in (env.args or {}):
+        return HARNESS_PROGRAM_BYTES[env.args["harness"]]
+    if env.id in SANDBOXED:
+        return SANDBOXED_RUN_BYTES
+    return 0
+
+
+def programs_in_flight(m: Manifest) -> list[int]:
+    """Per environment: episodes that may be in flight at once, training groups and a held-out eval."""
+    from primebuild.runtime.orchestrator.mixture import split  # no torch
+
+    o = m.orchestrator
+    weights = [e.weight for e in m.environments]
+    groups = split(o.rollouts_per_step // o.group_size, weights)
+    evals = split(o.eval_prompts, weights)
+    return [(1 + o.max_off_policy_steps) * g * o.group_size + e for g, e in zip(groups, evals, strict=True)]
+
+
+def orchestrator_memory(m: Manifest, capacity_bytes: int) -> OrchestratorGroupMemory:
+    """The orchestrator's node: its process, the supervisor where it runs there, and its episodes' programs."""
+    counts = programs_in_flight(m)
+    programs = sum(n * episode_program_bytes(e) for n, e in zip(counts, m.environments, strict=True))
+    breakdown = OrchestratorBreakdown(
+        process=ORCHESTRATOR_BYTES, supervisor=SUPERVISOR_BYTES if m.target.kind in SUPERVISED_HERE else 0,
+        episode_programs=programs)
+    used = sum(dict(breakdown).values())
+    running = sum(n for n, e in zip(counts, m.environments, strict=True) if episode_program_bytes(e))
+    return OrchestratorGroupMemory(role="orchestrator", capacity_bytes=capacity_bytes, budget_bytes=capacity_bytes,
+                                   used_bytes=used, free_bytes=capacity_bytes - used, fits=used <= capacity_bytes,
+                                   breakdown=breakdown, programs_in_flight=running)
