@@ -45,7 +45,7 @@ def cpu_busy(start_line: str, end_line: str) -> tuple[float, int]:
     and the number of CPUs: near 1.0, more pytest workers would only slow each test; well below, tests wait
     (servers starting, timeouts) and another worker could use the idle cores."""
     start, end = ([int(x) for x in line.split()[1:]] for line in (start_line, end_line))
-    delta = [b - a for a, b in zip(start, end)]
+    delta = [b - a for a, b in zip(start, end, strict=True)]  # the same kernel: the same fields
     idle = delta[3] + delta[4]  # idle + iowait
     cpus = sum(1 for line in Path("/proc/stat").read_text().splitlines() if re.match(r"cpu\d+ ", line))
     return 1 - idle / max(sum(delta), 1), cpus
