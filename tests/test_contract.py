@@ -491,6 +491,8 @@ FIELDS: dict[str, list] = {
     "sft.warmup_steps": [Builds(build_config("warmup_steps"), ("sft.warmup_steps=10",), 10),
                          Builds(build_config("warmup_steps"), ("sft.warmup_steps=10",), 10, base=CHAT_SFT)],
     "sft.eval_every": [Builds(build_config("eval_every"), ("sft.eval_every=10",), 10),
+                       Builds(build_config("check_every"), ("sft.eval_every=10",), 10),  # the stop's cadence too
+                       Builds(build_config("check_every"), ("sft.eval_every=0",), 2, base="tool-use-sft.yaml"),  # else every 2
                        Builds(build_config("eval_every"), ("sft.eval_every=10",), 10, base=CHAT_SFT)],
     "sft.dataset.path": [Builds(build_config("dataset_sha256"), ("sft.dataset.path=one-chat.jsonl",),
                                 hashlib.sha256(ONE_CHAT.encode()).hexdigest(), base=CHAT_SFT),

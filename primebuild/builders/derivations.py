@@ -64,9 +64,12 @@ def sft_config(loaded: LoadedManifest) -> EnvSFTConfig | ChatSFTConfig:
     version = None if env.version == "latest" else env.version
     if m.sft.dataset is not None:
         return chat_sft_config(loaded)
+    # the stop check runs at the greedy evaluations' cadence when the manifest sets one (a long SFT whose
+    # episodes are costly to decode checks every eval_every steps, not every 2)
+    cadence = {"check_every": m.sft.eval_every} if m.sft.eval_every and m.sft.stop_at_reward is not None else {}
     return EnvSFTConfig(steps=m.sft.steps, seed=m.seed, env_id=env.id, env_version=version, env_args=dict(env.args),
                         lr=m.sft.lr, warmup_steps=m.sft.warmup_steps, batch_size=m.sft.batch_size,
-                        stop_at_reward=m.sft.stop_at_reward, eval_every=m.sft.eval_every, ranks=m.sft.ranks,
+                        stop_at_reward=m.sft.stop_at_reward, eval_every=m.sft.eval_every, ranks=m.sft.ranks, **cadence,
                         micro_batch_tokens=m.sft.micro_batch_tokens or DEFAULT_SFT_MICRO_BATCH_TOKENS,
                         device="cpu" if m.hardware.gpu == "cpu" else "cuda")
 

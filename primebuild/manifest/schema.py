@@ -415,7 +415,8 @@ class SFT(Strict):
     ranks: PositiveInt = Field(1, le=1024, description="Trainer ranks on the one host (GPUs, or CPU processes over "
                                "gloo; one CPU rank runs in the primebuild process).")
     eval_every: int = Field(0, ge=0, description="Held-out evaluation every this many steps (0: at the end only): "
-                            "the env's reward without dataset, dataset.eval_rows' loss with it.")
+                            "the env's reward without dataset, dataset.eval_rows' loss with it. With stop_at_reward "
+                            "the stop is checked at the same steps (else every 2 steps from step 60).")
 
 
 class Environment(Strict):
