@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from typing import Any
+
+from primebuild.runtime.inference.vllm.asgi_json import send_json
 
 TOKEN_ENV = "PRIMEBUILD_ADMIN_TOKEN"
 
@@ -66,10 +67,5 @@ class AdminTokenMiddleware:
         if is_public(scope["method"], path) or self._authorized(scope.get("headers", [])):
             await self.app(scope, receive, send)
             return
-        body = json.dumps({"error": {"message": "admin endpoint: needs the run's admin token",
-                                     "type": "authentication_error", "param": None,
-                                     "code": "unauthorized"}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 401, {"error": {"message": "admin endpoint: needs the run's admin token",
+                                              "type": "authentication_error", "param": None, "code": "unauthorized"}})

@@ -14,8 +14,9 @@ Runs inside vLLM's API server process.
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from primebuild.runtime.inference.vllm.asgi_json import send_json
 
 STATUS_PATH = "/primebuild/broadcast_status"
 STATUS_METHOD = "primebuild_broadcast_status"  # worker_extension.PrimebuildWorkerExtension
@@ -39,8 +40,4 @@ class BroadcastStatusRoute:
         if scope["type"] != "http" or path != STATUS_PATH or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        body = json.dumps({"results": await worker_statuses(scope["app"])}).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 200, {"results": await worker_statuses(scope["app"])})

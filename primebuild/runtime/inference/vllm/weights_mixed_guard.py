@@ -20,22 +20,15 @@ Runs inside vLLM's API server process.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from primebuild.contracts.completion import WEIGHTS_MIXED
 from primebuild.runtime.inference.vllm.admin_auth import ADMIN_UNDER_V1, PUBLIC_PREFIXES
+from primebuild.runtime.inference.vllm.asgi_json import send_json
 from primebuild.runtime.inference.vllm.broadcast_status import worker_statuses
 
 log = logging.getLogger("vllm.primebuild.weights_mixed")  # under vLLM's logger: its handler prints it
-
-
-async def _answer(send: Any, status: int, content: dict) -> None:
-    body = json.dumps(content).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _error(message: str, kind: str) -> dict:
@@ -60,10 +53,10 @@ class WeightsMixedGuard:
             await self.app(scope, receive, send)
         elif method == "POST" and path.startswith(PUBLIC_PREFIXES) and \
                 path.rstrip("/").removeprefix("/inference") not in ADMIN_UNDER_V1:
-            await _answer(send, 503, _error(f"the served weights are a mix of two policies, served by nothing until "
+            await send_json(send, 503, _error(f"the served weights are a mix of two policies, served by nothing until "
                                             f"a whole update: {self.mixed}", "service_unavailable"))
         elif method == "POST" and path == "/resume":
-            await _answer(send, 409, _error(f"not resumed: the weights are a mix of two policies ({self.mixed}); "
+            await send_json(send, 409, _error(f"not resumed: the weights are a mix of two policies ({self.mixed}); "
                                             "the next whole update resumes the server", "conflict"))
         elif method == "GET" and path in ("/health", "/weight_info"):
             held = await self._held(scope, receive)  # vLLM's own answer first: a dead engine still fails /health
@@ -72,7 +65,7 @@ class WeightsMixedGuard:
                     await send(message)
                 return
             version = await scope["app"].state.engine_client.get_weight_version()
-            await _answer(send, 200, {"status": WEIGHTS_MIXED, "weight_version": version, WEIGHTS_MIXED: self.mixed})
+            await send_json(send, 200, {"status": WEIGHTS_MIXED, "weight_version": version, WEIGHTS_MIXED: self.mixed})
         else:
             await self.app(scope, receive, send)
 
