@@ -25,6 +25,7 @@ from torchtitan.models.common import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
 from primebuild.errors import UserError
+from primebuild.kernels.fp8 import BLOCK  # the recipe's block edge
 
 from .fp8 import fp8_linear
 from .titan_model import ExactGroupedExperts
@@ -72,9 +73,6 @@ def apply_titan_fp8(titan: nn.Module) -> dict[str, int]:
             module.__class__ = Fp8TitanLinear
             counts["linear"] += 1
     return counts
-
-
-BLOCK = 128  # the recipe's block edge (fp8.py)
 
 
 def check_tp_blocks_whole(titan: nn.Module) -> None:
