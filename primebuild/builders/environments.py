@@ -30,7 +30,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from primebuild.contracts.environments import BUILTIN_VERSIONS, SANDBOXED, VERIFIERS_PREFIX
+from primebuild.contracts.environments import (
+    BASH_SANDBOX_LIMITS,
+    BUILTIN_VERSIONS,
+    SANDBOXED,
+    VERIFIERS_PREFIX,
+)
 from primebuild.manifest.schema import Manifest
 
 VERIFIERS_REQUIREMENT = "verifiers==0.4.0"
@@ -77,18 +82,15 @@ ADAPTER_ARGS = {
                 'shell commands in the bubblewrap sandbox)', lambda v: v in ("null", "bash")),
     # the bash harness's sandbox limits (primebuild/runtime/envs/sandbox_runtime.py)
     **{name: ("a positive integer (an arg of harness: bash)", lambda v: isinstance(v, int) and not isinstance(v, bool)
-              and v > 0) for name in ("cpu_seconds", "memory_mb", "command_seconds", "wall_seconds")},
+              and v > 0) for name in BASH_SANDBOX_LIMITS},
 }
-
-
-SANDBOX_LIMIT_ARGS = ("cpu_seconds", "memory_mb", "command_seconds", "wall_seconds")
 
 
 def adapter_arg_problems(args: dict) -> Iterator[tuple[str, str]]:
     for name, (wanted, ok) in ADAPTER_ARGS.items():
         if name in args and not ok(args[name]):
             yield name, f"{name} must be {wanted}, got {args[name]!r}"
-        elif name in SANDBOX_LIMIT_ARGS and name in args and args.get("harness") != "bash":
+        elif name in BASH_SANDBOX_LIMITS and name in args and args.get("harness") != "bash":
             yield name, f"{name} limits the bash harness's sandbox; this environment sets no harness: bash"
 
 

@@ -13,3 +13,6 @@ VERIFIERS_PREFIX = "verifiers:"
 # Built-in environments that run a rollout's programs in a bubblewrap sandbox (primebuild/runtime/envs/sandbox.py), on
 # the orchestrator's host.
 SANDBOXED: frozenset[str] = frozenset({"swe-tiny"})
+# args of a verifiers taskset played by the bash harness: its sandbox's limits (runtime/envs/sandbox_runtime.py
+# SandboxLimits' fields)
+BASH_SANDBOX_LIMITS = ("cpu_seconds", "memory_mb", "command_seconds", "wall_seconds")

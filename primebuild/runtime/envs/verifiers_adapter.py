@@ -223,10 +223,11 @@ def load_verifiers_environment(taskset_id: str, args: Mapping[str, Any]) -> Veri
             hint="install the taskset's package into the run's environment",
         ) from e
     if env_class is vf.SingleAgentEnv and "harness" in args:  # played by verifiers' harness, tools included
-        from primebuild.runtime.envs.verifiers_agents import SANDBOX_ARGS, VerifiersAgentEnvironment
+        from primebuild.contracts.environments import BASH_SANDBOX_LIMITS
+        from primebuild.runtime.envs.verifiers_agents import VerifiersAgentEnvironment
 
         harness = args.pop("harness")
-        limits = {name: args.pop(name) for name in SANDBOX_ARGS if name in args}
+        limits = {name: args.pop(name) for name in BASH_SANDBOX_LIMITS if name in args}
         unknown = sorted(set(adapter_args) - {"max_turns"})
         if unknown:
             raise UserError(f"environment {env_id}: {unknown} apply to primebuild-driven multi-turn environments, "

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from primebuild.contracts.environments import BASH_SANDBOX_LIMITS
 from primebuild.errors import UserError
 from primebuild.runtime.envs.base import Task
 from primebuild.runtime.envs.verifiers_adapter import VERIFIERS_TASK, VerifiersEnvironment, _import_verifiers
 
 HARNESSES = ("null", "bash")
-SANDBOX_ARGS = ("cpu_seconds", "memory_mb", "command_seconds", "wall_seconds")  # bash only: SandboxLimits' fields
 INTERCEPTION_KEY_ENV = "PRIMEBUILD_INTERCEPTION_KEY"  # the program's API key; the interception checks none
 
 
@@ -46,9 +46,9 @@ class VerifiersAgentEnvironment(VerifiersEnvironment):
             raise UserError(f"environment {env_id}: harness {harness!r} is not one primebuild runs",
                             hint=f"one of {', '.join(HARNESSES)}")
         for name, value in limits.items():
-            if name not in SANDBOX_ARGS or harness != "bash":
+            if name not in BASH_SANDBOX_LIMITS or harness != "bash":
                 raise UserError(f"environment {env_id}: {name} is not an arg of the {harness} harness",
-                                hint=f"the bash harness's sandbox limits: {', '.join(SANDBOX_ARGS)}")
+                                hint=f"the bash harness's sandbox limits: {', '.join(BASH_SANDBOX_LIMITS)}")
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"environment {env_id}: {name} must be a positive integer, got {value!r}")
         self.limits = limits
