@@ -15,7 +15,7 @@ import asyncio
 import sys
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while data := await reader.read(65536):
             writer.write(data)
@@ -26,14 +26,16 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
-def _forwarder(socket_path: str):
+def forwarder(connect):
+    """A connection handler that opens `connect()` and pipes both ways (here to a unix socket; the host side,
+    sandbox_runtime.py, uses it from the socket to the endpoint's port)."""
     async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            out_reader, out_writer = await asyncio.open_unix_connection(socket_path)
+            out_reader, out_writer = await connect()
         except OSError:
             writer.close()
             return
-        await asyncio.gather(_pipe(reader, out_writer), _pipe(out_reader, writer))
+        await asyncio.gather(pipe(reader, out_writer), pipe(out_reader, writer))
     return forward
 
 
@@ -42,7 +44,8 @@ async def main(argv: list[str]) -> int:
     routes, program = argv[:split], argv[split + 1:]
     for route in routes:
         port, socket_path = route.split("=", 1)
-        await asyncio.start_server(_forwarder(socket_path), "127.0.0.1", int(port))
+        await asyncio.start_server(forwarder(lambda path=socket_path: asyncio.open_unix_connection(path)),
+                                   "127.0.0.1", int(port))
     proc = await asyncio.create_subprocess_exec(*program)
     return await proc.wait()
 

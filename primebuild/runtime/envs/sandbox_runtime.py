@@ -28,7 +28,6 @@ tool result; an episode over its wall time ends and is scored 0 (verifiers_agent
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import os
 import re
@@ -149,7 +148,8 @@ class SandboxRuntime(SubprocessRuntime):
             if parts.hostname not in ("127.0.0.1", "localhost"):
                 raise UserError(f"sandbox: the agent's route {route} is not on this host's loopback")
             sock = self.support / "routes" / f"{parts.port}.sock"
-            self._servers.append(await asyncio.start_unix_server(_to_port(parts.port), path=str(sock)))
+            self._servers.append(await asyncio.start_unix_server(
+                sandbox_bridge.forwarder(lambda port=parts.port: asyncio.open_connection("127.0.0.1", port)), path=str(sock)))
             self._routes[parts.port] = sock
 
     async def teardown(self) -> None:
@@ -172,22 +172,3 @@ def script_dependencies(script: str) -> list[str]:
         return []
     names = [re.split(r"[<>=!~\[; ]", item.strip().strip('"'))[0] for item in found.group(1).split(",")]
     return [name.replace("-", "_") for name in names if name]
-
-
-def _to_port(port: int):
-    async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            out_reader, out_writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            writer.close()
-            return
-        await asyncio.gather(_pipe(reader, out_writer), _pipe(out_reader, writer))
-    return forward
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(ConnectionError, OSError):
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    writer.close()
