@@ -123,8 +123,10 @@ TOOLS_PROBE_SECONDS = 120  # importing verifiers and a taskset package takes a f
 
 def declared_tools(taskset_id: str, args: dict) -> dict:
     """primebuild/runtime/envs/verifiers_tools.py in a child process with this process's import path:
-    {"tools": [...]} or {"unknown": reason}."""
-    return _declared_tools(taskset_id, json.dumps(args, sort_keys=True, default=str), tuple(sys.path))
+    {"tools": [...]} or {"unknown": reason}. Only the taskset's own args reach it (the adapter's are dropped
+    there too), so manifests that differ in harness or limits share one probe."""
+    taskset_args = {k: v for k, v in args.items() if k not in ADAPTER_ARGS}
+    return _declared_tools(taskset_id, json.dumps(taskset_args, sort_keys=True, default=str), tuple(sys.path))
 
 
 @functools.lru_cache(maxsize=64)  # refusals() runs once per suggested fix; the answer is the same each time
