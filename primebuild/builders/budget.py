@@ -34,6 +34,7 @@ from primebuild.builders.timing import (
     suggest_split,
     weight_sync_estimate,
 )
+from primebuild.builders.vllm_cpu_memory import vllm_cpu_server
 from primebuild.contracts.estimates import Estimates, ProfileTimes, SuggestedSplit, WeightSyncEstimate
 from primebuild.contracts.memory import (
     GroupMemory,
@@ -87,9 +88,20 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
         kv_cache = max(mem.kv_cache_bytes, 0)
         if cpu_fp8:
             mem = dataclasses.replace(mem, weights=mem.weights + f.param_counts().matmul_weights)
-        if cpu:  # the embedded engine preallocates exactly max_num_seqs full-length slots
-            kv_cache = m.inference.max_num_seqs * m.orchestrator.seq_len * mem.kv_bytes_per_token
-        worker_staging = staging + (delta_copy if cpu else 0)
+        kv_tokens = kv_cache // mem.kv_bytes_per_token
+        seqs, staging_workers = m.inference.max_num_seqs, 1
+        if cpu and m.inference.engine == "vllm":
+            # one server's processes (builders/vllm_cpu_memory.py): a KV cache of fixed size per worker,
+            # the weights once per worker (sharded by tp), the staging once per receiving worker
+            server = vllm_cpu_server(g.tp, g.dp)
+            mem = dataclasses.replace(mem, weights=mem.weights * server.workers,
+                                      activations=mem.activations * server.workers, overhead=server.overhead)
+            kv_cache, staging_workers = server.kv_cache, server.workers
+            kv_tokens, seqs = server.kv_cache_per_worker // mem.kv_bytes_per_token * g.dp, seqs * g.dp
+        elif cpu:  # the embedded engine preallocates exactly max_num_seqs full-length slots
+            kv_cache = seqs * m.orchestrator.seq_len * mem.kv_bytes_per_token
+            kv_tokens = kv_cache // mem.kv_bytes_per_token
+        worker_staging = (staging + (delta_copy if cpu else 0)) * staging_workers
         used = mem.weights + mem.activations + mem.overhead + kv_cache + worker_staging
         memory[name] = InferenceGroupMemory(
             role=name, capacity_bytes=capacity, budget_bytes=mem.budget, used_bytes=used,
@@ -97,8 +109,8 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
             breakdown=InferenceBreakdown(weights=mem.weights, activations=mem.activations, overhead=mem.overhead,
                                          kv_cache=kv_cache, weight_staging=worker_staging),
             kv_bytes_per_token=mem.kv_bytes_per_token,
-            kv_tokens_capacity=kv_cache // mem.kv_bytes_per_token if cpu else mem.kv_tokens_capacity,
-            max_concurrent_seqs=m.inference.max_num_seqs if cpu else mem.max_concurrent_seqs_total,
+            kv_tokens_capacity=kv_tokens if cpu else mem.kv_tokens_capacity,
+            max_concurrent_seqs=seqs if cpu else mem.max_concurrent_seqs_total,
         )
         if not mem.fits:
             path = f"{inference_section}.{name}" if m.inference.disaggregation else inference_section

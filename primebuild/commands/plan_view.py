@@ -67,7 +67,7 @@ def show_plan(plan: Plan, console: Console | None = None) -> None:
         procs.add_row(p.name, str(p.node), _ranges(p.gpus), ports, restarts, _command(p.argv))
     console.print(procs)
 
-    mem = Table(title="memory per GPU (per process on CPU-only nodes; the orchestrator's: host memory)", show_edge=False, pad_edge=False)
+    mem = Table(title="memory per GPU (per process on CPU-only nodes, a vLLM server's processes together; the orchestrator's: host memory)", show_edge=False, pad_edge=False)
     for col in ("group", "per GPU", "breakdown", "free", "fits"):
         mem.add_column(col, overflow="ellipsis")
     for group, m in plan.memory.items():

@@ -8,8 +8,10 @@ What differs underneath, and is absorbed here so the orchestrator cannot tell (d
   (`resumed_from_version`). A restarted server answers with version 0 and is re-synced.
 - `/health` has no body: the policy version comes from the admin API, retried while a server restarts.
 - a weight update is a sequence of vLLM calls (pause, reload, drop stale KV, set version, resume), and a
-  load that fails inside vLLM takes the server down: the step folder is verified (its STABLE listing,
-  finite values) before the server is touched.
+  load that fails inside vLLM takes the server down: the step folder is verified (its STABLE listing:
+  exactly the bytes the trainer published, and the trainer publishes no non-finite weights,
+  runtime/trainer/finite.py) before the server is touched. The orchestrator never reads the tensors
+  themselves: it would hold a whole model in its memory, which the plan's model does not give it.
 - broadcast, a trainer's sender that died inside a load (some buckets installed): the server stays up with
   its weights mixed (weights_mixed_guard.py): completions answer 503 "weights_mixed" (re-routed or waited for,
   as for the embedded engine), `version()` is NO_WHOLE_POLICY, and the load raises WeightUpdateLost; the
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
 from pydantic import ValidationError
@@ -115,7 +116,6 @@ class VllmClient(InferenceClient):
     async def update_weights(self, body: dict) -> None:
         if body.get("source", "folder") == "folder":
             verify(body["path"])  # a damaged folder is named here, not by a dead server
-            _check_finite(Path(body["path"]))
         outage = Outage(self, self.root + " (weight update)")
         while True:
             try:
@@ -136,15 +136,3 @@ class VllmClient(InferenceClient):
                 outage.failing(err.status, str(err))
             await self.version()
 
-
-def _check_finite(folder: Path) -> None:
-    import torch
-    from safetensors.torch import load_file
-
-    from primebuild.errors import Problem, UserError
-
-    for shard in sorted(folder.glob("*.safetensors")):
-        for name, tensor in load_file(shard).items():
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise UserError(Problem(f"tensor {name!r} has non-finite values (NaN or inf): not sent to vLLM",
-                                        file=str(shard)))
