@@ -151,6 +151,31 @@ def test_plan_places_the_teacher_and_counts_its_memory(tmp_path):
     assert memory["breakdown"]["weights"] > 2 * plan["memory"]["inference"]["breakdown"]["weights"]  # the wider model
 
 
+def test_with_vllm_the_teacher_is_a_vllm_server_counted_as_its_processes_and_gpus_are_refused(tmp_path):
+    from conftest import plan_json
+
+    from primebuild.builders.capabilities import refusals
+    from primebuild.builders.model_facts import load_model_facts
+    from primebuild.builders.vllm_cpu_memory import vllm_cpu_server
+    from primebuild.manifest.load import load_manifest
+
+    manifest = _workspace(tmp_path, "reverse-text-teacher-sft.yaml")
+    plan = plan_json(manifest, ["inference.engine=vllm"], design=False)
+    teacher = {p["name"]: p for p in plan["processes"]}["teacher-0"]
+    assert teacher["environment"] == "vllm" and "{teacher_model_path}" in teacher["argv"]
+    assert teacher["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1" and "weight" not in " ".join(teacher["argv"])
+    served = teacher["argv"][teacher["argv"].index("--served-model-name") + 1]
+    orchestrator = {p["name"]: p for p in plan["processes"]}["orchestrator"]
+    assert orchestrator["config"]["teacher"]["served_model_name"] == served
+    server = vllm_cpu_server(1, 1)
+    memory = plan["memory"]["teacher"]["breakdown"]
+    assert memory["overhead"] == server.overhead and memory["kv_cache"] == server.kv_cache
+    # the teacher's server is placed on the local target's CPU only: on GPUs it is refused, at distill
+    loaded = load_manifest(manifest, ["inference.engine=vllm", "hardware.gpu=h200", "hardware.gpus_per_node=8"])
+    facts = load_model_facts(tmp_path / "manifests" / "models" / "reverse-text-tiny.json")
+    assert "distill" in {r.field for r in refusals(loaded.manifest, facts)}
+
+
 def test_teacher_with_another_tokenizer_is_refused_located(tmp_path):
     from primebuild.builders.plan import compile_plan
     from primebuild.manifest.load import load_manifest

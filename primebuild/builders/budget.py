@@ -384,13 +384,17 @@ def _inference_nodes(placement: Placement) -> int:
 
 
 def _teacher_memory(m: Manifest, teacher: ModelFacts, capacity: int) -> InferenceGroupMemory:
-    """The teacher's embedded server on a CPU node: its weights, one process's overhead, and the KV slots
-    the engine preallocates (max_num_seqs full-length sequences), as for the student's servers."""
+    """The teacher's server on a CPU node, as for the student's servers: embedded, its weights, one
+    process's overhead and the KV slots it preallocates (max_num_seqs full-length sequences); vLLM, its
+    processes and their fixed-size KV cache (builders/vllm_cpu_memory.py)."""
     mem = inference_memory_per_gpu(
         teacher, precision=m.inference.precision, kv_cache_dtype=m.inference.kv_cache_dtype, tp=1, ep=1, dp=1,
         gpu_memory_bytes=capacity, gpu_memory_utilization=m.inference.gpu_memory_utilization,
         max_num_seqs=m.inference.max_num_seqs, seq_len=m.orchestrator.seq_len, overhead_bytes=CPU_PROCESS_OVERHEAD)
     kv_cache = m.inference.max_num_seqs * m.orchestrator.seq_len * mem.kv_bytes_per_token
+    if m.inference.engine == "vllm":
+        server = vllm_cpu_server(1, 1)
+        mem, kv_cache = dataclasses.replace(mem, overhead=server.overhead), server.kv_cache
     used = mem.weights + mem.activations + mem.overhead + kv_cache
     return InferenceGroupMemory(
         role="teacher", capacity_bytes=capacity, budget_bytes=mem.budget, used_bytes=used, free_bytes=capacity - used,

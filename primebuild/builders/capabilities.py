@@ -115,13 +115,11 @@ def _rl(m: Manifest) -> Iterator[Refusal]:
 
 
 def _distill(m: Manifest) -> Iterator[Refusal]:
-    """On-policy distillation runs one embedded teacher server on the local target's CPU, at temperature 1."""
+    """On-policy distillation runs one teacher server (the students' engine) on the local target's CPU, at
+    temperature 1."""
     d = m.distill
     if d is None:
         return
-    if m.inference.engine != "embedded":
-        yield Refusal("inference.engine", "the teacher's server is an embedded one (prompt log-probs of token ids)",
-                      "use inference.engine: embedded with distill")
     if m.target.kind != "local" or m.hardware.gpu != "cpu":
         yield Refusal("distill", "the teacher's server is placed on the local target's CPU only, for now",
                       "run distillation with target.kind: local and hardware.gpu: cpu")

