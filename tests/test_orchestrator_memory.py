@@ -13,6 +13,7 @@ from conftest import MANIFESTS, plan_json
 from primebuild.builders.orchestrator_memory import (
     HARNESS_PROGRAM_BYTES,
     ORCHESTRATOR_BYTES,
+    ROUTER_BYTES,
     SANDBOXED_RUN_BYTES,
     SUPERVISOR_BYTES,
     orchestrator_memory,
@@ -25,11 +26,24 @@ GIB = 1 << 30
 
 def test_the_main_job_counts_the_orchestrator_and_the_supervisor_where_they_run():
     local = plan_json(MANIFESTS / "reverse-text.yaml")["memory"]["orchestrator"]
-    assert local["breakdown"] == {"process": ORCHESTRATOR_BYTES, "supervisor": SUPERVISOR_BYTES, "episode_programs": 0}
+    assert local["breakdown"] == {"process": ORCHESTRATOR_BYTES, "supervisor": SUPERVISOR_BYTES, "episode_programs": 0,
+                                  "router": 0}
     assert local["used_bytes"] == ORCHESTRATOR_BYTES + SUPERVISOR_BYTES and local["programs_in_flight"] == 0
     # over ssh, `primebuild run` supervises from the machine it was typed on, not from a plan node
     ssh = plan_json(MANIFESTS / "reverse-text-ssh.yaml")["memory"]["orchestrator"]
     assert ssh["breakdown"]["supervisor"] == 0
+
+
+def test_a_p_d_router_on_the_orchestrators_node_is_counted_there():
+    # the embedded engine's router runs on the orchestrator's node; vLLM's on the first prefill server's
+    # node, the same one in a one-node plan
+    for manifest in ("reverse-text-pd.yaml", "reverse-text-vllm-pd.yaml"):
+        mem = plan_json(MANIFESTS / manifest)["memory"]["orchestrator"]
+        assert mem["breakdown"]["router"] == ROUTER_BYTES, manifest
+        assert mem["used_bytes"] == ORCHESTRATOR_BYTES + SUPERVISOR_BYTES + ROUTER_BYTES
+    # a vLLM P/D plan over several nodes: the router is on a prefill node, not counted here
+    glm5 = plan_json(MANIFESTS / "glm5.yaml")["memory"]["orchestrator"]
+    assert glm5["breakdown"]["router"] == 0
 
 
 def test_swe_tiny_counts_a_sandboxed_test_run_per_episode_in_flight():

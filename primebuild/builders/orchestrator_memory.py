@@ -10,7 +10,10 @@ worth of its groups in flight, and a held-out eval runs its share of `eval_promp
 Sizes are peak resident sets measured on this project's CPU machine (bench/RESULTS.md): the
 orchestrator of the main job 105 MiB, `primebuild run` with its watchdog 127 MiB
 (bench/process_memory.py); a bash-harness episode ~95 MiB (its program 57-74 MiB, the bridge ~20 MiB,
-bwrap 2 MiB), a null-harness episode its program; a swe-tiny test run in its sandbox 18 MiB.
+bwrap 2 MiB), a null-harness episode its program; a swe-tiny test run in its sandbox 18 MiB; the embedded
+engine's P/D router 61 MiB (vLLM's imports 60 MiB before it serves: counted alike). The P/D router runs
+on this node with the embedded engine; vLLM's runs on the first prefill server's node, which is this one
+only on a one-node plan (on GPU nodes its host memory is not modelled, as the servers' is not).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ ORCHESTRATOR_BYTES = 112 * MIB  # 105 MiB measured, rounded up
 SUPERVISOR_BYTES = 128 * MIB  # 127 MiB measured: `primebuild run` + watchdog
 HARNESS_PROGRAM_BYTES = {"null": 76 * MIB, "bash": 96 * MIB}  # per episode in flight
 SANDBOXED_RUN_BYTES = 20 * MIB  # swe-tiny: one sandboxed test run per episode at a time
+ROUTER_BYTES = 80 * MIB  # the P/D router: 61 MiB measured (embedded P/D), rounded up
 SUPERVISED_HERE = ("local", "slurm")  # over ssh `primebuild run` supervises from the machine it was typed on
 
 
@@ -47,13 +51,20 @@ def programs_in_flight(m: Manifest) -> list[int]:
     return [(1 + o.max_off_policy_steps) * g * o.group_size + e for g, e in zip(groups, evals, strict=True)]
 
 
+def router_here(m: Manifest) -> bool:
+    """Does a P/D router run on the orchestrator's node (builders/processes.py places it)?"""
+    if not m.inference.disaggregation:
+        return False
+    return m.inference.engine == "embedded" or m.hardware.nodes == 1
+
+
 def orchestrator_memory(m: Manifest, capacity_bytes: int) -> OrchestratorGroupMemory:
     """The orchestrator's node: its process, the supervisor where it runs there, and its episodes' programs."""
     counts = programs_in_flight(m)
     programs = sum(n * episode_program_bytes(e) for n, e in zip(counts, m.environments, strict=True))
     breakdown = OrchestratorBreakdown(
         process=ORCHESTRATOR_BYTES, supervisor=SUPERVISOR_BYTES if m.target.kind in SUPERVISED_HERE else 0,
-        episode_programs=programs)
+        episode_programs=programs, router=ROUTER_BYTES if router_here(m) else 0)
     used = sum(dict(breakdown).values())
     running = sum(n for n, e in zip(counts, m.environments, strict=True) if episode_program_bytes(e))
     return OrchestratorGroupMemory(role="orchestrator", capacity_bytes=capacity_bytes, budget_bytes=capacity_bytes,

@@ -32,7 +32,7 @@ MEMORY_PARTS = [
     ("weight_staging", "weight-sync staging", ("weight_staging",), "#D55E00"),
     ("activations", "activations + logits", ("activations", "logits", "sparse_index"), "#E69F00"),
     ("overhead", "overhead", ("overhead",), "#999999"),
-    ("host_processes", "orchestrator + supervisor", ("process", "supervisor"), "#009E73"),
+    ("host_processes", "orchestrator + supervisor + P/D router", ("process", "supervisor", "router"), "#009E73"),
     ("episode_programs", "episodes' programs", ("episode_programs",), "#56B4E9"),
 ]
 FREE_COLOUR = "#F3F4F6"

@@ -30,6 +30,7 @@ class OrchestratorBreakdown(Contract):
     process: int  # the orchestrator itself (asyncio, tokenizer, rollout buffers)
     supervisor: int  # `primebuild run` and its watchdog, where they run on this node (local target, Slurm's batch host)
     episode_programs: int  # agent harness programs and sandboxed commands of the episodes in flight at once
+    router: int = 0  # the P/D router, where it runs on this node (embedded P/D; vLLM P/D on a one-node plan)
 
 
 class _GroupMemory(Contract):

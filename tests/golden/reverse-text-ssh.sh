@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan 1e836c4706f3243102fdba2ce9d70c37f644705b787e8c756bea34040d4f9f30, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 33b50fc68d98b7e3b65b23b28fc595610abdabdbefa4eb8bd7d96f3f4f8ac1ea, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is
