@@ -172,6 +172,11 @@ def _vllm_flag(plan: dict, flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
+def _teacher_tp(plan: dict) -> str | None:
+    argv = next((p["argv"] for p in plan["processes"] if p["role"] == "teacher"), [])
+    return argv[argv.index("--tensor-parallel-size") + 1] if "--tensor-parallel-size" in argv else None
+
+
 def config_of(role: str, path: str) -> Callable[[dict], object]:
     def get(plan: dict) -> object:
         value: object = process(plan, role)["config"]
@@ -510,6 +515,9 @@ FIELDS: dict[str, list] = {
         Shapes((f"distill={{teacher: {{from_manifest: {_TEACHER}}}}}",), "memory", base=RL),
         Refused(("distill={teacher: {from_manifest: tool-use-sft.yaml}}",)),  # another tokenizer
         Refused((f"distill={{teacher: {{from_manifest: {_TEACHER}}}}}",), base=SFT, field_path="distill")],
+    "distill.tp": [Reaches(_teacher_tp,
+                           (f"distill={{teacher: {{from_manifest: {_TEACHER}}}, tp: 3}}", "inference.engine=vllm"), "3"),
+                   Refused((f"distill={{teacher: {{from_manifest: {_TEACHER}}}, tp: 3}}",))],  # embedded: one process
     "distill.weight": [Reaches(config_of(T, "distill_weight"),
                                (f"distill={{teacher: {{from_manifest: {_TEACHER}}}, weight: 0.3}}",), 0.3)],
     "trainer.nodes": [Shapes(("hardware.nodes=3", "trainer.nodes=2", "trainer.dp_shard=16"), "processes",

@@ -151,13 +151,10 @@ def test_plan_places_the_teacher_and_counts_its_memory(tmp_path):
     assert memory["breakdown"]["weights"] > 2 * plan["memory"]["inference"]["breakdown"]["weights"]  # the wider model
 
 
-def test_with_vllm_the_teacher_is_a_vllm_server_counted_as_its_processes_and_gpus_are_refused(tmp_path):
+def test_with_vllm_the_teacher_is_a_vllm_server_counted_as_its_processes(tmp_path):
     from conftest import plan_json
 
-    from primebuild.builders.capabilities import refusals
-    from primebuild.builders.model_facts import load_model_facts
     from primebuild.builders.vllm_cpu_memory import vllm_cpu_server
-    from primebuild.manifest.load import load_manifest
 
     manifest = _workspace(tmp_path, "reverse-text-teacher-sft.yaml")
     plan = plan_json(manifest, ["inference.engine=vllm"], design=False)
@@ -170,10 +167,76 @@ def test_with_vllm_the_teacher_is_a_vllm_server_counted_as_its_processes_and_gpu
     server = vllm_cpu_server(1, 1)
     memory = plan["memory"]["teacher"]["breakdown"]
     assert memory["overhead"] == server.overhead and memory["kv_cache"] == server.kv_cache
-    # the teacher's server is placed on the local target's CPU only: on GPUs it is refused, at distill
-    loaded = load_manifest(manifest, ["inference.engine=vllm", "hardware.gpu=h200", "hardware.gpus_per_node=8"])
-    facts = load_model_facts(tmp_path / "manifests" / "models" / "reverse-text-tiny.json")
-    assert "distill" in {r.field for r in refusals(loaded.manifest, facts)}
+
+
+GPU_DISTILL = """\
+apiVersion: primebuild/v1
+name: gpu-distill
+model: {from_manifest: reverse-text-sft.yaml, dtype: bfloat16}
+hardware: {nodes: 3, gpus_per_node: 8, gpu: h200, host_memory_gb: 2048}
+inference: {engine: vllm, precision: bf16, replicas: 8}
+trainer: {dp_shard: 8, precision: bf16}
+orchestrator: {rollouts_per_step: 512, group_size: 8, seq_len: 64, max_completion_tokens: 16, max_steps: 10,
+               temperature: 1.0}
+environments: [{id: reverse-text}]
+distill: {teacher: {from_manifest: reverse-text-teacher-sft.yaml}, tp: 3}
+target: {kind: slurm, partition: gpu}
+"""
+
+
+def test_on_gpus_the_teacher_gets_a_node_of_its_own_its_memory_and_its_scoring_time(tmp_path):
+    from conftest import plan_json
+
+    from primebuild.builders.distill import teacher_facts
+    from primebuild.builders.hardware import gpu_spec
+    from primebuild.builders.model_facts import facts_from_hf_config
+    from primebuild.builders.model_ref import read_facts_json
+    from primebuild.builders.timing import teacher_scoring_seconds
+    from primebuild.manifest.load import load_manifest
+
+    _workspace(tmp_path, "reverse-text-teacher-sft.yaml")
+    manifest = tmp_path / "manifests" / "gpu-distill.yaml"
+    manifest.write_text(GPU_DISTILL)
+    plan = plan_json(manifest, design=False)
+    by_name = {p["name"]: p for p in plan["processes"]}
+    teacher = by_name["teacher-0"]
+    # inference fills node 0, the teacher takes 3 GPUs of node 1 (the rest idle), the trainer node 2
+    assert {p["node"] for n, p in by_name.items() if n.startswith("inference")} == {0}
+    assert (teacher["node"], teacher["gpus"]) == (1, [0, 1, 2]) and by_name["trainer"]["node"] == 2
+    assert teacher["env"]["CUDA_VISIBLE_DEVICES"] == "0,1,2" and "VLLM_CPU_KVCACHE_SPACE" not in teacher["env"]
+    argv = teacher["argv"]
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "3" and "--enforce-eager" not in argv
+    assert by_name["orchestrator"]["config"]["teacher"]["url"] == f"http://{{host:1}}:{teacher['ports']['http']}/v1"
+    memory = plan["memory"]["teacher"]
+    assert memory["fits"] and memory["capacity_bytes"] == plan["memory"]["inference"]["capacity_bytes"]
+    # the step's rollout side waits for the teacher's scoring of the batch, on its 3 GPUs
+    loaded = load_manifest(manifest)
+    _, facts = teacher_facts(loaded, facts_from_hf_config(*read_facts_json(loaded)))
+    scoring = teacher_scoring_seconds(facts, rollouts_per_step=512, seq_len=64, gpus=3, gpu=gpu_spec("h200"))
+    assert any("the teacher's scoring" in line for line in plan["estimates"]["summary"])
+    times = plan["estimates"]["step"]
+    assert times["teacher_seconds"] == pytest.approx(scoring) and scoring > 0
+    assert times["rollout_seconds"] == pytest.approx(scoring + times["prefill_seconds"] + times["decode_seconds"])
+
+
+def test_a_teacher_that_cannot_be_placed_or_served_is_refused_located(tmp_path):
+    from conftest import plan_json
+
+    _workspace(tmp_path, "reverse-text-teacher-sft.yaml")
+    manifest = tmp_path / "manifests" / "gpu-distill.yaml"
+    manifest.write_text(GPU_DISTILL)
+
+    def field(*sets: str) -> set[str]:
+        with pytest.raises(UserError) as err:
+            plan_json(manifest, sets, design=False)
+        return {p.field for p in err.value.problems}
+
+    assert "distill.tp" in field("distill.tp=2")  # 3 KV heads: tp 2 splits them unevenly
+    assert "distill.tp" in field("distill.tp=16")  # more GPUs than a node has
+    with pytest.raises(UserError, match="remain after inference and the teacher"):  # no node left for the trainer
+        plan_json(manifest, ["hardware.nodes=2"], design=False)
+    assert "distill.tp" in field("inference.engine=embedded")  # tp 3: the embedded engine is one process
+    assert "distill" in field("target={kind: kubernetes}")  # the pods' image has no teacher model
 
 
 def test_teacher_with_another_tokenizer_is_refused_located(tmp_path):
@@ -186,3 +249,20 @@ def test_teacher_with_another_tokenizer_is_refused_located(tmp_path):
     (problem,) = err.value.problems
     assert problem.field == "distill.teacher.from_manifest" and problem.file == str(path) and problem.line
     assert "init:chat, vocabulary 104" in problem.message and "init:char, vocabulary 32" in problem.message
+
+
+def test_slurm_gives_the_teacher_a_component_with_its_gpus(tmp_path):
+    from primebuild.builders.plan import compile_plan
+    from primebuild.builders.render import render
+    from primebuild.contracts.render import RenderContext
+    from primebuild.manifest.load import load_manifest
+
+    _workspace(tmp_path, "reverse-text-teacher-sft.yaml")
+    manifest = tmp_path / "manifests" / "gpu-distill.yaml"
+    manifest.write_text(GPU_DISTILL)
+    (script,) = render(compile_plan(load_manifest(manifest)), "slurm",
+                       RenderContext(run_dir="/runs/x", python="/py")).values()
+    headers = [line for line in script.splitlines() if line.startswith("#SBATCH --nodes=")]
+    assert [h.split("--gres=")[1].split()[0] for h in headers] == ["gpu:8", "gpu:3", "gpu:8"]  # inference, teacher, trainer
+    (step,) = [line for line in script.splitlines() if "--job-name=teacher-0" in line]
+    assert "--het-group=1" in step and "--gres=gpu:3" in step

@@ -32,6 +32,7 @@ from primebuild.builders.timing import (
     gpu_costs,
     step_time_estimate,
     suggest_split,
+    teacher_scoring_seconds,
     weight_sync_estimate,
 )
 from primebuild.builders.vllm_cpu_memory import vllm_cpu_server
@@ -129,6 +130,13 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
 
     if teacher is not None:
         memory["teacher"] = _teacher_memory(m, teacher, capacity)
+        if not memory["teacher"].fits:
+            t = memory["teacher"]
+            problems.append(Problem(
+                f"teacher: weights {_g(t.breakdown.weights)} + activations {_g(t.breakdown.activations)} + overhead "
+                f"{_g(t.breakdown.overhead)} GiB leave no room for one {m.orchestrator.seq_len}-token sequence in "
+                f"{_g(t.budget_bytes)} GiB per GPU", field="distill.tp",
+                hint="more GPUs for the teacher (distill.tp), fp8 (inference.precision), or a smaller teacher"))
 
     t = m.trainer
     tmem = _trainer_memory(m, f, capacity, t.dp_shard)
@@ -173,7 +181,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
                 f"all processes together need {_g(total)} GiB but the node has {hw.host_memory_gb:g} GiB",
                 field="hardware.host_memory_gb", hint="lower inference.max_num_seqs or use a smaller model"))
 
-    estimates = _estimates(m, f, placement, spec, memory, capacity)
+    estimates = _estimates(m, f, placement, spec, memory, capacity, teacher)
     return memory, estimates, problems, warnings
 
 
@@ -247,7 +255,7 @@ def cpu_sync_estimate(m: Manifest, f: ModelFacts) -> WeightSyncEstimate:
 
 
 def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: dict[str, GroupMemory],
-               capacity: int) -> Estimates:
+               capacity: int, teacher: ModelFacts | None = None) -> Estimates:
     hw, o = m.hardware, m.orchestrator
     inference_gpus = sum(len(s.gpus) for rp in placement.inference for s in rp.slots)
     trainer_gpus = sum(len(s.gpus) for s in placement.trainer)
@@ -278,13 +286,18 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
                                else hw.storage_bandwidth_gb_s) * 1e9,
         mode=m.weight_sync.mode, trainer_gpus=trainer_gpus, inference_gpus=inference_gpus,
         inference_replicas=sum(g.replicas for g in groups.values()))
+    precision = m.inference.precision if m.inference.precision != "fp32" else "bf16"
+    teacher_s = 0.0
+    if teacher is not None and placement.teacher is not None:
+        teacher_s = teacher_scoring_seconds(teacher, rollouts_per_step=o.rollouts_per_step, seq_len=o.seq_len,
+                                            gpus=len(placement.teacher.gpus), gpu=spec, precision=precision)
     step_kwargs = dict(
         rollouts_per_step=o.rollouts_per_step, group_size=o.group_size,
         prompt_tokens=o.seq_len - o.max_completion_tokens, completion_tokens=o.max_completion_tokens,
-        precision=m.inference.precision if m.inference.precision != "fp32" else "bf16",
+        precision=precision,
         trainer_precision=_DTYPE[m.trainer.precision], kv_cache_dtype=m.inference.kv_cache_dtype,
         prefill_gpus=prefill_gpus,
-        max_concurrent_seqs_per_replica=decode_seqs)
+        max_concurrent_seqs_per_replica=decode_seqs, teacher_seconds=teacher_s)
     try:
         times = step_time_estimate(f, inference_gpus=inference_gpus, inference_replicas=decode_replicas,
                                    trainer_gpus=trainer_gpus, gpu=spec, **step_kwargs)
@@ -292,7 +305,8 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
         return Estimates(summary=[f"no step-time estimate: {err.problems[0].message}"])
     per_replica = groups[decode_name].gpus_per_replica
     split = None
-    if hw.nodes > 1:
+    teacher_nodes = 1 if placement.teacher is not None else 0  # distillation: a node of its own, neither side's
+    if hw.nodes - teacher_nodes > 1:
         try:
             other = m.trainer.dp_replicate * m.trainer.cp * m.trainer.tp
 
@@ -310,17 +324,19 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
                                       precision=step_kwargs["precision"], kv_cache_dtype=m.inference.kv_cache_dtype,
                                       prefill_gpus=prefill_gpus or inference_gpus, trainer_gpus=trainer_gpus,
                                       trainer_precision=_DTYPE[m.trainer.precision], weight_sync_s=sync.seconds,
-                                      seq_len=o.seq_len)
+                                      seq_len=o.seq_len, teacher_s=teacher_s)
                     return _profile_times(m, costs, replicas=replicas, sync=False,
                                           max_concurrent=decode_seqs
                                           ).async_step_seconds
-            split = suggest_split(f, total_nodes=hw.nodes, gpus_per_inference_replica=per_replica, gpu=spec,
+            split = suggest_split(f, total_nodes=hw.nodes - teacher_nodes, gpus_per_inference_replica=per_replica,
+                                  gpu=spec,
                                   trainer_fits=trainer_fits, expected_step=expected, **step_kwargs)
         except UserError:
             split = None
     summary = [
         f"weight sync ({sync.mode}): {_g(sync.bytes)} GiB per step, ~{sync.seconds:,.1f} s",
-        f"rollout (worst case: full-length sequences): ~{times.rollout_seconds:,.0f} s per step; "
+        f"rollout (worst case: full-length sequences): ~{times.rollout_seconds:,.0f} s per step"
+        + (f" (the teacher's scoring ~{teacher_s:,.1f} s of it)" if teacher_s else "") + "; "
         f"train: ~{times.train_seconds:,.0f} s per step",
         f"{times.idle_side} idles ~{times.idle_fraction:.0%} of each step" if times.idle_side != "none"
         else "inference and trainer are balanced",
@@ -331,7 +347,7 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
                           precision=step_kwargs["precision"], kv_cache_dtype=m.inference.kv_cache_dtype,
                           prefill_gpus=prefill_gpus or inference_gpus, trainer_gpus=trainer_gpus,
                           trainer_precision=_DTYPE[m.trainer.precision], weight_sync_s=sync.seconds,
-                          seq_len=o.seq_len)
+                          seq_len=o.seq_len, teacher_s=teacher_s)
         profile = _profile_times(m, costs, replicas=decode_replicas, max_concurrent=decode_seqs)
         summary += _profile_summary(profile)
     now = profile.async_step_seconds if profile else times.step_seconds
@@ -384,17 +400,32 @@ def _inference_nodes(placement: Placement) -> int:
 
 
 def _teacher_memory(m: Manifest, teacher: ModelFacts, capacity: int) -> InferenceGroupMemory:
-    """The teacher's server on a CPU node, as for the student's servers: embedded, its weights, one
-    process's overhead and the KV slots it preallocates (max_num_seqs full-length sequences); vLLM, its
-    processes and their fixed-size KV cache (builders/vllm_cpu_memory.py)."""
+    """The teacher's server, as the students' are counted. On GPUs: per GPU of its `distill.tp`, vLLM filling
+    its budget with KV cache. On a CPU node: embedded, its weights, one process's overhead and the KV slots it
+    preallocates (max_num_seqs full-length sequences); vLLM, its processes and their fixed-size KV caches
+    (builders/vllm_cpu_memory.py)."""
+    cpu = m.hardware.gpu == "cpu"
+    tp = m.distill.tp  # type: ignore[union-attr]
     mem = inference_memory_per_gpu(
-        teacher, precision=m.inference.precision, kv_cache_dtype=m.inference.kv_cache_dtype, tp=1, ep=1, dp=1,
+        teacher, precision=m.inference.precision, kv_cache_dtype=m.inference.kv_cache_dtype, tp=tp, ep=1, dp=1,
         gpu_memory_bytes=capacity, gpu_memory_utilization=m.inference.gpu_memory_utilization,
-        max_num_seqs=m.inference.max_num_seqs, seq_len=m.orchestrator.seq_len, overhead_bytes=CPU_PROCESS_OVERHEAD)
+        max_num_seqs=m.inference.max_num_seqs, seq_len=m.orchestrator.seq_len,
+        overhead_bytes=CPU_PROCESS_OVERHEAD if cpu else None)
+    if not cpu:
+        used = mem.weights + mem.activations + mem.overhead + max(mem.kv_cache_bytes, 0)
+        return InferenceGroupMemory(
+            role="teacher", capacity_bytes=capacity, budget_bytes=mem.budget, used_bytes=used,
+            free_bytes=capacity - used, fits=mem.fits,
+            breakdown=InferenceBreakdown(weights=mem.weights, activations=mem.activations, overhead=mem.overhead,
+                                         kv_cache=max(mem.kv_cache_bytes, 0), weight_staging=0),
+            kv_bytes_per_token=mem.kv_bytes_per_token, kv_tokens_capacity=mem.kv_tokens_capacity,
+            max_concurrent_seqs=mem.max_concurrent_seqs_total)
     kv_cache = m.inference.max_num_seqs * m.orchestrator.seq_len * mem.kv_bytes_per_token
     if m.inference.engine == "vllm":
-        server = vllm_cpu_server(1, 1)
-        mem, kv_cache = dataclasses.replace(mem, overhead=server.overhead), server.kv_cache
+        server = vllm_cpu_server(tp, 1)
+        mem = dataclasses.replace(mem, weights=mem.weights * tp, activations=mem.activations * tp,
+                                  overhead=server.overhead)
+        kv_cache = server.kv_cache
     used = mem.weights + mem.activations + mem.overhead + kv_cache
     return InferenceGroupMemory(
         role="teacher", capacity_bytes=capacity, budget_bytes=mem.budget, used_bytes=used, free_bytes=capacity - used,

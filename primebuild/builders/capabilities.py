@@ -115,14 +115,17 @@ def _rl(m: Manifest) -> Iterator[Refusal]:
 
 
 def _distill(m: Manifest) -> Iterator[Refusal]:
-    """On-policy distillation runs one teacher server (the students' engine) on the local target's CPU, at
-    temperature 1."""
+    """On-policy distillation runs one teacher server of the students' engine (builders/placement.py places it),
+    sampled at temperature 1."""
     d = m.distill
     if d is None:
         return
-    if m.target.kind != "local" or m.hardware.gpu != "cpu":
-        yield Refusal("distill", "the teacher's server is placed on the local target's CPU only, for now",
-                      "run distillation with target.kind: local and hardware.gpu: cpu")
+    if m.target.kind == "kubernetes":
+        yield Refusal("distill", "the pods' image carries the student's model only; the teacher's would need a "
+                      "store path the pods see", "run distillation on the local, ssh or slurm target")
+    if d.tp > 1 and m.inference.engine == "embedded":
+        yield Refusal("distill.tp", "the embedded engine serves a model from one process (no tensor parallelism)",
+                      "set distill.tp: 1, or inference.engine: vllm")
     if m.orchestrator.temperature != 1.0:
         # the teacher scores with its own distribution (no temperature), the sampler's log-probs are tempered:
         # their difference would not estimate the KL between the two models

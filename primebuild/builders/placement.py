@@ -36,6 +36,7 @@ class Placement:
     trainer: tuple[Slot, ...]  # one per trainer node (a torchrun per node)
     orchestrator_node: int
     idle_gpus: tuple[tuple[int, int], ...]  # (node, gpu) nobody uses
+    teacher: Slot | None = None  # on-policy distillation: the teacher's server (CPU: the orchestrator's node)
 
 
 class _Cursor:
@@ -126,6 +127,15 @@ def place(m: Manifest) -> tuple[Placement | None, list[Problem]]:
                     hint="lower replicas, or add nodes under hardware.nodes")]
             replicas.append(ReplicaPlacement(name, r, tuple(slots)))  # type: ignore[arg-type]
     cursor.fresh_node()
+    teacher = None
+    if m.distill is not None:  # its own node: another model, another failure domain (its other GPUs idle)
+        teacher = cursor.take(m.distill.tp) if m.distill.tp <= hw.gpus_per_node else None
+        if teacher is None:
+            return None, [Problem(
+                f"the teacher's server needs {m.distill.tp} GPUs (distill.tp) of one node of its own: inference "
+                f"takes {cursor.node} of the {hw.nodes} nodes of {hw.gpus_per_node} GPUs", field="distill.tp",
+                hint=f"add a node under hardware.nodes, or use at most {hw.gpus_per_node} GPUs (one node)")]
+        cursor.fresh_node()
     last_port = m.inference.port + len(replicas) - 1 + (1000 if any(len(r.slots) > 1 for r in replicas) else 0)
     if last_port > 65535:  # one HTTP port per replica (and a DP coordinator port for multi-node ones)
         return None, [Problem(f"{len(replicas)} inference replicas from port {m.inference.port} need ports up to "
@@ -137,8 +147,8 @@ def place(m: Manifest) -> tuple[Placement | None, list[Problem]]:
     world = m.trainer.world_size
     if trainer_nodes > free_nodes or free_nodes == 0:
         return None, [Problem(
-            f"trainer wants {trainer_nodes} node(s) but only {free_nodes} remain after inference "
-            f"({cursor.node} of {hw.nodes} nodes)", field="trainer.nodes",
+            f"trainer wants {trainer_nodes} node(s) but only {free_nodes} remain after inference"
+            f"{' and the teacher' if teacher else ''} ({cursor.node} of {hw.nodes} nodes)", field="trainer.nodes",
             hint="add nodes, shrink inference (replicas), or set trainer.nodes lower")]
     capacity = trainer_nodes * hw.gpus_per_node
     if world != capacity and not (trainer_nodes == 1 and world < hw.gpus_per_node):
@@ -152,8 +162,9 @@ def place(m: Manifest) -> tuple[Placement | None, list[Problem]]:
 
     used = {(s.node, g) for rp in replicas for s in rp.slots for g in s.gpus}
     used |= {(s.node, g) for s in trainer for g in s.gpus}
+    used |= {(teacher.node, g) for g in teacher.gpus} if teacher else set()
     idle = tuple((n, g) for n in range(hw.nodes) for g in range(hw.gpus_per_node) if (n, g) not in used)
-    return Placement(tuple(replicas), trainer, orchestrator_node=0, idle_gpus=idle), []
+    return Placement(tuple(replicas), trainer, orchestrator_node=0, idle_gpus=idle, teacher=teacher), []
 
 
 def _inference_nodes(m: Manifest) -> int:
@@ -188,4 +199,5 @@ def _place_cpu(m: Manifest) -> tuple[Placement | None, list[Problem]]:
     flat = [(name, r) for name, group in m.inference.groups.items() for r in range(group.replicas)]
     replicas = tuple(ReplicaPlacement(name, r, (Slot(i % inference_nodes, ()),)) for i, (name, r) in enumerate(flat))
     trainer = tuple(Slot(max(0, first_trainer) + i, ()) for i in range(trainer_nodes))
-    return Placement(replicas, trainer, orchestrator_node=nodes - 1, idle_gpus=()), []
+    teacher = Slot(nodes - 1, ()) if m.distill is not None else None  # beside the orchestrator
+    return Placement(replicas, trainer, orchestrator_node=nodes - 1, idle_gpus=(), teacher=teacher), []

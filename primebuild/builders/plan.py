@@ -16,7 +16,7 @@ from primebuild import __version__
 from primebuild.builders import budget, derivations
 from primebuild.builders.capabilities import SPLIT_TARGETS, Refusal, refusals
 from primebuild.builders.curriculum import curriculum_problems
-from primebuild.builders.distill import teacher_facts
+from primebuild.builders.distill import teacher_facts, teacher_tp_problems
 from primebuild.builders.environments import sandbox_warnings
 from primebuild.builders.kv_connector_packages import missing_from_lock
 from primebuild.builders.mixture import environment_split_problems
@@ -57,6 +57,8 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
 
     # the teacher's facts, for its server's memory; refuses a teacher that reads tokens otherwise
     teacher = teacher_facts(loaded, facts)[1] if m.distill is not None else None
+    if teacher is not None and (tp_problems := teacher_tp_problems(m, teacher)):
+        raise UserError([_locate(loaded, p) for p in tp_problems])
     engine, why = trainer_engine(m, facts.model_type)
     processes = build_processes(m, placement, facts.moe_layers, facts.quantized, engine)
     if shared := shared_addresses(m, processes):

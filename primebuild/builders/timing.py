@@ -116,6 +116,16 @@ def kv_read_bytes(facts: ModelFacts, context: int, kv_bytes: float) -> float:
 # ---- step time ----------------------------------------------------------------------------------
 
 
+def teacher_scoring_seconds(teacher: ModelFacts, *, rollouts_per_step: int, seq_len: int, gpus: int,
+                            gpu: GpuSpec | str, precision: str = "bf16", prefill_mfu: float = PREFILL_MFU) -> float:
+    """On-policy distillation: the teacher's server prefills every rollout of a step, prompt and completion,
+    to score its tokens (orchestrator/teacher.py) on its own `gpus`: compute bound, like a prefill."""
+    spec = _gpu(gpu)
+    flops = rollouts_per_step * (2 * teacher.matmul_params_per_token() * seq_len
+                                 + attention_forward_flops(teacher, seq_len))
+    return flops / (gpus * spec.flops(precision) * prefill_mfu)
+
+
 def step_time_estimate(
     facts: ModelFacts,
     *,
@@ -135,13 +145,15 @@ def step_time_estimate(
     trainer_mfu: float = TRAINER_MFU,
     prefill_mfu: float = PREFILL_MFU,
     decode_bandwidth_efficiency: float = DECODE_BANDWIDTH_EFFICIENCY,
+    teacher_seconds: float = 0.0,
 ) -> StepTimes:
     """Seconds for one RL step (see docs/planning.md for the formulas and their limits).
 
     rollouts_per_step counts completions (sequences); group_size of them share a prompt, which is
     prefilled once (prefix caching). prefill_gpus > 0 splits prefill and decode (P/D): prefill runs on
     those GPUs, decode on the other inference_gpus − prefill_gpus in `inference_replicas` engines.
-    max_concurrent_seqs_per_replica (from inference_memory_per_gpu) caps the decode batch.
+    max_concurrent_seqs_per_replica (from inference_memory_per_gpu) caps the decode batch. teacher_seconds
+    (distillation, teacher_scoring_seconds) comes after the rollouts, before the batch reaches the trainer.
     """
     spec = _gpu(gpu)
     for name, value in dict(rollouts_per_step=rollouts_per_step, group_size=group_size,
@@ -177,7 +189,7 @@ def step_time_estimate(
     decode_seconds = waves * completion_tokens * decode_step
 
     rollout_seconds = (max(prefill_seconds, decode_seconds) if prefill_gpus
-                       else prefill_seconds + decode_seconds)
+                       else prefill_seconds + decode_seconds) + teacher_seconds
 
     seq_len = prompt_tokens + completion_tokens
     tokens = rollouts_per_step * seq_len
@@ -192,7 +204,8 @@ def step_time_estimate(
     else:
         idle_side, idle = "inference", 1 - rollout_seconds / step
     return StepTimes(
-        prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, rollout_seconds=rollout_seconds,
+        prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, teacher_seconds=teacher_seconds,
+        rollout_seconds=rollout_seconds,
         train_seconds=train_seconds, step_seconds=step, idle_side=idle_side, idle_fraction=idle,
         decode_batch_per_replica=batch, decode_waves=waves, decode_step_seconds=decode_step,
         tokens_per_step=tokens,
@@ -252,7 +265,7 @@ GPU_TURN_OVERHEAD_S = 0.02
 
 def gpu_costs(facts: ModelFacts, gpu: GpuSpec | str, *, gpus_per_replica: float, precision: str,
               kv_cache_dtype: str, prefill_gpus: int, trainer_gpus: int, trainer_precision: str,
-              weight_sync_s: float, seq_len: int) -> Costs:
+              weight_sync_s: float, seq_len: int, teacher_s: float = 0.0) -> Costs:
     """The rollout-profile model's costs on GPUs: the roofline formulas above."""
     spec = _gpu(gpu)
     weights, n_mm = weight_bytes(facts, precision), facts.matmul_params_per_token()  # once: param counts are slow
@@ -267,7 +280,7 @@ def gpu_costs(facts: ModelFacts, gpu: GpuSpec | str, *, gpus_per_replica: float,
         train_s=lambda sequences, tokens: train_step_seconds(
             facts, sequences=sequences, seq_len=tokens, trainer_gpus=trainer_gpus, gpu=spec,
             trainer_precision=trainer_precision),
-        weight_sync_s=weight_sync_s)
+        weight_sync_s=weight_sync_s, teacher_s=teacher_s)
 
 
 # CPU (the embedded engine and the fsdp2 trainer on a few cores, fp32, tiny models): calibrated on the

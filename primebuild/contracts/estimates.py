@@ -25,7 +25,8 @@ class StepTimes(Contract):
 
     prefill_seconds: float
     decode_seconds: float
-    rollout_seconds: float  # prefill + decode (colocated) or the longer of the two (P/D split)
+    teacher_seconds: float = 0.0  # distillation: the teacher scoring a step's rollouts (its own GPUs)
+    rollout_seconds: float  # prefill + decode (colocated) or the longer of the two (P/D split), + teacher
     train_seconds: float
     step_seconds: float  # max(rollout, train): the two sides overlap
     idle_side: Literal["trainer", "inference", "none"]  # trainer: waits for rollouts; inference: for the trainer

@@ -546,6 +546,8 @@ class Distill(Strict):
 
     teacher: Teacher
     weight: float = Field(0.1, gt=0, le=100, description="Weight of the per-token reverse KL to the teacher.")
+    tp: int = Field(1, ge=1, le=64, description="Tensor-parallel degree of the teacher's server (vLLM): on GPU "
+                    "hardware its GPUs, on a node of their own; 1 with the embedded engine.")
 
 
 # --- the manifest ----------------------------------------------------------------------------------
