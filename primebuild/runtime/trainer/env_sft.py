@@ -28,6 +28,7 @@ from primebuild.contracts.rollout import Sample
 from primebuild.contracts.sft import EnvSFTConfig
 from primebuild.contracts.trainer import ParallelDims
 
+from .compile_off import off_unless_cuda
 from .main import _optimizer_step
 from .model import DistEnv
 from .parallel_dims import build_meshes
@@ -132,6 +133,7 @@ def train_env_sft(config: EnvSFTConfig, out: Path, env: DistEnv, groups: Process
     from primebuild.runtime.envs.registry import load_environment
     from primebuild.runtime.weight_sync import filesystem as fs
 
+    off_unless_cuda(env.device)
     from .titan_policy import load_titan_model
 
     started = time.perf_counter()

@@ -53,6 +53,7 @@ from ..trackers import open_sinks
 from . import finite
 from .batch import loss_normalizer, pack, pad_columns
 from .checkpoint import load_checkpoint, save_checkpoint
+from .compile_off import off_unless_cuda
 from .context_parallel import make_shard, padded_length
 from .distill import distilled_advantages, reverse_kl_per_token, teacher_baseline
 from .lora import trainable_parameters
@@ -481,6 +482,7 @@ def run_trainer(config: TrainerConfig) -> None:
 def _train(config: TrainerConfig, env: DistEnv, run: RunDir, meshes: Meshes, groups: ProcessGroups) -> None:
     loss_fn = resolve_loss(config.loss)
     if config.engine == "torchtitan":
+        off_unless_cuda(env.device)
         from .titan_policy import load_titan_model
 
         model = load_titan_model(config.model_path, env, compute_dtype(config, env.device),

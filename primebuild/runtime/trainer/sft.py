@@ -36,6 +36,7 @@ from primebuild.contracts.trainer import ParallelDims
 from primebuild.errors import UserError
 
 from .batch import pack
+from .compile_off import off_unless_cuda
 from .main import _optimizer_step
 from .model import DistEnv, init_distributed
 from .parallel_dims import build_meshes
@@ -141,6 +142,7 @@ def train_sft(config: ChatSFTConfig, out: Path, env: DistEnv, groups: ProcessGro
     from primebuild.builders.chat_dataset import read_chats
     from primebuild.runtime.weight_sync import filesystem as fs
 
+    off_unless_cuda(env.device)
     from .titan_policy import load_titan_model
 
     torch.manual_seed(config.seed)
