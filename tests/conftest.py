@@ -253,6 +253,20 @@ def short_sft_store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def full_sft_store(tmp_path_factory) -> Path:
+    """A store holding reverse-text-sft.yaml's SFT as shipped (stop at 0.77, at most 300 steps: ~22 s of CPU),
+    built once per session: tests/test_sft_env.py checks where that recipe stops, and tests/test_cluster_slurm.py
+    starts its RL from it."""
+    def build(root: Path) -> None:
+        manifests = sft_workspace(root, (), sft_changes=None)
+        built = run_cli("run", manifests / "reverse-text-sft.yaml", timeout=900,
+                        env={"PRIMEBUILD_STORE": str(root / "store")})
+        assert built.code == 0, built.text
+
+    return built_once(tmp_path_factory, "full-sft", build) / "store"
+
+
+@pytest.fixture(scope="session")
 def broadcast_checkpoint_run(tmp_path_factory, short_sft_store) -> Path:
     """A run folder of the embedded default (reverse-text on the short SFT): two steps in broadcast mode, a
     checkpoint after each, so no weights/ folder, DCP checkpoints only. Built once per session: the export

@@ -39,13 +39,14 @@ SMALL = ["--set", "orchestrator.rollouts_per_step=32", "--set", "orchestrator.ev
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory):
+def ws(tmp_path_factory, full_sft_store):
     require_slurm()
     root = tmp_path_factory.mktemp("slurm")
-    manifests = sft_workspace(root, SHIPPED_NAMES, sft_changes=None)  # RL from the default's own start (held-out ~0.77)
+    # RL from the default's own start (held-out ~0.77), the session's build of it (conftest full_sft_store)
+    manifests = sft_workspace(root, SHIPPED_NAMES, sft_changes=None, seed_store=full_sft_store)
     env = {**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1"}
     built = cli("run", manifests / "reverse-text-sft.yaml", env=env)  # the store entry every job reads
-    assert built.returncode == 0, built.stderr
+    assert built.returncode == 0 and "cache hit" in built.stdout, built.stdout + built.stderr
     return manifests, env
 
 

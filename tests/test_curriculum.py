@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import MANIFESTS, call_cli, free_port, run_shrunk, sft_workspace
+from conftest import MANIFESTS, call_cli, free_port, sft_workspace
 
 from primebuild.contracts.orchestrator import CurriculumConfig
 from primebuild.contracts.run_dir import RunDir
@@ -216,39 +216,18 @@ orchestrator:
     assert orch["config"]["curriculum"]["prompts"] == 512
 
 
-@pytest.mark.timeout(300)
-def test_a_real_run_shows_the_pools_per_step_and_resumes_them(tmp_path: Path, short_sft_store):
-    """reverse-text over a set of 16 prompts, 4 groups a step: the metrics give each step's pool sizes and
-    draws, every step's groups come from the mix (borrowed ones counted), and curriculum.json holds the
-    pass rates a resume reads."""
-    sft_workspace(tmp_path, seed_store=short_sft_store)
-    done, run_dir = run_shrunk(tmp_path / "manifests" / "reverse-text.yaml", tmp_path, *RUN_SETS,
-                               "orchestrator.max_steps=4", timeout=280)
-    assert done.returncode == 0, done.stdout + done.stderr
-    run = RunDir(run_dir)
-    steps = {k: r for k, r in read_metrics(run.metrics, role="orchestrator").items() if "curriculum_normal" in r}
-    assert sorted(steps) == [1, 2, 3, 4]
-    for step, r in steps.items():
-        assert r["curriculum_easy"] + r["curriculum_normal"] + r["curriculum_hard"] == 16, (step, r)
-        assert r["curriculum_sampled_easy"] + r["curriculum_sampled_normal"] + r["curriculum_sampled_hard"] == 4
-    # step 1: every prompt unseen, so the easy and hard slots borrowed from normal
-    assert steps[1]["curriculum_sampled_normal"] == 4 and steps[1]["curriculum_borrowed"] == 2
-    assert steps[4]["curriculum_normal"] < 16, steps[4]  # the pass rates moved prompts out of normal
-    saved = json.loads(run.curriculum.read_text())
-    assert saved["step"] == 4 and len(saved["history"]["reverse-text"]) >= 4
-
-
-@pytest.mark.timeout(420)
-def test_a_stopped_run_resumes_with_its_pools(tmp_path: Path, short_sft_store):
-    """`primebuild stop` after step 3, then `run --resume`: the orchestrator reads back curriculum.json and
-    starts with the pools it had, not with every prompt normal again."""
-    sft_workspace(tmp_path, seed_store=short_sft_store)
-    runs = tmp_path / "runs"
+@pytest.fixture(scope="module")
+def stopped_then_resumed(tmp_path_factory, short_sft_store) -> dict:
+    """The module's one real run, 6 steps: `primebuild stop` after step 3, then `run --resume` to the end. Both
+    tests below read it (a run's start costs ~10 s of CPU): the pools per step, and the resume's pools."""
+    root = tmp_path_factory.mktemp("curriculum-run")
+    sft_workspace(root, seed_store=short_sft_store)
+    runs = root / "runs"
     sets = [*RUN_SETS, "orchestrator.max_steps=6", "orchestrator.rollouts_per_step=32",
             f"inference.port={free_port()}"]
-    env = {**os.environ, "PRIMEBUILD_STORE": str(tmp_path / "store"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PRIMEBUILD_STORE": str(root / "store"), "PYTHONUNBUFFERED": "1"}
     cli = [sys.executable, "-m", "primebuild.cli"]
-    first = subprocess.Popen([*cli, "run", str(tmp_path / "manifests" / "reverse-text.yaml"), "--runs-dir", str(runs),
+    first = subprocess.Popen([*cli, "run", str(root / "manifests" / "reverse-text.yaml"), "--runs-dir", str(runs),
                               "--quiet", *[a for o in sets for a in ("--set", o)]],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -259,19 +238,47 @@ def test_a_stopped_run_resumes_with_its_pools(tmp_path: Path, short_sft_store):
         (run_dir,) = runs.iterdir()
         run = RunDir(run_dir)
         run.stop_file.touch()  # what `primebuild stop` writes
-        out, _ = first.communicate(timeout=120)
+        first.communicate(timeout=120)
     finally:
         if first.poll() is None:
             first.kill()
     saved = json.loads(run.curriculum.read_text())
-    history = saved["history"]["reverse-text"]
-    expected = Counter(pool_of(sum(r) / len(r), 0.9, 0.6) for r in history.values())
-    expected = {p: expected[p] + (16 - len(history) if p == "normal" else 0) for p in ("easy", "normal", "hard")}
     run.stop_file.unlink(missing_ok=True)
     resumed = subprocess.run([*cli, "run", "--resume", str(run_dir), "--quiet"], capture_output=True, text=True,
                              timeout=300, env=env)
+    return {"run": run, "saved_at_stop": saved, "resumed": resumed}
+
+
+@pytest.mark.timeout(420)  # the module's run starts with its first test
+def test_a_real_run_shows_the_pools_per_step_and_resumes_them(stopped_then_resumed: dict):
+    """reverse-text over a set of 16 prompts, 4 groups a step: the metrics give each step's pool sizes and
+    draws, every step's groups come from the mix (borrowed ones counted), and curriculum.json holds the
+    pass rates a resume reads (the run was stopped after step 3 and resumed: both sessions' steps)."""
+    done, run = stopped_then_resumed["resumed"], stopped_then_resumed["run"]
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = {k: r for k, r in read_metrics(run.metrics, role="orchestrator").items() if "curriculum_normal" in r}
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    for step, r in steps.items():
+        assert r["curriculum_easy"] + r["curriculum_normal"] + r["curriculum_hard"] == 16, (step, r)
+        assert r["curriculum_sampled_easy"] + r["curriculum_sampled_normal"] + r["curriculum_sampled_hard"] == 4
+    # step 1: every prompt unseen, so the easy and hard slots borrowed from normal
+    assert steps[1]["curriculum_sampled_normal"] == 4 and steps[1]["curriculum_borrowed"] == 2
+    assert steps[4]["curriculum_normal"] < 16, steps[4]  # the pass rates moved prompts out of normal
+    assert steps[6]["curriculum_normal"] < 16, steps[6]
+    saved = json.loads(run.curriculum.read_text())
+    assert saved["step"] == 6 and len(saved["history"]["reverse-text"]) >= 4
+
+
+@pytest.mark.timeout(420)
+def test_a_stopped_run_resumes_with_its_pools(stopped_then_resumed: dict):
+    """`primebuild stop` after step 3, then `run --resume`: the orchestrator reads back curriculum.json and
+    starts with the pools it had, not with every prompt normal again."""
+    run, saved, resumed = (stopped_then_resumed[k] for k in ("run", "saved_at_stop", "resumed"))
+    history = saved["history"]["reverse-text"]
+    expected = Counter(pool_of(sum(r) / len(r), 0.9, 0.6) for r in history.values())
+    expected = {p: expected[p] + (16 - len(history) if p == "normal" else 0) for p in ("easy", "normal", "hard")}
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    log = (run_dir / "logs" / "orchestrator.log").read_text()
+    log = (run.root / "logs" / "orchestrator.log").read_text()
     assert f"curriculum: pass rates as of step {saved['step']} (resuming at step {saved['step'] + 1}): " \
            f"{expected}" in log, log[-3000:]
     steps = {k: r for k, r in read_metrics(run.metrics, role="orchestrator").items() if "curriculum_normal" in r}

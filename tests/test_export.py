@@ -19,7 +19,7 @@ import torch
 import yaml
 from conftest import call_cli, free_port, run_cli
 from safetensors.torch import load_file
-from trainer_fixtures import make_tiny_model, run_trainer_ranks, trainer_config, write_rollouts
+from trainer_fixtures import make_tiny_model, run_trainers_in_one_launch, trainer_config, write_rollouts
 
 from primebuild.builders.export import trainer_config as run_trainer_config
 from primebuild.runtime.rollout_file import load_batch
@@ -190,23 +190,44 @@ def test_bad_input_changes_nothing_and_names_what_and_where(workspace: Path, run
     assert f"store entry {entry} was modified after it was built" in err and "config.json (content changed" in err
 
 
+TWO_RANK_LAYOUTS = ["fsdp2-hf", "ep2-moe-torchtitan"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(request, tmp_path_factory) -> dict:
+    """layout -> (its folder, its trainer config, "ok" or why the run failed) for every selected layout of
+    the test below: 2 ranks train 2 steps, checkpoint and publish step 2, the layouts one after the other in
+    one torchrun launch (trainer_fixtures.run_trainers_in_one_launch: a launch's imports cost more than the
+    steps)."""
+    layouts = [item.callspec.params["layout"] for item in request.session.items
+               if item.module is request.module and item.originalname == "test_a_two_rank_checkpoint_exports_as_the_weights_the_ranks_published"]
+    built, configs = {}, {}
+    for layout in layouts:
+        folder = tmp_path_factory.mktemp(layout)
+        moe = layout.startswith("ep2")
+        model = make_tiny_model(folder / "model", moe=moe, seed=3)
+        write_rollouts(folder / "run", model, range(1, 3), num_prompts=4, group_size=3)
+        parallel = {"dp_shard": 2, "ep": 2} if moe else {"dp_shard": 2}
+        configs[folder / "trainer.json"] = built[layout] = trainer_config(
+            model_path=str(model), run_dir=str(folder / "run"), max_steps=2, checkpoint_every=2,
+            micro_batch_tokens=48, loss="dppo-kl", parallel=parallel, engine="torchtitan" if moe else "hf")
+    verdicts = run_trainers_in_one_launch(configs, timeout=480) if configs else {}
+    return {layout: (folder.parent, config, verdicts[folder])
+            for (layout, config), folder in zip(built.items(), configs, strict=True)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp2-hf", "ep2-moe-torchtitan"])
-def test_a_two_rank_checkpoint_exports_as_the_weights_the_ranks_published(tmp_path: Path, layout: str):
+@pytest.mark.timeout(600)  # the module's 2-rank runs start with the first of these tests
+@pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
+def test_a_two_rank_checkpoint_exports_as_the_weights_the_ranks_published(two_rank_runs, layout: str):
     """2 ranks (FSDP2 on the hf engine; FSDP + EP 2 on torchtitan's MoE) checkpoint and publish step 2;
     the export of that checkpoint, read by one process and cut into shards, holds exactly the tensors the
     ranks published, and transformers loads the sharded folder."""
     from primebuild.runtime.export import write_export
 
-    moe = layout.startswith("ep2")
-    model = make_tiny_model(tmp_path / "model", moe=moe, seed=3)
-    run = tmp_path / "run"
-    write_rollouts(run, model, range(1, 3), num_prompts=4, group_size=3)
-    parallel = {"dp_shard": 2, "ep": 2} if moe else {"dp_shard": 2}
-    config = trainer_config(model_path=str(model), run_dir=str(run), max_steps=2, checkpoint_every=2,
-                            micro_batch_tokens=48, loss="dppo-kl", parallel=parallel,
-                            engine="torchtitan" if moe else "hf")
-    run_trainer_ranks(config, tmp_path / "trainer.json", timeout=240)
+    tmp_path, config, verdict = two_rank_runs[layout]
+    assert verdict == "ok", verdict
+    model, run = tmp_path / "model", tmp_path / "run"
     checkpoint = step_folder(run / "checkpoints", 2)
     assert len(list(checkpoint.glob("*.distcp"))) == 2  # one shard file per rank
     out = tmp_path / "export"

@@ -126,11 +126,15 @@ def test_an_existing_output_folder_is_refused(char_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_default_stop_lands_in_the_rl_band(char_model, tmp_path):
+def test_the_default_stop_lands_in_the_rl_band(full_sft_store):
     """The shipped recipe (reverse-text-sft.yaml's: stop at 0.77, batch 64, lr 1e-3, warm-up 50) on the
-    trainer: training-side validation reaches the stop, held-out lands where RL has signal."""
+    trainer: training-side validation reaches the stop, held-out lands where RL has signal. The build is the
+    session's (conftest full_sft_store: `primebuild run reverse-text-sft.yaml` as shipped), which
+    tests/test_cluster_slurm.py starts its RL from."""
     from primebuild.contracts.sft import RL_START_REWARD
 
-    metrics = run_trainer_sft(EnvSFTConfig(model_path=str(char_model)), str(tmp_path / "sft"))
+    (entry,) = full_sft_store.glob("*-reverse-text-sft")
+    metrics = json.loads((entry / "sft_metrics.json").read_text())
+    assert metrics["trainer"] == "torchtitan" and metrics["ranks"] == 1  # the RL trainer's engine, in process
     assert metrics["steps"] < 300 and metrics["validation_reward"] >= RL_START_REWARD
     assert 0.70 <= metrics["eval_reward"] <= 0.86  # held out: never used to decide when to stop

@@ -47,12 +47,12 @@ def common_config(spec: dict, model) -> dict:
 def parallel_runs(request, tmp_path_factory) -> dict:
     """Every selected case's multi-rank runs: the 2-rank cases one after the other in one torchrun launch
     (trainer_fixtures.run_trainers_in_one_launch: a launch's imports cost about what 20 tiny steps do); each
-    4-rank case in two launches of its own, the second resuming from the first's checkpoint (HSDP then
-    HSDP x CP x EP in one process failed: the second's publish named a process group of the first).
+    4-rank case in a launch of its own, its stop after step 10 then its resume from that checkpoint (HSDP
+    then HSDP x CP x EP in one process failed: the second's publish named a process group of the first).
     case -> (its folder, with model/ and two/, and per run "ok" or why it failed)."""
     wanted = [item.callspec.params["case"] for item in request.session.items
               if item.module is request.module and item.originalname == TEST_NAME]
-    launches: list[dict] = [{}]  # the 2-rank cases; then each 4-rank case's two
+    launches: list[dict] = [{}]  # the 2-rank cases; then each 4-rank case's stop and resume
     folders = {}
     for case in wanted:
         spec = CASES[case]
@@ -62,9 +62,9 @@ def parallel_runs(request, tmp_path_factory) -> dict:
         common = common_config(spec, model)
         restart = spec.get("restart_after")
         final = trainer_config(run_dir=str(folder / "two"), parallel=spec["parallel"], **common)
-        if restart:
-            launches += [{folder / "first.json": final.model_copy(update={"max_steps": restart})},
-                         {folder / "two.json": final}]
+        if restart:  # the stop and the resume one after the other in the same ranks
+            launches.append({folder / "first.json": final.model_copy(update={"max_steps": restart}),
+                             folder / "two.json": final})
         else:
             launches[0][folder / "two.json"] = final
     verdicts = {}
@@ -78,7 +78,7 @@ TEST_NAME = "test_parallel_trainer_follows_the_single_process_trajectory"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the module's multi-rank runs (five launches) start with its first test
+@pytest.mark.timeout(900)  # the module's multi-rank runs (three launches) start with its first test
 @pytest.mark.parametrize("case", list(CASES))
 def test_parallel_trainer_follows_the_single_process_trajectory(case, parallel_runs):
     spec = CASES[case]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import free_port, plan_json, run_cli
 from safetensors.torch import load_file
-from trainer_fixtures import make_tiny_model, run_trainer_ranks, trainer_config, write_rollouts
+from trainer_fixtures import make_tiny_model, run_trainers_in_one_launch, trainer_config, write_rollouts
 
 from primebuild.errors import UserError
 from primebuild.runtime.inference.engine import Engine
@@ -122,19 +122,52 @@ def test_lora_trains_on_torchtitan_as_on_the_hf_engine_and_the_engine_serves_it(
     assert torch.allclose(torch.tensor(out.logprobs), lp[0, len(prompt):], atol=1e-4)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_fsdp_ranks_train_torchtitan_s_adapters_as_one_rank(tmp_path):
-    """Adapters added before FSDP wraps torchtitan's blocks (activation checkpointing too): 2 gloo ranks
-    follow 1 rank, publish the same adapter, and their adapter-only checkpoint resumes on 1 rank."""
-    model = make_tiny_model(tmp_path / "model")
+def _fsdp_lora_case(_, folder):
+    """test_two_fsdp_ranks_train_torchtitan_s_adapters_as_one_rank's runs: (common config, 2-rank config)."""
+    model = make_tiny_model(folder / "model")
     # eps 1e-4: as above (a rounding-level gradient summed over 2 ranks, not 1, would flip AdamW's sign)
     common = dict(model_path=str(model), max_steps=3, lr=1e-2, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl",
                   lora=LORA, engine="torchtitan")
-    runs = _runs(tmp_path, model, ("one", "two"), steps=4)
+    _runs(folder, model, ("one", "two"), steps=4)
+    return common, trainer_config(run_dir=str(folder / "two"), checkpoint_every=3, parallel={"dp_shard": 2},
+                                  activation_checkpointing=True, **common)
+
+
+def _ep_case(switch, folder):
+    """test_expert_parallel_ranks_train_as_one_rank_with_lora_or_fp8's runs: (common config, 2-rank config)."""
+    model = make_tiny_model(folder / "model", moe=True)
+    common = dict(model_path=str(model), max_steps=2, lr=1e-3, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl",
+                  engine="torchtitan", **EP_LAYOUTS[switch])
+    _runs(folder, model, ("one", "two"), steps=2)
+    return common, trainer_config(run_dir=str(folder / "two"), parallel={"dp_shard": 2, "ep": 2}, **common)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(request, tmp_path_factory) -> dict:
+    """(test, case) -> (its folder with one/ and two/, its common config, "ok" or why its 2-rank run failed) for
+    every selected test below: their 2-rank runs one after the other in one torchrun launch
+    (trainer_fixtures.run_trainers_in_one_launch: a launch's imports cost more than these few steps)."""
+    built, configs = {}, {}
+    for item in request.session.items:
+        if item.module is request.module and item.originalname in TWO_RANK_CASES:
+            case = next(iter(item.callspec.params.values())) if hasattr(item, "callspec") else None
+            folder = tmp_path_factory.mktemp(f"{item.originalname[:20]}-{case}")
+            common, two = TWO_RANK_CASES[item.originalname](case, folder)
+            built[item.originalname, case] = folder, common
+            configs[folder / "two.json"] = two
+    verdicts = run_trainers_in_one_launch(configs, timeout=600) if configs else {}
+    return {key: (folder, common, verdicts[folder / "two.json"]) for key, (folder, common) in built.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the module's 2-rank runs start with the first of these tests
+def test_two_fsdp_ranks_train_torchtitan_s_adapters_as_one_rank(two_rank_runs):
+    """Adapters added before FSDP wraps torchtitan's blocks (activation checkpointing too): 2 gloo ranks
+    follow 1 rank, publish the same adapter, and their adapter-only checkpoint resumes on 1 rank."""
+    folder, common, verdict = two_rank_runs["test_two_fsdp_ranks_train_torchtitan_s_adapters_as_one_rank", None]
+    assert verdict == "ok", verdict
+    runs = {name: folder / name for name in ("one", "two")}
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
-    run_trainer_ranks(trainer_config(run_dir=str(runs["two"]), checkpoint_every=3, parallel={"dp_shard": 2},
-                                     activation_checkpointing=True, **common), tmp_path / "two.json")
     one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
     for step in (1, 2, 3):
         for name in ("loss", "grad_norm", "behaviour_kl"):
@@ -159,18 +192,15 @@ EP_LAYOUTS = {"lora": dict(lora=MOE_LORA), "fp8": dict(precision="fp8")}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("switch", list(EP_LAYOUTS))
-def test_expert_parallel_ranks_train_as_one_rank_with_lora_or_fp8(tmp_path, switch):
+def test_expert_parallel_ranks_train_as_one_rank_with_lora_or_fp8(two_rank_runs, switch):
     """A Qwen3-MoE over 2 gloo ranks (ep 2, dp_shard 2) follows 1 rank: LoRA's adapters beside experts that
     EP shards, or FP8 experts fed by the all-to-all (tolerance as test_trainer_titan.py's EP layouts)."""
-    model = make_tiny_model(tmp_path / "model", moe=True)
-    common = dict(model_path=str(model), max_steps=2, lr=1e-3, eps=1e-4, micro_batch_tokens=48, loss="dppo-kl",
-                  engine="torchtitan", **EP_LAYOUTS[switch])
-    runs = _runs(tmp_path, model, ("one", "two"), steps=2)
+    folder, common, verdict = two_rank_runs["test_expert_parallel_ranks_train_as_one_rank_with_lora_or_fp8", switch]
+    assert verdict == "ok", verdict
+    runs = {name: folder / name for name in ("one", "two")}
     run_trainer(trainer_config(run_dir=str(runs["one"]), **common))
-    run_trainer_ranks(trainer_config(run_dir=str(runs["two"]), parallel={"dp_shard": 2, "ep": 2},
-                                     **common), tmp_path / "two.json")
     one, two = (read_metrics(runs[n] / "metrics.jsonl") for n in ("one", "two"))
     for step in (1, 2):
         for name in ("loss", "grad_norm", "behaviour_kl", "entropy"):
@@ -180,6 +210,10 @@ def test_expert_parallel_ranks_train_as_one_rank_with_lora_or_fp8(tmp_path, swit
         assert a1.keys() == a2.keys() and all("self_attn" in k for k in a1)
         for key in a1:
             torch.testing.assert_close(a2[key], a1[key], rtol=1e-4, atol=2e-5)
+
+
+TWO_RANK_CASES = {"test_two_fsdp_ranks_train_torchtitan_s_adapters_as_one_rank": _fsdp_lora_case,
+                  "test_expert_parallel_ranks_train_as_one_rank_with_lora_or_fp8": _ep_case}
 
 
 def make_fp8_aligned_moe(path: Path) -> Path:

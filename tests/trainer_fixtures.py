@@ -142,14 +142,16 @@ def run_trainer_ranks(config: TrainerConfig, config_path: Path, timeout: float =
 ENDS_WORKER = Path(__file__).with_name("trainer_ends_worker.py")
 
 
-def run_trainers_in_one_launch(configs: dict[Path, TrainerConfig], timeout: float = 600) -> dict[Path, str]:
+def run_trainers_in_one_launch(configs: dict[Path, TrainerConfig], timeout: float = 600,
+                               output: list[str] | None = None) -> dict[Path, str]:
     """Several trainer runs of one world size, one after the other in the same torchrun ranks
     (tests/trainer_ends_worker.py): a launch pays torch's, transformers' and torchtitan's imports (most of
     a short run's time on 2 cores) once for all of them. Each config is written to its path. Returns, per
     path, "ok" or why that run failed (its exit code, gloo threads left, or never reached: a rank died);
     a caller asserts on its own runs only. Not every pair of layouts may follow each other in one process
     (bench/RESULTS.md "Test suite time": HSDP then HSDP x CP x EP failed); a new sequence is checked once
-    (group names are counters: one that passes passes every time)."""
+    (group names are counters: one that passes passes every time). `output`, if given, gets the launch's
+    stdout and stderr."""
     from conftest import free_port
 
     (world,) = {c.parallel.world_size for c in configs.values()}
@@ -159,6 +161,8 @@ def run_trainers_in_one_launch(configs: dict[Path, TrainerConfig], timeout: floa
                            f"--master_port={free_port()}", str(ENDS_WORKER), *map(str, configs)],
                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
     tail = proc.stdout[-3000:] + proc.stderr[-3000:]
+    if output is not None:
+        output += [proc.stdout, proc.stderr]
     ends: dict[str, list[tuple[str, str]]] = {}
     for path, code, left in re.findall(r"end \d+ (\S+) exit (-?\d+) gloo_threads (\d+)", proc.stdout):
         ends.setdefault(path, []).append((code, left))
