@@ -210,21 +210,28 @@ def vllm_fp8_option(checkpoint_quantized: str) -> str:
     return "fp8" if checkpoint_quantized == "fp8" else "fp8_per_block"
 
 
+def _vllm_server(m: Manifest, *, model_path: str, served: str, port: int, node: int, tp: int,
+                 checkpoint_quantized: str) -> VllmServer:
+    """What every vLLM server of the plan shares (the students' and the teacher's)."""
+    inf = m.inference
+    cpu = m.hardware.gpu == "cpu"
+    return VllmServer(
+        python="{python}", model_path=model_path, served_model_name=served, port=port, host=bind_host(m, node),
+        seed=m.seed, max_model_len=m.orchestrator.seq_len, max_num_seqs=inf.max_num_seqs,
+        dtype=PRECISION_DTYPES.get(inf.precision, "bfloat16"), enforce_eager=cpu, cpu=cpu,  # CUDA graphs on GPUs
+        gpu_memory_utilization=None if cpu else inf.gpu_memory_utilization, tensor_parallel=tp,
+        quantization=vllm_fp8_option(checkpoint_quantized) if inf.precision == "fp8" else None,
+        kv_cache_dtype=None if inf.kv_cache_dtype == "auto" else inf.kv_cache_dtype)
+
+
 def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_rank: int, port: int,
                broadcast: bool, checkpoint_quantized: str = "") -> list[str]:
     inf = m.inference
-    cpu = m.hardware.gpu == "cpu"
-    server = VllmServer(
-        python="{python}", model_path="{model_path}", served_model_name=m.name, port=port, host=bind_host(m, rp.slots[node_rank].node),
-        seed=m.seed, max_model_len=m.orchestrator.seq_len, max_num_seqs=inf.max_num_seqs,
-        dtype=PRECISION_DTYPES.get(inf.precision, "bfloat16"), enforce_eager=cpu, cpu=cpu,  # CUDA graphs on GPUs
-        weight_broadcast=broadcast, return_routed_experts=inf.router_replay,
-        gpu_memory_utilization=None if cpu else inf.gpu_memory_utilization, tensor_parallel=group.tp,
-        expert_parallel=group.ep > 1,
-        quantization=vllm_fp8_option(checkpoint_quantized) if inf.precision == "fp8" else None,
-        kv_cache_dtype=None if inf.kv_cache_dtype == "auto" else inf.kv_cache_dtype,
-        max_lora_rank=m.trainer.lora.rank if m.trainer.lora else None,
-        tool_call_parser=inf.tool_call_parser)
+    server = replace(
+        _vllm_server(m, model_path="{model_path}", served=m.name, port=port, node=rp.slots[node_rank].node,
+                     tp=group.tp, checkpoint_quantized=checkpoint_quantized),
+        weight_broadcast=broadcast, return_routed_experts=inf.router_replay, expert_parallel=group.ep > 1,
+        max_lora_rank=m.trainer.lora.rank if m.trainer.lora else None, tool_call_parser=inf.tool_call_parser)
     if group.dp > 1:
         local = group.dp // len(rp.slots)
         multi = len(rp.slots) > 1
@@ -265,14 +272,8 @@ def _teacher_process(m: Manifest, slot: Slot, replicas: int, checkpoint_quantize
     health = HealthCheck(kind="http", url=f"http://{{host:{slot.node}}}:{port}/health", timeout_s=HEALTH_TIMEOUT_S)
     served = teacher_served_name(m)
     if inf.engine == "vllm":
-        server = VllmServer(
-            python="{python}", model_path="{teacher_model_path}", served_model_name=served, port=port,
-            host=bind_host(m, slot.node), seed=m.seed, max_model_len=m.orchestrator.seq_len,
-            max_num_seqs=inf.max_num_seqs, dtype=PRECISION_DTYPES.get(inf.precision, "bfloat16"),
-            enforce_eager=cpu, cpu=cpu, gpu_memory_utilization=None if cpu else inf.gpu_memory_utilization,
-            tensor_parallel=m.distill.tp,
-            quantization=vllm_fp8_option(checkpoint_quantized) if inf.precision == "fp8" else None,
-            kv_cache_dtype=None if inf.kv_cache_dtype == "auto" else inf.kv_cache_dtype)
+        server = _vllm_server(m, model_path="{teacher_model_path}", served=served, port=port, node=slot.node,
+                              tp=m.distill.tp, checkpoint_quantized=checkpoint_quantized)
         env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB if cpu else None))
         if cpu:  # unpinned, as the students' (_inference_processes says why)
             env["OMP_NUM_THREADS"] = str(max(1, threads // m.distill.tp))
