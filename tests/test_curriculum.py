@@ -199,7 +199,7 @@ orchestrator:
     assert f"{at('easy_at:')}5: orchestrator.curriculum.easy_at: the easy pool (pass rate >= 1.5) can never fill" \
         in result.err
     assert "hint: set easy_at to at most 1, or mix.easy: 0" in result.err
-    assert "orchestrator.curriculum.mix.hard: mix.hard (0.01 of 1.21) of a step's 8 groups rounds to none" in result.err
+    assert "orchestrator.curriculum.mix.hard: mix.hard (0.01 of 1.21) of a step's 16 groups rounds to none" in result.err
     assert (f"{at('prompts:')}5: orchestrator.curriculum.prompts: environment wordle (environments[0]) has 1029 "
             "distinct training prompts, fewer than the 2000") in result.err
     assert "hint: set prompts to at most 1029" in result.err
@@ -208,7 +208,7 @@ orchestrator:
     assert contradictory.code == 2
     assert "orchestrator.curriculum.hard_at: hard_at (0.6) is not below easy_at (0.3)" in contradictory.err
     too_few = call_cli(capsys, "plan", MANIFESTS / "wordle.yaml", "--set", "orchestrator.curriculum={prompts: 10}")
-    assert too_few.code == 2 and "runs up to 16 groups at once (8 a step, 2 steps in flight)" in too_few.err
+    assert too_few.code == 2 and "runs up to 32 groups at once (16 a step, 2 steps in flight)" in too_few.err
     fine = call_cli(capsys, "plan", MANIFESTS / "wordle.yaml", "--set", "orchestrator.curriculum={prompts: 512}",
                     "-o", "json")
     assert fine.code == 0, fine.err
