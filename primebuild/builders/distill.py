@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
 from primebuild.builders.model_ref import read_facts_json
-from primebuild.errors import Problem, UserError
+from primebuild.errors import UserError
 from primebuild.manifest.load import LoadedManifest, load_manifest
-from primebuild.manifest.schema import Manifest
 
 TEACHER_FIELD = ("distill", "teacher", "from_manifest")
 
@@ -62,15 +61,3 @@ def teacher_facts(loaded: LoadedManifest, student: ModelFacts) -> tuple[LoadedMa
             hint="distil from a teacher built on the student's tokenizer (e.g. the same `tokenizer:` and vocab_size)"))
     return teacher, facts
 
-
-def teacher_tp_problems(m: Manifest, teacher: ModelFacts) -> list[Problem]:
-    """The teacher's server splits its heads over `distill.tp`, as the students' servers over their tp."""
-    tp = m.distill.tp  # type: ignore[union-attr]
-    problems = []
-    if teacher.num_attention_heads % tp:
-        problems.append(Problem(f"the teacher's {teacher.num_attention_heads} attention heads are not divisible by "
-                                f"distill.tp={tp}", field="distill.tp", hint="use a divisor of the heads"))
-    if teacher.num_kv_heads and tp > 1 and teacher.num_kv_heads % tp and tp % teacher.num_kv_heads:
-        problems.append(Problem(f"the teacher's {teacher.num_kv_heads} KV heads and distill.tp={tp} neither divide "
-                                "the other", field="distill.tp", hint="use a divisor or a multiple of the KV heads"))
-    return problems

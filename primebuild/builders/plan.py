@@ -16,7 +16,7 @@ from primebuild import __version__
 from primebuild.builders import budget, derivations
 from primebuild.builders.capabilities import SPLIT_TARGETS, Refusal, refusals
 from primebuild.builders.curriculum import curriculum_problems
-from primebuild.builders.distill import teacher_facts, teacher_tp_problems
+from primebuild.builders.distill import teacher_facts
 from primebuild.builders.environments import sandbox_warnings
 from primebuild.builders.kv_connector_packages import missing_from_lock
 from primebuild.builders.mixture import environment_split_problems
@@ -57,7 +57,8 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
 
     # the teacher's facts, for its server's memory; refuses a teacher that reads tokens otherwise
     teacher = teacher_facts(loaded, facts)[1] if m.distill is not None else None
-    if teacher is not None and (tp_problems := teacher_tp_problems(m, teacher)):
+    if teacher is not None and (tp_problems := head_split_problems(teacher, m.distill.tp, "teacher", "distill.tp",
+                                                                  "distill.tp")):
         raise UserError([_locate(loaded, p) for p in tp_problems])
     engine, why = trainer_engine(m, facts.model_type)
     processes = build_processes(m, placement, facts.moe_layers, facts.quantized, engine)
@@ -136,12 +137,7 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
     section = "inference.disaggregation" if m.inference.disaggregation else "inference"
     for name, g in m.inference.groups.items():
         path = f"{section}.{name}" if m.inference.disaggregation else section
-        if f.num_attention_heads % g.tp:
-            problems.append(Problem(f"{name}: {f.num_attention_heads} attention heads are not divisible by tp={g.tp}",
-                                    field=f"{path}.tp", hint=_divisors_hint(f.num_attention_heads, "tp")))
-        if f.num_kv_heads and g.tp > 1 and f.num_kv_heads % g.tp and g.tp % f.num_kv_heads:
-            problems.append(Problem(f"{name}: {f.num_kv_heads} KV heads and tp={g.tp} neither divide the other",
-                                    field=f"{path}.tp", hint=_divisors_hint(f.num_kv_heads, "tp")))
+        problems += head_split_problems(f, g.tp, name, f"{path}.tp")
         if g.ep > 1 and not f.num_experts:
             problems.append(Problem(f"{name}: ep={g.ep} but the model is dense", field=f"{path}.ep", hint="set ep: 1"))
         elif f.num_experts and f.num_experts % g.ep:
@@ -229,6 +225,18 @@ def shared_addresses(m: Manifest, processes: list[ProcessSpec]) -> list[Problem]
                     "gives every group an allocation (and address) of its own", field="hardware.nodes",
                     hint="add nodes so that each listening group has nodes of its own, or use target local or ssh")
             for node, groups in sorted(listening.items()) if len(groups) > 1]
+
+
+def head_split_problems(f: ModelFacts, tp: int, who: str, field: str, label: str = "tp") -> list[Problem]:
+    """A server's heads split over its tensor-parallel degree (an inference group's, the teacher's)."""
+    problems = []
+    if f.num_attention_heads % tp:
+        problems.append(Problem(f"{who}: {f.num_attention_heads} attention heads are not divisible by {label}={tp}",
+                                field=field, hint=_divisors_hint(f.num_attention_heads, label)))
+    if f.num_kv_heads and tp > 1 and f.num_kv_heads % tp and tp % f.num_kv_heads:
+        problems.append(Problem(f"{who}: {f.num_kv_heads} KV heads and {label}={tp} neither divide the other",
+                                field=field, hint=_divisors_hint(f.num_kv_heads, label)))
+    return problems
 
 
 def _divisors_hint(n: int, name: str) -> str:
