@@ -9,7 +9,9 @@ project's 2-core machine during a run (bench/RESULTS.md "vLLM on a CPU: the serv
 API 594-598 MiB, engine core 501-508, worker 1,815-1,838 with its 1 GiB KV cache; tp 2: 617 + 508 + 2 x
 1,824; dp 2: 622 + coordinator 473 + 2 x 461 + 2 x 1,680. The figures below are the largest seen with ~5%
 added, so a plan that fits leaves the runtime room (dp 2 comes out ~1 GiB above what was measured: its
-processes share more pages).
+processes share more pages). They were measured with vLLM's spawned engine core and workers; primebuild's
+vLLM plugin now forks them (runtime/inference/vllm/cpu_fork_start.py), which shares the imported pages and
+lowers the total (tp 1 at start: 2.0 GiB forked vs 2.5 spawned), so the figures are an upper bound.
 """
 
 from __future__ import annotations
