@@ -51,7 +51,7 @@ def test_a_piped_plan_at_80_columns_breaks_no_identifier_across_lines():
                 f"{token!r} is a piece of an identifier: {line!r}"
 
 
-@pytest.mark.parametrize("name", ["reverse-text", "reverse-text-sft"])
+@pytest.mark.parametrize("name", ["reverse-text", "reverse-text-sft", "tool-use-keys-sft", "tool-use-keys"])
 def test_other_shipped_manifests_plan(name, capsys):
     result = call_cli(capsys, "plan", str(MANIFESTS / f"{name}.yaml"), "-o", "json")
     assert result.code == 0, result.err

@@ -253,7 +253,8 @@ def test_same_manifest_and_lock_give_the_same_plan_hash_in_fresh_processes(proje
     assert a["lock_hash"] == lockmod.lock_hash(lockmod.read_lock(project / "lockfiles" / "tiny.lock"))
 
 
-@pytest.mark.parametrize("name", ["reverse-text", "reverse-text-sft", "glm5", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["reverse-text", "reverse-text-sft", "glm5", "qwen3-30b-a3b", "tool-use-keys-sft",
+                                  "tool-use-keys"])
 def test_committed_locks_are_fresh(name: str):
     """Guard: after changing a manifest, the schema or the dependencies, run `primebuild lock manifests/X.yaml`."""
     loaded = load_manifest(MANIFESTS / f"{name}.yaml")

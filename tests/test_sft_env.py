@@ -18,8 +18,8 @@ from primebuild.runtime.models.char_tokenizer import build_char_tokenizer  # noq
 from primebuild.runtime.sft import run_trainer_sft  # noqa: E402
 from primebuild.runtime.trainer.env_sft import demonstration_samples  # noqa: E402
 
-ENV_SFT_MANIFESTS = ["reverse-text-sft", "wordle-sft", "tool-use-sft", "swe-tiny-sft", "reverse-text-moe-sft",
-                     "reverse-text-teacher-sft"]
+ENV_SFT_MANIFESTS = ["reverse-text-sft", "wordle-sft", "tool-use-sft", "tool-use-keys-sft", "swe-tiny-sft",
+                     "reverse-text-moe-sft", "reverse-text-teacher-sft"]
 
 
 @pytest.fixture(scope="module")

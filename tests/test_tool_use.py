@@ -123,3 +123,25 @@ def test_tool_use_sft_reads_the_tokens_its_measured_build_read():
                                      [{"role": "tool", "content": task.answer}])
         held_out.update(json.dumps([framed.prompt_ids(task), task.answer, tool_turn]).encode())
     assert (stream.hexdigest(), held_out.hexdigest()) == (SFT_STREAM_SHA256, EVAL_TOKENS_SHA256)
+
+
+def test_the_key_copying_warm_start_demonstrates_the_users_key_inside_the_call():
+    """tool-use-keys-sft.yaml's demonstrations: the call carries the user's own 2-letter key (learned), so the
+    warm start is taught to copy it; tool-use-keys.yaml trains on the same task."""
+    config = sft_config(load_manifest(MANIFESTS / "tool-use-keys-sft.yaml"))
+    rl_args = load_manifest(MANIFESTS / "tool-use-keys.yaml").manifest.environments[0].args
+    assert config.env_args == rl_args and config.env_args["key_length"] == 2
+    tokenizer = build_chat_tokenizer()
+    env = ToolLookupEnv(**config.env_args)
+    framed, rng = framing(env, tokenizer), random.Random(config.seed)
+    tasks = env.sample_tasks(rng, 50)
+    assert len({t.info["key"] for t in tasks}) > 10  # keys vary, so no one call fits every task
+    for task in tasks:
+        key = task.info["key"]
+        assert len(key) == 2 and env.chat_messages(task) == [{"role": "user", "content": key}]
+        row, mask = episode_ids(tokenizer, framed.prompt_ids(task), demonstration(env, task, rng),
+                                lambda sampled, reply, task=task: framed.reply_ids(task, sampled, reply))
+        learned = tokenizer.decode([t for t, m in zip(row, mask, strict=True) if m])
+        assert learned.startswith(f'<tool_call>{{"name": "lookup", "arguments": {{"key": "{key}"}}}}</tool_call>')
+        assert learned.endswith(task.answer + "<|im_end|>")
+        assert play(env, task, [learned.split("<|im_end|>")[0], task.answer])[1] == 1.0
