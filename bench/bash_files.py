@@ -87,7 +87,7 @@ def warm_start(folder: Path, env, seed: int, stop_at: float, max_steps: int, lr:
     """Supervise the tiny chat model on demonstrations until its greedy call is right for `stop_at` of the
     training-side validation tasks (checked every 20 steps); returns the curve."""
     import torch
-    from chat_helpers import save_chat_model
+    from chat_helpers import masked_lm_step, save_chat_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from verifiers.v1.harnesses.bash.harness import BASH_SYSTEM_PROMPT
     from verifiers.v1.harnesses.utils.core import BASH_TOOL
@@ -129,15 +129,7 @@ def warm_start(folder: Path, env, seed: int, stop_at: float, max_steps: int, lr:
     curve, started, step = [], time.perf_counter(), 0
     for step in range(1, max_steps + 1):
         rows = [episode(t) for t in env.sample_tasks(rng, batch)]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.tensor([r + [0] * (width - len(r)) for r, _ in rows])
-        mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)
-        logits = model(input_ids=ids).logits[:, :-1]
-        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (losses * mask[:, 1:]).sum() / mask[:, 1:].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        loss = masked_lm_step(model, optimizer, rows)
         if step % 20 == 0:
             point = {"step": step, "loss": round(loss.item(), 4), "validation": right_calls(validation),
                      "held_out": right_calls(held_out), "seconds": round(time.perf_counter() - started, 1)}

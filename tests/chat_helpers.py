@@ -56,6 +56,23 @@ def tool_use_sequence(template, tokenizer, rng, tools: list[dict], call: str, an
     return ids + last, mask + [1] * len(last)
 
 
+def masked_lm_step(model, optimizer, rows: list[tuple[list[int], list[int]]]):
+    """One optimizer step of next-token loss on `rows` (token ids, loss mask), right-padded into one batch;
+    returns the loss (mean over the masked-in targets)."""
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r, _ in rows])
+    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)
+    logits = model(input_ids=ids).logits[:, :-1]
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    loss = (losses * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def train_tool_caller(folder: Path, tools: list[dict], call: str, answer: str, steps: int = 200, seed: int = 0,
                       other_tools: tuple[list[dict], ...] = (), system: str | None = None):
     """Teach the tiny chat model in `folder` (in place) to answer any user with the tool call `call` and any
@@ -78,14 +95,6 @@ def train_tool_caller(folder: Path, tools: list[dict], call: str, answer: str, s
         rows = [tool_use_sequence(template, tokenizer, rng, rng.choice([tools, *other_tools]), call, answer,
                                   system)
                 for _ in range(6)]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.tensor([r + [0] * (width - len(r)) for r, _ in rows])
-        mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)
-        logits = model(input_ids=ids).logits[:, :-1]
-        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (losses * mask[:, 1:]).sum() / mask[:, 1:].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        loss = masked_lm_step(model, optimizer, rows)
     model.save_pretrained(folder)
     return loss.item()
