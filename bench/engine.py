@@ -10,6 +10,10 @@ process CPU time of each call is reported too: with one intra-op thread it is th
 did (the engine thread's, as the caller only waits), and it moves far less with the load. Both
 ratios are printed; the wall ratio is the headline.
 
+A third contender is the engine in batch-invariant mode (`inference.batch_invariant`: matmuls on fixed row
+blocks, attention and prefill one sequence at a time; primebuild/runtime/inference/batch_invariant.py): its
+tok/s and its wall ratio to the default engine ("inv/eng") show what reproducible greedy evals cost.
+
     .venv/bin/python bench/engine.py [--threads 1] [--repeats 3] [--skip-20m] [--skip-http]
 """
 
@@ -180,7 +184,7 @@ def main() -> None:
     )
     print(
         f"{'model':<12} {'batch':>5} {'generate tok/s':>15} {'engine tok/s':>13} {'ratio':>6} "
-        f"{'CPU-time ratio':>15} {'same tokens':>12} {'load':>5}"
+        f"{'CPU-time ratio':>15} {'same tokens':>12} {'invariant tok/s':>16} {'inv/eng':>8} {'load':>5}"
     )
     with tempfile.TemporaryDirectory() as tmp:
         for name, kwargs in MODELS.items():
@@ -190,19 +194,23 @@ def main() -> None:
 
             folder = build(Path(tmp) / name.split()[0], kwargs)
             engine = Engine(folder, max_num_seqs=64, max_model_len=PROMPT_LEN + NEW_TOKENS, device="cpu")
+            invariant = Engine(folder, max_num_seqs=64, max_model_len=PROMPT_LEN + NEW_TOKENS, device="cpu",
+                               batch_invariant=True)
             for batch in batches:
                 prompts = prompts_for(batch, 32)
-                (hf_time, hf_cpu, hf_tokens), (engine_time, engine_cpu, engine_tokens) = interleaved_medians(
-                    [hf_runner(folder, prompts), engine_runner(engine, prompts)], args.repeats
-                )
+                (hf_time, hf_cpu, hf_tokens), (engine_time, engine_cpu, engine_tokens), (inv_time, _, _) = \
+                    interleaved_medians([hf_runner(folder, prompts), engine_runner(engine, prompts),
+                                         engine_runner(invariant, prompts)], args.repeats)
                 total = batch * NEW_TOKENS
                 print(
                     f"{name:<12} {batch:>5} {total / hf_time:>15.0f} {total / engine_time:>13.0f} "
                     f"{hf_time / engine_time:>5.2f}x {hf_cpu / engine_cpu:>14.2f}x "
-                    f"{str(hf_tokens == engine_tokens):>12} {os.getloadavg()[0]:>5.1f}",
+                    f"{str(hf_tokens == engine_tokens):>12} {total / inv_time:>16.0f} "
+                    f"{engine_time / inv_time:>7.2f}x {os.getloadavg()[0]:>5.1f}",
                     flush=True,
                 )
             engine.shutdown()
+            invariant.shutdown()
         if not args.skip_http:
             folder = Path(tmp) / "tiny"
             rate = bench_http(folder, args.threads, 64, args.repeats)

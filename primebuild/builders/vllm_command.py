@@ -152,7 +152,7 @@ def server_argv(s: VllmServer) -> list[str]:
 
 
 def server_env(*, cpu_kv_cache_gib: int | None = None, routed_experts: bool = False,
-               lora: bool = False) -> dict[str, str]:
+               lora: bool = False, batch_invariant: bool = False) -> dict[str, str]:
     """What vLLM and our modules inside it need in the environment, beyond the process's own. The admin
     token travels by name (PRIMEBUILD_ADMIN_TOKEN) from the supervisor; it is never on the command line."""
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # mounts the RL endpoints (/pause, /update_weights …) and /collective_rpc
@@ -164,6 +164,8 @@ def server_env(*, cpu_kv_cache_gib: int | None = None, routed_experts: bool = Fa
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if lora:  # mounts /v1/load_lora_adapter, which loads each step's adapter folder
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if batch_invariant:  # vLLM's batch-invariant kernels (CUDA, ROCm, XPU in 0.32; refused on CPUs by the plan)
+        env["VLLM_BATCH_INVARIANT"] = "1"
     return env
 
 

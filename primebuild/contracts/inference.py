@@ -51,6 +51,7 @@ class InferenceServerConfig(Contract):
     max_num_seqs: int = Field(ge=1)
     max_model_len: int = Field(ge=1)
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # compute precision of the engine
+    batch_invariant: bool = False  # results independent of the batch (primebuild/runtime/inference/batch_invariant.py)
     seed: int = 0
     num_threads: int | None = Field(None, ge=1)  # torch intra-op threads (CPU runs)
     policy_version: int = Field(0, ge=0)  # the version of the weights it starts with

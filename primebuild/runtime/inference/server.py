@@ -132,7 +132,8 @@ def serve(config: InferenceServerConfig) -> None:
         weight_stage = BroadcastStage(join.init_method, join.rank, join.world_size, device=device)
     engine = Engine(config.model_path, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                     dtype=dtype, fp8=fp8, seed=config.seed, policy_version=config.policy_version,
-                    eos_token_ids=tokenizer.eos_token_ids, detokenize=tokenizer.decode)
+                    eos_token_ids=tokenizer.eos_token_ids, detokenize=tokenizer.decode,
+                    batch_invariant=config.batch_invariant)
     pd = None
     if config.disaggregation is not None:  # P/D: this server is a prefill or a decode server
         role = config.disaggregation.role
