@@ -189,6 +189,15 @@ class Inference(Strict):
         "when a /v1/chat/completions request gives `tools`: the embedded engine's parser, vLLM's "
         "--enable-auto-tool-choice --tool-call-parser. Unset: such requests are refused.")
 
+    @model_serializer(mode="wrap")
+    def _omit_default_batch_invariant(self, handler):
+        # Written only when set: manifests that leave it off keep the hash (and locks, store keys) they had
+        # before the field existed.
+        data = handler(self)
+        if not self.batch_invariant:
+            data.pop("batch_invariant", None)
+        return data
+
     @property
     def groups(self) -> dict[str, InferenceGroup]:
         """The replica groups to place: {'inference': …} or {'prefill': …, 'decode': …}."""
