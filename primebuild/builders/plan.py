@@ -255,6 +255,9 @@ def _warnings(m: Manifest, f: ModelFacts, placement: Placement) -> list[str]:
                    "run's token")
     if f.num_experts and not m.inference.router_replay and m.inference.engine == "vllm":
         out.append("MoE model without router_replay: train/inference expert choices may differ (higher mismatch KL)")
+    if m.inference.batch_invariant and m.hardware.gpu != "cpu":
+        out.append("inference.batch_invariant: the step-time estimate is for the default kernels; batch-invariant "
+                   "ones are slower on GPUs, by how much is not measured here")
     if m.orchestrator.max_off_policy_steps == 0:
         out.append("max_off_policy_steps: 0 runs synchronous RL: inference idles while the trainer steps")
     return out + sandbox_warnings(m)

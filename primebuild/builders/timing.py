@@ -294,6 +294,10 @@ CPU_TURN_OVERHEAD_S = 0.007  # one model turn: the HTTP round trip on both sides
 # the server always had a request (about 42 turns per 0.14 s step, bench/RESULTS.md).
 CPU_REQUEST_S = 0.0033
 CPU_TRAIN_FLOPS_PER_THREAD = 2.0e10
+# inference.batch_invariant: a decode step attends one sequence at a time (one SDPA call and its slicing per
+# sequence and layer). bench/engine.py on the tiny model (2 layers): +1.5 ms a step at 16 sequences, +6.2 ms at 64,
+# i.e. ~48 us per sequence and layer (bench/RESULTS.md "Batch invariance").
+CPU_BATCH_INVARIANT_SEQ_LAYER_S = 4.8e-5
 CPU_TRAIN_STEP_OVERHEAD_S = 0.05  # optimizer step, loading the batch, per-micro-batch calls
 # Synchronous RL only: what a weight update costs beyond the sync itself (cpu_weight_sync_estimate): the
 # orchestrator noticing, the engine pausing and resuming. 0.15 s in all was calibrated with the
@@ -347,13 +351,16 @@ def cpu_weight_sync_estimate(size_bytes: int, *, mode: str, receivers: int) -> W
                               read_seconds=read)
 
 
-def cpu_costs(facts: ModelFacts, cpus_per_node: int, weight_sync_s: float) -> Costs:
+def cpu_costs(facts: ModelFacts, cpus_per_node: int, weight_sync_s: float, *,
+              batch_invariant: bool = False) -> Costs:
     """The rollout-profile model's costs on a CPU node; weight_sync_s is cpu_weight_sync_estimate's."""
     threads = max(1, cpus_per_node // 2)  # the plan's processes share a CPU node's cores (primebuild/builders/processes.py)
     n = facts.matmul_params_per_token()
+    per_sequence = 2 * n / (threads * CPU_FLOPS_PER_THREAD)
+    if batch_invariant:
+        per_sequence += facts.num_layers * CPU_BATCH_INVARIANT_SEQ_LAYER_S
     return Costs(
-        decode_step_s=lambda batch, context: CPU_DECODE_STEP_OVERHEAD_S + batch * 2 * n / (
-            threads * CPU_FLOPS_PER_THREAD),
+        decode_step_s=lambda batch, context: CPU_DECODE_STEP_OVERHEAD_S + batch * per_sequence,
         prefill_s_per_token=2 * n / (threads * CPU_FLOPS_PER_THREAD),
         turn_overhead_s=CPU_TURN_OVERHEAD_S,
         request_s=CPU_REQUEST_S,  # the embedded engine and its server share the process's cores
