@@ -50,7 +50,7 @@ def test_row_blocks_give_every_row_the_same_bits_whatever_its_neighbours():
 
 def test_a_prompt_gives_the_same_bits_alone_and_in_any_batch(folder):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
-                            return_routed_experts=folder.parent.name.startswith("moe"))
+                            return_routed_experts=folder.name.startswith("moe"))
     prompts = _prompts(24)
     engine = Engine(folder, device="cpu", max_num_seqs=32, max_model_len=64, batch_invariant=True)
     try:
