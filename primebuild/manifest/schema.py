@@ -9,7 +9,7 @@ compiler, which can name concrete fixes; rules that only need the manifest itsel
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -27,6 +27,17 @@ class Strict(BaseModel):
     """Base for every manifest section: unknown keys are errors, values are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+    # Fields added after manifests were hashed and locked: written only when set (not None, False or empty),
+    # so that manifests which leave them unset keep the hash, locks and store keys they had before.
+    _written_only_when_set: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_later_fields(self, handler):
+        data = handler(self)
+        for key in self._written_only_when_set:
+            if not getattr(self, key):
+                data.pop(key, None)
+        return data
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -38,6 +49,8 @@ Port = Annotated[int, Field(ge=1024, le=65535)]
 
 class Model(Strict):
     """Where the weights come from. Exactly one of `hf`, `path`, `from_manifest`, `from_run`, `init`."""
+
+    _written_only_when_set = ("from_run", "step")
 
     hf: str | None = Field(None, description="Hugging Face repo id, e.g. 'zai-org/GLM-5'.",
                            pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$", max_length=256)
@@ -73,16 +86,6 @@ class Model(Strict):
             raise ValueError("`step:` names a checkpoint of `from_run:`; give from_run too, or drop step")
         return self
 
-    @model_serializer(mode="wrap")
-    def _omit_unset_run(self, handler):
-        # Written only when set: manifests that do not start from a run keep the hash (and locks) they had
-        # before these fields existed.
-        data = handler(self)
-        for key in ("from_run", "step"):
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
-
     @property
     def source_kind(self) -> str:
         return next(k for k in MODEL_SOURCES if getattr(self, k) is not None)
@@ -97,6 +100,8 @@ GpuType = Literal["h100", "h200", "b200", "cpu"]
 
 
 class Hardware(Strict):
+    _written_only_when_set = ("network_env",)
+
     nodes: PositiveInt = Field(1, le=4096)
     gpus_per_node: int = Field(8, ge=0, le=64, description="0 for CPU-only machines.")
     gpu: GpuType = "h200"
@@ -113,15 +118,6 @@ class Hardware(Strict):
         default_factory=dict, description="Environment of every process for this site's network, e.g. "
         "NCCL_SOCKET_IFNAME, NCCL_IB_HCA, GLOO_SOCKET_IFNAME. primebuild sets none by itself (NCCL and gloo "
         "pick their own interfaces): a site's interface names are written here, never guessed.")
-
-    @model_serializer(mode="wrap")
-    def _omit_empty_network_env(self, handler):
-        # Written only when set: manifests that do not name a network keep the hash (and locks) they had
-        # before the field existed.
-        data = handler(self)
-        if not self.network_env:
-            data.pop("network_env", None)
-        return data
 
     @model_validator(mode="after")
     def _cpu_has_no_gpus(self) -> Hardware:
@@ -161,6 +157,8 @@ class Disaggregation(Strict):
 
 
 class Inference(Strict):
+    _written_only_when_set = ("batch_invariant",)
+
     engine: Literal["embedded", "vllm"] = "embedded"
     replicas: PositiveInt = 1
     nodes_per_replica: PositiveInt = 1
@@ -188,15 +186,6 @@ class Inference(Strict):
         None, description="Read tool calls from chat answers (`<tool_call>{json}</tool_call>`) into OpenAI `tool_calls` "
         "when a /v1/chat/completions request gives `tools`: the embedded engine's parser, vLLM's "
         "--enable-auto-tool-choice --tool-call-parser. Unset: such requests are refused.")
-
-    @model_serializer(mode="wrap")
-    def _omit_default_batch_invariant(self, handler):
-        # Written only when set: manifests that leave it off keep the hash (and locks, store keys) they had
-        # before the field existed.
-        data = handler(self)
-        if not self.batch_invariant:
-            data.pop("batch_invariant", None)
-        return data
 
     @property
     def groups(self) -> dict[str, InferenceGroup]:
@@ -568,6 +557,8 @@ class Distill(Strict):
 
 
 class Manifest(Strict):
+    _written_only_when_set = ("distill",)
+
     apiVersion: Literal["primebuild/v1"] = Field(description="Schema version of this file.")
     kind: Literal["Experiment"] = "Experiment"
     name: str = Field(description="Safe for file names and shells: letters, digits, '.', '_', '-'; at most 63.")
@@ -588,14 +579,6 @@ class Manifest(Strict):
     target: Target = LocalTarget()
     secrets: list[Annotated[str, Field(pattern=ENV_NAME)]] = Field(
         default_factory=list, description="Names of environment variables passed through; never their values.")
-
-    @model_serializer(mode="wrap")
-    def _omit_unset_distill(self, handler):
-        # Written only when set: manifests without a teacher keep the hash (and locks) they had before it.
-        data = handler(self)
-        if data.get("distill") is None:
-            data.pop("distill", None)
-        return data
 
     @field_validator("name")
     @classmethod
