@@ -356,12 +356,11 @@ def cpu_costs(facts: ModelFacts, cpus_per_node: int, weight_sync_s: float, *,
     """The rollout-profile model's costs on a CPU node; weight_sync_s is cpu_weight_sync_estimate's."""
     threads = max(1, cpus_per_node // 2)  # the plan's processes share a CPU node's cores (primebuild/builders/processes.py)
     n = facts.matmul_params_per_token()
-    per_sequence = 2 * n / (threads * CPU_FLOPS_PER_THREAD)
-    if batch_invariant:
-        per_sequence += facts.num_layers * CPU_BATCH_INVARIANT_SEQ_LAYER_S
+    per_token = 2 * n / (threads * CPU_FLOPS_PER_THREAD)
+    per_sequence = per_token + (facts.num_layers * CPU_BATCH_INVARIANT_SEQ_LAYER_S if batch_invariant else 0.0)
     return Costs(
         decode_step_s=lambda batch, context: CPU_DECODE_STEP_OVERHEAD_S + batch * per_sequence,
-        prefill_s_per_token=2 * n / (threads * CPU_FLOPS_PER_THREAD),
+        prefill_s_per_token=per_token,
         turn_overhead_s=CPU_TURN_OVERHEAD_S,
         request_s=CPU_REQUEST_S,  # the embedded engine and its server share the process's cores
         train_s=lambda sequences, tokens: CPU_TRAIN_STEP_OVERHEAD_S + 6 * n * sequences * tokens / (
