@@ -158,6 +158,49 @@ def test_the_interception_records_an_agents_tool_episode_token_for_token(tool_mo
     assert all(lp <= 0.0 for lp in transcript.logprobs) and transcript.turns == 2
 
 
+
+def test_the_interception_serves_from_the_socket_it_bound(monkeypatch):
+    """The episode endpoint's port is bound once and served from that very socket: a program that tries to
+    take the port between the choice and the serving finds it in use. (When the choice released the port
+    first, a busy machine's other program took it, uvicorn's bind failed and its sys.exit ended the
+    orchestrator mid-run.)"""
+    import errno
+    import socket
+
+    import httpx
+    import uvicorn
+
+    serve, rival, outcome = uvicorn.Server.serve, socket.socket(), []
+
+    async def serve_after_a_rival(self, sockets=None):
+        try:
+            rival.bind(("127.0.0.1", self.config.port))  # held (not closed) until the test ends
+            outcome.append("the rival took the port")
+        except OSError as e:
+            outcome.append(e.errno)
+        return await serve(self, sockets)
+
+    monkeypatch.setattr(uvicorn.Server, "serve", serve_after_a_rival)
+
+    async def not_called(prompt_ids, **kw):
+        raise AssertionError("nothing is sampled here")
+
+    async def start_and_ask() -> int:
+        interception = ChatInterception(None, not_called, max_tokens_per_turn=8, seq_len=64)  # type: ignore[arg-type]
+        await interception.start()
+        try:
+            async with httpx.AsyncClient() as client:
+                return (await client.get(f"{interception.url}/nowhere")).status_code
+        finally:
+            await interception.stop()
+
+    try:
+        assert asyncio.run(start_and_ask()) == 404  # served: FastAPI's answer to an unknown path
+    finally:
+        rival.close()
+    assert outcome == [errno.EADDRINUSE]
+
+
 LOOKUP_TASKSET = '''
 import verifiers.v1 as vf
 

@@ -76,14 +76,18 @@ class ChatInterception:
 
         import uvicorn
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # The socket is bound here and handed to uvicorn, never closed in between: a port found free and
+        # bound again later can be taken by another program meanwhile (seen under a busy machine: uvicorn's
+        # bind failed and its sys.exit ended the orchestrator).
+        listening = socket.socket()
+        listening.bind(("127.0.0.1", 0))
+        port = listening.getsockname()[1]
         self._server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=port, log_level="warning",
                                                      lifespan="off"))
-        self._task = asyncio.create_task(self._server.serve(), name="chat interception")
+        self._task = asyncio.create_task(self._server.serve(sockets=[listening]), name="chat interception")
         while not self._server.started:
             if self._task.done():
+                listening.close()
                 self._task.result()  # raises why it did not start
             await asyncio.sleep(0.01)
         self.url = f"http://127.0.0.1:{port}"
