@@ -40,7 +40,7 @@ name: bash-files
 seed: {seed}
 model: {{path: {model}, dtype: float32}}
 hardware: {{nodes: 1, gpus_per_node: 0, gpu: cpu, cpus_per_node: 2, host_memory_gb: 16}}
-inference: {{engine: embedded, precision: fp32, max_num_seqs: 32, tool_call_parser: hermes}}
+inference: {{engine: embedded, precision: fp32, max_num_seqs: 32, tool_call_parser: hermes, batch_invariant: true}}
 trainer:
   ranks: 1
   precision: fp32
