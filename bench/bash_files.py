@@ -55,7 +55,7 @@ orchestrator:
   seq_len: 1024
   max_completion_tokens: 80
   max_steps: {steps}
-  temperature: 1.0
+  temperature: {temperature}
   loss: {{name: grpo}}
   eval_every: {eval_every}
   eval_prompts: 32
@@ -191,6 +191,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature of the RL rollouts (above 1: more names with mixed outcomes a group)")
     parser.add_argument("--sft-only", action="store_true")
     args = parser.parse_args()
     sys.path[:0] = [str(REPO / "tests"), str(TASKSETS)]
@@ -212,7 +214,7 @@ def main() -> None:
     manifest = ws / f"bash-files-seed{args.seed}.yaml"
     manifest.write_text(MANIFEST.format(model=model, seed=args.seed, lr=args.lr, warmup=args.warmup,
                                         rollouts=args.rollouts, group=args.group, steps=args.steps,
-                                        eval_every=args.eval_every))
+                                        eval_every=args.eval_every, temperature=args.temperature))
     env_vars = {**os.environ, "PRIMEBUILD_STORE": str(ws / "store"),
                 "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), str(TASKSETS), os.environ.get("PYTHONPATH")) if p)}
     started = time.monotonic()
