@@ -158,7 +158,6 @@ def test_the_interception_records_an_agents_tool_episode_token_for_token(tool_mo
     assert all(lp <= 0.0 for lp in transcript.logprobs) and transcript.turns == 2
 
 
-
 def test_the_interception_serves_from_the_socket_it_bound(monkeypatch):
     """The episode endpoint's port is bound once and served from that very socket: a program that tries to
     take the port between the choice and the serving finds it in use. (When the choice released the port
