@@ -47,10 +47,9 @@ def _legend_below(ax) -> None:
 
 
 def write_report(run: RunDir) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot: no GUI backend to pick, no global figure list, and no pyplot import
+    # (~0.2 s of the report's ~1.2 s CPU, paid by every run); savefig renders with Agg.
+    from matplotlib.figure import Figure
 
     rows = read_metrics(run.metrics)
     if not rows:
@@ -58,7 +57,8 @@ def write_report(run: RunDir) -> Path | None:
     panels = [("orchestrator", "reward_mean", "rollout reward (mean)"),
               ("trainer", "behaviour_kl", "KL(inference || trainer)"),
               ("orchestrator", "tokens_per_s", "inference tokens/s")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4 + 0.25 * len(environments(rows))))  # room for the legends
+    fig = Figure(figsize=(15, 4 + 0.25 * len(environments(rows))))  # room for the legends
+    axes = fig.subplots(1, 3)
     for ax, (role, name, title) in zip(axes, panels, strict=True):
         xs, ys = series(rows, role, name)
         ax.plot(xs, ys, marker=".", linewidth=1)
@@ -86,7 +86,6 @@ def write_report(run: RunDir) -> Path | None:
     fig.tight_layout()
     out = run.report
     fig.savefig(out, dpi=90)
-    plt.close(fig)
     return out
 
 

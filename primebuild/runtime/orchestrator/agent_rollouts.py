@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 
 from primebuild.runtime.envs.base import Task
-from primebuild.runtime.envs.chat_interception import ChatInterception
-from primebuild.runtime.inference.chat_template import ChatTemplate
 
 
 def plays_itself(env) -> bool:
@@ -20,6 +18,10 @@ def plays_itself(env) -> bool:
 
 
 async def agent_group(runner, sample, env, task: Task, *, n: int, temperature: float, seed: int | None) -> list:
+    # here, not at the top: the interception server is FastAPI's, which an orchestrator without an agent
+    # environment (most runs) need not import
+    from primebuild.runtime.envs.chat_interception import ChatInterception
+    from primebuild.runtime.inference.chat_template import ChatTemplate
     from primebuild.runtime.orchestrator.rollout import Rollout, all_episodes
 
     interception = ChatInterception(ChatTemplate(runner.tokenizer), sample, max_tokens_per_turn=runner.max_tokens_per_turn,
