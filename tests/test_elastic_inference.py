@@ -70,71 +70,58 @@ def _scale(run_dir: Path, delta: str, workspace: Path) -> subprocess.CompletedPr
 
 
 @pytest.mark.parametrize("sync", ["filesystem", "broadcast"])
-def test_a_killed_replica_degrades_the_run_and_is_restarted_on_the_current_weights(workspace: Path, tmp_path: Path,
-                                                                                    sync: str):
-    """Broadcast too: the trainer leaves the dead replica out of its weight group (a new generation,
-    primebuild/runtime/weight_sync/membership.py) and admits its restart at the next update."""
+def test_a_killed_replica_is_restarted_then_scale_adds_one_and_retires_two(workspace: Path, tmp_path: Path,
+                                                                             sync: str):
+    """One run of two replicas, the pool changed four times (a run start costs more CPU than its steps, so
+    the four changes share one):
+    1. inference-1 is killed: the run degrades to inference-0 instead of ending, and the restarted
+       inference-1 takes requests again on the current weights, not the base model it restarted on;
+    2. `scale +1` adds inference-2, which joins mid-run at the current weights;
+    3. `scale -1` twice retires the newest replicas (inference-2, then the planned inference-1), each drained;
+    4. a third `scale -1` is refused: the run keeps one server.
+    Under broadcast the trainer leaves the dead replica out of its weight group (a new generation,
+    primebuild/runtime/weight_sync/membership.py) and admits its restart at the next update; the added one
+    joins with the rank after the plan's (3), and a retired one leaves the group as it stops."""
     runs = tmp_path / "runs"
     port = ["--set", f"weight_sync.port={free_port()}"] if sync == "broadcast" else []  # a port of its own
     proc = _start(workspace, runs, "--set", "orchestrator.max_steps=100000", "--set", "inference.replicas=2",
                   "--set", f"weight_sync.mode={sync}", *port)
     try:
         run_dir = _wait_for_trained(runs, 2, proc, timeout=FIRST_STEPS_S)
+        # 1. the kill
         victim = json.loads((run_dir / "pids" / "inference-1.json").read_text())["pid"]
         os.kill(victim, signal.SIGKILL)
-        url = _url_of(run_dir, "inference-1")
+        restarted_url = _url_of(run_dir, "inference-1")
         orchestrator_log = run_dir / "logs" / "orchestrator.log"
         _wait_until(proc, runs, "the orchestrator set inference-1 aside",
-                    lambda: f"{url} is gone" in orchestrator_log.read_text())
+                    lambda: f"{restarted_url} is gone" in orchestrator_log.read_text())
         rejoined: dict = {}  # inference-1's pool state when it was back at work
 
         def back_at_work() -> bool:
             """Active again, joined at some version, and answered since it rejoined: answered_versions
             starts empty at each join (its request count does not, and the state file can lag a kill)."""
-            rejoined.update(_pool_state(run_dir).get(url, {}))
+            rejoined.update(_pool_state(run_dir).get(restarted_url, {}))
             return (rejoined.get("state") == "active" and rejoined.get("joined_version") is not None
                     and bool(rejoined.get("answered_versions")))
 
         _wait_until(proc, runs, "the restarted inference-1 took requests again", back_at_work)
-        out = _stop_and_wait(proc, run_dir, workspace)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out + _logs(runs)
-    assert "inference-1" in out and "restarting" in out and "stopped at step" in out
-    _assert_each_step_trained_once(run_dir)
-    assert "restart 1" in (run_dir / "logs" / "inference-1.log").read_text()
-    # it was brought to the newest weights before its first request: not the base model it restarted on
-    assert rejoined["joined_version"] >= 2, rejoined
-    assert rejoined["answered_versions"][0] >= rejoined["joined_version"], rejoined
-    if sync == "broadcast":
-        assert f"{url} rejoined the weight group at policy version" in orchestrator_log.read_text()
-        assert "weights of step" in (run_dir / "logs" / "inference-1.log").read_text()
-
-
-@pytest.mark.parametrize("sync", ["filesystem", "broadcast"])
-def test_scale_adds_a_replica_at_the_current_weights_then_drains_it(workspace: Path, tmp_path: Path, sync: str):
-    """Broadcast too: the added replica joins the trainer's weight group with a rank after the plan's and is
-    admitted at the next update (primebuild/runtime/weight_sync/membership.py); retired, it leaves the group."""
-    runs = tmp_path / "runs"
-    port = ["--set", f"weight_sync.port={free_port()}"] if sync == "broadcast" else []  # a port of its own
-    proc = _start(workspace, runs, "--set", "orchestrator.max_steps=100000", "--set", f"weight_sync.mode={sync}", *port)
-    try:
-        run_dir = _wait_for_trained(runs, 2, proc, timeout=FIRST_STEPS_S)
+        # 2. scale +1
         added = _scale(run_dir, "+1", workspace)
         assert added.returncode == 0, added.stdout + added.stderr + _logs(runs)
-        assert "added inference-1" in added.stdout
-        url = _url_of(run_dir, "inference-1")
-        _wait_until(proc, runs, "inference-1 served requests",
-                    lambda: _pool_state(run_dir).get(url, {}).get("requests", 0) >= 4)
-        joined = _pool_state(run_dir)[url]
-        retired = _scale(run_dir, "-1", workspace)
-        assert retired.returncode == 0, retired.stdout + retired.stderr + _logs(runs)
-        last = _scale(run_dir, "-1", workspace)  # the run keeps one server
-        if sync == "broadcast":  # the retired replica left the weight group: the next update goes without it
+        assert "added inference-2" in added.stdout
+        added_url = _url_of(run_dir, "inference-2")
+        _wait_until(proc, runs, "inference-2 served requests",
+                    lambda: _pool_state(run_dir).get(added_url, {}).get("requests", 0) >= 4)
+        joined = _pool_state(run_dir)[added_url]
+        # 3. scale -1, twice; 4. the third is refused
+        retired = [_scale(run_dir, "-1", workspace) for _ in range(2)]
+        for answer in retired:
+            assert answer.returncode == 0, answer.stdout + answer.stderr + _logs(runs)
+        last = _scale(run_dir, "-1", workspace)
+        if sync == "broadcast":  # both retired replicas left the weight group: the next update goes without them
             trainer_log = run_dir / "logs" / "trainer.log"
-            _wait_until(proc, runs, "the trainer's next generation without inference-1",
-                        lambda: "weight group generation 3: receiver ranks [1]" in trainer_log.read_text())
+            _wait_until(proc, runs, "the trainer's next generation with inference-0 alone",
+                        lambda: "receiver ranks [1]" in trainer_log.read_text().partition("receiver ranks [1, 2, 3]")[2])
         out = _stop_and_wait(proc, run_dir, workspace)
     finally:
         if proc.poll() is None:
@@ -142,20 +129,31 @@ def test_scale_adds_a_replica_at_the_current_weights_then_drains_it(workspace: P
     assert proc.returncode == 0, out + _logs(runs)
     assert "stopped at step" in out
     _assert_each_step_trained_once(run_dir)
-    # it joined mid-run on the weights then current (step 2 or later), and answered with them or newer
+    # 1. restarted, and brought to the newest weights before its first request
+    assert "inference-1" in out and "restarting" in out
+    assert "restart 1" in (run_dir / "logs" / "inference-1.log").read_text()
+    assert rejoined["joined_version"] >= 2, rejoined
+    assert rejoined["answered_versions"][0] >= rejoined["joined_version"], rejoined
+    # 2. it joined mid-run on the weights then current (step 2 or later), and answered with them or newer
     assert joined["joined_version"] >= 2 and joined["answered_versions"][0] >= joined["joined_version"], joined
-    # its own /metrics: the sequences it finished, read before it was stopped
-    assert "retired inference-1, drained; it served " in retired.stdout, retired.stdout
-    sequences = int(retired.stdout.split("it served ")[1].split(" sequences")[0])
+    # 3. the newest first; each its own /metrics: the sequences it finished, read before it was stopped
+    assert "retired inference-2, drained; it served " in retired[0].stdout, retired[0].stdout
+    assert "retired inference-1, drained; it served " in retired[1].stdout, retired[1].stdout
+    sequences = int(retired[0].stdout.split("it served ")[1].split(" sequences")[0])
     assert sequences >= joined["requests"] > 0
+    # 4.
     assert last.returncode == 2 and "at least one inference server" in last.stderr
-    assert url not in json.dumps(json.loads((run_dir / "inference_pool.json").read_text()))
-    assert "inference-1" in (run_dir / "scale" / "plan.json").read_text()
-    assert "inference-1" not in (run_dir / "plan.json").read_text()  # the compiled plan stays what ran
+    pool = json.dumps(json.loads((run_dir / "inference_pool.json").read_text()))
+    assert added_url not in pool and restarted_url not in pool
+    assert "inference-2" in (run_dir / "scale" / "plan.json").read_text()
+    assert "inference-2" not in (run_dir / "plan.json").read_text()  # the compiled plan stays what ran
     if sync == "broadcast":
+        orchestrator = orchestrator_log.read_text()
+        assert f"{restarted_url} rejoined the weight group at policy version" in orchestrator
+        assert f"{added_url} rejoined the weight group at policy version" in orchestrator
+        assert "weights of step" in (run_dir / "logs" / "inference-1.log").read_text()
         trainer = (run_dir / "logs" / "trainer.log").read_text()
-        assert "weight group generation 2: receiver ranks [1, 2]" in trainer, trainer[-3000:]  # admitted: rank 2
-        assert f"{url} rejoined the weight group at policy version" in (run_dir / "logs" / "orchestrator.log").read_text()
+        assert "receiver ranks [1, 2, 3]" in trainer, trainer[-3000:]  # the added one admitted: rank 3
 
 
 def test_scale_is_refused_where_it_is_not_built(workspace: Path, tmp_path: Path):
