@@ -86,5 +86,7 @@ def test_a_receiver_adds_at_most_two_buckets_not_the_model(modes, tmp_path):
         else:
             # the engine's start-up weights that are kept as stored (o_proj, down: 1.25 MB a layer) are views
             # of the safetensors file's mapping, which stays mapped while any is served: the first update
-            # adds their copies (measured 10.4-13.4 MiB; 4.1-4.6 MiB the second time)
-            assert r["peaks"][0] <= 2 * r["largest_bucket"] + LAYERS * 1.3 * MB, (r, model_bytes)
+            # adds their copies (measured 10.4-13.4 MiB; 4.1-4.6 MiB the second time), and gloo's first-use
+            # buffers as in copy mode (a CI rehearsal with the 2 cores 99% busy saw 16.4 MiB, 0.7 over the bound
+            # without them)
+            assert r["peaks"][0] <= 2 * r["largest_bucket"] + LAYERS * 1.3 * MB + MB, (r, model_bytes)
