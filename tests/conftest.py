@@ -34,6 +34,17 @@ class CliResult:
         return self.out + self.err
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Every test computes on one intra-op thread: .ci/run runs 3 workers on 2 cores, and at torch's default
+    (a thread per core) an OpenMP thread spins at each barrier for a core another worker holds (bench/RESULTS.md,
+    "Test suite time", round 9). A test that wants more threads sets them in its body; the next test starts at
+    one again. A test that never imports torch does not get it imported here."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def run_cli(*args: str, cwd: Path | str | None = None, timeout: float = 30, env: dict | None = None) -> CliResult:
     """The real `primebuild` in a fresh interpreter: exit code, stdout, stderr."""
     proc = subprocess.run([sys.executable, "-m", "primebuild.cli", *map(str, args)], cwd=cwd or REPO,

@@ -23,8 +23,6 @@ from primebuild.runtime.rollout_file import load_batch, save_batch
 from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.weight_sync import filesystem as fs
 
-torch.set_num_threads(2)
-
 
 def flip_a_byte(path: Path, offset: int = -9) -> None:
     data = bytearray(path.read_bytes())

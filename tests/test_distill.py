@@ -20,7 +20,6 @@ from primebuild.runtime.trainer.batch import pack  # noqa: E402
 from primebuild.runtime.trainer.distill import distilled_advantages, teacher_baseline  # noqa: E402
 from primebuild.runtime.trainer.losses import resolve_loss  # noqa: E402
 
-torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 
 

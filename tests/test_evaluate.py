@@ -18,8 +18,6 @@ from primebuild.runtime.evaluate import (  # noqa: E402
 )
 from primebuild.runtime.models.tiny import build_tiny_model  # noqa: E402
 
-torch.set_num_threads(1)
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

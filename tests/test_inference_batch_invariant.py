@@ -16,7 +16,6 @@ from primebuild.runtime.inference.batch_invariant import ROW_BLOCK, in_row_block
 from primebuild.runtime.inference.engine import Engine
 from primebuild.runtime.inference.sampling import SamplingParams
 
-torch.set_num_threads(1)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 

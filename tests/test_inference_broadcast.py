@@ -22,8 +22,6 @@ from inference_helpers import (
 )
 from safetensors.torch import load_file
 
-torch.set_num_threads(1)
-
 
 @contextlib.contextmanager
 def serve_with_stage(folder, init_method: str, rank: int = 1, world_size: int = 2):

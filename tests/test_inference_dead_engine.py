@@ -13,13 +13,11 @@ import time
 
 import httpx
 import pytest
-import torch
 from conftest import free_port
 from inference_helpers import save_model, serve_folder
 
 from primebuild.runtime.inference.engine import MAX_FAILED_STEPS
 
-torch.set_num_threads(1)
 PROMPT = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0}
 
 

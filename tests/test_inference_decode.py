@@ -16,7 +16,6 @@ from primebuild.runtime.inference.model import _unit
 from primebuild.runtime.inference.sampling import SamplingParams, sample, sample_greedy
 from primebuild.runtime.inference.sequences import ChoiceResult
 
-torch.set_num_threads(1)
 ONEDNN = onednn_packing_available("cpu", torch.float32)
 
 

@@ -14,8 +14,6 @@ from primebuild.runtime.inference.engine import Engine
 from primebuild.runtime.inference.sampling import SamplingParams
 from primebuild.runtime.inference.sequences import ChoiceResult
 
-torch.set_num_threads(1)
-
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def setup(request, tmp_path_factory):

@@ -7,12 +7,9 @@ import json
 
 import httpx
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from inference_helpers import save_model, serve_folder
-
-torch.set_num_threads(1)
 
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/update_weights", "/pause"]
 

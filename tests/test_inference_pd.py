@@ -22,7 +22,6 @@ from primebuild.runtime.inference.router import create_router
 from primebuild.runtime.inference.server import create_app
 from primebuild.runtime.inference.tokenizer import ServedTokenizer
 
-torch.set_num_threads(1)
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 

@@ -14,7 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 from inference_helpers import (
     EOS_ID,
     hf_greedy,
@@ -26,7 +25,6 @@ from inference_helpers import (
 
 from primebuild.kernels.routing import decode_routes
 
-torch.set_num_threads(1)
 TOL = 1e-5
 
 

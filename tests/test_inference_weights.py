@@ -8,10 +8,8 @@ import threading
 
 import httpx
 import pytest
-import torch
 from inference_helpers import load_hf, save_model, serve_folder, teacher_forced_logprobs
 
-torch.set_num_threads(1)
 TOL = 1e-5
 
 

@@ -28,8 +28,6 @@ from primebuild.kernels.fp8 import (
     scaled_mm_operands,
 )
 
-torch.set_num_threads(2)
-
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()

@@ -19,7 +19,6 @@ from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.trainer.model import DistEnv, load_model
 from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 
-torch.set_num_threads(2)
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "down_proj"]}
 
 

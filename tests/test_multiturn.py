@@ -26,7 +26,6 @@ from primebuild.runtime.trainer.batch import pack
 from primebuild.runtime.trainer.losses import resolve_loss
 from primebuild.runtime.trainer.model import DistEnv, load_model
 
-torch.set_num_threads(1)
 TURNS = 4
 
 

@@ -23,7 +23,6 @@ from primebuild.runtime.trainer.batch import pack
 from primebuild.runtime.trainer.model import Policy
 from primebuild.runtime.trainer.router_replay import RouterReplay
 
-torch.set_num_threads(1)
 TIGHT = 2e-5  # fp32 on both sides, same routes: rounding only
 
 

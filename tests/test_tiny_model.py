@@ -14,7 +14,6 @@ from primebuild.runtime.envs.reverse_text import ReverseTextEnv  # noqa: E402
 from primebuild.runtime.models.char_tokenizer import VOCAB, save_char_tokenizer  # noqa: E402
 from primebuild.runtime.models.tiny import build_tiny_model  # noqa: E402
 
-torch.set_num_threads(1)
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
 
 

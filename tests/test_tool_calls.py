@@ -13,7 +13,6 @@ import json
 import os
 
 import pytest
-import torch
 from chat_helpers import CALL, TOOLS
 from inference_helpers import ADMIN_TOKEN, Served, running_server
 from transformers import AutoTokenizer
@@ -23,8 +22,6 @@ from primebuild.runtime.envs.chat_interception import ChatInterception
 from primebuild.runtime.inference.chat_template import ChatTemplate
 from primebuild.runtime.inference.tool_parser import parse_tool_calls
 from primebuild.runtime.orchestrator.client import InferenceClient
-
-torch.set_num_threads(1)
 
 
 def test_the_hermes_parser_reads_calls_and_leaves_broken_ones_as_text():

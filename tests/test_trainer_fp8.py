@@ -22,8 +22,6 @@ from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.trainer.model import Policy, decoder_layers
 from primebuild.runtime.weight_sync.filesystem import step_folder
 
-torch.set_num_threads(1)
-
 
 def test_forward_is_the_reference_and_backward_the_straight_through_gradient():
     g = torch.Generator().manual_seed(0)

@@ -21,8 +21,6 @@ from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 
-torch.set_num_threads(2)
-
 
 def _match_case(offload: bool, folder):
     """The runs of test_two_ranks_match_one_rank: their common config, and its 2-rank config."""

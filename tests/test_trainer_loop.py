@@ -17,8 +17,6 @@ from primebuild.runtime.trainer.main import main, run_trainer, train_step
 from primebuild.runtime.trainer.model import DistEnv, full_state_dict, load_model
 from primebuild.runtime.weight_sync.filesystem import is_stable, publish_hf_weights, stable_steps, step_folder
 
-torch.set_num_threads(2)
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

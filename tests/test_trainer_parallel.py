@@ -19,7 +19,6 @@ from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 
-torch.set_num_threads(2)
 STEPS = 20
 
 

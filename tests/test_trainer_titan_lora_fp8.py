@@ -21,7 +21,6 @@ from primebuild.runtime.trainer.model import DistEnv, load_model
 from primebuild.runtime.trainer.titan_policy import load_titan_model
 from primebuild.runtime.weight_sync.filesystem import step_folder
 
-torch.set_num_threads(2)
 ONE_RANK = DistEnv(0, 1, torch.device("cpu"))
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
 # fp32 on a CPU: the same operations in the same order on both engines; what is left is summation order

@@ -8,7 +8,6 @@ import json
 
 import httpx
 import pytest
-import torch
 from chat_helpers import TOOLS
 from vllm_helpers import START_TIMEOUT_S, VLLM_ADMIN_TOKEN, VllmServer
 
@@ -16,7 +15,6 @@ from primebuild.builders.vllm_command import VllmServer as ServerSpec
 from primebuild.builders.vllm_command import server_argv
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-torch.set_num_threads(1)
 
 
 def test_vllm_answers_tool_calls_with_the_plans_flags(tool_caller_model, tmp_path):

@@ -21,8 +21,6 @@ from primebuild.runtime.weight_sync.broadcast import BroadcastReceiver, Broadcas
 from primebuild.runtime.weight_sync.fp8_wire import Fp8Wire, quantise, scale_name
 from primebuild.runtime.weight_sync.stream import InMemoryWeights
 
-torch.set_num_threads(1)
-
 
 def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The same MoE in transformers-5's layout (what the trainer publishes): per layer, experts.gate_up_proj
