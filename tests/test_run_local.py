@@ -88,6 +88,16 @@ def _wait_for_trained(run_dir_parent: Path, step: int, proc: subprocess.Popen, t
     raise AssertionError(f"step {step} was not trained within {timeout} s\n" + _logs(run_dir_parent))
 
 
+def _wait_for_text(path: Path, text: str, proc: subprocess.Popen, runs: Path, timeout: float = 200) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (proc.stdout.read() if proc.stdout else "") + _logs(runs)
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} within {timeout} s\n" + _logs(runs))
+
+
 @pytest.fixture(scope="module")
 def three_synchronous_steps(workspace: Path, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """One 3-step run with max_off_policy_steps 0, for the two tests below that read it (a launch costs
@@ -246,7 +256,10 @@ def test_killed_inference_is_restarted_then_interrupt_checkpoints_and_resume_con
         run_dir = _wait_for_trained(runs, 2, proc)
         victim = _pid_of(run_dir, "primebuild.runtime.inference.server")
         os.kill(victim, signal.SIGKILL)
-        _wait_for_trained(runs, 4, proc)  # sampled by the restarted server
+        # the restart before the Ctrl-C: the trainer can train the rollouts sampled before the kill faster
+        # than the supervisor's next look, and a server that dies after a stop is asked for is not restarted
+        _wait_for_text(run_dir / "logs" / "inference-0.log", "(restart 1)", proc, runs)
+        _wait_for_trained(runs, max(4, _trained_steps(run_dir)[-1] + 1), proc)
         proc.send_signal(signal.SIGINT)  # what Ctrl-C does
         out, _ = proc.communicate(timeout=120)
     finally:
