@@ -17,6 +17,8 @@ import pytest
 import yaml
 from parallel_groups import pytest_collection_modifyitems, pytest_configure  # noqa: F401 (hooks: pytest -n N)
 
+from primebuild.gc_tuning import freeze_startup  # (and its package sets the thresholds before torch)
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 SHIPPED = sorted(MANIFESTS.glob("*.yaml"))
@@ -32,6 +34,12 @@ class CliResult:
     @property
     def text(self) -> str:
         return self.out + self.err
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every test module is imported now, and its modules (torch, transformers, vLLM's clients) stay for the
+    session: frozen, no collection during a test walks them again (primebuild/gc_tuning.py says why)."""
+    freeze_startup()
 
 
 @pytest.fixture(autouse=True)

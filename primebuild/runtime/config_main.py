@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from primebuild.contracts.base import Contract, load_contract
 from primebuild.errors import UserError
+from primebuild.gc_tuning import freeze_startup
 
 C = TypeVar("C", bound=Contract)
 
@@ -30,7 +31,9 @@ def config_main(argv: list[str] | None, *, prog: str, config_class: type[C], run
     if log_format is not None:
         logging.basicConfig(level=logging.INFO, format=log_format)
     try:
-        run(load_contract(config_class, args.config))
+        config = load_contract(config_class, args.config)
+        freeze_startup()  # the modules imported so far live as long as the process
+        run(config)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
