@@ -2,7 +2,8 @@
 
 Importing torch, torchtitan and transformers leaves ~400k objects that live as long as the process, and the
 collector walks all of them at every full collection: with the default thresholds (700, 10, 10) that was ~15%
-of a trainer's start-up CPU and ~12% of the test suite's (bench/RESULTS.md, "Test suite time", round 10).
+of a trainer's start-up CPU and ~13% of the CPU of the test modules profiled (bench/RESULTS.md, "Test suite
+time", round 10).
 Collecting the young generation every 10k allocations instead makes full collections ~14x rarer (cyclic
 garbage still goes, a little later: the main job's process tree peaked at the same RSS, 1,139 against 1,148
 MiB), and freezing what start-up built keeps later collections off it.
