@@ -85,6 +85,18 @@ def namespace_of(pid: int, namespaces) -> str:
     return found[0] if len(found) == 1 else f"? {found}"
 
 
+def where_the_run_is(run_dir: Path, pids: list[int], namespaces) -> tuple[dict[str, str], list[tuple[int, str, str, int]]]:
+    """While a run runs on namespace hosts: {plan process: its namespace} from the run's pid records, and
+    (pid, namespace, local address, port) of every TCP socket in LISTEN state that one of `pids` holds."""
+    placed = {}
+    for record in (run_dir / "pids").glob("*.json"):
+        data = json.loads(record.read_text())
+        placed[data["process"]] = namespace_of(data["pid"], namespaces)
+    sockets = listening_sockets(pids)
+    namespace = {pid: namespace_of(pid, namespaces) for pid in {pid for pid, _, _ in sockets}}
+    return placed, [(pid, namespace[pid], address, port) for pid, address, port in sockets]
+
+
 def cli(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "primebuild.cli", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=timeout)

@@ -22,9 +22,7 @@ from cluster_helpers import (
     NETNS_HOSTS,
     REPO,
     cli,
-    listening_sockets,
     logs_tail,
-    namespace_of,
     namespace_pids,
     processes_of,
     require_netns_hosts,
@@ -32,6 +30,7 @@ from cluster_helpers import (
     trained_steps,
     wait_gone,
     wait_trained,
+    where_the_run_is,
 )
 from conftest import SHIPPED_NAMES, sft_workspace
 
@@ -69,12 +68,7 @@ def test_a_run_spans_three_hosts_then_a_cut_link_ends_it_naming_the_host_and_res
                  "--set", "orchestrator.max_steps=6", "--set", "trainer.checkpoint_every=1", env=env)
     try:
         run_dir = wait_trained(runs, 2, proc, timeout=600)
-        placed = {}
-        for record in (run_dir / "pids").glob("*.json"):
-            data = json.loads(record.read_text())
-            placed[data["process"]] = namespace_of(data["pid"], NAMESPACES)
-        sockets = listening_sockets(_run_pids(run_dir))
-        by_namespace = {pid: namespace_of(pid, NAMESPACES) for pid in {pid for pid, _, _ in sockets}}
+        placed, sockets = where_the_run_is(run_dir, _run_pids(run_dir), NAMESPACES)
         subprocess.run(["ip", "link", "set", "pbhost2", "down"], check=True, timeout=20)  # trainer-n0's host
         cut = time.monotonic()
         out, _ = proc.communicate(timeout=180)
@@ -95,10 +89,9 @@ def test_a_run_spans_three_hosts_then_a_cut_link_ends_it_naming_the_host_and_res
     assert json.loads((run_dir / "rendezvous.json").read_text())["hosts"] == list(NETNS_HOSTS)
     # every socket of the run listens on its own host's address (loopback inside it at most), never `*`
     own = {ns: host for ns, host in zip(NAMESPACES, NETNS_HOSTS, strict=True)}
-    wrong = [(pid, addr, port) for pid, addr, port in sockets
-             if addr not in (own.get(by_namespace[pid]), "127.0.0.1")]
+    wrong = [(pid, ns, addr, port) for pid, ns, addr, port in sockets if addr not in (own.get(ns), "127.0.0.1")]
     assert wrong == [], sockets
-    listening = {(by_namespace[pid], addr, port) for pid, addr, port in sockets}
+    listening = {(ns, addr, port) for _, ns, addr, port in sockets}
     assert ("pbhost2", "10.77.0.2", 29500) in listening  # the trainer's rendezvous, on node 0 of the trainer
     assert any(ns == "pbhost1" and addr == "10.77.0.1" for ns, addr, _ in listening)  # the server
     print(f"3 hosts: listening sockets {sorted(listening)}")

@@ -20,7 +20,6 @@ import pytest
 from cluster_helpers import (
     NAMESPACES,
     REPO,
-    listening_sockets,
     logs_tail,
     missing,
     namespace_of,
@@ -31,6 +30,7 @@ from cluster_helpers import (
     trained_steps,
     wait_gone,
     wait_trained,
+    where_the_run_is,
 )
 from conftest import SHIPPED_NAMES, sft_workspace
 
@@ -83,12 +83,7 @@ def test_a_slurm_run_spans_the_namespace_hosts_with_a_two_host_trainer(ws, tmp_p
     proc = start("run", manifest, "--runs-dir", runs, "--quiet", *SMALL, "--set", "orchestrator.max_steps=4", env=env)
     try:
         run_dir = wait_trained(runs, 1, proc, timeout=600)
-        placed = {}
-        for record in (run_dir / "pids").glob("*.json"):
-            data = json.loads(record.read_text())
-            placed[data["process"]] = namespace_of(data["pid"], SLURM_NAMESPACES)
-        sockets = listening_sockets(_run_pids(run_dir))
-        by_namespace = {pid: namespace_of(pid, SLURM_NAMESPACES) for pid in {pid for pid, _, _ in sockets}}
+        placed, sockets = where_the_run_is(run_dir, _run_pids(run_dir), SLURM_NAMESPACES)
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -102,10 +97,9 @@ def test_a_slurm_run_spans_the_namespace_hosts_with_a_two_host_trainer(ws, tmp_p
     plan_hosts = [ADDRESS[placed[name]] for name in ("inference-0", "trainer-n0", "trainer-n1")]
     assert json.loads((run_dir / "rendezvous.json").read_text())["hosts"] == plan_hosts
     # every socket of the run listens on its own host's address (loopback inside it at most), never `*`
-    wrong = [(pid, addr, port) for pid, addr, port in sockets
-             if addr not in (ADDRESS.get(by_namespace[pid]), "127.0.0.1")]
+    wrong = [(pid, ns, addr, port) for pid, ns, addr, port in sockets if addr not in (ADDRESS.get(ns), "127.0.0.1")]
     assert wrong == [], sockets
-    listening = {(by_namespace[pid], addr, port) for pid, addr, port in sockets}
+    listening = {(ns, addr, port) for _, ns, addr, port in sockets}
     trainer0 = placed["trainer-n0"]
     assert (trainer0, ADDRESS[trainer0], 29500) in listening  # torchrun's rendezvous, on the trainer's node 0
     print(f"slurm over namespace hosts: placed {placed}, listening {sorted(listening)}")
