@@ -77,25 +77,30 @@ def _trained_steps(run_dir: Path) -> list[int]:
     return sorted(r["step"] for r in _metrics(run_dir) if r["role"] == "trainer" and r["name"] == "loss")
 
 
-def _wait_for_trained(run_dir_parent: Path, step: int, proc: subprocess.Popen, timeout: float = 200) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (proc.stdout.read() if proc.stdout else "") + _logs(run_dir_parent)
-        dirs = [p for p in run_dir_parent.iterdir() if p.is_dir()] if run_dir_parent.exists() else []
-        if dirs and (dirs[0] / "metrics.jsonl").exists() and step in _trained_steps(dirs[0]):
-            return dirs[0]
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} was not trained within {timeout} s\n" + _logs(run_dir_parent))
-
-
-def _wait_for_text(path: Path, text: str, proc: subprocess.Popen, runs: Path, timeout: float = 200) -> None:
+def _wait_until(ready, what: str, proc: subprocess.Popen, runs: Path, timeout: float = 200):
+    """`ready()`'s first true answer, polled while the run `proc` (its runs under `runs`) lives."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, (proc.stdout.read() if proc.stdout else "") + _logs(runs)
-        if path.exists() and text in path.read_text():
-            return
+        found = ready()
+        if found:
+            return found
         time.sleep(0.2)
-    raise AssertionError(f"{text!r} not in {path} within {timeout} s\n" + _logs(runs))
+    raise AssertionError(f"{what} within {timeout} s\n" + _logs(runs))
+
+
+def _wait_for_trained(run_dir_parent: Path, step: int, proc: subprocess.Popen, timeout: float = 200) -> Path:
+    def trained() -> Path | None:
+        dirs = [p for p in run_dir_parent.iterdir() if p.is_dir()] if run_dir_parent.exists() else []
+        if dirs and (dirs[0] / "metrics.jsonl").exists() and step in _trained_steps(dirs[0]):
+            return dirs[0]
+        return None
+
+    return _wait_until(trained, f"step {step} was not trained", proc, run_dir_parent, timeout)
+
+
+def _wait_for_text(path: Path, text: str, proc: subprocess.Popen, runs: Path, timeout: float = 200) -> None:
+    _wait_until(lambda: path.exists() and text in path.read_text(), f"{text!r} not in {path}", proc, runs, timeout)
 
 
 @pytest.fixture(scope="module")
