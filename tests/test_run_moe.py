@@ -2,9 +2,11 @@
 sides reach the processes, and the progress line and summary.json show the KLs with and without replay.
 
 Synchronous, so every sample is drawn with the weights being trained and the mismatch KL is measured at
-every step. FP8 inference with an FP8 trainer compute the same function: their mismatch sits far below
-an fp32 trainer's against FP8 samples (~3e-3) and far above fp32 against fp32 (~1e-12) -- which proves
-that both processes really ran FP8.
+every step. FP8 inference with an FP8 trainer compute the same function: the inference log-probs of step 1
+sit ~2e-4 (mismatch KL) from an fp32 scoring of the same weights, so the server ran FP8, and the trainer's
+mismatch sits at least 100x below that, so it ran the same FP8. (FP8 against FP8 is not bounded from
+below: both sides round the same operands to the same e4m3 codes, so a step is often at fp32 noise, 2e-14,
+and a step where an input tile rounds differently ~1e-7.)
 
 The same under prefill/decode disaggregation (reverse-text-moe-pd.yaml), where the prompt's routes come
 from the prefill server with its KV cache: fp32 mismatch at the unified run's noise, and replay lowering
@@ -48,6 +50,29 @@ def _run(workspace: Path, runs: Path, manifest: str, sets: dict) -> tuple[subpro
     return result, run_dir
 
 
+def _fp32_mismatch_of_step_one(run_dir: Path) -> float:
+    """Mismatch KL of step 1's inference log-probs against transformers' fp32 model on the weights that
+    sampled them (the run's model: no update precedes step 1 in a synchronous run), its own routes."""
+    import torch
+
+    from primebuild.runtime.rollout_file import load_batch
+    from primebuild.runtime.trainer.batch import pack
+    from primebuild.runtime.trainer.losses import kl_per_token
+    from primebuild.runtime.trainer.model import DistEnv, load_model
+
+    config = json.loads((run_dir / "config" / "trainer.json").read_text())
+    model = load_model(config["model_path"], DistEnv(0, 1, torch.device("cpu")), "float32", False, 16)
+    (micro_batches,) = pack(load_batch(run_dir / "rollouts" / "step_000001.safetensors").samples,
+                            micro_batch_tokens=2048, world_size=1)
+    kl = tokens = 0.0
+    for mb in micro_batches:
+        with torch.no_grad():
+            logprobs, _ = model(mb.input_ids, mb.position_ids, config["temperature"])
+        kl += kl_per_token(logprobs - mb.inference_logprobs)[mb.loss_mask].sum().item()
+        tokens += mb.loss_mask.sum().item()
+    return kl / tokens
+
+
 def test_a_router_replay_run_with_fp8_on_both_sides_shows_both_kls(workspace: Path, tmp_path: Path):
     sets = {"orchestrator.max_steps": 3, "orchestrator.max_off_policy_steps": 0, "inference.precision": "fp8",
             "trainer.precision": "fp8", "orchestrator.rollouts_per_step": 32, "orchestrator.eval_prompts": 20,
@@ -58,7 +83,8 @@ def test_a_router_replay_run_with_fp8_on_both_sides_shows_both_kls(workspace: Pa
     assert len(lines) == 3 and all(re.search(f"mismatch {number}/{number}", line) for line in lines), lines
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mismatch_kl_steps"] == summary["mismatch_kl_no_replay_steps"] == 3
-    assert 1e-10 < summary["mismatch_kl_mean"] < 1e-4, summary  # FP8 vs FP8: not fp32's 1e-12, not 3e-3
+    fp32_kl = _fp32_mismatch_of_step_one(run_dir)
+    assert fp32_kl > 1e-5 and summary["mismatch_kl_max"] < fp32_kl / 100, (fp32_kl, summary)
     assert summary["mismatch_kl_no_replay_mean"] >= 0 and 0.5 < summary["routing_agreement_mean"] <= 1
     # 2 MoE layers x top-2, one byte each, for all but the last token of a sample
     assert 3 < summary["routing_bytes_per_token_mean"] < 4
