@@ -209,6 +209,38 @@ def test_two_ranks_train_as_one_and_as_transformers(multi_rank_runs, layout):
             torch.testing.assert_close(weights["hf"][key], tensor, rtol=1e-4, atol=2e-5)
 
 
+_CONFIGURE_BOTH_WAYS = """
+import re, sys
+from pathlib import Path
+from transformers import AutoConfig
+from primebuild.contracts.trainer import ParallelDims
+from primebuild.runtime.trainer.titan_parallelize import configure
+from primebuild.runtime.trainer.titan_policy import titan_config
+
+def configured(path, dims):
+    config = titan_config(AutoConfig.from_pretrained(path), False, exact_experts=True)
+    configure(config, ParallelDims(**dims))
+    return re.sub(r"0x[0-9a-f]+", "", repr(config))  # functions' addresses differ between builds
+
+cases = [(path, dims) for path in sys.argv[1:] for dims in
+         (dict(dp_shard=2, ep=2), dict(dp_shard=2, tp=2, ep=4), dict(dp_replicate=2, dp_shard=1, cp=2))]
+placeholder = [configured(*case) for case in cases]
+unimported = "torchtitan.trainer" not in sys.modules and "datasets" not in sys.modules
+import torchtitan.trainer  # noqa: E402, F401
+print(unimported, placeholder == [configured(*case) for case in cases])
+"""
+
+
+def test_configuring_a_layout_leaves_torchtitans_trainer_unimported_and_the_config_as_it_would_make_it(tmp_path):
+    """titan_parallelize.configure gives torchtitan's `update_from_config` a placeholder for the one module
+    it imports for an isinstance check (torchtitan.trainer, with HF datasets: +111 MiB and ~0.7 s of CPU a
+    trainer rank): the configs it makes equal those made with the real module, dense and MoE, EP, TP, CP."""
+    paths = [make_tiny_model(tmp_path / name, moe=moe, seed=5) for name, moe in (("dense", False), ("moe", True))]
+    done = subprocess.run([sys.executable, "-c", _CONFIGURE_BOTH_WAYS, *map(str, paths)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "True"], done.stdout
+
 def test_the_trainer_checks_again_that_ep_borrows_ranks_it_can():
     """A hand-written config meets the plan's rules at launch (main.check_launch -> check_dims)."""
     from primebuild.contracts.trainer import ParallelDims

@@ -20,6 +20,9 @@ sharded layouts) and, without a GPU, the device type of its meshes (it assumes C
 
 from __future__ import annotations
 
+import sys
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +56,31 @@ def _parallelism(dims: ParallelDims) -> ParallelismConfig:
 
 def configure(model_config, dims: ParallelDims) -> None:
     """Give the model config the sharding of `dims` (before the model is built from it)."""
-    model_config.update_from_config(config=_RuntimeConfig(_parallelism(dims)))
+    with _trainer_class_unimported():
+        model_config.update_from_config(config=_RuntimeConfig(_parallelism(dims)))
+
+
+@contextmanager
+def _trainer_class_unimported():
+    """`update_from_config` imports `torchtitan.trainer` for one check, `isinstance(config, Trainer.Config)`
+    (is this torchtitan's own trainer?), and that module imports torchtitan's data loaders, validator and
+    Hugging Face `datasets`: +1,050 modules, +111 MiB of RSS and ~0.7 s of CPU in every trainer process
+    (measured). Ours never is torchtitan's trainer, so while the call runs the name resolves to a module
+    whose `Trainer.Config` nothing is an instance of; torchtitan's own checks and settings run unchanged,
+    and a later torchtitan that reads more of that module fails loudly (AttributeError) instead of silently.
+    Where the real module is already imported (a test process), it is used."""
+    name = "torchtitan.trainer"
+    if name in sys.modules:
+        yield
+        return
+    placeholder = types.ModuleType(name, "torchtitan.trainer, not imported: see titan_parallelize.configure")
+    placeholder.Trainer = type("Trainer", (), {"Config": type("Config", (), {})})
+    sys.modules[name] = placeholder
+    try:
+        yield
+    finally:
+        if sys.modules.get(name) is placeholder:
+            del sys.modules[name]
 
 
 def build_titan_dims(dims: ParallelDims, world_size: int, device_type: str) -> TitanDims:
