@@ -29,13 +29,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-
-def role(proc: psutil.Process) -> str:
-    argv = " ".join(proc.cmdline())
-    for kind in ("EngineCore", "Worker", "api_server"):
-        if kind in argv:
-            return kind
-    return argv[:40]
+from bench.vllm_start import role  # noqa: E402  (a server process's role from its command line)
 
 
 def cpu_by_role(root: psutil.Process) -> dict[str, float]:
