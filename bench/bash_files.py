@@ -83,9 +83,10 @@ def task_text(task) -> str:
     return task.info[VERIFIERS_TASK].data.text
 
 
-def warm_start(folder: Path, env, seed: int, stop_at: float, max_steps: int, lr: float, batch: int) -> dict:
+def warm_start(folder: Path, env, seed: int, stop_at: float, max_steps: int, lr: float, batch: int,
+               check_every: int) -> dict:
     """Supervise the tiny chat model on demonstrations until its greedy call is right for `stop_at` of the
-    training-side validation tasks (checked every 20 steps); returns the curve."""
+    training-side validation tasks (checked every `check_every` steps); returns the curve."""
     import torch
     from chat_helpers import masked_lm_step, save_chat_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -130,7 +131,7 @@ def warm_start(folder: Path, env, seed: int, stop_at: float, max_steps: int, lr:
     for step in range(1, max_steps + 1):
         rows = [episode(t) for t in env.sample_tasks(rng, batch)]
         loss = masked_lm_step(model, optimizer, rows)
-        if step % 20 == 0:
+        if step % check_every == 0:
             point = {"step": step, "loss": round(loss.item(), 4), "validation": right_calls(validation),
                      "held_out": right_calls(held_out), "seconds": round(time.perf_counter() - started, 1)}
             curve.append(point)
@@ -185,6 +186,8 @@ def main() -> None:
     parser.add_argument("--stop-at", type=float, default=0.3)
     parser.add_argument("--sft-steps", type=int, default=1000)
     parser.add_argument("--sft-lr", type=float, default=2e-3)
+    parser.add_argument("--check-every", type=int, default=20,
+                        help="warm-start steps between validation checks (the copy comes suddenly: 20 overshoots)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rollouts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
@@ -203,9 +206,9 @@ def main() -> None:
     torch.set_num_threads(1)  # the cores are shared: a second thread waits more than it helps
     env = load_environment("verifiers:pb-bash-files", None, {"harness": "bash", "max_turns": 2, "num_eval": 32})
     ws = args.workspace.resolve()
-    model = ws / f"model-stop{args.stop_at}"
+    model = ws / (f"model-stop{args.stop_at}" + (f"-every{args.check_every}" if args.check_every != 20 else ""))
     if not (model / "warm_start.json").exists():
-        info = warm_start(model, env, 0, args.stop_at, args.sft_steps, args.sft_lr, 16)
+        info = warm_start(model, env, 0, args.stop_at, args.sft_steps, args.sft_lr, 16, args.check_every)
         (model / "warm_start.json").write_text(json.dumps(info))
     info = json.loads((model / "warm_start.json").read_text())
     print("warm start:", info["steps"], "steps,", info["seconds"], "s; last", info["curve"][-1], flush=True)
