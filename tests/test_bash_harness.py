@@ -100,6 +100,74 @@ def test_the_sandbox_runtime_reaches_only_its_routes_and_ends_commands_at_their_
     assert not any(folder.exists() for folder in folders)  # removed with the runtime, sockets included
 
 
+HARNESS_PROBE = '''# /// script
+# dependencies = ["httpx"]
+# ///
+import sys
+preloaded = "httpx" in sys.modules  # before this script imports it: the zygote did
+import os, subprocess, time, httpx
+
+def get(url):
+    try:
+        return httpx.get(url, timeout=3).text
+    except Exception as e:
+        return type(e).__name__
+
+def bash(command):
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    return done.returncode, done.stdout.strip()
+
+print("preloaded:", preloaded)
+print("argv:", sys.argv[1:])
+print("allowed:", get("http://127.0.0.1:{allowed}/"))
+print("other port:", get("http://127.0.0.1:{other}/"))
+print("command to the allowed port:", bash("exec 3<>/dev/tcp/127.0.0.1/{allowed} && echo connected"))
+print("command's view:", bash("cat secret.txt; pwd; ls {episodes} || echo hidden; ulimit -t"))
+print("sleep:", bash("sleep 60"))
+sys.exit(3)
+'''
+
+
+def test_the_harness_program_is_forked_with_its_imports_done_and_its_commands_are_sandboxed(host_servers):
+    """The program prepare_uv_script returns is forked from the process's zygote (program_zygote.py): its
+    dependencies are already imported; it reaches its route only; each command it runs is in a sandbox of
+    its own (its episode's folder as /work, no other folder, no network at all, the CPU limit, `timeout`);
+    its exit code and output come back; a program past the episode's wall limit is killed."""
+    from primebuild.runtime.envs.sandbox_runtime import WALL_KILLED, SandboxLimits, SandboxRuntime
+
+    allowed, other = host_servers
+
+    async def run():
+        runtime, slow = (SandboxRuntime(SandboxLimits(cpu_seconds=2, command_seconds=2, wall_seconds=s))
+                         for s in (40, 3))
+        for r in (runtime, slow):
+            await r.start()
+        try:
+            await runtime.prepare_execution([f"http://localhost:{allowed}/v1"])
+            await runtime.write("secret.txt", b"s3cret")
+            program = await runtime.prepare_uv_script(HARNESS_PROBE.format(
+                allowed=allowed, other=other, episodes=runtime.zygote.root))
+            result = await runtime.run([*program, "--prompt=hi"], {})
+            sleeper = await slow.prepare_uv_script('# dependencies = ["httpx"]\nimport time\ntime.sleep(60)\n')
+            started = time.monotonic()
+            killed = await slow.run(sleeper, {})
+            return result, killed, time.monotonic() - started, slow.wall_killed
+        finally:
+            for r in (runtime, slow):
+                await r.stop()
+
+    result, killed, seconds, wall_killed = asyncio.run(run())
+    assert result.exit_code == 3, result.stderr
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert lines["preloaded"] == "True" and lines["argv"] == "['--prompt=hi']"
+    assert lines["allowed"] == "hello from the host" and lines["other port"] == "ConnectError"
+    assert eval(lines["command to the allowed port"])[1] == ""  # a command has no network, not even the route
+    code, view = eval(lines["command's view"])
+    assert view.split("\n") == ["s3cret/work", "hidden", "2"]  # the file has no newline
+    assert eval(lines["sleep"])[0] == 124  # `timeout` at command_seconds
+    assert killed.exit_code == WALL_KILLED and wall_killed and seconds < 15
+
+
 def test_an_absolute_path_outside_the_sandbox_and_a_missing_dependency_are_refused():
     from primebuild.errors import UserError
     from primebuild.runtime.envs.sandbox_runtime import SandboxRuntime, script_dependencies

@@ -12,6 +12,7 @@ from conftest import MANIFESTS, plan_json
 
 from primebuild.builders.orchestrator_memory import (
     HARNESS_PROGRAM_BYTES,
+    HARNESS_ZYGOTE_BYTES,
     ORCHESTRATOR_BYTES,
     ROUTER_BYTES,
     SANDBOXED_RUN_BYTES,
@@ -77,5 +78,6 @@ def test_a_harness_episode_counts_its_program(tmp_path: Path, harness: str):
     groups = o.rollouts_per_step // o.group_size // 4
     episodes = (1 + o.max_off_policy_steps) * groups * o.group_size + o.eval_prompts // 4
     assert mem.programs_in_flight == episodes
-    assert mem.breakdown.episode_programs == episodes * HARNESS_PROGRAM_BYTES[harness]
+    zygote = HARNESS_ZYGOTE_BYTES.get(harness, 0)  # bash: the one sandboxed Python its programs are forked from
+    assert mem.breakdown.episode_programs == episodes * HARNESS_PROGRAM_BYTES[harness] + zygote
     assert mem.fits and mem.used_bytes == ORCHESTRATOR_BYTES + SUPERVISOR_BYTES + mem.breakdown.episode_programs

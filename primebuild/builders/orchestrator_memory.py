@@ -2,15 +2,17 @@
 
 The orchestrator is one asyncio process; beside it run the supervisor (`primebuild run` and its
 watchdog) on the local target and on Slurm's batch host, and every episode of an agent environment has
-programs of its own: a verifiers harness program per episode (`args.harness`), in the bubblewrap
-sandbox with a bridge for `bash`, and swe-tiny's sandboxed test run. Their number is the pool's bound
+programs of its own: a verifiers harness program per episode (`args.harness`; for `bash` forked from one
+sandboxed zygote per orchestrator, each command in a nested sandbox), and swe-tiny's sandboxed test run. Their number is the pool's bound
 (primebuild/runtime/orchestrator/pool.py): each environment has at most (1 + max_off_policy_steps) steps'
 worth of its groups in flight, and a held-out eval runs its share of `eval_prompts` at once beside them.
 
 Sizes are peak resident sets measured on this project's CPU machine (bench/RESULTS.md): the
 orchestrator of the main job 105 MiB, `primebuild run` with its watchdog 127 MiB
-(bench/process_memory.py); a bash-harness episode ~95 MiB (its program 57-74 MiB, the bridge ~20 MiB,
-bwrap 2 MiB), a null-harness episode its program; a swe-tiny test run in its sandbox 18 MiB; the embedded
+(bench/process_memory.py); the bash harness's zygote 104 MiB once, and a bash-harness episode its forked
+program's private memory, 39 MiB while the zygote has not yet learnt what the program imports as it runs
+(the first wave of episodes, all in flight at once) and 20 MiB after, plus its command's nested sandbox
+(bwrap, timeout, bash: ~4 MiB); a null-harness episode its program; a swe-tiny test run in its sandbox 18 MiB; the embedded
 engine's P/D router 61 MiB (vLLM's imports 60 MiB before it serves: counted alike). The P/D router runs
 on this node with the embedded engine; vLLM's runs on the first prefill server's node, which is this one
 only on a one-node plan (on GPU nodes its host memory is not modelled, as the servers' is not).
@@ -25,7 +27,8 @@ from primebuild.manifest.schema import Manifest
 MIB = 1 << 20
 ORCHESTRATOR_BYTES = 112 * MIB  # 105 MiB measured, rounded up
 SUPERVISOR_BYTES = 128 * MIB  # 127 MiB measured: `primebuild run` + watchdog
-HARNESS_PROGRAM_BYTES = {"null": 76 * MIB, "bash": 96 * MIB}  # per episode in flight
+HARNESS_PROGRAM_BYTES = {"null": 76 * MIB, "bash": 44 * MIB}  # per episode in flight
+HARNESS_ZYGOTE_BYTES = {"bash": 112 * MIB}  # once per orchestrator: 104 MiB measured (program_zygote.py)
 SANDBOXED_RUN_BYTES = 20 * MIB  # swe-tiny: one sandboxed test run per episode at a time
 ROUTER_BYTES = 80 * MIB  # the P/D router: 61 MiB measured (embedded P/D), rounded up
 SUPERVISED_HERE = ("local", "slurm")  # over ssh `primebuild run` supervises from the machine it was typed on
@@ -62,6 +65,9 @@ def orchestrator_memory(m: Manifest, capacity_bytes: int) -> OrchestratorGroupMe
     """The orchestrator's node: its process, the supervisor where it runs there, and its episodes' programs."""
     counts = programs_in_flight(m)
     programs = sum(n * episode_program_bytes(e) for n, e in zip(counts, m.environments, strict=True))
+    harnesses = {e.args["harness"] for e in m.environments
+                 if e.id.startswith(VERIFIERS_PREFIX) and "harness" in (e.args or {})}
+    programs += sum(HARNESS_ZYGOTE_BYTES.get(h, 0) for h in harnesses)
     breakdown = OrchestratorBreakdown(
         process=ORCHESTRATOR_BYTES, supervisor=SUPERVISOR_BYTES if m.target.kind in SUPERVISED_HERE else 0,
         episode_programs=programs, router=ROUTER_BYTES if router_here(m) else 0)

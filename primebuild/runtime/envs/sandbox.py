@@ -28,6 +28,8 @@ from pathlib import Path
 from primebuild.errors import UserError
 
 WORKDIR = "/work"  # where the rollout's folder appears inside the sandbox
+VENV = "/opt/primebuild-venv"  # where a sandbox given this project's virtual environment sees it (read-only)
+PYTHON = f"{VENV}/bin/python{sys.version_info.major}.{sys.version_info.minor}"  # a venv's, or a system prefix's
 
 
 @dataclass(frozen=True)
@@ -66,15 +68,39 @@ def python_in_sandbox() -> str:
     return str(Path(sys.base_prefix) / "bin" / name)
 
 
+def system_binds() -> list[str]:
+    """bwrap arguments that show the system read-only: /usr, its merged-/usr links, and the base interpreter."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for link in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: /bin -> usr/bin, ...
+        target = Path("/") / link
+        if target.is_symlink():
+            args += ["--symlink", os.readlink(target), str(target)]
+        elif target.is_dir():
+            args += ["--ro-bind", str(target), str(target)]
+    prefix = Path(sys.base_prefix)
+    if not str(prefix).startswith("/usr"):  # an interpreter installed elsewhere (uv, pyenv)
+        args += ["--ro-bind", str(prefix), str(prefix)]
+    return args
+
+
+def rlimits(limits: Limits) -> list[tuple[str, int, int]]:
+    """The rlimits a confined process gets, as (resource name, soft, hard)."""
+    return [("RLIMIT_CPU", limits.cpu_seconds, limits.cpu_seconds + 1),  # SIGXCPU, then SIGKILL
+            ("RLIMIT_AS", limits.memory_bytes, limits.memory_bytes),
+            ("RLIMIT_FSIZE", limits.file_bytes, limits.file_bytes),
+            ("RLIMIT_NOFILE", limits.open_files, limits.open_files),
+            ("RLIMIT_CORE", 0, 0)]
+
+
 class Sandbox:
     """A temporary folder for one rollout, and the confined programs run in it."""
 
     def __init__(self, limits: Limits = Limits(), prefix: str = "primebuild-sandbox-",
-                 read_only: dict[str, str] | None = None):
+                 read_only: dict[str, str] | None = None, parent: Path | None = None):
         self.limits = limits
         self.read_only = dict(read_only or {})  # host path -> where it appears inside, read-only
         self._bwrap = bwrap()
-        self.root = Path(tempfile.mkdtemp(prefix=prefix))
+        self.root = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
 
     def path(self, name: str) -> Path:
         """A file of the sandbox by relative name; anything that resolves outside it is refused."""
@@ -84,17 +110,7 @@ class Sandbox:
         return target
 
     def _argv(self, argv: list[str], env: dict[str, str] | None = None) -> list[str]:
-        args = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-                "--ro-bind", "/usr", "/usr"]
-        for link in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: /bin -> usr/bin, ...
-            target = Path("/") / link
-            if target.is_symlink():
-                args += ["--symlink", os.readlink(target), str(target)]
-            elif target.is_dir():
-                args += ["--ro-bind", str(target), str(target)]
-        prefix = Path(sys.base_prefix)
-        if not str(prefix).startswith("/usr"):  # an interpreter installed elsewhere (uv, pyenv)
-            args += ["--ro-bind", str(prefix), str(prefix)]
+        args = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", *system_binds()]
         args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(self.root), WORKDIR,
                  "--chdir", WORKDIR, "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
                  "--setenv", "HOME", WORKDIR, "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
@@ -106,12 +122,8 @@ class Sandbox:
         return args
 
     def _limit(self) -> None:  # runs in the child between fork and exec; inherited by everything inside
-        lim = self.limits
-        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_seconds, lim.cpu_seconds + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_bytes, lim.file_bytes))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lim.open_files, lim.open_files))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        for name, soft, hard in rlimits(self.limits):
+            resource.setrlimit(getattr(resource, name), (soft, hard))
 
     async def run(self, argv: list[str], timeout: float | None = None, env: dict[str, str] | None = None) -> Result:
         timeout = self.limits.wall_seconds if timeout is None else timeout

@@ -5,24 +5,33 @@ child process. verifiers' SubprocessRuntime would run it on this host as the tra
 every program a rollout launches (the harness program, and so each command) runs confined instead:
 new namespaces, no network, the rollout's folder as the only writable place (/work inside), rlimits.
 
+Two ways in:
+- The harness program (what `prepare_uv_script` returned) is forked by this process's program zygote
+  (program_zygote.py): one sandboxed Python that imported the program's dependencies once, so an episode
+  does not pay ~1.3 s of CPU for openai and mcp. Each command the program runs is a sandbox of its own,
+  nested: the episode's folder as /work, no network, `timeout` at `command_seconds`.
+- Anything else `run` is given (a task's setup, a test of the model's code) runs in a bubblewrap sandbox
+  of its own over the same folder, with sandbox_bridge.py in front of it for the routes.
+
 What a verifiers Runtime must do, and how this one does it:
 - `start`/`teardown`: the sandbox folder is created and removed; `write`/`_read` are file I/O in it.
-- `run`: argv inside the sandbox (bwrap), with the runtime's env; wall limit `wall_seconds`.
+- `run`: argv confined as above, with the runtime's env; wall limit `wall_seconds`.
 - `prepare_uv_script`: verifiers would have uv install the script's dependencies (PEP 723) from the
   network. The sandbox has none, so the script runs with this project's own interpreter instead (its
   virtual environment, bound read-only at /opt/primebuild-venv), after checking that every dependency the
-  script declares is importable here; a missing one is a clear error naming it.
+  script declares is importable here (a missing one is a clear error naming it); the zygote imports them.
 - `host_url`/`prepare_execution`: the model's endpoint is verifiers' interception server on this host.
   `prepare_execution` receives exactly the routes the agent needs (the interception, MCP servers) and
-  opens one unix socket per route, bound into the sandbox; sandbox_bridge.py, started first inside,
-  listens on the sandbox's own loopback at each route's port and pipes to its socket. No other address
-  is reachable: a command that tries the network fails.
+  opens one unix socket per route; inside, a bridge (sandbox_bridge.py: a thread of the forked program,
+  or a process in front of any other) listens on the sandbox's loopback at each route's port and pipes to
+  its socket. No other address is reachable, and a command reaches none at all.
 
 Limits (`SandboxLimits`): `cpu_seconds` and `memory_mb` bound every process (the program and each
 command, each counted on its own: RLIMIT_CPU/RLIMIT_AS); `command_seconds` is each shell command's wall
 time (the `bash` the program runs is a wrapper that puts it under `timeout`); `wall_seconds` bounds the
-whole episode (the sandbox is killed). A command killed by its limits comes back to the model as a
-tool result; an episode over its wall time ends and is scored 0 (verifiers_agents.py). The run goes on.
+whole episode (the program is killed with its commands). A command killed by its limits comes back to the
+model as a tool result; an episode over its wall time ends and is scored 0 (verifiers_agents.py). The run
+goes on.
 """
 
 from __future__ import annotations
@@ -42,11 +51,10 @@ from verifiers.v1.runtimes import ProgramResult, SubprocessConfig, SubprocessRun
 
 from primebuild.errors import UserError
 from primebuild.runtime.envs import sandbox_bridge
-from primebuild.runtime.envs.sandbox import WORKDIR, Limits, Sandbox
+from primebuild.runtime.envs.program_zygote import ProgramZygote
+from primebuild.runtime.envs.sandbox import PYTHON, VENV, WORKDIR, Limits, Sandbox
 
-SUPPORT = "/opt/primebuild"  # inside: the bridge, the bash wrapper, the program, the route sockets (read-only)
-VENV = "/opt/primebuild-venv"  # inside: this project's virtual environment (read-only)
-PYTHON = f"{VENV}/bin/python{sys.version_info.major}.{sys.version_info.minor}"  # a venv's, or a system prefix's
+SUPPORT = "/opt/primebuild"  # inside: the bridge, the bash wrapper, the route sockets (read-only)
 WALL_KILLED = 137  # the exit code run() reports for a program killed at the episode's wall limit
 SCRIPT_DEPENDENCIES = re.compile(r"^# dependencies = \[(.*)\]$", re.MULTILINE)
 
@@ -74,18 +82,21 @@ class SandboxRuntime(SubprocessRuntime):
         self.support: Path | None = None
         self._routes: dict[int, Path] = {}  # port -> host socket
         self._servers: list[asyncio.AbstractServer] = []
+        self._program: list[str] | None = None  # what prepare_uv_script returned: run() forks it in the zygote
         self.wall_killed = False  # a program of this rollout ran past wall_seconds
 
     async def start(self) -> None:
-        self.support = Path(tempfile.mkdtemp(prefix="primebuild-bash-support-"))
-        (self.support / "bin").mkdir()
-        (self.support / "routes").mkdir()
+        self.zygote = ProgramZygote.shared()
+        self.support = Path(tempfile.mkdtemp(prefix="primebuild-bash-support-", dir=self.zygote.root))
+        for folder in ("bin", "routes", "forked"):
+            (self.support / folder).mkdir()
         shutil.copyfile(sandbox_bridge.__file__, self.support / "bridge.py")
         bash = self.support / "bin" / "bash"  # first on PATH inside: each command the program runs, timed
         bash.write_text(f'#!/bin/sh\nexec timeout -k 1 {self.limits.command_seconds} /bin/bash "$@"\n')
         bash.chmod(0o755)
         self.sandbox = Sandbox(self.limits.sandbox_limits(), prefix="primebuild-bash-", read_only={
-            str(self.support): SUPPORT, sys.prefix: VENV})
+            str(self.support): SUPPORT, sys.prefix: VENV}, parent=self.zygote.root)
+        self.zygote.command_wrapper(self.support / "forked", self.sandbox.root, self.limits.command_seconds)
         self.workdir = self.sandbox.root
         self.info.id = str(self.workdir)
 
@@ -110,14 +121,24 @@ class SandboxRuntime(SubprocessRuntime):
         return {**self.process_env(env), "PATH": f"{SUPPORT}/bin:/usr/local/bin:/usr/bin:/bin"}
 
     async def run(self, argv: list[str], env: dict[str, str]) -> ProgramResult:
-        bridge = [f"{port}={SUPPORT}/routes/{sock.name}" for port, sock in self._routes.items()]
-        result = await self.sandbox.run([PYTHON, f"{SUPPORT}/bridge.py", *bridge, "--", *argv],
-                                        env=self._env(env))
-        if result.timed_out:
+        """The harness program (what prepare_uv_script returned) is forked by the zygote; anything else (a
+        task's setup, a test of the model's code) runs in a bubblewrap sandbox of its own."""
+        if self._program is not None and argv[:len(self._program)] == self._program:
+            returncode, stdout, stderr = await self.zygote.run(
+                Path(self._program[1]), argv[len(self._program):], cwd=self.sandbox.root, routes=self._routes,
+                env={**self.process_env(env), "HOME": str(self.sandbox.root), "PYTHONDONTWRITEBYTECODE": "1",
+                     "PATH": f"{self.support / 'forked'}:/usr/local/bin:/usr/bin:/bin"},
+                limits=self.limits.sandbox_limits(), output=self.support)
+        else:
+            bridge = [f"{port}={SUPPORT}/routes/{sock.name}" for port, sock in self._routes.items()]
+            result = await self.sandbox.run([PYTHON, f"{SUPPORT}/bridge.py", *bridge, "--", *argv],
+                                            env=self._env(env))
+            returncode, stdout, stderr = (None if result.timed_out else result.returncode), result.stdout, result.stderr
+        if returncode is None:
             self.wall_killed = True
-            return ProgramResult(WALL_KILLED, result.stdout, result.stderr + f"\nsandbox: killed at the episode's "
+            return ProgramResult(WALL_KILLED, stdout, stderr + f"\nsandbox: killed at the episode's "
                                  f"wall limit ({self.limits.wall_seconds} s)")
-        return ProgramResult(result.returncode, result.stdout, result.stderr)
+        return ProgramResult(returncode, stdout, stderr)
 
     async def open_process(self, argv, env):
         raise NotImplementedError("the sandbox runs programs to completion only (no live processes)")
@@ -132,9 +153,11 @@ class SandboxRuntime(SubprocessRuntime):
             raise UserError(f"the sandboxed harness program needs {', '.join(missing)}, which this environment "
                             "lacks (the sandbox has no network to install them)",
                             hint=f"install {' '.join(missing)} into the run's environment")
+        await self.zygote.preload(script_dependencies(text))
         program = self.support / "program.py"
         program.write_text(text)
-        return [PYTHON, f"{SUPPORT}/program.py"]
+        self._program = [PYTHON, str(program)]
+        return list(self._program)
 
     def host_url(self, url: str) -> str:
         parts = urlsplit(url)  # the sandbox has no /etc/hosts: name the loopback by number

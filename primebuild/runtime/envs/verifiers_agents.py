@@ -14,9 +14,10 @@ Manifest args (besides the taskset's config fields): `num_eval`, `harness` ("nul
 
 `null`: the program runs as a local subprocess (verifiers' SubprocessRuntime; verifiers installs its
 script's dependencies with uv on first use); its only tools are the taskset's MCP tools.
-`bash`: verifiers' bash harness, whose `bash` tool runs the model's shell commands. Each episode's program,
-and so every command, runs in primebuild's bubblewrap sandbox (sandbox_runtime.py: no network but the
-model's endpoint, its own folder, rlimits), with the limits `cpu_seconds`, `memory_mb`, `command_seconds`
+`bash`: verifiers' bash harness, whose `bash` tool runs the model's shell commands. Each episode's program
+is forked, its imports done, from a sandboxed zygote (no network but the model's endpoint, rlimits), and
+every command it runs is in a bubblewrap sandbox of its own (its episode's folder, no network at all;
+sandbox_runtime.py, program_zygote.py), with the limits `cpu_seconds`, `memory_mb`, `command_seconds`
 and `wall_seconds` from the manifest's args (defaults: SandboxLimits). An episode killed at its wall limit
 is scored 0 and the run goes on. The harness's `edit` tool and context compaction are off (compaction
 rewrites history, which the token-in/out recording refuses).
