@@ -45,7 +45,7 @@ def host_servers():
         server.server_close()
 
 
-PROBE = '''
+PROBE_HELPERS = '''
 import subprocess, sys, time, httpx
 
 def get(url):
@@ -58,7 +58,8 @@ def bash(command):
     start = time.time()
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
     return done.returncode, round(time.time() - start, 1), done.stdout.strip()
-
+'''
+PROBE = PROBE_HELPERS + '''
 print("allowed:", get("http://127.0.0.1:{allowed}/"))
 print("other port:", get("http://127.0.0.1:{other}/"))
 print("network:", get("http://1.1.1.1/"))
@@ -105,18 +106,7 @@ HARNESS_PROBE = '''# /// script
 # ///
 import sys
 preloaded = "httpx" in sys.modules  # before this script imports it: the zygote did
-import os, subprocess, time, httpx
-
-def get(url):
-    try:
-        return httpx.get(url, timeout=3).text
-    except Exception as e:
-        return type(e).__name__
-
-def bash(command):
-    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
-    return done.returncode, done.stdout.strip()
-
+''' + PROBE_HELPERS + '''
 print("preloaded:", preloaded)
 print("argv:", sys.argv[1:])
 print("allowed:", get("http://127.0.0.1:{allowed}/"))
@@ -161,8 +151,8 @@ def test_the_harness_program_is_forked_with_its_imports_done_and_its_commands_ar
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
     assert lines["preloaded"] == "True" and lines["argv"] == "['--prompt=hi']"
     assert lines["allowed"] == "hello from the host" and lines["other port"] == "ConnectError"
-    assert eval(lines["command to the allowed port"])[1] == ""  # a command has no network, not even the route
-    code, view = eval(lines["command's view"])
+    assert eval(lines["command to the allowed port"])[2] == ""  # a command has no network, not even the route
+    view = eval(lines["command's view"])[2]
     assert view.split("\n") == ["s3cret/work", "hidden", "2"]  # the file has no newline
     assert eval(lines["sleep"])[0] == 124  # `timeout` at command_seconds
     assert killed.exit_code == WALL_KILLED and wall_killed and seconds < 15
