@@ -83,6 +83,54 @@ def task_text(task) -> str:
     return task.info[VERIFIERS_TASK].data.text
 
 
+def harness_prompt(template, task) -> list[int]:
+    """The first prompt as the bash harness sends it: its system prompt, the task's prompt, its `bash` tool."""
+    from verifiers.v1.harnesses.bash.harness import BASH_SYSTEM_PROMPT
+    from verifiers.v1.harnesses.utils.core import BASH_TOOL
+
+    return template.prompt_ids([{"role": "system", "content": BASH_SYSTEM_PROMPT},
+                                {"role": "user", "content": task.prompt}], tools=[BASH_TOOL])
+
+
+def call_odds(folder: Path, env, temperatures: tuple[float, ...] = (1.0, 1.2)) -> dict:
+    """Per temperature, the chance that a sampled first turn is exactly the right call, by teacher forcing:
+    its mean over the training-side and the held-out names, split into the name's letters and the rest of
+    the call (its JSON), and the share of groups of 4 with mixed outcomes (what RL can learn from)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primebuild.runtime.inference.chat_template import ChatTemplate
+    from primebuild.runtime.models.chat_tokenizer import IM_END
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    template, end = ChatTemplate(tokenizer), tokenizer.convert_tokens_to_ids(IM_END)
+    held_out = env.eval_tasks()
+    held_names = {task_name(t) for t in held_out}
+    train = list({task_name(t): t for t in env.sample_tasks(random.Random(5), 4000)
+                  if task_name(t) not in held_names}.values())
+    odds = {}
+    for split, tasks in (("train", train), ("held_out", held_out)):
+        for temperature in temperatures:
+            whole, letters = [], []
+            for task in tasks:
+                prompt = harness_prompt(template, task)
+                call = tokenizer.encode(call_text(task_name(task)), add_special_tokens=False) + [end]
+                text = call_text(task_name(task))
+                name_at = len(tokenizer.encode(text[:text.index(task_name(task))], add_special_tokens=False))
+                with torch.inference_mode():
+                    logits = model(input_ids=torch.tensor([prompt + call])).logits[0, len(prompt) - 1:-1]
+                lp = torch.log_softmax(logits / temperature, -1)[torch.arange(len(call)), torch.tensor(call)]
+                whole.append(lp.sum().exp().item())
+                letters.append(lp[name_at:name_at + 2].sum().exp().item())
+            n = len(tasks)
+            odds[f"{split} T={temperature}"] = {
+                "names": n, "right call": round(sum(whole) / n, 3), "name letters": round(sum(letters) / n, 3),
+                "rest of the call": round(sum(w / max(x, 1e-30) for w, x in zip(whole, letters, strict=True)) / n, 3),
+                "mixed groups of 4": round(sum(1 - q ** 4 - (1 - q) ** 4 for q in whole) / n, 3)}
+    return odds
+
+
 def warm_start(folder: Path, env, seed: int, stop_at: float, max_steps: int, lr: float, batch: int,
                check_every: int) -> dict:
     """Supervise the tiny chat model on demonstrations until its greedy call is right for `stop_at` of the
@@ -90,7 +138,6 @@ def warm_start(folder: Path, env, seed: int, stop_at: float, max_steps: int, lr:
     import torch
     from chat_helpers import masked_lm_step, save_chat_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from verifiers.v1.harnesses.bash.harness import BASH_SYSTEM_PROMPT
     from verifiers.v1.harnesses.utils.core import BASH_TOOL
 
     from primebuild.runtime.evaluate import greedy_ids
@@ -104,9 +151,8 @@ def warm_start(folder: Path, env, seed: int, stop_at: float, max_steps: int, lr:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
-    def prompt(task) -> list[int]:  # as the bash harness sends it (system prompt, the task's prompt, its tool)
-        return template.prompt_ids([{"role": "system", "content": BASH_SYSTEM_PROMPT},
-                                    {"role": "user", "content": task.prompt}], tools=tools)
+    def prompt(task) -> list[int]:
+        return harness_prompt(template, task)
 
     def episode(task) -> tuple[list[int], list[int]]:
         ids = prompt(task)
@@ -146,10 +192,9 @@ def framing_matches(run: Path, model: Path) -> bool:
     """Is the prompt the harness sent (step 1's first recorded sample) token for token the one the warm
     start was supervised on? A mismatch would mean the warm start imitated another conversation."""
     import re
+    from types import SimpleNamespace
 
     from transformers import AutoTokenizer
-    from verifiers.v1.harnesses.bash.harness import BASH_SYSTEM_PROMPT
-    from verifiers.v1.harnesses.utils.core import BASH_TOOL
 
     from primebuild.contracts.run_dir import RunDir
     from primebuild.runtime.inference.chat_template import ChatTemplate
@@ -158,9 +203,7 @@ def framing_matches(run: Path, model: Path) -> bool:
     sample = load_batch(RunDir(run).rollout(1)).samples[0]
     tokenizer = AutoTokenizer.from_pretrained(model)
     asked = re.search(r"what does (\S+) say\?", tokenizer.decode(sample.prompt_ids)).group(0)
-    ours = ChatTemplate(tokenizer).prompt_ids([{"role": "system", "content": BASH_SYSTEM_PROMPT},
-                                               {"role": "user", "content": asked}], tools=[BASH_TOOL])
-    return list(sample.prompt_ids) == ours
+    return list(sample.prompt_ids) == harness_prompt(ChatTemplate(tokenizer), SimpleNamespace(prompt=asked))
 
 
 def sampled_and_eval(run: Path) -> tuple[list[float], list[tuple[int, float]]]:
@@ -212,6 +255,8 @@ def main() -> None:
         (model / "warm_start.json").write_text(json.dumps(info))
     info = json.loads((model / "warm_start.json").read_text())
     print("warm start:", info["steps"], "steps,", info["seconds"], "s; last", info["curve"][-1], flush=True)
+    for split, row in call_odds(model, env).items():
+        print(f"warm start, odds of the right call sampled ({split}):", row, flush=True)
     if args.sft_only:
         return
     manifest = ws / f"bash-files-seed{args.seed}.yaml"
