@@ -144,6 +144,7 @@ def main(control: str) -> None:
     running: dict[int, tuple[socket.socket | None, str]] = {}  # child pid -> the asking connection, its stdout
     pending: dict[socket.socket, bytes] = {}
     print("ready", flush=True)
+    os.dup2(2, 1)  # the host reads no more of our stdout: a module that prints as it is imported must not fill it
     while True:
         for key, _ in selector.select(timeout=0.05):
             if key.fileobj is listener:
