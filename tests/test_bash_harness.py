@@ -141,12 +141,15 @@ def test_the_harness_program_is_forked_with_its_imports_done_and_its_commands_ar
             sleeper = await slow.prepare_uv_script('# dependencies = ["httpx"]\nimport time\ntime.sleep(60)\n')
             started = time.monotonic()
             killed = await slow.run(sleeper, {})
-            return result, killed, time.monotonic() - started, slow.wall_killed
+            seconds = time.monotonic() - started
+            broken = await slow.run(await slow.prepare_uv_script('# dependencies = ["httpx"]\ndef (:\n'), {})
+            again = await runtime.run([*program, "--prompt=again"], {})  # the zygote still serves
+            return result, killed, seconds, slow.wall_killed, broken, again
         finally:
             for r in (runtime, slow):
                 await r.stop()
 
-    result, killed, seconds, wall_killed = asyncio.run(run())
+    result, killed, seconds, wall_killed, broken, again = asyncio.run(run())
     assert result.exit_code == 3, result.stderr
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
     assert lines["preloaded"] == "True" and lines["argv"] == "['--prompt=hi']"
@@ -156,6 +159,8 @@ def test_the_harness_program_is_forked_with_its_imports_done_and_its_commands_ar
     assert view.split("\n") == ["s3cret/work", "hidden", "2"]  # the file has no newline
     assert eval(lines["sleep"])[0] == 124  # `timeout` at command_seconds
     assert killed.exit_code == WALL_KILLED and wall_killed and seconds < 15
+    assert broken.exit_code == 1 and "SyntaxError" in broken.stderr  # as `python script` reports it
+    assert again.exit_code == 3 and "argv: ['--prompt=again']" in again.stdout
 
 
 def test_an_absolute_path_outside_the_sandbox_and_a_missing_dependency_are_refused():

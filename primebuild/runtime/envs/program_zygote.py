@@ -97,7 +97,10 @@ class ProgramZygote:
         """Import a program's dependencies in the zygote, once, so that every program forked after has them."""
         missing = [m for m in modules if m not in self.preloaded]
         if missing:
-            answer = await self._ask({"preload": missing})
+            answer = await self._ask({"preload": missing}, timeout=START_SECONDS)
+            if answer is None:
+                raise RuntimeError(f"the sandbox's program zygote did not import {missing} in {START_SECONDS:.0f} s: "
+                                   f"{self._log_tail()}")
             if "error" in answer:
                 raise RuntimeError(f"the sandbox's program zygote could not import {missing}: {answer['error']}")
             self.preloaded.update(missing)

@@ -98,33 +98,51 @@ def child(request: dict, code) -> None:
         os._exit(returncode)
 
 
-def preload(names: list[str]) -> dict:
-    """Import a program's dependencies here, so that every child forked after starts with them."""
-    try:
-        for name in names:
+def import_here(names: list[str]) -> dict[str, str]:
+    """Import `names` here, so that every child forked after starts with them; returns the failures."""
+    failed = {}
+    for name in names:
+        try:
             __import__(name)
-    except Exception as failed:
-        return {"error": f"{type(failed).__name__}: {failed}"}
+        except Exception as e:
+            failed[name] = f"{type(e).__name__}: {e}"
     gc.freeze()  # what is imported now stays shared with the children (no refcount writes by their collector)
-    return {"ok": True}
+    return failed
+
+
+def preload(names: list[str]) -> dict:
+    """A program's declared dependencies: each must import."""
+    failed = import_here(names)
+    return {"error": "; ".join(f"{n}: {why}" for n, why in failed.items())} if failed else {"ok": True}
 
 
 def learn_imports(path: str) -> None:
-    """Import here what a finished child imported lazily, so that the children forked after start with it.
-    A name that cannot be imported again (a module a package put into sys.modules itself) is skipped."""
+    """What a finished child imported lazily. A name that cannot be imported again (a module a package put
+    into sys.modules itself) is skipped."""
     try:
         with open(path) as f:
             names = [name for name in json.load(f) if name not in sys.modules]
         os.unlink(path)
     except (OSError, ValueError):
         return
-    for name in names:
-        try:
-            __import__(name)
-        except Exception:
-            pass
     if names:
-        gc.freeze()
+        import_here(names)
+
+
+def compiled_script(request: dict):
+    """The script's code, or None when it cannot be read or compiled: its traceback is then its stderr, as
+    `python script` would print it, and the zygote goes on serving the other episodes."""
+    try:
+        with open(request["script"], "rb") as f:
+            text = f.read()
+        digest = hashlib.sha256(text).hexdigest()
+        if digest not in compiled:
+            compiled[digest] = compile(text, request["script"], "exec")
+        return compiled[digest]
+    except (OSError, SyntaxError, ValueError):
+        with open(request["stderr"], "w") as f:
+            f.write(traceback.format_exc())
+        return None
 
 
 def answer(conn: socket.socket, message: dict) -> None:
@@ -168,14 +186,14 @@ def main(control: str) -> None:
                     selector.unregister(conn)
                     answer(conn, preload(request["preload"]))
                     continue
-                with open(request["script"], "rb") as f:
-                    text = f.read()
-                digest = hashlib.sha256(text).hexdigest()
-                if digest not in compiled:
-                    compiled[digest] = compile(text, request["script"], "exec")
+                code = compiled_script(request)
+                if code is None:
+                    selector.unregister(conn)
+                    answer(conn, {"returncode": 1})
+                    continue
                 pid = os.fork()
                 if pid == 0:
-                    child(request, compiled[digest])
+                    child(request, code)
                 running[pid] = (conn, request["stdout"])
             elif not data:  # the host gave up on this episode (its wall limit): end the child and its commands
                 for pid, (owner, stdout) in list(running.items()):
