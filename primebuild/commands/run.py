@@ -98,8 +98,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         teacher = output_of(teacher_manifest(loaded), store, click.echo)
         click.echo(f"teacher: {teacher.path} ({'cache hit' if teacher.cache_hit else 'built'} in {teacher.seconds:.2f} s)")
 
-    run = RunDir((runs_dir / f"{m.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve())
-    run.root.mkdir(parents=True, exist_ok=False)
+    run = RunDir(new_run_folder(runs_dir, m.name))
     run.plan.write_text(render_json(plan))
     run.manifest.write_text(json.dumps(loaded.document, indent=2, sort_keys=True))
     for path in loaded.files:
@@ -127,6 +126,21 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     _record_supervision(run, hang_timeout, max_restarts)
     click.echo(f"run folder: {run.root}")
     _execute_with_restarts(plan, run, target, verbosity, started, detach)
+
+
+def new_run_folder(runs_dir: Path, name: str) -> Path:
+    """Claim `NAME-YYYYmmdd-HHMMSS` under runs_dir; runs of one manifest started in the same second (a seed
+    sweep) get `-2`, `-3`, ...: mkdir is atomic, so two processes never share a folder."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    stem = runs_dir.resolve() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in range(1, 1000):
+        folder = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise UserError(f"{runs_dir}: 999 runs of {name} started this second", hint="start them a second apart")
 
 
 def _record_supervision(run: RunDir, hang_timeout: float | None, max_restarts: int | None) -> None:
