@@ -271,7 +271,9 @@ def main() -> None:
                           capture_output=True)
     wall = time.monotonic() - started
     print(done.stdout[-2000:], done.stderr[-3000:] if done.returncode else "")
-    run = sorted((ws / "runs").glob("bash-files-*"), key=lambda p: p.stat().st_mtime)[-1]
+    # the folder this run printed: with seeds run side by side, the newest folder may be another seed's
+    run = Path(next(line.removeprefix("run folder: ") for line in done.stdout.splitlines()
+                    if line.startswith("run folder: ")))
     sampled, evals = sampled_and_eval(run)
     print("held-out (step: greedy reward):", evals)
     print("the harness's prompt is the warm start's:", framing_matches(run, model))
