@@ -111,23 +111,24 @@ def call_odds(folder: Path, env, temperatures: tuple[float, ...] = (1.0, 1.2)) -
                   if task_name(t) not in held_names}.values())
     odds = {}
     for split, tasks in (("train", train), ("held_out", held_out)):
-        for temperature in temperatures:
-            whole, letters = [], []
-            for task in tasks:
-                prompt = harness_prompt(template, task)
-                call = tokenizer.encode(call_text(task_name(task)), add_special_tokens=False) + [end]
-                text = call_text(task_name(task))
-                name_at = len(tokenizer.encode(text[:text.index(task_name(task))], add_special_tokens=False))
-                with torch.inference_mode():
-                    logits = model(input_ids=torch.tensor([prompt + call])).logits[0, len(prompt) - 1:-1]
+        whole, letters = {t: [] for t in temperatures}, {t: [] for t in temperatures}
+        for task in tasks:  # one forward pass a task; each temperature rescales its logits
+            prompt, text = harness_prompt(template, task), call_text(task_name(task))
+            call = tokenizer.encode(text, add_special_tokens=False) + [end]
+            name_at = len(tokenizer.encode(text[:text.index(task_name(task))], add_special_tokens=False))
+            with torch.inference_mode():
+                logits = model(input_ids=torch.tensor([prompt + call])).logits[0, len(prompt) - 1:-1]
+            for temperature in temperatures:
                 lp = torch.log_softmax(logits / temperature, -1)[torch.arange(len(call)), torch.tensor(call)]
-                whole.append(lp.sum().exp().item())
-                letters.append(lp[name_at:name_at + 2].sum().exp().item())
-            n = len(tasks)
+                whole[temperature].append(lp.sum().exp().item())
+                letters[temperature].append(lp[name_at:name_at + 2].sum().exp().item())
+        n = len(tasks)
+        for temperature in temperatures:
+            w, x = whole[temperature], letters[temperature]
             odds[f"{split} T={temperature}"] = {
-                "names": n, "right call": round(sum(whole) / n, 3), "name letters": round(sum(letters) / n, 3),
-                "rest of the call": round(sum(w / max(x, 1e-30) for w, x in zip(whole, letters, strict=True)) / n, 3),
-                "mixed groups of 4": round(sum(1 - q ** 4 - (1 - q) ** 4 for q in whole) / n, 3)}
+                "names": n, "right call": round(sum(w) / n, 3), "name letters": round(sum(x) / n, 3),
+                "rest of the call": round(sum(a / max(b, 1e-30) for a, b in zip(w, x, strict=True)) / n, 3),
+                "mixed groups of 4": round(sum(1 - q ** 4 - (1 - q) ** 4 for q in w) / n, 3)}
     return odds
 
 
@@ -151,11 +152,8 @@ def warm_start(folder: Path, env, seed: int, stop_at: float, max_steps: int, lr:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
-    def prompt(task) -> list[int]:
-        return harness_prompt(template, task)
-
     def episode(task) -> tuple[list[int], list[int]]:
-        ids = prompt(task)
+        ids = harness_prompt(template, task)
         mask = [0] * len(ids)
         call = tokenizer.encode(call_text(task_name(task)), add_special_tokens=False) + [end]
         reply = template.continuation_ids(call, [{"role": "tool", "content": task_text(task)}], tools=tools)
@@ -164,7 +162,8 @@ def warm_start(folder: Path, env, seed: int, stop_at: float, max_steps: int, lr:
 
     def right_calls(tasks) -> float:
         model.eval()
-        rows = greedy_ids(model, [prompt(t) for t in tasks], 80, eos_id=end, pad_id=tokenizer.pad_token_id)
+        rows = greedy_ids(model, [harness_prompt(template, t) for t in tasks], 80, eos_id=end,
+                          pad_id=tokenizer.pad_token_id)
         model.train()
         wanted = [call_text(task_name(t)) for t in tasks]
         return sum(tokenizer.decode(r, skip_special_tokens=False).removesuffix(IM_END) == w
