@@ -4,7 +4,8 @@
 
 The taskset is bench/tasksets/pb_bash_files.py: "what does NAME say?", NAME's file (and two decoys) written
 by the task's setup into each rollout's sandbox; reward 1 when a command printed exactly NAME's text, so
-the model must copy the name from the prompt into its command. 32 names are held out (never trained).
+the model must copy the name from the prompt into its command. `--held-out` names (32 by default) are
+never trained on.
 
 1. Warm start (here, not a manifest: primebuild's environment SFT cannot imitate a taskset that a verifiers
    harness plays, and the taskset is a module of this folder, not an installed package a lock can pin):
@@ -14,7 +15,7 @@ the model must copy the name from the prompt into its command. 32 names are held
    tasks is the right call for `--stop-at` of them: mid-way through learning to copy names, where RL
    has room to gain. Cached in the workspace per seed and stop.
 2. RL through `primebuild run` on a generated manifest: the embedded engine, the real harness program and
-   every command in bubblewrap, the orchestrator's greedy eval of the 32 held-out names before, every
+   every command in bubblewrap, the orchestrator's greedy eval of the held-out names before, every
    `--eval-every` steps, and after.
 
 Prints the warm start's curve, the run's held-out rewards and the sampled reward per step, and one JSON
@@ -58,10 +59,10 @@ orchestrator:
   temperature: {temperature}
   loss: {{name: grpo}}
   eval_every: {eval_every}
-  eval_prompts: 32
+  eval_prompts: {held_out}
 environments:
   - id: verifiers:pb-bash-files
-    args: {{harness: bash, max_turns: 2, num_eval: 32, cpu_seconds: 5, command_seconds: 5, wall_seconds: 60}}
+    args: {{harness: bash, max_turns: 2, num_eval: {held_out}, cpu_seconds: 5, command_seconds: 5, wall_seconds: 60}}
 """
 
 
@@ -238,6 +239,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="sampling temperature of the RL rollouts (above 1: more names with mixed outcomes a group)")
+    parser.add_argument("--held-out", type=int, default=32,
+                        help="names held out of training and evaluated greedily (each is 1/N of the score)")
     parser.add_argument("--sft-only", action="store_true")
     args = parser.parse_args()
     sys.path[:0] = [str(REPO / "tests"), str(TASKSETS)]
@@ -246,9 +249,10 @@ def main() -> None:
     from primebuild.runtime.envs.registry import load_environment
 
     torch.set_num_threads(1)  # the cores are shared: a second thread waits more than it helps
-    env = load_environment("verifiers:pb-bash-files", None, {"harness": "bash", "max_turns": 2, "num_eval": 32})
+    env = load_environment("verifiers:pb-bash-files", None, {"harness": "bash", "max_turns": 2, "num_eval": args.held_out})
     ws = args.workspace.resolve()
-    model = ws / (f"model-stop{args.stop_at}" + (f"-every{args.check_every}" if args.check_every != 20 else ""))
+    model = ws / (f"model-stop{args.stop_at}" + (f"-every{args.check_every}" if args.check_every != 20 else "")
+                  + (f"-held{args.held_out}" if args.held_out != 32 else ""))  # another split, another warm start
     if not (model / "warm_start.json").exists():
         info = warm_start(model, env, 0, args.stop_at, args.sft_steps, args.sft_lr, 16, args.check_every)
         (model / "warm_start.json").write_text(json.dumps(info))
@@ -261,7 +265,8 @@ def main() -> None:
     manifest = ws / f"bash-files-seed{args.seed}.yaml"
     manifest.write_text(MANIFEST.format(model=model, seed=args.seed, lr=args.lr, warmup=args.warmup,
                                         rollouts=args.rollouts, group=args.group, steps=args.steps,
-                                        eval_every=args.eval_every, temperature=args.temperature))
+                                        eval_every=args.eval_every, temperature=args.temperature,
+                                        held_out=args.held_out))
     env_vars = {**os.environ, "PRIMEBUILD_STORE": str(ws / "store"),
                 "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), str(TASKSETS), os.environ.get("PYTHONPATH")) if p)}
     started = time.monotonic()
