@@ -262,7 +262,7 @@ def main() -> None:
         print(f"warm start, odds of the right call sampled ({split}):", row, flush=True)
     if args.sft_only:
         return
-    manifest = ws / f"bash-files-seed{args.seed}.yaml"
+    manifest = ws / f"bash-files-seed{args.seed}{model.name.removeprefix('model')}.yaml"  # one per warm start
     manifest.write_text(MANIFEST.format(model=model, seed=args.seed, lr=args.lr, warmup=args.warmup,
                                         rollouts=args.rollouts, group=args.group, steps=args.steps,
                                         eval_every=args.eval_every, temperature=args.temperature,
