@@ -246,6 +246,7 @@ def main() -> None:
     sys.path[:0] = [str(REPO / "tests"), str(TASKSETS)]
     import torch
 
+    from primebuild.contracts.run_dir import find_run
     from primebuild.runtime.envs.registry import load_environment
 
     torch.set_num_threads(1)  # the cores are shared: a second thread waits more than it helps
@@ -269,15 +270,14 @@ def main() -> None:
                                         held_out=args.held_out))
     env_vars = {**os.environ, "PRIMEBUILD_STORE": str(ws / "store"),
                 "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), str(TASKSETS), os.environ.get("PYTHONPATH")) if p)}
+    runs = ws / "runs" / manifest.stem  # a folder per seed and warm start: seeds run side by side
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "primebuild.cli", "run", str(manifest), "--set",
-                           f"inference.port={args.port}", "--runs-dir", str(ws / "runs")], env=env_vars, text=True,
+                           f"inference.port={args.port}", "--runs-dir", str(runs)], env=env_vars, text=True,
                           capture_output=True)
     wall = time.monotonic() - started
     print(done.stdout[-2000:], done.stderr[-3000:] if done.returncode else "")
-    # the folder this run printed: with seeds run side by side, the newest folder may be another seed's
-    run = Path(next(line.removeprefix("run folder: ") for line in done.stdout.splitlines()
-                    if line.startswith("run folder: ")))
+    run = find_run(None, runs).root
     sampled, evals = sampled_and_eval(run)
     print("held-out (step: greedy reward):", evals)
     print("the harness's prompt is the warm start's:", framing_matches(run, model))

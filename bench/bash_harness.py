@@ -63,6 +63,8 @@ def main() -> None:
     from verifiers.v1.harnesses.bash.harness import BASH_SYSTEM_PROMPT
     from verifiers.v1.harnesses.utils.core import BASH_TOOL
 
+    from primebuild.contracts.run_dir import find_run
+
     ws = args.workspace.resolve()
     model, tasksets = ws / "model", ws / "tasksets"
     if not model.exists():
@@ -81,7 +83,7 @@ def main() -> None:
                            f"inference.port={port}", "--runs-dir", str(ws / "runs")], env=env, text=True,
                           capture_output=True)
     print(done.stdout[-3000:], done.stderr[-2000:] if done.returncode else "")
-    report(sorted((ws / "runs").glob("bash-secret-*"))[-1], model)
+    report(find_run(None, ws / "runs").root, model)
 
 
 def report(run: Path, model: Path) -> None:
