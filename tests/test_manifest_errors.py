@@ -151,6 +151,10 @@ def _cases() -> list[Case]:
     add(id="trainer-does-not-fit", args=DESIGN, text=fat, line=line_of(fat, "  dp_shard: 24"), field="trainer.dp_shard",
         message=r"trainer: [\d.]+ GiB per GPU needed, [\d.]+ GiB available \(short by [\d.]+ GiB\)",
         hint=r"cpu_offload: true \(frees [\d.]+ GiB\)")
+    starved = edit(cpu, "  host_memory_gb: 16", "  host_memory_gb: 0.1")
+    add(id="cpu-inference-does-not-fit", text=starved, line=line_of(starved, "inference:"), field="inference.tp",
+        message=r"leave no room for one 64-token sequence in [\d.]+ GiB per process",
+        hint=r"a larger hardware\.host_memory_gb", subprocess=False)
     many = edit(cpu, "  engine: embedded", "  engine: embedded\n  replicas: 1000000")
     add(id="cpu-replicas-beyond-cpus", text=many, line=line_of(many, "replicas"), field="inference.replicas",
         message="1000000 inference replicas on one CPU node with 2 CPUs", hint="at most 2 replicas", subprocess=False)

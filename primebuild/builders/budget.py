@@ -65,6 +65,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
     spec = gpu_spec(hw.gpu, host_memory_bytes=host_bytes)
     capacity = int(hw.gpu_memory_gb * GIB) if hw.gpu_memory_gb else spec.memory_bytes
     cpu = hw.gpu == "cpu"
+    per = "per process" if cpu else "per GPU"  # a CPU plan's budgets are each process's share of host memory
     memory: dict[str, GroupMemory] = {}
     problems: list[Problem] = []
     warnings: list[str] = []
@@ -119,7 +120,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
             problems.append(Problem(
                 f"{name}: weights {_g(mem.weights)} + activations {_g(mem.activations)} + overhead "
                 f"{_g(mem.overhead)} GiB leave no room for one {m.orchestrator.seq_len}-token sequence in "
-                f"{_g(mem.budget)} GiB per GPU" + (f" (short by {_g(short)} GiB)" if short > 0 else ""),
+                f"{_g(mem.budget)} GiB {per}" + (f" (short by {_g(short)} GiB)" if short > 0 else ""),
                 field=f"{path}.tp",
                 hint=_inference_fixes(m, g.tp * g.dp, hw.gpus_per_node, can)))
         elif not cpu and used > capacity:  # vLLM fills its budget with KV cache: staging lives outside it
@@ -135,7 +136,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
             problems.append(Problem(
                 f"teacher: weights {_g(t.breakdown.weights)} + activations {_g(t.breakdown.activations)} + overhead "
                 f"{_g(t.breakdown.overhead)} GiB leave no room for one {m.orchestrator.seq_len}-token sequence in "
-                f"{_g(t.budget_bytes)} GiB per GPU", field="distill.tp",
+                f"{_g(t.budget_bytes)} GiB {per}", field="distill.tp",
                 hint="more GPUs for the teacher (distill.tp), fp8 (inference.precision), or a smaller teacher"))
 
     t = m.trainer
@@ -147,7 +148,7 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
         tokens_per_gpu=tmem.tokens_per_gpu)
     if not tmem.fits:
         problems.append(Problem(
-            f"trainer: {_g(tmem.total)} GiB per GPU needed, {_g(capacity)} GiB available (short by "
+            f"trainer: {_g(tmem.total)} GiB {per} needed, {_g(capacity)} GiB available (short by "
             f"{_g(-tmem.free)} GiB): " + ", ".join(f"{k} {_g(v)}" for k, v in breakdown if v),
             field="trainer.dp_shard", hint=_trainer_fixes(m, tmem, can)))
     orchestrator = memory["orchestrator"] = orchestrator_memory(m, host_bytes)
@@ -449,6 +450,8 @@ def _g(n: float) -> str:
 
 
 def _inference_fixes(m: Manifest, gpus_per_replica: int, gpus_per_node: int, can) -> str:
+    if m.hardware.gpu == "cpu":  # one process holds the whole model: only more memory or a smaller model help
+        return "try a larger hardware.host_memory_gb (if the machine has it); or a smaller model"
     fixes = []
     if m.inference.precision != "fp8" and m.hardware.gpu != "cpu" and can("inference.precision", "fp8"):
         fixes.append("precision: fp8 (halves the weights)")
@@ -475,5 +478,8 @@ def _trainer_fixes(m: Manifest, tmem, can) -> str:
     if t.dp_replicate > 1:  # a replica holds the whole model: sharding over its ranks too divides it
         fixes.append(f"dp_replicate: 1 with dp_shard: {t.dp_shard * t.dp_replicate} (the same GPUs, "
                      f"parameters and optimizer state split {t.dp_replicate}x further)")
-    fixes.append(f"more trainer GPUs (dp_shard: {t.dp_shard * 2} on twice the nodes)")
+    if m.hardware.gpu == "cpu":  # more ranks on one node split the model, not the node's memory
+        fixes.append("a larger hardware.host_memory_gb (if the machine has it)")
+    else:
+        fixes.append(f"more trainer GPUs (dp_shard: {t.dp_shard * 2} on twice the nodes)")
     return "try " + "; or ".join(fixes)
