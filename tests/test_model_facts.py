@@ -120,6 +120,16 @@ def test_missing_key_names_file_and_key():
         facts_from_hf_config({**TINY_QWEN3, "num_hidden_layers": "2"}, "bar.json")
 
 
+def test_class_names_from_a_config_are_names_only():
+    """A config.json comes from a hub or a model folder: its architecture is quoted in plans and in the
+    comment lines of rendered scripts, where a newline would end the comment and run the rest."""
+    hostile = {**TINY_QWEN3, "architectures": ["Qwen3ForCausalLM\ntouch /tmp/PWNED #"]}
+    with pytest.raises(UserError, match="architectures.*not a model class name"):
+        facts_from_hf_config(hostile, "config.json")
+    with pytest.raises(UserError, match="model_type"):
+        facts_from_hf_config({**TINY_QWEN3, "model_type": "qwen3; rm -rf x"}, "config.json")
+
+
 def test_load_errors_are_user_errors(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")

@@ -273,6 +273,16 @@ def test_values_that_reach_a_shell_run_nothing_unintended(tmp_path):
     assert not leaked, leaked
 
 
+@pytest.mark.parametrize("command", ["render", "run"])
+def test_an_image_that_is_not_a_reference_is_refused(command, tmp_path):
+    """--image is written into a Slurm script's comment and pyxis option: a newline in it would be a line
+    of the script of its own."""
+    target = ("--target", "slurm") if command == "render" else ("--runs-dir", str(tmp_path))
+    result = run_cli(command, MANIFESTS / "reverse-text-slurm.yaml", *target, "--image", "reg.io/x\ntouch PWNED #")
+    assert result.code == 2 and "not an image reference" in result.err and "Traceback" not in result.err
+    assert not list(tmp_path.iterdir())
+
+
 def test_run_on_kubernetes_without_a_cluster_refuses_and_points_at_render(tmp_path):
     """No kube context here (or no client): `run` says so before anything is written; `render` still works."""
     result = run_cli("run", MANIFESTS / "reverse-text.yaml", "--set", "target={kind: kubernetes}", "--runs-dir",

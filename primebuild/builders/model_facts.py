@@ -15,6 +15,7 @@ Pure Python on purpose: `primebuild plan` imports this and must never pull in to
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,9 @@ class ModelFacts:
 # ---- reading HF configs ------------------------------------------------------------------------
 
 
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 def _problem(source: str, key: str, message: str, hint: str | None = None) -> UserError:
     return UserError(Problem(message, file=source, field=key, hint=hint))
 
@@ -246,6 +250,11 @@ def facts_from_hf_config(cfg: dict[str, Any], source: str) -> ModelFacts:
     model_type = str(cfg.get("model_type") or "")
     architectures = cfg.get("architectures") or []
     architecture = str(architectures[0]) if architectures else model_type or "unknown"
+    # both are quoted in messages, plans and the comment lines of rendered scripts: names, nothing more
+    for key, name in (("model_type", model_type), ("architectures", architecture)):
+        if name and not _NAME.fullmatch(name):
+            raise _problem(source, key, f"{key} {name!r} is not a model class name",
+                           hint="letters, digits, '_', '.' and '-' only, as in the model's published config.json")
 
     hidden = _int(cfg, "hidden_size", source)
     num_layers = _int(cfg, "num_hidden_layers", source)

@@ -45,6 +45,7 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
     """Render MANIFEST's plan as the artifacts of a cluster target."""
     from primebuild.builders.plan import compile_plan
     from primebuild.builders.render import render
+    from primebuild.builders.render.groups import checked_image
     from primebuild.contracts.render import RenderContext
     from primebuild.manifest.load import load_manifest
 
@@ -59,6 +60,7 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
     plan = compile_plan(loaded, design=True)  # a design study renders too, marked as such
     if plan.build is not None:
         raise UserError(f"{manifest}: an sft: manifest is one store build, not processes on a cluster")
+    checked_image(image)
     for mount in mounts:
         if not mount.startswith("/") or any(ch in mount for ch in ",:\n"):
             raise UserError(f"--container-mount {mount!r}: give an absolute path without ',' or ':' (pyxis separators)")

@@ -45,6 +45,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     """Run MANIFEST on its target: build its model, start every process, report the result."""
     from primebuild.builders import vllm_env
     from primebuild.builders.plan import compile_plan
+    from primebuild.builders.render.groups import checked_image
     from primebuild.builders.store import Store
     from primebuild.builders.vllm_env import uses_vllm
     from primebuild.manifest.load import load_manifest
@@ -55,6 +56,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     if quiet and verbose:
         raise UserError("--quiet and --verbose contradict each other: give one")
     verbosity = QUIET if quiet else VERBOSE if verbose else ATTENTION
+    checked_image(image)
     if detach and max_restarts:
         raise UserError("--max-restarts needs `primebuild run` to watch the run: drop --detach")
     if resume_dir is not None:

@@ -9,9 +9,15 @@ groups would both listen on one plan node, since their allocations differ.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from primebuild.contracts.plan import Plan, ProcessSpec
+from primebuild.errors import UserError
+
+# An OCI image reference as --image takes it: [registry[:port]/]name[:tag][@digest], nothing a shell or a
+# comment line of a rendered script could read as more than one word.
+IMAGE_REFERENCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*")
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,17 @@ def not_runnable_notes(plan: Plan) -> list[str]:
     """A header for artifacts of a design study: what no built backend applies yet."""
     if plan.runnable:
         return []
+    # each note is one comment line: a message quoting a model's config (its architecture) must not end it
     return ["DESIGN STUDY, NOT RUNNABLE: `primebuild run` refuses this plan; these fields need backends that "
-            "are not built:"] + [f"  {u.field}: {u.message}" for u in plan.unsupported]
+            "are not built:"] + [" ".join(f"  {u.field}: {u.message}".splitlines()) for u in plan.unsupported]
+
+
+def checked_image(image: str | None) -> str | None:
+    """`--image` as given, refused (with how to fix it) unless it is an image reference."""
+    if image is not None and not IMAGE_REFERENCE.fullmatch(image):
+        raise UserError(f"--image {image!r}: not an image reference",
+                        hint="give REGISTRY/NAME[:TAG] or NAME@sha256:DIGEST (letters, digits and ._/:@+-)")
+    return image
 
 
 def image_reference(image: str | None, plan: Plan) -> str | None:
