@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import CPU_MANIFEST, MANIFESTS, call_cli, run_cli, write
 
+from primebuild.manifest.load import load_manifest
+
 # cluster manifests ask for backends that are not built yet: their compiler problems show in a design study
 DESIGN = ("--design",)
 
@@ -67,6 +69,19 @@ def _cases() -> list[Case]:
     typo = edit(cpu, "  ranks: 1", "  dp_shrd: 1")
     add(id="unknown-key-did-you-mean", text=typo, line=line_of(typo, "dp_shrd"), column=3, field="trainer.dp_shrd",
         message="unknown field 'dp_shrd'", hint="did you mean 'dp_shard'")
+    # a value of the wrong type is refused, not converted (pydantic's lax mode made `true` 1 and "64" 64)
+    flag = edit(cpu, "  ranks: 1", "  ranks: true")
+    add(id="bool-for-an-int", text=flag, line=line_of(flag, "ranks: true"), field="trainer.ranks",
+        message="valid integer", subprocess=False)
+    quoted = edit(cpu, "  seq_len: 64", '  seq_len: "64"')
+    add(id="string-for-an-int", text=quoted, line=line_of(quoted, "seq_len"), field="orchestrator.seq_len",
+        message="valid integer", subprocess=False)
+    one = edit(cpu, "  micro_batch_tokens: 4096", "  micro_batch_tokens: 4096\n  activation_checkpointing: 1")
+    add(id="int-for-a-bool", text=one, line=line_of(one, "activation_checkpointing"),
+        field="trainer.activation_checkpointing", message="valid boolean", subprocess=False)
+    nul = edit(cpu, "name: tiny", "name: tiny\x00")
+    add(id="nul-character", text=nul, line=line_of(nul, "name:"), column=11, message="U\\+0000 is not allowed",
+        hint="plain text", subprocess=False)
     typo_top = edit(cpu, "inference:", "infrence:")
     add(id="unknown-section-did-you-mean", text=typo_top, line=line_of(typo_top, "infrence"), field="infrence",
         message="unknown field 'infrence'", hint="did you mean 'inference'", subprocess=False)
@@ -354,6 +369,28 @@ def test_missing_facts_file_is_a_clean_error(workdir: Path, capsys, monkeypatch)
     result = call_cli(capsys, "plan", "m.yaml")
     assert result.code == 2
     assert f"m.yaml:{line_of(CPU_MANIFEST, 'facts:')}:3: model.facts: architecture facts not found" in result.err
+
+
+def test_an_exponent_without_a_dot_is_a_number(workdir: Path):
+    """YAML 1.1 reads `1e-4` as a string; people write it for a learning rate and mean the number."""
+    write(workdir, "m.yaml", CPU_MANIFEST.replace("  ranks: 1\n", "  ranks: 1\n  optimizer: {lr: 1e-4}\n"))
+    loaded = load_manifest(workdir / "m.yaml", ["orchestrator.temperature=5E-1"])
+    assert loaded.manifest.trainer.optimizer.lr == 1e-4 and loaded.manifest.orchestrator.temperature == 0.5
+
+
+def test_lock_refuses_what_it_cannot_read_or_write_before_resolving_anything(workdir: Path, capsys, monkeypatch):
+    monkeypatch.chdir(workdir)
+    write(workdir, "m.yaml", CPU_MANIFEST.replace("reverse-text-tiny.json", "nope.json"))
+    result = call_cli(capsys, "lock", "m.yaml", "--offline")
+    assert result.code == 2 and "model.facts: architecture facts not found" in result.err, result.text
+    write(workdir, "m.yaml", CPU_MANIFEST)
+    (workdir / "models" / "reverse-text-tiny.json").write_bytes(b"\xff\xfe{")
+    result = call_cli(capsys, "lock", "m.yaml", "--offline")
+    assert result.code == 2 and "not UTF-8" in result.err, result.text
+    (workdir / "a-file").write_text("")
+    result = call_cli(capsys, "lock", "m.yaml", "--offline", "--lock", "a-file/m.lock")
+    assert result.code == 2 and "no lock can be written there" in result.err and "Not a directory" in result.err
+    assert "Traceback" not in result.text and not list(workdir.rglob("*.lock")) and not list(workdir.rglob(".*tmp"))
 
 
 def test_a_manifest_starting_from_its_own_output_is_a_clean_error(workdir: Path, capsys, monkeypatch):

@@ -63,14 +63,19 @@ def chat_problem(row) -> str | None:
 
 def _jsonl_rows(path: Path):
     """(line number, parsed row or a problem string) of every non-blank line."""
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line), None
-            except json.JSONDecodeError as err:
-                yield number, None, f"not JSON ({err.msg} at column {err.colno})"
+    try:
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield number, json.loads(line), None
+                except json.JSONDecodeError as err:
+                    yield number, None, f"not JSON ({err.msg} at column {err.colno})"
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text ({err.reason})", hint="JSONL is UTF-8 text, one JSON object a line") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read it ({err.strerror})") from None
 
 
 def _parquet_rows(path: Path):
@@ -90,7 +95,8 @@ def read_chats(path: str | Path) -> list[dict]:
     in JSONL, its row in Parquet)."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no such dataset file", hint="sft.dataset.path is relative to the manifest")
+        what = "not a file" if path.exists() else "no such dataset file"
+        raise UserError(f"{path}: {what}", hint="sft.dataset.path is relative to the manifest")
     fmt = dataset_format(path)
     unit = "line" if fmt == "jsonl" else "row"
     rows = _jsonl_rows(path) if fmt == "jsonl" else _parquet_rows(path)

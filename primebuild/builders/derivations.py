@@ -16,12 +16,11 @@ that holds the output. `primebuild lock` records keys without building anything;
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from primebuild.builders.model_ref import facts_file
+from primebuild.builders.model_ref import read_facts_json
 from primebuild.builders.store import store_key
 from primebuild.contracts.sft import ChatSFTConfig, EnvSFTConfig
 from primebuild.errors import UserError
@@ -47,8 +46,7 @@ class Derivation:
 
 def random_init(loaded: LoadedManifest) -> Derivation:
     m = loaded.manifest
-    path, _ = facts_file(loaded)
-    facts = json.loads(path.read_text(encoding="utf-8"))
+    facts, _ = read_facts_json(loaded)  # (missing, unreadable or broken: an error located at model.facts)
     arch = {k: v for k, v in facts.items() if not k.startswith("_")}
     return Derivation(f"{m.name}-init", {"builder": RANDOM_INIT_BUILDER, "facts": arch, "tokenizer": m.model.tokenizer,
                                          "seed": m.seed})
@@ -87,7 +85,7 @@ def chat_sft_config(loaded: LoadedManifest) -> ChatSFTConfig:
     m = loaded.manifest
     path = dataset_file(loaded)
     if not path.is_file():
-        raise UserError(loaded.source.problem(("sft", "dataset", "path"), f"{path}: no such file",
+        raise UserError(loaded.source.problem(("sft", "dataset", "path"), f"{path}: " + ("not a file" if path.exists() else "no such file"),
                                               hint="sft.dataset.path is relative to this manifest"))
     read_chats(path)
     env = m.environments[0]

@@ -29,6 +29,7 @@ an input changed since locking) is checked by lock_check.py against the same `re
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -37,6 +38,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,6 +85,21 @@ def write_lock(path: Path, lock: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(render_lock(lock), encoding="utf-8")
     os.replace(tmp, path)  # readers see the old lock or the new one, never half of one
+
+
+def check_writable(path: Path) -> None:
+    """Refuse, before anything is resolved, a lock path no lock could be written to."""
+    folder = path.parent
+    while not folder.exists():  # write_lock makes the missing folders: the nearest existing one must take them
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.TemporaryFile(dir=folder, prefix=f".{path.name}."):
+            pass
+    except OSError as err:
+        raise UserError(f"{path}: no lock can be written there ({folder}: {err.strerror})",
+                        hint="give --lock a path in a folder you can write") from None
 
 
 def lock_hash(lock: dict) -> str:

@@ -65,8 +65,9 @@ def read_facts_json(loaded: LoadedManifest, lock: dict | None = None) -> tuple[d
         return locked_config(loaded, lock, shown)
     if not path.is_file():
         field = ("model", "facts") if model.facts is not None else ("model",)
+        what = "is not a file" if shown and path.exists() else "not found"
         raise UserError(loaded.source.problem(
-            field, f"architecture facts not found: {shown}",
+            field, f"architecture facts {what}: {shown}",
             hint="add the model's config.json under manifests/models/, or set model.facts"))
     return read_json(path, what="config", want_object=True), shown
 

@@ -33,6 +33,7 @@ def command(manifest: str, sets: tuple[str, ...], lock_path: Path | None, update
     loaded = load_manifest(manifest, sets)
     print_notes(loaded.notes)
     path = lock_path or lockmod.lock_path_for(loaded)
+    lockmod.check_writable(path)
     previous = lockmod.read_lock(path) if path.is_file() else None
     siblings = sorted(p for p in path.parent.glob(f"*{lockmod.LOCK_SUFFIX}") if p != path)
     lock = lockmod.make_lock(loaded, previous, update=update, offline=offline, sibling_locks=siblings,

@@ -24,9 +24,10 @@ ENV_NAME = r"^[A-Z_][A-Z0-9_]*$"
 
 
 class Strict(BaseModel):
-    """Base for every manifest section: unknown keys are errors, values are immutable."""
+    """Base for every manifest section: unknown keys are errors, values are immutable, and a value of the
+    wrong type is an error, not converted (`nodes: true` is not 1, `seed: "5"` not 5)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, strict=True)
     # Fields added after manifests were hashed and locked: written only when set (not None, False or empty),
     # so that manifests which leave them unset keep the hash, locks and store keys they had before.
     _written_only_when_set: ClassVar[tuple[str, ...]] = ()
@@ -210,7 +211,7 @@ class Optimizer(Strict):
     name: Literal["adamw"] = "adamw"
     lr: float = Field(1e-6, gt=0, le=1, description="Peak learning rate, reached after `warmup_steps` (then constant).")
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up: step k uses lr * min(1, k / warmup_steps).")
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = Field((0.9, 0.999), strict=False)  # (YAML gives a list)
     weight_decay: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0)
     cpu_offload: bool = Field(False, description="Keep the sharded parameters, gradients and optimizer state in host "
@@ -224,7 +225,7 @@ class Lora(Strict):
     rank: PositiveInt = Field(le=1024, description="Inner dimension r of each adapter (A: r x in, B: out x r).")
     alpha: float = Field(gt=0, description="Scale numerator: the adapter's output is multiplied by alpha / rank.")
     targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                                     min_length=1, description="Names of the decoder layers' linear modules to adapt.")
+                                     min_length=1, strict=False, description="Names of the decoder layers' linear modules to adapt.")
 
     @field_validator("targets")
     @classmethod

@@ -12,6 +12,7 @@ that stage) and build plain Python values ourselves, so that we can:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,15 @@ _SCALAR_TAGS = {f"{_CORE}{t}" for t in ("str", "int", "float", "bool", "null", "
 _MAP_TAG, _SEQ_TAG, _MERGE_TAG = f"{_CORE}map", f"{_CORE}seq", f"{_CORE}merge"
 
 Path_ = tuple[str | int, ...]
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader (YAML 1.1) plus YAML 1.2's floats without a dot: `lr: 1e-6` is a number, as a
+    person writing it means (1.1 reads it as the string "1e-6", which the schema would refuse)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
 _PLAIN = "manifests are plain data: remove the tag"
 
 
@@ -102,7 +112,7 @@ def parse_yaml(text: str, file: str) -> tuple[object, SourceMap]:
     if tab_problems:
         raise UserError(tab_problems)
     try:
-        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+        nodes = list(yaml.compose_all(text, Loader=_Loader))
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         message = f"YAML syntax error: {err.problem or err.context}"
@@ -112,6 +122,12 @@ def parse_yaml(text: str, file: str) -> tuple[object, SourceMap]:
             Problem(message, file=file, line=mark.line + 1 if mark else None,
                     column=mark.column + 1 if mark else None)
         ) from None
+    except yaml.reader.ReaderError as err:  # a character YAML does not allow (a NUL, a control character)
+        before = text[: err.position]
+        code = err.character if isinstance(err.character, int) else ord(err.character)
+        raise UserError(Problem(f"character U+{code:04X} is not allowed in YAML", file=file,
+                                line=before.count("\n") + 1, column=err.position - (before.rfind("\n") + 1) + 1,
+                                hint="remove it (a manifest is plain text)")) from None
     except yaml.YAMLError as err:
         raise UserError(Problem(f"YAML error: {err}", file=file)) from None
     except RecursionError:
