@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
-from primebuild.contracts.environments import BUILTIN_VERSIONS
+from primebuild.contracts.environments import BUILTIN_ARGS, BUILTIN_VERSIONS
 from primebuild.kernels.logprobs import chunked_token_logprobs
 
 
@@ -61,6 +63,8 @@ def test_the_lock_s_environment_table_matches_the_built_in_environments():
     from primebuild.runtime.envs.registry import BUILTIN
 
     assert {env_id: str(cls.version) for env_id, cls in BUILTIN.items()} == BUILTIN_VERSIONS
+    # and the plan's table of their args (builders/environments.py refuses others before a run starts)
+    assert {env_id: tuple(inspect.signature(cls).parameters) for env_id, cls in BUILTIN.items()} == BUILTIN_ARGS
 
 
 def test_bf16_hidden_states_give_fp32_log_probs_close_to_full_logits():

@@ -99,6 +99,10 @@ def test_unknown_and_uninstalled_environments_are_located_plan_errors(capsys):
                           f"environments=[{{id: '{env_id}'}}]")
         assert result.code == 2 and message in result.err and "environments[0].id" in result.err
         assert "Traceback" not in result.err
+    result = call_cli(capsys, "plan", str(MANIFESTS / "reverse-text.yaml"), "--set",
+                      "environments=[{id: reverse-text, args: {min_length: 3, bogus_arg: 1}}]")
+    assert result.code == 2 and "environments[0].args.bogus_arg: environment reverse-text has no arg 'bogus_arg'" \
+        in result.err and "its args: min_length, max_length, num_eval" in result.err, result.err
     result = call_cli(capsys, "plan", str(MANIFESTS / "qwen3-30b-a3b.yaml"))
     assert result.code == 2 and "qwen3-30b-a3b.yaml:" in result.err and "module 'math_python'" in result.err
     assert call_cli(capsys, "plan", str(MANIFESTS / "qwen3-30b-a3b.yaml"), "--design").code == 0

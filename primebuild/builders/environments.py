@@ -32,6 +32,7 @@ from pathlib import Path
 
 from primebuild.contracts.environments import (
     BASH_SANDBOX_LIMITS,
+    BUILTIN_ARGS,
     BUILTIN_VERSIONS,
     SANDBOXED,
     VERIFIERS_PREFIX,
@@ -102,6 +103,9 @@ def environment_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
             if env.version not in ("latest", provided):
                 yield (f"environments[{i}].version", f"environment {env.id}: version {env.version!r} requested, "
                        f"but this primebuild provides version {provided!r}", f"set version: {provided!r}")
+            for name in sorted(set(env.args or {}) - set(BUILTIN_ARGS[env.id])):
+                yield (f"environments[{i}].args.{name}", f"environment {env.id} has no arg {name!r}",
+                       f"its args: {', '.join(BUILTIN_ARGS[env.id])}")
         elif env.id.startswith(VERIFIERS_PREFIX):
             problem = verifiers_problem(env.id.removeprefix(VERIFIERS_PREFIX))
             if problem:

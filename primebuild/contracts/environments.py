@@ -9,6 +9,16 @@ from __future__ import annotations
 
 BUILTIN_VERSIONS: dict[str, str] = {"reverse-text": "1", "wordle": "1", "swe-tiny": "1", "long-tail": "1",
                                    "tool-lookup": "1"}
+# Each built-in environment's args (its constructor's parameters), so the plan refuses an unknown one without
+# importing the environments (the same test keeps this equal to the constructors).
+BUILTIN_ARGS: dict[str, tuple[str, ...]] = {
+    "reverse-text": ("min_length", "max_length", "num_eval"),
+    "wordle": ("word_length", "alphabet", "max_guesses", "num_eval"),
+    "swe-tiny": ("max_turns", "cpu_seconds", "wall_seconds", "memory_mb", "hostile", "reply_chars"),
+    "long-tail": ("turns_p50", "turns_p99", "latency_p50_s", "latency_p99_s", "max_turns", "min_length", "max_length",
+                  "num_eval"),
+    "tool-lookup": ("key_length", "value_length", "alphabet", "max_turns", "num_eval", "max_tokens_per_turn"),
+}
 VERIFIERS_PREFIX = "verifiers:"
 # Built-in environments that run a rollout's programs in a bubblewrap sandbox (primebuild/runtime/envs/sandbox.py), on
 # the orchestrator's host.

@@ -426,7 +426,7 @@ class SFT(Strict):
 class Environment(Strict):
     id: str = Field(
         pattern=r"^(verifiers:[A-Za-z0-9][A-Za-z0-9_./@-]*|[A-Za-z0-9][A-Za-z0-9_.-]*)$", max_length=128,
-        description="A built-in environment (reverse-text, wordle, swe-tiny, long-tail) or verifiers:<taskset-id>, "
+        description="A built-in environment (reverse-text, wordle, swe-tiny, long-tail, tool-lookup) or verifiers:<taskset-id>, "
         "an installed verifiers>=0.4 taskset.")
     version: str = Field("latest", pattern=r"^[A-Za-z0-9_.+-]+$", max_length=64)
     args: dict[str, Any] = Field(default_factory=dict)
