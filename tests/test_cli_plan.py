@@ -32,6 +32,8 @@ def test_glm5_plan_is_byte_identical_across_processes_and_working_directories(tm
     assert first.out.endswith("}\n") and first.out.startswith('{\n  "build"')  # pretty, sorted keys
     compact = run_cli("plan", "manifests/glm5.yaml", "--design", "-o", "json", "--compact")
     assert compact.code == 0 and "\n" not in compact.out[:-1] and json.loads(compact.out) == plan
+    ignored = run_cli("plan", "manifests/glm5.yaml", "--design", "--compact")  # shapes nothing without -o json
+    assert ignored.code == 2 and "give it with -o json" in ignored.err
 
 
 def test_a_piped_plan_at_80_columns_breaks_no_identifier_across_lines():

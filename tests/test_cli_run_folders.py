@@ -20,6 +20,14 @@ def test_not_a_run_folder_is_a_clean_error(args, tmp_path: Path):
     assert not (tmp_path / "STOP").exists()
 
 
+@pytest.mark.parametrize("args", [("stop", "{d}"), ("status", "{d}"), ("logs", "-n", "-2", "{d}")])
+def test_a_folder_whose_plan_does_not_read_is_no_run(args, tmp_path: Path):
+    (tmp_path / "plan.json").write_text("{bad")
+    result = run_cli(*(a.format(d=tmp_path) for a in args))
+    assert result.code == 2 and "Traceback" not in result.text and result.err.strip(), result.text
+    assert not (tmp_path / "STOP").exists()
+
+
 def test_runs_of_one_manifest_started_in_the_same_second_get_folders_of_their_own(tmp_path: Path, monkeypatch):
     """A seed sweep starts `primebuild run` of one manifest several times at once: each run claims its own
     folder (it was `internal error: FileExistsError` for all but the first)."""

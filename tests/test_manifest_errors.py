@@ -7,6 +7,7 @@ Expected lines are computed from the text of each case, so a case stays correct 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -341,6 +342,9 @@ def test_v1_moved_field_set_twice_is_refused(workdir: Path, capsys, monkeypatch)
     (["trainer.ranks"], r"--set #1: expected PATH=VALUE, got 'trainer\.ranks'"),
     (["seed=1", "trainer..ranks=1"], r"--set #2: bad field path 'trainer\.\.ranks'"),
     (["hardware.gpu=a100"], r"--set: hardware\.gpu: got 'a100'"),
+    (["hardware.nodes=true"], r"--set: hardware\.nodes: Input should be a valid integer"),
+    (["environments.0.id=wordle"], r"--set #1: environments\.0\.id: environments is a list, and --set cannot reach"),
+    (["environments[0].id=wordle"], r"--set #1: .*environments is a list.*\n    hint: set the whole list"),
 ])
 def test_bad_set_is_a_clean_error(sets, message, workdir: Path, capsys, monkeypatch):
     write(workdir, "m.yaml", CPU_MANIFEST)
@@ -361,6 +365,18 @@ def test_missing_file_and_directory_are_clean_errors(workdir: Path, capsys, monk
     (workdir / "d.yaml").mkdir()
     result = call_cli(capsys, "plan", "d.yaml")
     assert result.code == 2 and "Traceback" not in result.text
+    os.mkfifo(workdir / "pipe.yaml")  # reading it would wait for a writer for ever
+    result = call_cli(capsys, "validate", "pipe.yaml")
+    assert result.code == 2 and "pipe.yaml: is a pipe or a device, not a manifest file" in result.err
+
+
+def test_a_stale_lock_says_how_to_refresh_it_for_the_same_command(workdir: Path, capsys, monkeypatch):
+    monkeypatch.chdir(workdir)
+    write(workdir, "m.yaml", CPU_MANIFEST)
+    assert call_cli(capsys, "lock", "m.yaml", "--offline", "--lock", "m.lock").code == 0
+    result = call_cli(capsys, "plan", "m.yaml", "--lock", "m.lock", "--set", "orchestrator.max_steps=5")
+    assert result.code == 2 and "stale lock" in result.err
+    assert "`primebuild lock m.yaml --set orchestrator.max_steps=5 --lock m.lock`" in result.err, result.err
 
 
 def test_missing_facts_file_is_a_clean_error(workdir: Path, capsys, monkeypatch):

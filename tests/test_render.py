@@ -273,6 +273,12 @@ def test_values_that_reach_a_shell_run_nothing_unintended(tmp_path):
     assert not leaked, leaked
 
 
+def test_a_target_the_manifest_does_not_configure_says_what_it_lacks():
+    result = run_cli("render", MANIFESTS / "reverse-text.yaml", "--target", "ssh")
+    assert result.code == 2 and "--target ssh: target.hosts: required field is missing" in result.err
+    assert "reverse-text-ssh.yaml" in result.err and "--set:" not in result.err
+
+
 @pytest.mark.parametrize("command", ["render", "run"])
 def test_an_image_that_is_not_a_reference_is_refused(command, tmp_path):
     """--image is written into a Slurm script's comment and pyxis option: a newline in it would be a line

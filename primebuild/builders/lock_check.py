@@ -10,6 +10,7 @@ stale: `unpinned()` lists them so that callers can warn.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from primebuild import __version__
@@ -25,7 +26,7 @@ def load_lock_for(loaded: LoadedManifest, lock_path: str | None, require_fresh: 
     path = Path(lock_path) if lock_path else lockmod.lock_path_for(loaded)
     if not path.is_file():
         raise UserError(f"no lock for {loaded.path} at {path}",
-                        hint=f"create it with `primebuild lock {loaded.path}`")
+                        hint=f"create it with `primebuild lock {loaded.command_args}`")
     lock = lockmod.read_lock(path)
     if require_fresh:
         problems = check_lock(loaded, lock, shown=str(path))
@@ -37,8 +38,11 @@ def load_lock_for(loaded: LoadedManifest, lock_path: str | None, require_fresh: 
 def check_lock(loaded: LoadedManifest, lock: dict, *, shown: str = "lock",
                project_dir: Path = lockmod.python_env.PROJECT_DIR) -> list[Problem]:
     """Every way `lock` is stale for `loaded`, each with its fix; [] when fresh."""
-    relock = f"`primebuild lock {loaded.path}` (re-pins only what changed)"
-    update = f"`primebuild lock --update {loaded.path}`"
+    args = loaded.command_args
+    if shown != "lock" and Path(shown).resolve() != lockmod.lock_path_for(loaded).resolve():  # a --lock of its own
+        args += f" --lock {shlex.quote(shown)}"
+    relock = f"`primebuild lock {args}` (re-pins only what changed)"
+    update = f"`primebuild lock --update {args}`"
     problems: list[Problem] = []
 
     def stale(section: str, message: str, hint: str) -> None:

@@ -16,7 +16,7 @@ from primebuild.errors import UserError
 @run_dir_argument
 @runs_dir_option
 @click.option("-p", "--process", default=None, help="Only this process's log (e.g. trainer, inference-0).")
-@click.option("-n", "--lines", default=40, show_default=True, help="Lines from the end of each log.")
+@click.option("-n", "--lines", default=40, show_default=True, type=click.IntRange(min=1), help="Lines from the end of each log.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until Ctrl-C.")
 def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: int, follow: bool) -> None:
     """Print the last lines of every process log of RUN_DIR (default: the newest run), or of one process."""

@@ -29,6 +29,8 @@ def command(manifest: str, sets: tuple[str, ...], output: str, locked: bool, loc
 
     A field that the plan's backends cannot apply is an error (exit 2) naming it; with --design the
     plan is shown anyway, with those fields listed and `runnable: false`, and nothing can run it."""
+    if compact and output != "json":
+        raise click.UsageError("--compact shapes the JSON output: give it with -o json")
     loaded = load_manifest(manifest, sets)
     print_notes(loaded.notes)
     lock = None

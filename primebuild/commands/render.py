@@ -51,7 +51,13 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
 
     loaded = load_manifest(manifest, sets)
     if target and target != loaded.manifest.target.kind:  # the target's own settings at their defaults
-        loaded = load_manifest(manifest, [*sets, f"target={{kind: {target}}}"])
+        try:
+            loaded = load_manifest(manifest, [*sets, f"target={{kind: {target}}}"])
+        except UserError as err:  # a setting the target has no default for (ssh: its hosts)
+            first = err.problems[0]
+            raise UserError(f"--target {target}: {first.field or 'target'}: {first.message}",
+                            hint=f"give it too: --set 'target={{kind: {target}, ...}}', or render a manifest whose "
+                                 f"target is {target} (manifests/reverse-text-{target}.yaml)") from None
     print_notes(loaded.notes)
     kind = loaded.manifest.target.kind
     if kind == "local":

@@ -26,9 +26,11 @@ POLL_SECONDS = 0.5
 @click.option("--now", is_flag=True, help="No grace: end it at once (steps after the last checkpoint are lost).")
 def command(run_dir: Path | None, runs_dir: Path, grace: float, now: bool) -> None:
     """Ask RUN_DIR (default: the newest run) to checkpoint and stop; end what is left after --grace."""
+    from primebuild.contracts.plan import read_plan
     from primebuild.runtime.targets import target_for
 
     run = find_run(run_dir, runs_dir)
+    read_plan(run.plan)  # a folder whose plan does not read is no run: nothing to stop, nothing written
     run.stop_file.touch()
     record = run.read_launch()
     if record is None:

@@ -99,6 +99,13 @@ def apply_sets(doc: dict, sets: list[str], source: SourceMap) -> dict:
         parts = key.strip().split(".")
         if not all(parts):
             raise UserError(Problem(f"bad field path {key!r}", file=where, hint="e.g. --set trainer.dp_shard=16"))
+        node: object = out
+        for depth, part in enumerate(parts[:-1]):  # --set names fields; a list is set whole
+            node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, list) or "[" in part:
+                name = ".".join(parts[: depth + 1]).split("[")[0]
+                raise UserError(Problem(f"{key}: {name} is a list, and --set cannot reach into one of its items",
+                                        file=where, hint=f"set the whole list: --set '{name}=[{{...}}, ...]'"))
         try:
             value, parsed = parse_yaml(raw, where) if raw.strip() else ("", None)
             if parsed is not None and parsed.problems:

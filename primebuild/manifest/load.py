@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import shlex
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,12 @@ class LoadedManifest:
     document: dict  # the composed document, before defaults
     source: SourceMap = field(repr=False)
     notes: list[str] = field(default_factory=list)  # migration notes to show the user
+    sets: tuple[str, ...] = ()  # the --set overrides it was loaded with (a fix a message suggests repeats them)
+
+    @property
+    def command_args(self) -> str:
+        """The manifest and its overrides as a command names them, shell-quoted."""
+        return " ".join(shlex.quote(a) for a in [str(self.path), *(x for s in self.sets for x in ("--set", s))])
 
     @property
     def manifest_hash(self) -> str:
@@ -57,7 +64,8 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
         raise UserError(_sorted(source.problems + schema)) from None
     if source.problems:
         raise UserError(_sorted(source.problems))
-    return LoadedManifest(manifest=manifest, path=path, files=files, document=doc, source=source, notes=notes)
+    return LoadedManifest(manifest=manifest, path=path, files=files, document=doc, source=source, notes=notes,
+                          sets=tuple(sets))
 
 
 def validation_problems(err: ValidationError, source: SourceMap, doc: object = None) -> list[Problem]:

@@ -74,6 +74,8 @@ def dotted(path: Path_) -> str:
 def read_text(path: Path) -> str:
     """Read a manifest as UTF-8, reporting a bad byte by line and column."""
     shown = str(path)
+    if path.exists() and not path.is_dir() and not path.is_file():  # a pipe or a device would block or never end
+        raise UserError(Problem("is a pipe or a device, not a manifest file", file=shown))
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
