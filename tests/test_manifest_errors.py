@@ -139,8 +139,13 @@ def _cases() -> list[Case]:
     add(id="no-model-source", text=no_source, line=line_of(no_source, "model:"), field="model",
         message="got none", subprocess=False)
     shape = edit(cpu, "  group_size: 8", "  group_size: 7")
-    add(id="rollouts-not-multiple-of-group", text=shape, line=line_of(shape, "orchestrator"), field="orchestrator",
-        message=r"rollouts_per_step \(64\) must be a multiple of group_size \(7\)", subprocess=False)
+    add(id="rollouts-not-multiple-of-group", text=shape, line=line_of(shape, "rollouts_per_step"), column=3,
+        field="orchestrator.rollouts_per_step", message=r"rollouts_per_step \(64\) must be a multiple of group_size \(7\)",
+        hint="rollouts_per_step: 63, or a group_size dividing 64", subprocess=False)
+    long = edit(cpu, "  max_completion_tokens: 16", "  max_completion_tokens: 100")
+    add(id="completion-longer-than-sequence", text=long, line=line_of(long, "max_completion_tokens"), column=3,
+        field="orchestrator.max_completion_tokens", message=r"max_completion_tokens \(100\) exceeds seq_len \(64\)",
+        hint="seq_len: 100 or more", subprocess=False)
     vllm_fp8 = edit(cpu, "  engine: embedded\n  precision: fp32", "  engine: vllm\n  precision: fp8")
     add(id="vllm-cpu-fp8", text=vllm_fp8, line=line_of(vllm_fp8, "  precision: fp8"), field="inference.precision",
         message="vllm-cpu: FP8 is not tested on CPUs", hint="precision: fp32", subprocess=False)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from primebuild.errors import Problem, UserError
 from primebuild.hashing import sha256_json
 from primebuild.manifest.compose import apply_sets, load_composed
-from primebuild.manifest.schema import LOSS_NAMES, Manifest
+from primebuild.manifest.schema import FIELD_SEP, LOSS_NAMES, Manifest
 from primebuild.manifest.versions import check_and_migrate, move_fields
 from primebuild.manifest.yaml_source import Path_, SourceMap
 
@@ -90,7 +90,11 @@ def validation_problems(err: ValidationError, source: SourceMap, doc: object = N
             problems.append(source.problem(path, e["msg"], hint=f"{tag} is one of {', '.join(tags)}"))
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            problems.append(source.problem(path, msg))
+            if FIELD_SEP in msg:  # schema.at(): a check across fields, located at one of them, with its fix
+                name, msg, hint = msg.split(FIELD_SEP)
+                problems.append(source.problem((*path, name), msg, hint=hint or None))
+            else:
+                problems.append(source.problem(path, msg))
     return problems
 
 

@@ -41,6 +41,15 @@ class Strict(BaseModel):
         return data
 
 
+# A check across fields, located at one of them and saying how to fix it: `at(field, message, hint)` raised
+# from a model validator; load.validation_problems reads the parts back (pydantic keeps only the text).
+FIELD_SEP = "\x1f"
+
+
+def at(field: str, message: str, hint: str = "") -> ValueError:
+    return ValueError(FIELD_SEP.join((field, message, hint)))
+
+
 PositiveInt = Annotated[int, Field(ge=1)]
 Port = Annotated[int, Field(ge=1024, le=65535)]
 
@@ -123,9 +132,10 @@ class Hardware(Strict):
     @model_validator(mode="after")
     def _cpu_has_no_gpus(self) -> Hardware:
         if self.gpu == "cpu" and self.gpus_per_node != 0:
-            raise ValueError("gpu: cpu needs gpus_per_node: 0")
+            raise at("gpus_per_node", "gpu: cpu needs gpus_per_node: 0", "set gpus_per_node: 0, or name the GPU")
         if self.gpu != "cpu" and self.gpus_per_node == 0:
-            raise ValueError(f"gpu: {self.gpu} needs gpus_per_node >= 1 (or use gpu: cpu)")
+            raise at("gpus_per_node", f"gpu: {self.gpu} needs gpus_per_node >= 1",
+                     "give the GPUs per node (e.g. 8), or use gpu: cpu")
         return self
 
 
@@ -385,10 +395,14 @@ class Orchestrator(Strict):
     @model_validator(mode="after")
     def _shapes(self) -> Orchestrator:
         if self.rollouts_per_step % self.group_size:
-            raise ValueError(f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of group_size "
-                             f"({self.group_size})")
+            nearest = max(self.group_size, round(self.rollouts_per_step / self.group_size) * self.group_size)
+            raise at("rollouts_per_step", f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of "
+                     f"group_size ({self.group_size})", f"rollouts_per_step: {nearest}, or a group_size dividing "
+                     f"{self.rollouts_per_step}")
         if self.max_completion_tokens > self.seq_len:
-            raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) exceeds seq_len ({self.seq_len})")
+            raise at("max_completion_tokens", f"max_completion_tokens ({self.max_completion_tokens}) exceeds seq_len "
+                     f"({self.seq_len})", f"seq_len: {self.max_completion_tokens} or more (prompt and completion "
+                     f"together), or a smaller max_completion_tokens")
         return self
 
 
