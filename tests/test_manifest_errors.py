@@ -404,6 +404,9 @@ def test_lock_refuses_what_it_cannot_read_or_write_before_resolving_anything(wor
     write(workdir, "m.yaml", CPU_MANIFEST.replace("reverse-text-tiny.json", "nope.json"))
     result = call_cli(capsys, "lock", "m.yaml", "--offline")
     assert result.code == 2 and "model.facts: architecture facts not found" in result.err, result.text
+    write(workdir, "m.yaml", CPU_MANIFEST.replace("  - id: reverse-text", "  - id: reverse-txt"))
+    result = call_cli(capsys, "lock", "m.yaml", "--offline")  # a typo, not a verifiers taskset to install
+    assert result.code == 2 and "environments[0].id: unknown environment id 'reverse-txt'" in result.err, result.text
     write(workdir, "m.yaml", CPU_MANIFEST)
     (workdir / "models" / "reverse-text-tiny.json").write_bytes(b"\xff\xfe{")
     result = call_cli(capsys, "lock", "m.yaml", "--offline")
