@@ -242,6 +242,10 @@ def test_unsafe_python_tag_is_refused_and_never_executed(workdir: Path, capsys, 
         write(workdir, "m.yaml", CPU_MANIFEST.replace("name: tiny", f"name: {tag}"))
         result = call_cli(capsys, "validate", "m.yaml")
         assert result.code == 2 and "unsupported YAML tag" in result.err and "Traceback" not in result.text
+    write(workdir, "m.yaml", f'!!python/object/apply:os.system ["touch {marker}"]\n')  # on the whole document
+    result = call_cli(capsys, "validate", "m.yaml")
+    assert result.code == 2 and "m.yaml:1:1: unsupported YAML tag" in result.err and "NoneType" not in result.err
+    assert not marker.exists()
 
 
 def test_alias_bomb_is_refused_fast(workdir: Path):

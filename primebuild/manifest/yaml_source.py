@@ -144,6 +144,8 @@ def parse_yaml(text: str, file: str) -> tuple[object, SourceMap]:
         raise UserError(Problem("the manifest is empty", file=file, hint="start with `apiVersion: primebuild/v1`"))
     builder = _Builder(file)
     value = builder.build(nodes[0], (), 0)
+    if value is None and builder.problems:  # the whole document was refused (a tag on it): say why, not "None"
+        raise UserError(builder.problems)
     builder.source.problems = builder.problems
     return value, builder.source
 
