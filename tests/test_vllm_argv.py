@@ -17,10 +17,13 @@ from primebuild.builders.vllm_command import MODULE
 pytestmark = pytest.mark.vllm
 
 GPU_MANIFESTS = ["glm5.yaml", "qwen3-30b-a3b.yaml"]
+# manifest values no shipped manifest holds, each mapped to vLLM's own spelling (bf16 is its "bfloat16")
+VARIANTS = {"qwen3-30b-a3b.yaml+kv-bf16": ("qwen3-30b-a3b.yaml", "inference.kv_cache_dtype=bf16")}
 
 
-def vllm_argvs(manifest: str) -> dict[str, list[str]]:
-    result = run_cli("plan", REPO / "manifests" / manifest, "--design", "-o", "json", timeout=120)
+def vllm_argvs(manifest: str, *sets: str, label: str | None = None) -> dict[str, list[str]]:
+    result = run_cli("plan", REPO / "manifests" / manifest, "--design", "-o", "json",
+                     *(a for s in sets for a in ("--set", s)), timeout=120)
     assert result.code == 0, result.text
     out = {}
     for process in json.loads(result.out)["processes"]:
@@ -32,7 +35,7 @@ def vllm_argvs(manifest: str) -> dict[str, list[str]]:
         # fill the placeholders `primebuild worker` fills at start
         filled = [re.sub(r"\{(host|bind):[^}]*\}", "127.0.0.1", a.replace("{model_path}", "/models/dummy")) for a in argv]
         assert not any("{" in a and "}" in a and not a.startswith("{\"") for a in filled), filled
-        out[f"{manifest}:{process['name']}"] = filled
+        out[f"{label or manifest}:{process['name']}"] = filled
     assert out, f"{manifest} plans no vLLM process"
     return out
 
@@ -42,6 +45,8 @@ def vllm_output() -> dict:
     argvs = {}
     for manifest in GPU_MANIFESTS:
         argvs.update(vllm_argvs(manifest))
+    for label, (manifest, *sets) in VARIANTS.items():
+        argvs.update(vllm_argvs(manifest, *sets, label=label))
     python = vllm_python()
     proc = subprocess.run([str(python), str(REPO / "tests" / "vllm_parse_argv.py")], input=json.dumps(argvs),
                           capture_output=True, text=True, timeout=300)
@@ -54,7 +59,7 @@ def parsed(vllm_output) -> dict[str, str | None]:
     return vllm_output["argv"]
 
 
-@pytest.mark.parametrize("manifest", GPU_MANIFESTS)
+@pytest.mark.parametrize("manifest", GPU_MANIFESTS + list(VARIANTS))
 def test_vllm_accepts_every_inference_argv(parsed, manifest):
     errors = {name: err for name, err in parsed.items() if name.startswith(manifest + ":") and err}
     assert not errors, "vLLM 0.32 refuses these argv:\n" + "\n".join(f"{k}: {v}" for k, v in errors.items())

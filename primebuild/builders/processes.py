@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from primebuild.builders.placement import Placement, ReplicaPlacement, Slot
 from primebuild.builders.trainer_restart import trainer_restarts
-from primebuild.builders.vllm_command import VllmServer, server_argv, server_env
+from primebuild.builders.vllm_command import KV_CACHE_DTYPES, VllmServer, server_argv, server_env
 from primebuild.contracts.dtypes import PRECISION_DTYPES
 from primebuild.contracts.inference import BroadcastJoin, DisaggregationRole, InferenceServerConfig
 from primebuild.contracts.orchestrator import (
@@ -222,7 +222,7 @@ def _vllm_server(m: Manifest, *, model_path: str, served: str, port: int, node: 
         dtype=PRECISION_DTYPES.get(inf.precision, "bfloat16"), enforce_eager=cpu, cpu=cpu,  # CUDA graphs on GPUs
         gpu_memory_utilization=None if cpu else inf.gpu_memory_utilization, tensor_parallel=tp,
         quantization=vllm_fp8_option(checkpoint_quantized) if inf.precision == "fp8" else None,
-        kv_cache_dtype=None if inf.kv_cache_dtype == "auto" else inf.kv_cache_dtype)
+        kv_cache_dtype=KV_CACHE_DTYPES[inf.kv_cache_dtype])
 
 
 def _vllm_argv(m: Manifest, rp: ReplicaPlacement, group: InferenceGroup, node_rank: int, port: int,

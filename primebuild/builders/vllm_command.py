@@ -47,6 +47,11 @@ WEIGHTS_MIXED_MIDDLEWARE = "primebuild.runtime.inference.vllm.weights_mixed_guar
 BROADCAST_BACKEND = "primebuild_broadcast"  # worker_extension.BROADCAST_BACKEND (that module needs vllm)
 
 
+# inference.kv_cache_dtype in vLLM's spelling (its --kv-cache-dtype takes "bfloat16", not "bf16"); None: vLLM's own
+# default, the model's dtype
+KV_CACHE_DTYPES: dict[str, str | None] = {"auto": None, "bf16": "bfloat16", "fp8": "fp8"}
+
+
 @dataclass(frozen=True)
 class VllmServer:
     """One vLLM server (or one node of a multi-node data-parallel replica)."""
@@ -73,7 +78,7 @@ class VllmServer:
     data_parallel_start_rank: int | None = None  # a headless follower node
     expert_parallel: bool = False
     quantization: str | None = None  # "fp8_per_block" (online, bf16 checkpoints) or "fp8" (FP8 checkpoints)
-    kv_cache_dtype: str | None = None
+    kv_cache_dtype: str | None = None  # vLLM's name (KV_CACHE_DTYPES)
     kv_transfer: dict = field(default_factory=dict)  # P/D: {"kv_connector", "kv_role", ...}
     block_size: int | None = None  # tokens per KV block (ExampleConnector moves whole blocks and names them)
     max_lora_rank: int | None = None  # LoRA RL: serve one runtime-loaded adapter of up to this rank
