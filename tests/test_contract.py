@@ -346,7 +346,9 @@ FIELDS: dict[str, list] = {
         Reaches(config_of(O, "environments.1.weight"), ("environments=[{id: reverse-text}, {id: wordle, weight: 3}]",),
                 3.0),
         Refused(("environments=[{id: reverse-text}, {id: wordle, weight: 3}]",), base=SFT, field_path="environments")],
-    "hardware.cpus_per_node": [Shapes(("hardware.cpus_per_node=8",), "processes", base=RL)],
+    "hardware.cpus_per_node": [Shapes(("hardware.cpus_per_node=8",), "processes", base=RL),
+                               Refused(("hardware.cpus_per_node=1", "sft.ranks=2"), base=SFT, field_path="sft.ranks"),
+                               Refused(("hardware.cpus_per_node=7",), base=GPU)],  # GPUs on ssh: no CPU allotment
     "hardware.gpu": [Shapes(("hardware.gpu=h200",), "memory"),
                      Builds(build_config("device"), ("hardware.gpu=h100", "hardware.gpus_per_node=8"), "cuda", base=SFT),
                      Builds(build_config("device"), ("hardware.gpu=h100", "hardware.gpus_per_node=2"), "cuda",
@@ -361,7 +363,8 @@ FIELDS: dict[str, list] = {
                        Refused(("hardware.nodes=2",))],
     "hardware.network_env": [Reaches(lambda plan: process(plan, "trainer")["env"].get("GLOO_SOCKET_IFNAME"),
                                      ("hardware.network_env={GLOO_SOCKET_IFNAME: lo}",), "lo"),
-                             Renders("slurm", ("hardware.network_env={NCCL_IB_HCA: mlx5_0}",), ())],
+                             Renders("slurm", ("hardware.network_env={NCCL_IB_HCA: mlx5_0}",), ()),
+                             Refused(("hardware.network_env={GLOO_SOCKET_IFNAME: lo}",), base=SFT)],
     "hardware.storage_bandwidth_gb_s": [Shapes(("hardware.storage_bandwidth_gb_s=5",), "estimates"),
                                         Refused(("hardware.storage_bandwidth_gb_s=5",))],
     "image.base": [Locks(("image.base=debian:12",))],
@@ -505,7 +508,8 @@ FIELDS: dict[str, list] = {
     "sft.eval_every": [Builds(build_config("eval_every"), ("sft.eval_every=10",), 10),
                        Builds(build_config("check_every"), ("sft.eval_every=10",), 10),  # the stop's cadence too
                        Builds(build_config("check_every"), ("sft.eval_every=0",), 2, base="tool-use-sft.yaml"),  # else every 2
-                       Builds(build_config("eval_every"), ("sft.eval_every=10",), 10, base=CHAT_SFT)],
+                       Builds(build_config("eval_every"), ("sft.eval_every=10",), 10, base=CHAT_SFT),
+                       Refused(("sft.dataset.eval_rows=0", "sft.eval_every=5"), base=CHAT_SFT)],  # nothing held out
     "sft.dataset.path": [Builds(build_config("dataset_sha256"), ("sft.dataset.path=one-chat.jsonl",),
                                 hashlib.sha256(ONE_CHAT.encode()).hexdigest(), base=CHAT_SFT),
                          Refused(("sft.dataset.path=missing.jsonl",), base=CHAT_SFT)],
@@ -675,7 +679,9 @@ _LAYOUT = {"tp": ("inference.tp=1", "inference.ep=1"), "dp": ("inference.dp=2", 
            "nodes_per_replica": ("inference.nodes_per_replica=2", "inference.dp=8", "inference.replicas=1",
                                  "hardware.nodes=3", "trainer.nodes=1")}
 for _dim, _sets in _LAYOUT.items():
-    FIELDS[f"inference.{_dim}"] = [Refused((f"inference.{_dim}=2",)), Shapes(_sets, "processes")]
+    FIELDS[f"inference.{_dim}"] = [Refused((f"inference.{_dim}=2",)), Shapes(_sets, "processes"),
+                                   Refused((f"inference.{_dim}=2",), base="reverse-text-pd.yaml")]  # per P/D group
+FIELDS["inference.replicas"].append(Refused(("inference.replicas=3",), base="reverse-text-pd.yaml"))
 # Each target's own settings shape the artifact its renderer writes (primebuild/builders/render/).
 _TARGETS = {"hosts": ("ssh", "{kind: ssh, hosts: [a]}", "target.hosts=[b]"),
             "user": ("ssh", "{kind: ssh, hosts: [a]}", "target.user=me"),

@@ -450,10 +450,31 @@ def _no_effect(m: Manifest) -> Iterator[Refusal]:
          measured if cpu else "it times the filesystem weight sync and, on Slurm, the checkpoint before the time "
          "limit only"),
         ("trainer.nodes", cpu and m.hardware.nodes == 1, "one CPU node runs every process"),
+        ("hardware.cpus_per_node", not cpu and m.target.kind in ("local", "ssh"),
+         f"on GPUs the {m.target.kind} target starts processes with no CPU allotment (Slurm and Kubernetes "
+         "request it) and sizes nothing by it"),
     ]
     for field, unused, why in candidates:
         if unused and is_set(m, field):
             yield Refusal(field, f"has no effect here: {why}", "remove it")
+
+
+def _sft_no_effect(m: Manifest) -> Iterator[Refusal]:
+    """Fields of the sections an sft: manifest keeps that its build does not read."""
+    cpu = m.hardware.gpu == "cpu"
+    candidates = [
+        ("hardware.network_env", "the build's ranks run on this host with the environment of the `primebuild` "
+         "process: export the variables in its shell"),
+        ("hardware.inter_node_bandwidth_gb_s", "a build runs on one host and is not modelled in time"),
+        ("hardware.storage_bandwidth_gb_s", "a build runs on one host and is not modelled in time"),
+        ("model.revision", "a revision applies to an hf: model only") if m.model.hf is None else None,
+        ("hardware.gpu_memory_gb", "CPU runs are measured, not modelled") if cpu else None,
+        ("sft.eval_every", "a chat dataset's held-out evaluation needs held-out rows (dataset.eval_rows: 0)")
+        if m.sft.dataset is not None and m.sft.dataset.eval_rows == 0 else None,
+    ]
+    for field, why in filter(None, candidates):
+        if is_set(m, field):
+            yield Refusal(field, f"has no effect in an sft: build: {why}", "remove it")
 
 
 def _multi_node_trainer(m: Manifest) -> bool:
@@ -480,6 +501,7 @@ def _sft_only(m: Manifest) -> Iterator[Refusal]:
     if len(m.environments) > 1:
         yield Refusal("environments", "SFT trains on (or is scored by) one environment", "list one environment")
     yield from _sft_on_trainer(m)
+    yield from _sft_no_effect(m)
     if m.model.dtype != "float32":
         yield Refusal("model.dtype", "SFT trains and saves float32 weights", "use dtype: float32")
     if m.target.kind != "local":
@@ -496,6 +518,9 @@ def _sft_on_trainer(m: Manifest) -> Iterator[Refusal]:
                       "is the held-out loss and, at the end, the environment's reward)", "remove stop_at_reward")
     if m.hardware.nodes > 1:
         yield Refusal("hardware.nodes", "the SFT build's ranks run on the one host that builds it", "use nodes: 1")
+    if m.hardware.gpu == "cpu" and m.sft.ranks > m.hardware.cpus_per_node:
+        yield Refusal("sft.ranks", f"{m.sft.ranks} ranks on a node of {m.hardware.cpus_per_node} CPUs "
+                      "(hardware.cpus_per_node)", f"use ranks <= {m.hardware.cpus_per_node}")
     if m.hardware.gpu != "cpu" and m.sft.ranks > m.hardware.gpus_per_node:
         yield Refusal("sft.ranks", f"{m.sft.ranks} ranks, one per GPU, on {m.hardware.gpus_per_node} GPUs",
                       f"use ranks <= {m.hardware.gpus_per_node}")

@@ -213,6 +213,16 @@ class Inference(Strict):
             raise ValueError("must be an IP address or host name")
         return v
 
+    @model_validator(mode="after")
+    def _layout_in_one_place(self) -> Inference:
+        """Under disaggregation each group has its own layout: the top-level one would be read by nothing."""
+        written = [f for f in InferenceGroup.model_fields if f in self.model_fields_set]
+        if self.disaggregation and written:
+            raise at(written[0], f"{written[0]} is set per group under disaggregation (prefill and decode each have "
+                     "their own layout); this one would be read by nothing",
+                     f"move it into disaggregation.prefill and disaggregation.decode: {written[0]}: N")
+        return self
+
 
 # --- trainer ---------------------------------------------------------------------------------------
 
