@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from primebuild.runtime.envs.transcript import Transcript
 from primebuild.runtime.inference.chat_template import ChatTemplate, TemplateError
-from primebuild.runtime.inference.protocol import ApiError, ChatRequest, parse_body
+from primebuild.runtime.inference.protocol import ApiError, ChatRequest, parse_body, read_body
 from primebuild.runtime.inference.tool_parser import parse_tool_calls
 
 SampleFn = Callable[..., Awaitable[Any]]  # as primebuild/runtime/orchestrator/rollout.py: (prompt_ids, n=, ...) -> CompletionResult
@@ -125,7 +125,7 @@ class ChatInterception:
             conversation = self.conversations.get(key)
             if conversation is None:
                 raise ApiError(404, "no such episode (it ended, or the URL is wrong)")
-            body = parse_body(await request.body(), ChatRequest)
+            body = parse_body(await read_body(request), ChatRequest)
             async with conversation.lock:
                 answer = await self.turn(conversation, body)
             if not body.stream:

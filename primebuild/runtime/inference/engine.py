@@ -61,7 +61,7 @@ from .model_config import ModelConfig
 from .prefilled import Prefilled, export_slot, install_slot
 from .sampling import SamplingParams, make_generator, sample, sample_greedy
 from .sequences import ChoiceResult, Request, Sequence, SeqUpdate
-from .weights import load_weights
+from .weights import ModelWeights, load_weights
 from .weights_in_place import WeightsInPlace
 
 log = logging.getLogger(__name__)
@@ -266,6 +266,20 @@ class Engine:
         if in_flight not in ("resume", "finish"):
             raise UserError(f"in_flight must be 'resume' or 'finish', not {in_flight!r}")
         with self._update_lock:
+            weights = self._read_update(path)
+            swap = _Swap(weights, int(version), in_flight, threading.Event())
+            with self._cv:
+                self._swap = swap
+                self._cv.notify()
+            if not swap.done.wait(timeout):
+                raise TimeoutError("the weight swap did not happen in time (paused with requests in flight?)")
+            if self.dead is not None:
+                raise EngineDead(f"the engine is dead: {self.dead}")
+
+    def _read_update(self, path: str | Path | Mapping[str, torch.Tensor]) -> ModelWeights:
+        """The new weights, read and checked beside the served ones (nothing served changes here). A folder
+        that does not read as weights (a broken file, a bad config or adapter) is the caller's error."""
+        try:
             if not isinstance(path, Mapping) and (Path(path) / STABLE).is_file():
                 verify(path)  # a published step folder: its files must be what it lists
             if not isinstance(path, Mapping) and is_adapter_folder(path):
@@ -282,15 +296,14 @@ class Engine:
                             hint="weight updates must keep every shape of the served model",
                         )
                     )
-            weights = load_weights(path, self.config, self.dtype, self.device, fp8=self.fp8)
-            swap = _Swap(weights, int(version), in_flight, threading.Event())
-            with self._cv:
-                self._swap = swap
-                self._cv.notify()
-            if not swap.done.wait(timeout):
-                raise TimeoutError("the weight swap did not happen in time (paused with requests in flight?)")
-            if self.dead is not None:
-                raise EngineDead(f"the engine is dead: {self.dead}")
+            return load_weights(path, self.config, self.dtype, self.device, fp8=self.fp8)
+        except (UserError, MemoryError):
+            raise
+        except Exception as err:  # noqa: BLE001 (safetensors, json, torch and OS errors of a bad folder)
+            where = "the broadcast tensors" if isinstance(path, Mapping) else str(path)
+            raise UserError(f"{where}: not loadable as this model's weights ({type(err).__name__}: "
+                            f"{str(err)[:300]})", hint="give a step folder the trainer published, or a LoRA "
+                            "adapter folder of this model") from err
 
     def _refuse_if_mixed(self) -> None:
         if self.mixed is not None:

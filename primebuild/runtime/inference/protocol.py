@@ -210,7 +210,7 @@ class ChatRequest(CommonRequest):
 
 class UpdateWeightsRequest(_Body):
     path: str | None = Field(None, min_length=1)  # an HF step folder, for source "folder"
-    version: Int64
+    version: Annotated[int, Field(ge=0, lt=2**63)]  # a policy version: the trainer's step
     in_flight: Literal["resume", "finish"] = "resume"
     source: Literal["folder", "broadcast"] = "folder"  # broadcast: the weights this server has staged
 
@@ -219,6 +219,21 @@ class UpdateWeightsRequest(_Body):
         if self.source == "folder" and self.path is None:
             raise ValueError("path: a step folder is required unless source is 'broadcast'")
         return self
+
+
+async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """A request's body (a Starlette Request), refused with 413 as soon as it passes `limit`: read whole first,
+    a client's one large body would make the server hold all of it (gigabytes) before the check."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
@@ -236,7 +251,11 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in _input_path(data, first["loc"])) or None
-        raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
+        message = first["msg"].removeprefix("Value error, ")
+        named, _, rest = message.partition(": ")  # a check across fields names its field first ("path: ...")
+        if where is None and rest and named in model.model_fields:
+            where, message = named, rest
+        raise ApiError(400, f"{where}: {message}" if where else message, param=where) from None
     except RecursionError:
         raise ApiError(400, "request body is nested too deeply") from None
 

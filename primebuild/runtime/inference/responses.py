@@ -15,10 +15,11 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from primebuild.contracts.completion import WEIGHTS_MIXED
 from primebuild.errors import UserError
@@ -35,6 +36,7 @@ Api = Literal["completion", "chat"]
 OBJECT = {("completion", False): "text_completion", ("completion", True): "text_completion",
           ("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}
 ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
+DISCONNECT_POLL_S = 0.5  # how often a whole (non-streamed) answer being decoded checks that its client is still there
 LOGPROB_FLOOR = -9999.0  # vLLM's floor: a token masked by top-k/top-p has -inf, which JSON cannot carry
 
 
@@ -227,9 +229,11 @@ def sse(data: dict | str) -> str:
 async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str, api: Api,
                  prompts: list[list[int]], params: SamplingParams, *, stream: bool, include_usage: bool,
                  logprobs: bool, top: int, prefilled: list[Prefilled | None] | None = None,
-                 parse_tools: Callable[[str], ParsedMessage] | None = None):
+                 parse_tools: Callable[[str], ParsedMessage] | None = None,
+                 disconnected: Callable[[], Awaitable[bool]] | None = None):
     """Run one API call on the engine and answer it, whole or as server-sent events (P/D decode:
-    continuing from `prefilled` KV caches, one per prompt, None where the prompt is prefilled here)."""
+    continuing from `prefilled` KV caches, one per prompt, None where the prompt is prefilled here).
+    `disconnected()` (the request's): a whole answer nobody waits for any more is stopped."""
     generation = Generation(engine, prompts, params, prefilled)
     choices = [Choice(p * params.n + i, prompts[p], tokenizer, params)
                for p in range(len(prompts)) for i in range(params.n)]
@@ -237,12 +241,21 @@ async def answer(engine: Engine, tokenizer: ServedTokenizer, served_model_name: 
             "object": OBJECT[(api, stream)]}
 
     if not stream:
-        try:
+        async def collect() -> None:
             async for tagged in generation.updates():
                 for index, update in tagged:
                     choices[index].result.apply(update)
+
+        collecting = asyncio.ensure_future(collect())
+        try:
+            # uvicorn does not cancel a handler whose client left: look, so an abandoned call stops decoding
+            while not (await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_S))[0]:
+                if disconnected is not None and await disconnected():
+                    raise ClientDisconnect()  # (server.py: 499, nobody is waiting for an answer)
+            collecting.result()
         finally:
-            generation.abort()  # no-op once finished; frees slots if the client went away
+            collecting.cancel()
+            generation.abort()  # no-op once finished; frees the slots of a call stopped early
         failed = [c.result for c in choices if c.result.error]
         if failed:
             raise error_answer(failed[0].error, failed[0].error_code)

@@ -31,7 +31,7 @@ from primebuild.contracts.completion import WEIGHTS_MIXED
 from primebuild.contracts.router import RouterConfig
 from primebuild.runtime.config_main import config_main
 
-from .protocol import ApiError
+from .protocol import ApiError, read_body
 from .router_base import (
     Pool,
     add_sampling_routes,
@@ -158,7 +158,7 @@ class PdRouter:
 
     async def admin(self, request: Request, path: str, admin_token: str | None):
         header = authorize(request, admin_token)
-        body = await request.body()
+        body = await read_body(request)
         try:
             answers = await self._fan_out("POST", path, {"authorization": header, "content-type": "application/json"},
                                           body or b"{}")

@@ -14,10 +14,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from primebuild.runtime.http_pool import pool_limits
 
-from .protocol import MAX_BODY_BYTES, ApiError
+from .protocol import ApiError, read_body
 
 
 class Pool:
@@ -42,6 +43,15 @@ def router_app(title: str) -> tuple[FastAPI, httpx.AsyncClient]:
     async def _api_error(request: Request, err: ApiError):
         return JSONResponse(err.body(), status_code=err.status)
 
+    @app.exception_handler(StarletteHTTPException)  # an unknown route or method: OpenAI's shape too
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+    @app.exception_handler(httpx.TransportError)  # a server behind the router is down or unreachable
+    async def _upstream_gone(request: Request, err: httpx.TransportError):
+        message = f"a server behind the router is unreachable ({type(err).__name__}: {str(err)[:200]})"
+        return JSONResponse(ApiError(503, message).body(), status_code=503)
+
     return app, httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=pool_limits(1024))
 
 
@@ -58,12 +68,10 @@ def authorize(request: Request, admin_token: str | None) -> str:
 
 async def json_object(request: Request, routers_own: str) -> dict:
     """A client's request body: a JSON object of bounded size, without the field the router sets."""
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    raw = await read_body(request)
     try:
         body = json.loads(raw)
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # bad UTF-8, bad JSON, absurd nesting
         raise ApiError(400, f"request body is not valid JSON: {str(err)[:200]}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")

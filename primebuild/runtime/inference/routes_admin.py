@@ -17,7 +17,7 @@ from primebuild.errors import UserError
 from . import metrics as prometheus
 from .disaggregation import Disaggregation
 from .engine import Engine, EngineDead
-from .protocol import ApiError, UpdateWeightsRequest, parse_body
+from .protocol import ApiError, UpdateWeightsRequest, parse_body, read_body
 from .weight_receiver import BroadcastInterrupted, BroadcastStage
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def admin_router(engine: Engine, served_model_name: str, admin_token: str | None
     @router.post("/update_weights")
     async def update_weights(request: Request):
         authorize(request)
-        body: UpdateWeightsRequest = parse_body(await request.body(), UpdateWeightsRequest)
+        body: UpdateWeightsRequest = parse_body(await read_body(request), UpdateWeightsRequest)
         started = time.monotonic()
         try:
             if body.source == "broadcast":

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from .body_parser import BodyParser
 from .disaggregation import Disaggregation
 from .engine import Engine
-from .protocol import ApiError, ChatRequest, CompletionRequest
+from .protocol import ApiError, ChatRequest, CompletionRequest, read_body
 from .responses import answer, with_prompt_logprobs
 from .tokenizer import ServedTokenizer
 from .tool_parser import parse_tool_calls
@@ -39,7 +39,7 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
 
     @router.post("/v1/completions")
     async def completions(request: Request):
-        body: CompletionRequest = await body_parser.parse(await request.body(), CompletionRequest)
+        body: CompletionRequest = await body_parser.parse(await read_body(request), CompletionRequest)
         check.model(body.model)
         if body.echo or body.suffix:
             raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
@@ -55,7 +55,8 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
             return exported
         response = await answer(engine, tokenizer, served_model_name, "completion", prompts, params,
                                 stream=bool(body.stream), include_usage=_include_usage(body),
-                                logprobs=body.logprobs is not None, top=top, prefilled=prefilled)
+                                logprobs=body.logprobs is not None, top=top, prefilled=prefilled,
+                                disconnected=request.is_disconnected)
         if body.prompt_logprobs is None:
             return response
         scored = await asyncio.to_thread(lambda: [engine.prompt_logprobs(p) for p in prompts])
@@ -73,7 +74,7 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body: ChatRequest = await body_parser.parse(await request.body(), ChatRequest)
+        body: ChatRequest = await body_parser.parse(await read_body(request), ChatRequest)
         check.model(body.model)
         if not tokenizer.has_chat_template:
             raise ApiError(400, "the served model's tokenizer has no chat template; use /v1/completions",
@@ -97,7 +98,8 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
             return exported
         return await answer(engine, tokenizer, served_model_name, "chat", [prompt], params,
                             stream=bool(body.stream), include_usage=_include_usage(body),
-                            logprobs=bool(body.logprobs), top=top, prefilled=prefilled, parse_tools=parse_tools)
+                            logprobs=bool(body.logprobs), top=top, prefilled=prefilled, parse_tools=parse_tools,
+                            disconnected=request.is_disconnected)
 
     return router
 

@@ -144,6 +144,9 @@ class Reader:
             raise UserError(Problem(f"tensor {key!r} arrived in FP8, which this server does not serve",
                                     file=str(self.source.folder),
                                     hint="the trainer sends FP8 only to servers of inference.precision: fp8"))
+        if not tensor.is_floating_point():  # an int or bool tensor cast to weights would serve garbage, silently
+            raise UserError(Problem(f"tensor {key!r} is {str(tensor.dtype).removeprefix('torch.')}, not a "
+                                    "floating-point weight", file=str(self.source.folder)))
         if tuple(tensor.shape) != shape:
             raise UserError(
                 Problem(

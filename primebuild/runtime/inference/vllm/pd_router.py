@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from primebuild.contracts.router import VllmRouterConfig
 from primebuild.runtime.config_main import config_main
-from primebuild.runtime.inference.protocol import ApiError
+from primebuild.runtime.inference.protocol import ApiError, read_body
 from primebuild.runtime.inference.router_base import (
     Pool,
     add_sampling_routes,
@@ -305,7 +305,7 @@ class VllmPdRouter:
 
     async def admin(self, request: Request, path: str, admin_token: str | None):
         header = authorize(request, admin_token)
-        raw = await request.body() or b"{}"
+        raw = await read_body(request) or b"{}"
         self._note_admin(path, raw)
         headers = {"authorization": header, "content-type": "application/json"}
         query = request.url.query
