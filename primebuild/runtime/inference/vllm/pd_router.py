@@ -127,7 +127,7 @@ def _changes_weights(path: str, body: bytes) -> bool:
     if path == "/collective_rpc":
         try:
             return json.loads(body or b"{}").get("method") not in READ_ONLY_RPCS
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             return True
     return True
 
@@ -342,7 +342,7 @@ class VllmPdRouter:
         try:
             body = json.loads(raw)
             offset = int(body["init_info"]["rank_offset"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise ApiError(400, "init_info.rank_offset: an integer is required", param="init_info") from None
         out = []
         for server in self.every:
