@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import CPU_MANIFEST, call_cli, free_port, run_cli, write
 
 
 @pytest.mark.parametrize("args", [
@@ -51,3 +51,26 @@ def test_runs_of_one_manifest_started_in_the_same_second_get_folders_of_their_ow
     names = sorted(folder.name for folder in claimed)
     assert names == sorted(["bash-files-20261207-044937"] + [f"bash-files-20261207-044937-{n}" for n in range(2, 9)])
     assert all(folder.is_dir() and not any(folder.iterdir()) for folder in claimed)
+
+
+def test_a_runs_folder_that_cannot_take_a_run_is_refused_and_left_clean(workdir: Path, capsys, monkeypatch):
+    """Read-only, not a folder, or full: exit 2 naming the place, and no half-written run folder that
+    `status` would then take for the newest run (it was `internal error: OSError`, and a 0-byte plan.json)."""
+    import errno
+
+    import primebuild.builders.lock as lockmod
+
+    monkeypatch.chdir(workdir)
+    write(workdir, "m.yaml", CPU_MANIFEST)
+    port = ("--set", f"inference.port={free_port()}")
+    (workdir / "a-file").write_text("")
+    result = call_cli(capsys, "run", "m.yaml", *port, "--runs-dir", str(workdir / "a-file" / "runs"))
+    assert result.code == 2 and "no run folder can be made there" in result.err, result.text
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lockmod, "record_lock", full)  # the disk fills while the folder is being written
+    result = call_cli(capsys, "run", "m.yaml", *port, "--runs-dir", str(workdir / "runs"))
+    assert result.code == 2 and "No space left on device" in result.err, result.text
+    assert "Traceback" not in result.text and list((workdir / "runs").iterdir()) == []

@@ -4,6 +4,7 @@ run with --resume. The command drives the target only through primebuild/runtime
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         raise UserError(f"--image: the {target.kind} target runs the nodes' own installation, not an image",
                         hint="give --image with target.kind: kubernetes")
     target.provision(plan)  # before anything is built or written
+    _check_runs_dir(runs_dir)  # before a model build of minutes, not after
     model = resolve_model(loaded, store, click.echo)
     click.echo(f"model: {model.path} ({'cache hit' if model.cache_hit else 'built'} in {model.seconds:.2f} s)")
     teacher = None
@@ -100,12 +102,6 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         teacher = output_of(teacher_manifest(loaded), store, click.echo)
         click.echo(f"teacher: {teacher.path} ({'cache hit' if teacher.cache_hit else 'built'} in {teacher.seconds:.2f} s)")
 
-    run = RunDir(new_run_folder(runs_dir, m.name))
-    run.plan.write_text(render_json(plan))
-    run.manifest.write_text(json.dumps(loaded.document, indent=2, sort_keys=True))
-    for path in loaded.files:
-        run.manifests.mkdir(exist_ok=True)
-        (run.manifests / path.name).write_bytes(path.read_bytes())
     environments = {}  # Python environments beside ours that processes of the plan run in
     if target.kind == "kubernetes":  # the pods run the image's environments
         from primebuild.builders.render.kubernetes import image_environments
@@ -117,17 +113,55 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         vllm = vllm_env.for_hardware(plan.hardware)
         environments["vllm"] = str(ensure(click.echo, vllm))
         click.echo(f"vLLM environment: {vllm.name} ({environments['vllm']})")
-    run.run_record.write_text(json.dumps(
-        {"plan_hash": plan.plan_hash, "manifest_hash": loaded.manifest_hash, "code_version": code_version(),
-         "manifest_path": str(loaded.path.resolve()), "model_path": str(model.path),
-         "model_cache_hit": model.cache_hit, "teacher_model_path": str(teacher.path) if teacher else None, "model_info": model.info, "model_seconds": round(model.seconds, 2),
-         "target": plan.target.kind, "environments": environments, "image": image}, indent=2, sort_keys=True))
-    from primebuild.builders.lock import record_lock
-
-    record_lock(run.lock, loaded)  # the lock as it was, when the manifest has one
-    _record_supervision(run, hang_timeout, max_restarts)
+    record = {"plan_hash": plan.plan_hash, "manifest_hash": loaded.manifest_hash, "code_version": code_version(),
+              "manifest_path": str(loaded.path.resolve()), "model_path": str(model.path),
+              "model_cache_hit": model.cache_hit, "teacher_model_path": str(teacher.path) if teacher else None,
+              "model_info": model.info, "model_seconds": round(model.seconds, 2), "target": plan.target.kind,
+              "environments": environments, "image": image}
+    run = _prepare_run_folder(runs_dir, loaded, plan, record, hang_timeout, max_restarts)
     click.echo(f"run folder: {run.root}")
     _execute_with_restarts(plan, run, target, verbosity, started, detach)
+
+
+def _check_runs_dir(runs_dir: Path) -> None:
+    """Refuse a runs folder no run folder can be made in (the probe leaves nothing behind)."""
+    import tempfile
+
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=runs_dir, prefix=".probe-"):
+            pass
+    except OSError as err:
+        raise UserError(f"{runs_dir}: no run folder can be made there ({err.filename or runs_dir}: {err.strerror})",
+                        hint="give --runs-dir a folder you can write, with room for the run") from None
+
+
+def _prepare_run_folder(runs_dir: Path, loaded, plan, record: dict, hang_timeout: float | None,
+                        max_restarts: int | None) -> RunDir:
+    """A new run folder holding what the run's processes read (plan, manifests, run record, lock, supervision).
+    A folder that cannot be written whole (read-only, full) is removed again, never left half-written for
+    `status` to take as the newest run."""
+    from primebuild.builders.lock import record_lock
+
+    folder = None
+    try:
+        folder = new_run_folder(runs_dir, loaded.manifest.name)
+        run = RunDir(folder)
+        run.manifest.write_text(json.dumps(loaded.document, indent=2, sort_keys=True))
+        for path in loaded.files:
+            run.manifests.mkdir(exist_ok=True)
+            (run.manifests / path.name).write_bytes(path.read_bytes())
+        run.run_record.write_text(json.dumps(record, indent=2, sort_keys=True))
+        record_lock(run.lock, loaded)  # the lock as it was, when the manifest has one
+        _record_supervision(run, hang_timeout, max_restarts)
+        run.plan.write_text(render_json(plan))  # last: with it the folder is a run
+        return run
+    except OSError as err:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        where = err.filename or runs_dir
+        raise UserError(f"{runs_dir}: no run folder can be written there ({where}: {err.strerror})",
+                        hint="give --runs-dir a folder you can write, with room for the run") from None
 
 
 def new_run_folder(runs_dir: Path, name: str) -> Path:
