@@ -74,3 +74,24 @@ def test_a_runs_folder_that_cannot_take_a_run_is_refused_and_left_clean(workdir:
     result = call_cli(capsys, "run", "m.yaml", *port, "--runs-dir", str(workdir / "runs"))
     assert result.code == 2 and "No space left on device" in result.err, result.text
     assert "Traceback" not in result.text and list((workdir / "runs").iterdir()) == []
+
+
+def test_verify_skips_a_folder_retention_removes_while_it_reads_it(tmp_path: Path, capsys, monkeypatch):
+    """On a running run, retention deletes old weight folders: one that goes mid-check is no damage (it was
+    `internal error: FileNotFoundError`)."""
+    import shutil
+
+    import primebuild.runtime.weight_sync.filesystem as filesystem
+
+    (tmp_path / "plan.json").write_text("{}")
+    for step in (1, 2):
+        (tmp_path / "weights" / f"step_{step:06d}").mkdir(parents=True)
+
+    def retention_meanwhile(folder):
+        if folder.name == "step_000001":
+            shutil.rmtree(folder)
+            raise FileNotFoundError(2, "No such file or directory", str(folder / "tokenizer.json"))
+
+    monkeypatch.setattr(filesystem, "verify", retention_meanwhile)
+    result = call_cli(capsys, "verify", str(tmp_path))
+    assert result.code == 0 and "weights step      2  ok" in result.out and "step      1" not in result.out, result.text

@@ -294,6 +294,10 @@ def test_resume_past_a_damaged_checkpoint_evaluates_the_weights_it_trained_last(
     first = _run(workspace, runs, "--set", "orchestrator.max_steps=4", "--set", "trainer.checkpoint_every=2")
     assert first.returncode == 0, first.stdout + first.stderr + _logs(runs)
     run_dir = _run_dir(runs)
+    stop = subprocess.run([sys.executable, "-m", "primebuild.cli", "stop", str(run_dir)], capture_output=True,
+                          text=True, env=_env(workspace), timeout=60)  # a finished run: nothing to stop, no STOP
+    assert stop.returncode == 0 and "has already ended (run complete)" in stop.stdout, stop.stdout + stop.stderr
+    assert not (run_dir / "STOP").exists()
     shard = sorted((run_dir / "checkpoints" / "step_000004").glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF

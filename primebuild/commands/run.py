@@ -211,7 +211,7 @@ def _execute_with_restarts(plan: Plan, run: RunDir, target, verbosity: int, star
             _execute(plan, run, target, verbosity, started, detach, avoid_hosts=tuple(lost))
             return
         except click.exceptions.Exit as failed:
-            if attempt == allowed or failed.exit_code in (2, 130):  # out of restarts; bad input; Ctrl-C twice
+            if attempt == allowed or failed.exit_code in (2, 130, 143):  # out of restarts; bad input; Ctrl-C twice; SIGTERM
                 raise
             click.echo(f"restart {attempt + 1}/{allowed}: resuming from the newest checkpoint", err=True)
             if run.failure.is_file():

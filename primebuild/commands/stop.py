@@ -7,6 +7,7 @@ is ended by the run's target (Slurm: scancel; ssh and local: the process groups 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -31,8 +32,12 @@ def command(run_dir: Path | None, runs_dir: Path, grace: float, now: bool) -> No
 
     run = find_run(run_dir, runs_dir)
     read_plan(run.plan)  # a folder whose plan does not read is no run: nothing to stop, nothing written
-    run.stop_file.touch()
     record = run.read_launch()
+    if record is not None and run.outcome.is_file() and not target_for(record.target).active(run, record):
+        ended = json.loads(run.outcome.read_text()).get("message", "")
+        click.echo(f"{run.root} has already ended ({ended}): nothing to stop")
+        return
+    run.stop_file.touch()
     if record is None:
         click.echo(f"stop requested for {run.root}; continue later with `primebuild run --resume {run.root}`")
         return

@@ -29,8 +29,11 @@ def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
             try:
                 verify(folder)
                 rows.append({"kind": kind, "step": step, "folder": str(folder), "ok": True, "problem": None})
-            except DamagedFolder as err:
-                rows.append({"kind": kind, "step": step, "folder": str(folder), "ok": False, "problem": err.what})
+            except (DamagedFolder, FileNotFoundError) as err:
+                if not folder.exists():  # a running run's retention removed it meanwhile: nothing to verify
+                    continue
+                what = err.what if isinstance(err, DamagedFolder) else f"{Path(err.filename or 'a file').name} is missing"
+                rows.append({"kind": kind, "step": step, "folder": str(folder), "ok": False, "problem": what})
     if output == "json":
         click.echo(json.dumps({"run_dir": str(run.root), "folders": rows}, indent=2, sort_keys=True))
     else:

@@ -45,6 +45,7 @@ import socket
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -192,6 +193,17 @@ class Supervisor:
     # --- watching --------------------------------------------------------------------------------
 
     def watch(self) -> Outcome:
+        with _terminate_raises():
+            try:
+                return self._watch()
+            except Terminated:  # `primebuild stop --now`, a scheduler's or a person's kill: end now, and say so
+                self.stop_all()
+                self.progress.poll()
+                step = self.progress.newest_trained_step()
+                return Outcome(False, f"ended by SIGTERM at step {step}, without a checkpoint of its own: resume "
+                               f"from the newest checkpoint with `primebuild run --resume {self.run_dir}`", 143)
+
+    def _watch(self) -> Outcome:
         interrupted = False
         stop_file = self.run.stop_file
         stop_deadline = None
@@ -419,6 +431,30 @@ def ports_in_use(plan: Plan) -> list[str]:
 def ports_message(busy: list[str]) -> str:
     return (f"port(s) already in use: {', '.join(busy)}; another run may be going on "
             "(stop it, or pick free ports, e.g. --set inference.port=8100)")
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the supervising process (raised in its main thread by `_terminate_raises`)."""
+
+
+@contextmanager
+def _terminate_raises():
+    """While watching, SIGTERM raises Terminated in the main thread (Python's default would end the process
+    at once: no outcome recorded, no message). A handler of its own stays (the Slurm job's supervisor: there
+    SIGTERM asks for a checkpoint first), and so does SIGTERM outside the main thread."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def supervise(plan: Plan, run_dir: Path, launcher: Launcher, *, echo=print, verbosity: int = ATTENTION,

@@ -102,13 +102,17 @@ class LocalTarget(SupervisedHere, Target):
         return supervisor or any(belongs_to(r.pgid, run) for r in run.process_records())
 
     def stop(self, run: RunDir, record: LaunchRecord) -> str:
+        told = []
         if record.supervisor_pid is not None and record.supervisor_pid != os.getpid() \
                 and _is_primebuild(record.supervisor_pid):
-            os.kill(record.supervisor_pid, signal.SIGTERM)  # its watchdog ends the workers
+            os.kill(record.supervisor_pid, signal.SIGTERM)  # it ends the workers and records the outcome
+            told = [f"its supervisor (pid {record.supervisor_pid}) to end it"]
             time.sleep(0.5)
         here = socket.gethostname()
         ended = end_groups([r for r in run.process_records() if r.host == here], run)
-        return f"ended {', '.join(ended)}" if ended else "nothing of the run was running"
+        done = [f"asked {told[0]}"] if told else []
+        done += [f"ended {', '.join(ended)}"] if ended else []
+        return "; ".join(done) or "nothing of the run was running"
 
     def state(self, run: RunDir, record: LaunchRecord) -> str:
         return "local: running" if self.active(run, record) else "local: not running"
