@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from primebuild.contracts.completion import WEIGHTS_MIXED
 from primebuild.errors import Problem, UserError
@@ -297,9 +298,9 @@ class Engine:
                         )
                     )
             return load_weights(path, self.config, self.dtype, self.device, fp8=self.fp8)
-        except (UserError, MemoryError):
-            raise
-        except Exception as err:  # noqa: BLE001 (safetensors, json, torch and OS errors of a bad folder)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError, SafetensorError) as err:
+            # what a folder that is no weights of this model raises from safetensors, json, the config and
+            # adapter readers (a torch RuntimeError, e.g. out of memory, is the server's own failure)
             where = "the broadcast tensors" if isinstance(path, Mapping) else str(path)
             raise UserError(f"{where}: not loadable as this model's weights ({type(err).__name__}: "
                             f"{str(err)[:300]})", hint="give a step folder the trainer published, or a LoRA "
