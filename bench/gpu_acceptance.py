@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
-ONE_GPU_TWICE = ["hardware={nodes: 2, gpus_per_node: 1, gpu: h200, cpus_per_node: 16, host_memory_gb: 128}",
+ONE_GPU_TWICE = ["hardware={nodes: 2, gpus_per_node: 1, gpu: h200, host_memory_gb: 128}",
                  "target={kind: ssh, hosts: [127.0.0.1, 127.0.0.1]}",
                  "inference.gpu_memory_utilization=0.5",  # the trainer shares the GPU
                  "inference.precision=bf16"]

@@ -149,9 +149,9 @@ def test_run_completes_with_summary_report_and_records(three_synchronous_steps):
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "processes: inference-0, orchestrator, trainer" in missing.stderr
     stop = subprocess.run([sys.executable, "-m", "primebuild.cli", "stop", str(run_dir)],
-                          capture_output=True, text=True, timeout=60)
-    assert stop.returncode == 0 and (run_dir / "STOP").exists()
-    (run_dir / "STOP").unlink()  # the run folder is read again by the next test
+                          capture_output=True, text=True, timeout=60)  # a finished run: nothing to stop, no STOP
+    assert stop.returncode == 0 and "has already ended (run complete)" in stop.stdout, stop.stdout + stop.stderr
+    assert not (run_dir / "STOP").exists()
     # nothing secret lands in the run folder: the admin token lives only in the processes' environment
     everything = "".join(p.read_text(errors="ignore") for p in run_dir.rglob("*") if p.is_file()
                          and p.suffix in {".json", ".log", ".jsonl"})
@@ -294,10 +294,6 @@ def test_resume_past_a_damaged_checkpoint_evaluates_the_weights_it_trained_last(
     first = _run(workspace, runs, "--set", "orchestrator.max_steps=4", "--set", "trainer.checkpoint_every=2")
     assert first.returncode == 0, first.stdout + first.stderr + _logs(runs)
     run_dir = _run_dir(runs)
-    stop = subprocess.run([sys.executable, "-m", "primebuild.cli", "stop", str(run_dir)], capture_output=True,
-                          text=True, env=_env(workspace), timeout=60)  # a finished run: nothing to stop, no STOP
-    assert stop.returncode == 0 and "has already ended (run complete)" in stop.stdout, stop.stdout + stop.stderr
-    assert not (run_dir / "STOP").exists()
     shard = sorted((run_dir / "checkpoints" / "step_000004").glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
