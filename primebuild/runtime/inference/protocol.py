@@ -222,8 +222,8 @@ class UpdateWeightsRequest(_Body):
 
 
 async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """A request's body (a Starlette Request), refused with 413 as soon as it passes `limit`: read whole first,
-    a client's one large body would make the server hold all of it (gigabytes) before the check."""
+    """A request's body (a Starlette Request), refused with 413 as soon as it passes `limit` (a body read
+    whole before the check let one client make the server hold gigabytes)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body larger than {limit} bytes")
