@@ -95,6 +95,13 @@ def adapter_arg_problems(args: dict) -> Iterator[tuple[str, str]]:
             yield name, f"{name} limits the bash harness's sandbox; this environment sets no harness: bash"
 
 
+def unknown_id(env_id: str) -> tuple[str, str] | None:
+    """(message, hint) when `env_id` is neither built in nor a verifiers taskset (a typo), else None."""
+    if env_id in BUILTIN_VERSIONS or env_id.startswith(VERIFIERS_PREFIX):
+        return None
+    return f"unknown environment id {env_id!r}", f"use one of: {', '.join(known_ids())}"
+
+
 def environment_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
     """(field, message, hint) for every environment of `m` that cannot load here."""
     for i, env in enumerate(m.environments):
@@ -116,8 +123,7 @@ def environment_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
                 yield (f"environments[{i}].args.{name}", f"environment {env.id}: {message}",
                        "docs/environments.md lists the adapter's args")
         else:
-            yield (f"environments[{i}].id", f"unknown environment id {env.id!r}",
-                   f"use one of: {', '.join(known_ids())}")
+            yield (f"environments[{i}].id", *unknown_id(env.id))
 
 
 # --- tools a verifiers taskset declares -----------------------------------------------------------------

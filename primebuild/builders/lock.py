@@ -44,7 +44,7 @@ from pathlib import Path
 
 from primebuild import __version__
 from primebuild.builders import derivations, hf_configs, python_env
-from primebuild.builders.environments import known_ids, taskset_module, verifiers_problem
+from primebuild.builders.environments import taskset_module, unknown_id, verifiers_problem
 from primebuild.builders.model_ref import facts_file
 from primebuild.contracts.environments import BUILTIN_VERSIONS, VERIFIERS_PREFIX
 from primebuild.contracts.plan import ImageRef, Plan
@@ -195,9 +195,8 @@ def make_lock(loaded: LoadedManifest, previous: dict | None = None, *, update: b
     """Resolve the lock of `loaded`. Entries of `previous` whose request is unchanged and that are
     pinned are kept as they are unless `update`; everything else is (re-)resolved."""
     for i, env in enumerate(loaded.manifest.environments):  # a typo is no taskset to install: refuse, as plan does
-        if env.id not in BUILTIN_VERSIONS and not env.id.startswith(VERIFIERS_PREFIX):
-            raise UserError(loaded.source.problem(("environments", i, "id"), f"unknown environment id {env.id!r}",
-                                                  hint=f"use one of: {', '.join(known_ids())}"))
+        if (unknown := unknown_id(env.id)) is not None:
+            raise UserError(loaded.source.problem(("environments", i, "id"), unknown[0], hint=unknown[1]))
     wanted = requests(loaded, project_dir)
     previous = previous or {}
     for request in wanted["python"].values():  # a Python no committed lock covers is the manifest's to change
