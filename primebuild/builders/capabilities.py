@@ -454,27 +454,30 @@ def _no_effect(m: Manifest) -> Iterator[Refusal]:
          f"on GPUs the {m.target.kind} target starts processes with no CPU allotment (Slurm and Kubernetes "
          "request it) and sizes nothing by it"),
     ]
-    for field, unused, why in candidates:
-        if unused and is_set(m, field):
-            yield Refusal(field, f"has no effect here: {why}", "remove it")
+    yield from _written_but_unread(m, candidates, "here")
 
 
 def _sft_no_effect(m: Manifest) -> Iterator[Refusal]:
     """Fields of the sections an sft: manifest keeps that its build does not read."""
-    cpu = m.hardware.gpu == "cpu"
+    one_host = "a build runs on one host and is not modelled in time"
     candidates = [
-        ("hardware.network_env", "the build's ranks run on this host with the environment of the `primebuild` "
-         "process: export the variables in its shell"),
-        ("hardware.inter_node_bandwidth_gb_s", "a build runs on one host and is not modelled in time"),
-        ("hardware.storage_bandwidth_gb_s", "a build runs on one host and is not modelled in time"),
-        ("model.revision", "a revision applies to an hf: model only") if m.model.hf is None else None,
-        ("hardware.gpu_memory_gb", "CPU runs are measured, not modelled") if cpu else None,
-        ("sft.eval_every", "a chat dataset's held-out evaluation needs held-out rows (dataset.eval_rows: 0)")
-        if m.sft.dataset is not None and m.sft.dataset.eval_rows == 0 else None,
+        ("hardware.network_env", True, "the build's ranks run on this host with the environment of the "
+         "`primebuild` process: export the variables in its shell"),
+        ("hardware.inter_node_bandwidth_gb_s", True, one_host),
+        ("hardware.storage_bandwidth_gb_s", True, one_host),
+        ("model.revision", m.model.hf is None, "a revision applies to an hf: model only"),
+        ("hardware.gpu_memory_gb", m.hardware.gpu == "cpu", "CPU runs are measured, not modelled"),
+        ("sft.eval_every", m.sft.dataset is not None and m.sft.dataset.eval_rows == 0,
+         "a chat dataset's held-out evaluation needs held-out rows (dataset.eval_rows: 0)"),
     ]
-    for field, why in filter(None, candidates):
-        if is_set(m, field):
-            yield Refusal(field, f"has no effect in an sft: build: {why}", "remove it")
+    yield from _written_but_unread(m, candidates, "in an sft: build")
+
+
+def _written_but_unread(m: Manifest, candidates: list[tuple[str, bool, str]], where: str) -> Iterator[Refusal]:
+    """A refusal for each (field, unread, why) that the manifest writes although nothing reads it."""
+    for field, unused, why in candidates:
+        if unused and is_set(m, field):
+            yield Refusal(field, f"has no effect {where}: {why}", "remove it")
 
 
 def _multi_node_trainer(m: Manifest) -> bool:
