@@ -104,6 +104,30 @@ def test_text_plan_and_validate_output(capsys):
     assert result.code == 0 and "valid (glm5-swe" in result.out
 
 
+def test_validate_refuses_what_plan_refuses_in_the_manifest_itself(capsys):
+    """`validate` said "valid" for manifests `plan` refused: an environment typo, a field no backend applies."""
+    typo = ("--set", "environments=[{id: reverse-txt}]")
+    for command in (("validate",), ("plan",), ("plan", "--design")):  # a typo is no design study
+        result = call_cli(capsys, *command, str(MANIFESTS / "reverse-text.yaml"), *typo)
+        assert result.code == 2 and "environments[0].id: unknown environment id 'reverse-txt'" in result.err, \
+            (command, result.text)
+        assert "plan --design" not in result.err
+    result = call_cli(capsys, "validate", str(MANIFESTS / "reverse-text.yaml"), "--set",
+                      "environments=[{id: reverse-text, args: {bogus_arg: 1}}]")
+    assert result.code == 2 and "environments[0].args.bogus_arg" in result.err, result.text
+    # a field with no effect on CPU: refused by both, located (at the --set that wrote it), and --design
+    # names the study
+    unread = ("--set", "hardware.gpu_memory_gb=80")
+    for command in ("validate", "plan"):
+        result = call_cli(capsys, command, str(MANIFESTS / "reverse-text.yaml"), *unread)
+        assert result.code == 2 and "--set: hardware.gpu_memory_gb: has no effect here" in result.err, \
+            (command, result.text)
+        assert "plan --design" in result.err.splitlines()[-1]
+    # what this machine lacks (a taskset not installed here) is plan's to refuse, not the manifest's fault
+    assert call_cli(capsys, "validate", str(MANIFESTS / "qwen3-30b-a3b.yaml")).code == 0
+    assert call_cli(capsys, "plan", str(MANIFESTS / "qwen3-30b-a3b.yaml")).code == 2
+
+
 def test_plan_and_validate_never_import_torch(tmp_path):
     script = f"""
 import contextlib, io, json, sys

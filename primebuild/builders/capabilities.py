@@ -63,11 +63,16 @@ def refusals(m: Manifest, facts: ModelFacts | None = None) -> list[Refusal]:
     cannot load here included: primebuild/builders/environments.py); with the model's `facts`, also what its
     architecture rules out (router replay of a model the trainer cannot replay)."""
     environments = [Refusal(*problem) for problem in [*environment_problems(m), *sandbox_problems(m)]]
+    return backend_refusals(m, facts) + environments
+
+
+def backend_refusals(m: Manifest, facts: ModelFacts | None = None) -> list[Refusal]:
+    """`refusals` less what depends on this machine's packages: what no built backend applies anywhere."""
     if m.sft is not None:
-        return list(_sft_only(m)) + environments
+        return list(_sft_only(m))
     architecture = [*_model(m, facts), *_embedded_architecture(m, facts), *_sparse_attention_under_cp(m, facts),
                     *_lora_targets(m, facts), *_fp8_tensor_parallel(m, facts)] if facts is not None else []
-    return list(_rl(m)) + architecture + environments
+    return list(_rl(m)) + architecture
 
 
 def applies(m: Manifest, field: str, value: object, facts: ModelFacts | None = None) -> bool:

@@ -8,8 +8,9 @@ The check finds those modules with `importlib.util.find_spec` on top-level names
 own folder, so it imports neither verifiers (a large tree) nor torch: `plan` stays fast. What it cannot
 see (a taskset's own optional dependencies) still fails when the orchestrator loads it.
 
-An unknown id, or a taskset that is not installed, is a located problem of the plan; `plan --design`
-still shows the plan, listing it among what this machine cannot run. So is a taskset that declares tools
+An unknown id (a typo) is a located error of `validate` and `plan`, as is an arg the environment does not
+take. A taskset that is not installed is a located problem of the plan; `plan --design` still shows the
+plan, listing it among what this machine cannot run. So is a taskset that declares tools
 (MCP toolsets, which primebuild's rollout loop does not drive): a child process reads its classes'
 `toolsets` (primebuild/runtime/envs/verifiers_tools.py) when its package imports without torch.
 
@@ -102,28 +103,37 @@ def unknown_id(env_id: str) -> tuple[str, str] | None:
     return f"unknown environment id {env_id!r}", f"use one of: {', '.join(known_ids())}"
 
 
+def environment_mistakes(m: Manifest) -> Iterator[tuple[str, str, str]]:
+    """(field, message, hint) for what no machine could load: an unknown id (a typo), a built-in
+    environment's unknown arg, an adapter arg of the wrong kind. Errors even in a design study."""
+    for i, env in enumerate(m.environments):
+        if env.id in BUILTIN_VERSIONS:
+            for name in sorted(set(env.args or {}) - set(BUILTIN_ARGS[env.id])):
+                yield (f"environments[{i}].args.{name}", f"environment {env.id} has no arg {name!r}",
+                       f"its args: {', '.join(BUILTIN_ARGS[env.id])}")
+        elif env.id.startswith(VERIFIERS_PREFIX):
+            for name, message in adapter_arg_problems(env.args or {}):
+                yield (f"environments[{i}].args.{name}", f"environment {env.id}: {message}",
+                       "docs/environments.md lists the adapter's args")
+        else:
+            yield (f"environments[{i}].id", *unknown_id(env.id))
+
+
 def environment_problems(m: Manifest) -> Iterator[tuple[str, str, str]]:
-    """(field, message, hint) for every environment of `m` that cannot load here."""
+    """(field, message, hint) for every known environment of `m` that cannot load here (a design study may
+    name it: another machine's primebuild or packages may provide it)."""
     for i, env in enumerate(m.environments):
         if env.id in BUILTIN_VERSIONS:
             provided = BUILTIN_VERSIONS[env.id]
             if env.version not in ("latest", provided):
                 yield (f"environments[{i}].version", f"environment {env.id}: version {env.version!r} requested, "
                        f"but this primebuild provides version {provided!r}", f"set version: {provided!r}")
-            for name in sorted(set(env.args or {}) - set(BUILTIN_ARGS[env.id])):
-                yield (f"environments[{i}].args.{name}", f"environment {env.id} has no arg {name!r}",
-                       f"its args: {', '.join(BUILTIN_ARGS[env.id])}")
         elif env.id.startswith(VERIFIERS_PREFIX):
             problem = verifiers_problem(env.id.removeprefix(VERIFIERS_PREFIX))
             if problem:
                 yield (f"environments[{i}].id", *problem)
             else:
                 yield from _tool_problems(i, env.id, env.args or {})
-            for name, message in adapter_arg_problems(env.args or {}):
-                yield (f"environments[{i}].args.{name}", f"environment {env.id}: {message}",
-                       "docs/environments.md lists the adapter's args")
-        else:
-            yield (f"environments[{i}].id", *unknown_id(env.id))
 
 
 # --- tools a verifiers taskset declares -----------------------------------------------------------------

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from primebuild import __version__
 from primebuild.builders import budget, derivations
-from primebuild.builders.capabilities import SPLIT_TARGETS, Refusal, refusals
+from primebuild.builders.capabilities import SPLIT_TARGETS, Refusal, backend_refusals, refusals
 from primebuild.builders.curriculum import curriculum_problems
 from primebuild.builders.distill import teacher_facts
-from primebuild.builders.environments import sandbox_warnings
+from primebuild.builders.environments import environment_mistakes, sandbox_warnings
 from primebuild.builders.kv_connector_packages import missing_from_lock
 from primebuild.builders.mixture import environment_split_problems
 from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
@@ -44,11 +44,12 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
     facts = facts_from_hf_config(config, facts_shown)
 
     refused = refusals(m, facts)
+    mistakes = environment_mistakes_of(m)  # errors even in a design study
     if m.sft is not None:
-        _raise_unless_design(loaded, refused, [], design)
+        _raise_unless_design(loaded, refused, mistakes, design)
         return _sft_plan(loaded, facts, lock, refused)
 
-    problems = check_parallelism(m, facts) + ([] if lock is None else lock_problems(loaded, lock))
+    problems = mistakes + check_parallelism(m, facts) + ([] if lock is None else lock_problems(loaded, lock))
     problems += curriculum_problems(m)  # a prompt pool that can never fill
     problems += environment_split_problems(m)  # an environment no step trains on
     placement, place_problems = place(m)
@@ -74,20 +75,36 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
     return _plan(loaded, facts, lock, processes, _node_map(m, processes), memory, estimates, warnings, refused)
 
 
+def manifest_problems(loaded: LoadedManifest) -> list[Problem]:
+    """What `validate` reports beyond the schema, located: environments no machine could load, and the
+    fields no built backend applies. What this machine has installed, the model's architecture, the
+    placement and the fit are the plan's."""
+    m = loaded.manifest
+    return _located(loaded, environment_mistakes_of(m), [r.problem() for r in backend_refusals(m)])
+
+
+def environment_mistakes_of(m: Manifest) -> list[Problem]:
+    """builders/environments.environment_mistakes as problems: what no machine could load."""
+    return [Problem(message, field=field, hint=hint) for field, message, hint in environment_mistakes(m)]
+
+
 def _raise_unless_design(loaded: LoadedManifest, refused: list[Refusal], problems: list[Problem],
                          design: bool) -> None:
     """Every problem at once, located: what does not fit or add up, and (unless a design study is asked
     for) what no built backend applies."""
-    blocking = [] if design else [r.problem() for r in refused]
-    if not problems and not blocking:
-        return
-    located = [_locate(loaded, p) for p in problems]  # in the order the checks found them
+    if located := _located(loaded, problems, [] if design else [r.problem() for r in refused]):
+        raise UserError(located)
+
+
+def _located(loaded: LoadedManifest, problems: list[Problem], blocking: list[Problem]) -> list[Problem]:
+    """`problems` in the order the checks found them, then the refused fields in the manifest's order."""
+    located = [_locate(loaded, p) for p in problems]
     located += sorted((_locate(loaded, p) for p in blocking),
                       key=lambda p: (p.file or "", p.line or 0, p.column or 0, p.field or ""))
     if blocking:
         located.append(Problem(f"{len(blocking)} field(s) ask for what this plan's backends do not apply; "
                                "`primebuild plan --design` shows the plan anyway, as a design study"))
-    raise UserError(located)
+    return located
 
 
 def _plan(loaded: LoadedManifest, facts: ModelFacts, lock: dict | None, processes: list[ProcessSpec],
