@@ -95,3 +95,36 @@ def test_verify_skips_a_folder_retention_removes_while_it_reads_it(tmp_path: Pat
     monkeypatch.setattr(filesystem, "verify", retention_meanwhile)
     result = call_cli(capsys, "verify", str(tmp_path))
     assert result.code == 0 and "weights step      2  ok" in result.out and "step      1" not in result.out, result.text
+
+
+def test_status_tells_a_running_a_failed_and_a_resumed_session_apart(workdir: Path, capsys):
+    """`status` read the end-of-session summary only: a running run showed eval_reward_before None after the
+    terminal had printed it, a resumed one the last session's outcome, and a failed one stop_requested true
+    (STOP is how the supervisor ends the others after a failure)."""
+    import json
+
+    write(workdir, "m.yaml", CPU_MANIFEST)
+    plan = call_cli(capsys, "plan", str(workdir / "m.yaml"), "-o", "json")
+    run_dir = workdir / "runs" / "m-1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "plan.json").write_text(plan.out)
+
+    def status() -> dict:
+        result = call_cli(capsys, "status", str(run_dir), "-o", "json")
+        assert result.code == 0, result.text
+        return json.loads(result.out)
+
+    # a resumed session running: the orchestrator's record is live, the summary is the last session's
+    (run_dir / "summary.json").write_text(json.dumps({"eval_reward_before": 0.1, "outcome": "stopped at step 2"}))
+    (run_dir / "orchestrator.json").write_text(json.dumps({"eval_reward_before": 0.25}))
+    state = status()
+    assert state["eval_reward_before"] == 0.25 and state["outcome"] is None and state["stop_requested"] is False
+    (run_dir / "STOP").touch()  # `primebuild stop`
+    assert status()["stop_requested"] is True
+    # a process failed: the supervisor wrote failure.json and STOP, then the session's outcome
+    (run_dir / "failure.json").write_text(json.dumps({"process": "trainer", "role": "trainer", "exit_code": 1,
+                                                      "message": "trainer exited with 1", "log": "x", "log_tail": []}))
+    state = status()
+    assert state["stop_requested"] is False and state["failed_process"] == "trainer"
+    (run_dir / "outcome.json").write_text(json.dumps({"ok": False, "message": "trainer exited with 1", "exit_code": 1}))
+    assert status()["outcome"] == "trainer exited with 1"

@@ -10,7 +10,7 @@ import click
 from primebuild.commands.options import output_option, run_dir_argument, runs_dir_option
 from primebuild.contracts.plan import read_plan
 from primebuild.contracts.run_dir import find_run
-from primebuild.contracts.run_summary import RunSummary
+from primebuild.contracts.run_summary import OrchestratorSummary, RunSummary
 
 
 @click.command("status")
@@ -26,18 +26,23 @@ def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
     rows = read_metrics(run.metrics)
     trained, _ = series(rows, "trainer", "loss")
     sampled, rewards = series(rows, "orchestrator", "reward_mean")
-    summary = RunSummary.read(run.summary)
+    summary = RunSummary.read(run.summary)  # written when a session ends (a resumed run: the last one's)
+    live = OrchestratorSummary.read(run.orchestrator_state)  # the orchestrator's, while it runs
+    ended = run.read_outcome()  # this session's end; none while it runs
+    failure = run.read_json(run.failure)
     orchestrator = plan.by_role("orchestrator")
     state = {
         "run_dir": str(run.root), "name": plan.name, "plan_hash": plan.plan_hash,
         "max_steps": orchestrator[0].config.max_steps if orchestrator else None,
         "steps_sampled": max(sampled, default=0), "steps_trained": max(trained, default=0),
-        "last_reward": rewards[-1] if rewards else None, "stop_requested": run.stop_requested(),
-        "outcome": summary.outcome, "eval_reward_before": summary.eval_reward_before,
-        "eval_reward_after": summary.eval_reward_after,
+        "last_reward": rewards[-1] if rewards else None,
+        # STOP is also how the supervisor ends the others after a failure: that is no request of the user's
+        "stop_requested": run.stop_requested() and not failure and ended is None,
+        "outcome": ended.message if ended else None,
+        "eval_reward_before": _first(live.eval_reward_before, summary.eval_reward_before),
+        "eval_reward_after": _first(live.eval_reward_after, summary.eval_reward_after),
         "target": _target_state(run, plan),
     }
-    failure = run.read_json(run.failure)
     if failure:
         state["failed_process"] = failure.get("process")
         state["failure"] = failure.get("message")
@@ -46,6 +51,10 @@ def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
         return
     for key, value in state.items():
         click.echo(f"{key:>20}: {value}")
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
 
 
 def _target_state(run, plan) -> str:
