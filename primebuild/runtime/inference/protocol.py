@@ -53,6 +53,21 @@ def _api_error(status, message, param, code, kind) -> ApiError:
     return ApiError(status, message, param=param, code=code, kind=kind)
 
 
+def answer_errors_in_openai_shape(app) -> None:
+    """A FastAPI app's ApiErrors, and Starlette's own 404/405 (an unknown route or method), as OpenAI's
+    error body: clients of the server and of the routers parse one shape."""
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, err: HTTPException):
+        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

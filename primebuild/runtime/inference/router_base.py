@@ -14,11 +14,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from primebuild.runtime.http_pool import pool_limits
 
-from .protocol import ApiError, read_body
+from .protocol import ApiError, answer_errors_in_openai_shape, read_body
 
 
 class Pool:
@@ -38,14 +37,7 @@ def router_app(title: str) -> tuple[FastAPI, httpx.AsyncClient]:
     """The router's app (ApiError answered as OpenAI-style JSON) and its client to the servers: one pool
     of up to 1024 connections, long reads (a decode may stream for minutes), quick connects."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(StarletteHTTPException)  # an unknown route or method: OpenAI's shape too
-    async def _http_error(request: Request, err: StarletteHTTPException):
-        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+    answer_errors_in_openai_shape(app)
 
     @app.exception_handler(httpx.TransportError)  # a server behind the router is down or unreachable
     async def _upstream_gone(request: Request, err: httpx.TransportError):

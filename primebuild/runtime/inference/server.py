@@ -23,7 +23,6 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from primebuild.contracts.completion import WEIGHTS_MIXED
@@ -35,7 +34,7 @@ from primebuild.runtime.config_main import config_main
 from .body_parser import BodyParser, PromptBounds
 from .disaggregation import Disaggregation
 from .engine import Engine, WeightsMixed
-from .protocol import ApiError
+from .protocol import ApiError, answer_errors_in_openai_shape
 from .routes_admin import admin_router
 from .routes_openai import openai_router
 from .tokenizer import ServedTokenizer
@@ -74,19 +73,12 @@ def create_app(
             engine.shutdown()
 
     app = FastAPI(title="primebuild inference", lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
+    answer_errors_in_openai_shape(app)
 
     @app.exception_handler(WeightsMixed)
     async def _weights_mixed(request: Request, err: WeightsMixed):
         # the server is up and will serve again after a whole update: 503, so a client goes elsewhere
         return JSONResponse(ApiError(503, str(err), code=WEIGHTS_MIXED).body(), status_code=503)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, err: StarletteHTTPException):
-        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError):
