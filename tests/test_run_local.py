@@ -265,6 +265,12 @@ def test_killed_inference_is_restarted_then_interrupt_checkpoints_and_resume_con
         # than the supervisor's next look, and a server that dies after a stop is asked for is not restarted
         _wait_for_text(run_dir / "logs" / "inference-0.log", "(restart 1)", proc, runs)
         _wait_for_trained(runs, max(4, _trained_steps(run_dir)[-1] + 1), proc)
+        # the run holds the store entry its servers load: `store gc` keeps it (it removed it, and a
+        # restarted server then found no model)
+        model = Path(json.loads((run_dir / "rendezvous.json").read_text())["model_path"])
+        gc = subprocess.run([sys.executable, "-m", "primebuild.cli", "store", "--store", str(model.parent), "gc",
+                             "--all", "--dry-run", "-o", "json"], capture_output=True, text=True, timeout=120)
+        assert gc.returncode == 0 and model.name in json.loads(gc.stdout)["in_use"], gc.stdout + gc.stderr
         proc.send_signal(signal.SIGINT)  # what Ctrl-C does
         out, _ = proc.communicate(timeout=120)
     finally:

@@ -15,7 +15,9 @@ point `PRIMEBUILD_STORE` at a shared filesystem so that every node sees the same
 Layout of the store directory:
     <hash>-<name>/              an entry: read-only (files 0444 or 0555 if executable, dirs 0555)
     <hash>-<name>/.primebuild-entry.json   its inputs and the content hash of the rest of the tree
-    .locks/<hash>-<name>.lock   one flock per key: concurrent builders of a key wait for each other
+    .locks/<hash>-<name>.lock   one flock per key: concurrent builders of a key wait for each other (an
+                                exclusive lock); a running run holds a shared one on each entry it uses,
+                                so `gc` keeps them
     .meta/<hash>-<name>.stat    stat fingerprint that makes re-verification cheap (see `verify`)
     .tmp-<hash>-<name>.*        a build in progress (or a leftover from a crash: `gc` removes it)
 
@@ -53,6 +55,7 @@ HASH_CHARS = 32  # 128 bits, as Nix truncates: plenty against accidental collisi
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 _ENTRY_RE = re.compile(r"^([0-9a-f]{32})-([A-Za-z0-9][A-Za-z0-9._+-]*)$")
 _REFERENCE_RE = re.compile(r"[0-9a-f]{32}-[A-Za-z0-9][A-Za-z0-9._+-]*")
+_LEFTOVER_RE = re.compile(r"^\.(?:tmp|trash)-([0-9a-f]{32}-[A-Za-z0-9][A-Za-z0-9._+-]*)\.[^.]+$")
 
 
 def store_key(name: str, inputs: dict[str, Any]) -> str:
@@ -95,6 +98,7 @@ class GcReport:
     removed: list[str] = field(default_factory=list)  # entry keys and leftover directory names
     kept: list[str] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)  # subset of removed that failed verification
+    in_use: list[str] = field(default_factory=list)  # subset of kept: a build or a run held its lock
     freed_bytes: int = 0
 
 
@@ -246,10 +250,13 @@ class Store:
             raise UserError(_broken_message(path, f"its record {ENTRY_FILE} does not match its inputs"))
         if _listing_hash(entry.files) != entry.content_hash:
             raise UserError(_broken_message(path, f"its record {ENTRY_FILE} was edited"))
-        fingerprint = _stat_fingerprint(path)
-        if not full and fingerprint == self._read_fingerprint(entry.key):
-            return entry
-        actual = _content_listing(path)
+        try:
+            fingerprint = _stat_fingerprint(path)
+            if not full and fingerprint == self._read_fingerprint(entry.key):
+                return entry
+            actual = _content_listing(path)
+        except OSError as err:  # a file made unreadable, or removed while we read
+            raise UserError(_broken_message(path, f"{err.filename}: {err.strerror}")) from err
         if _listing_hash(actual) != entry.content_hash:
             raise UserError(_broken_message(path, _describe_changes(entry.files, actual)))
         self._write_fingerprint(entry.key, fingerprint)
@@ -290,7 +297,8 @@ class Store:
     ) -> GcReport:
         """Remove broken entries and crash leftovers; unless `broken_only`, also every entry not reachable
         from `keep` (keys, paths or hash prefixes) through the references in entries' inputs.
-        Entries whose key lock is held (a build in progress) are never touched."""
+        Entries whose key lock is held (a build in progress, a running run using it) are never touched;
+        one that another gc removed first is skipped."""
         report = GcReport()
         if not self.root.is_dir():
             return report
@@ -312,28 +320,36 @@ class Store:
             if not broken and (broken_only or key in live):
                 report.kept.append(key)
                 continue
-            if self._remove(self.root / key, key, report, dry_run):
-                if broken:
-                    report.broken.append(key)
-            else:
+            removed = self._remove(self.root / key, key, report, dry_run)
+            if removed and broken:
+                report.broken.append(key)
+            elif removed is False:
                 report.kept.append(key)
+                report.in_use.append(key)
         for leftover in sorted(self.root.glob(".tmp-*")) + sorted(self.root.glob(".trash-*")):
             # ".tmp-<key>.<random>" / ".trash-<key>.<pid>": the suffix after the last dot has no dot
-            key = leftover.name.rpartition(".")[0].split("-", 1)[1]
-            self._remove(leftover, key, report, dry_run)
+            key = _LEFTOVER_RE.match(leftover.name)
+            if key:  # not ours otherwise (a name no build or gc writes): left alone
+                self._remove(leftover, key.group(1), report, dry_run)
         return report
 
-    def _remove(self, path: Path, key: str, report: GcReport, dry_run: bool) -> bool:
+    def _remove(self, path: Path, key: str, report: GcReport, dry_run: bool) -> bool | None:
+        """True: removed; False: its lock is held (a build, a run); None: already gone (another gc)."""
         with self._locked(key, blocking=False) as acquired:
             if not acquired:
-                return False  # a build of this key is running
+                return False
+            if not os.path.lexists(path):
+                return None
             size = _tree_size(path)
             if not dry_run:
                 trash = path
                 if not path.name.startswith("."):
                     # Rename first: from here on no reader can find the half-deleted entry.
                     trash = self.root / f".trash-{key}.{os.getpid()}"
-                    os.rename(path, trash)
+                    try:
+                        os.rename(path, trash)
+                    except FileNotFoundError:
+                        return None
                 _remove_tree(trash)
                 with contextlib.suppress(OSError):
                     (self.root / ".meta" / f"{key}.stat").unlink()
@@ -353,6 +369,20 @@ class Store:
             return path_or_key.absolute()
         return self.path_of(path_or_key)
 
+    def hold(self, path: Path) -> int | None:
+        """A shared lock on the entry at `path`, held while the returned descriptor is open (the process's
+        life at most): `gc` keeps the entry. None when `path` is no entry of this store."""
+        path = Path(path).resolve()
+        if path.parent != self.root.resolve() or not _ENTRY_RE.match(path.name) or not path.is_dir():
+            return None
+        try:
+            (self.root / ".locks").mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / ".locks" / f"{path.name}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+        except OSError:  # a store this user cannot write: nobody here can gc it either
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for a build or a gc of this very key
+        return fd
+
     @contextlib.contextmanager
     def _locked(self, key: str, *, blocking: bool = True) -> Iterator[bool]:
         locks = self.root / ".locks"
@@ -370,6 +400,17 @@ class Store:
             yield True
         finally:
             os.close(fd)  # closing the descriptor releases the lock
+
+
+def hold_entries(paths: Iterable[str | Path]) -> list[int]:
+    """Shared locks on every store entry among `paths` (a run's model folders), in the store each lies in:
+    `gc` keeps them while the descriptors are open. Paths outside a store are skipped."""
+    fds = []
+    for path in paths:
+        fd = Store(Path(path).resolve().parent).hold(Path(path))
+        if fd is not None:
+            fds.append(fd)
+    return fds
 
 
 def _check_name(name: str) -> None:

@@ -128,7 +128,8 @@ def gc_cmd(
 ) -> None:
     """Remove broken entries and crash leftovers, and (with --keep/--all) everything not kept.
 
-    Entries referenced by a kept entry's inputs are kept too. Builds in progress are never touched.
+    Entries referenced by a kept entry's inputs are kept too. Builds in progress, and the entries a
+    running run uses (its model, its teacher), are never touched.
     """
     if not (keep or broken or remove_all):
         raise click.UsageError("say what to remove: --broken, --keep REF … (removes the rest) or --all")
@@ -145,6 +146,7 @@ def gc_cmd(
                     "removed": report.removed,
                     "broken": report.broken,
                     "kept": report.kept,
+                    "in_use": report.in_use,
                     "freed_bytes": report.freed_bytes,
                 },
                 indent=2,
@@ -154,6 +156,8 @@ def gc_cmd(
     verb = "would remove" if dry_run else "removed"
     for name in report.removed:
         click.echo(f"{verb} {name}{'  (broken)' if name in report.broken else ''}")
+    for name in report.in_use:
+        click.echo(f"kept {name}  (in use by a running run or build)")
     click.echo(f"{verb} {len(report.removed)} path(s), {_human(report.freed_bytes)}; kept {len(report.kept)}")
 
 

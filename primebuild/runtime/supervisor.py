@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from primebuild.builders.store import hold_entries
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.run_dir import FailureRecord, RunDir, write_json_atomic
@@ -119,7 +120,11 @@ class Supervisor:
         self.admin_token = secrets.token_urlsafe(24)
         self.progress = Progress(self.run.metrics, echo, live)
         self._progress_seen = (-1, time.monotonic())  # (metrics offset, when it last moved)
-        self.hosts = self.run.read_rendezvous().hosts
+        rendezvous = self.run.read_rendezvous()
+        self.hosts = rendezvous.hosts
+        # shared locks on the store entries the processes load (and a replica `scale` adds will): `store gc`
+        # keeps them until this session ends
+        self._store_locks = hold_entries(p for p in (rendezvous.model_path, rendezvous.teacher_model_path) if p)
         self.hang = HangWatchdog(plan, self.run, self.run.read_supervision().hang_floor_s)
         self.elastic = ElasticInference(self, getattr(launcher, "kind", "remote"))
 
@@ -410,6 +415,9 @@ class Supervisor:
                 running.handle.wait(TERM_SECONDS)
             if not running.log.closed:
                 self._reap(running)
+        for fd in self._store_locks:  # what read the store entries is gone: `store gc` may take them now
+            os.close(fd)
+        self._store_locks = []
 
 
 def ports_in_use(plan: Plan) -> list[str]:
