@@ -128,3 +128,32 @@ def test_status_tells_a_running_a_failed_and_a_resumed_session_apart(workdir: Pa
     assert state["stop_requested"] is False and state["failed_process"] == "trainer"
     (run_dir / "outcome.json").write_text(json.dumps({"ok": False, "message": "trainer exited with 1", "exit_code": 1}))
     assert status()["outcome"] == "trainer exited with 1"
+
+
+def test_a_pid_reused_by_another_process_is_no_supervisor(workdir: Path, capsys):
+    """The local target took any live pid whose command line said "primebuild" for the run's supervisor: a
+    dead run looked alive, and `stop` sent SIGTERM to whatever process had the pid since."""
+    import json
+    import socket
+    import subprocess
+
+    from primebuild.runtime.targets.processes import process_identity
+
+    write(workdir, "m.yaml", CPU_MANIFEST)
+    run_dir = workdir / "runs" / "m-1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "plan.json").write_text(call_cli(capsys, "plan", str(workdir / "m.yaml"), "-o", "json").out)
+    stranger = subprocess.Popen(["bash", "-c", "exec -a primebuild-stranger sleep 120"])
+    try:
+        launch = {"target": "local", "supervisor_host": socket.gethostname(), "supervisor_pid": stranger.pid}
+        for identity, alive in (("another-boot:12345", False), (process_identity(stranger.pid), True)):
+            (run_dir / "launch.json").write_text(json.dumps({**launch, "supervisor_identity": identity}))
+            state = json.loads(call_cli(capsys, "status", str(run_dir), "-o", "json").out)
+            assert state["target"] == ("local: running" if alive else "local: not running"), (identity, state)
+        (run_dir / "launch.json").write_text(json.dumps({**launch, "supervisor_identity": "another-boot:12345"}))
+        result = call_cli(capsys, "stop", str(run_dir), "--now")
+        assert result.code == 0 and "not running" in result.out, result.text
+        assert stranger.poll() is None  # not signalled
+    finally:
+        stranger.kill()
+        stranger.wait()

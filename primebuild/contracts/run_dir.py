@@ -117,6 +117,9 @@ class LaunchRecord(Contract):
     target: str  # local, ssh, slurm, kubernetes
     supervisor_host: str | None = None  # local/ssh: where `primebuild run` supervises
     supervisor_pid: int | None = None
+    # boot id and start time of that pid (processes.process_identity): a pid the kernel gave to another
+    # process since is not the supervisor
+    supervisor_identity: str | None = None
     job_id: str | None = None  # slurm
     namespace: str | None = None  # kubernetes
     objects: list[str] = Field(default_factory=list)  # kubernetes: kind/name of what was applied

@@ -13,7 +13,7 @@ from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.run_dir import LOOPBACK, LaunchRecord, Rendezvous, RunDir, write_json_atomic
 from primebuild.errors import UserError
 from primebuild.runtime.targets.base import Echo, Target
-from primebuild.runtime.targets.processes import ProcessHandle, belongs_to, end_groups
+from primebuild.runtime.targets.processes import ProcessHandle, belongs_to, end_groups, process_identity
 from primebuild.runtime.worker import SUPERVISOR_PID_ENV
 
 
@@ -64,7 +64,8 @@ class SupervisedHere:
         except BaseException:
             self.supervisor.stop_all()
             raise
-        return LaunchRecord(target=self.kind, supervisor_host=socket.gethostname(), supervisor_pid=os.getpid())
+        return LaunchRecord(target=self.kind, supervisor_host=socket.gethostname(), supervisor_pid=os.getpid(),
+                            supervisor_identity=process_identity(os.getpid()))
 
     def _watch(self):
         """The run's outcome: the start's failure, or what the supervisor saw; anything else ends the run."""
@@ -98,13 +99,11 @@ class LocalTarget(SupervisedHere, Target):
         return self._watch()
 
     def active(self, run: RunDir, record: LaunchRecord) -> bool:
-        supervisor = record.supervisor_pid is not None and _is_primebuild(record.supervisor_pid)
-        return supervisor or any(belongs_to(r.pgid, run) for r in run.process_records())
+        return _supervisor_alive(record) or any(belongs_to(r.pgid, run) for r in run.process_records())
 
     def stop(self, run: RunDir, record: LaunchRecord) -> str:
         told = []
-        if record.supervisor_pid is not None and record.supervisor_pid != os.getpid() \
-                and _is_primebuild(record.supervisor_pid):
+        if record.supervisor_pid != os.getpid() and _supervisor_alive(record):
             os.kill(record.supervisor_pid, signal.SIGTERM)  # it ends the workers and records the outcome
             told = [f"its supervisor (pid {record.supervisor_pid}) to end it"]
             time.sleep(0.5)
@@ -118,8 +117,14 @@ class LocalTarget(SupervisedHere, Target):
         return "local: running" if self.active(run, record) else "local: not running"
 
 
-def _is_primebuild(pid: int) -> bool:
-    try:
-        return b"primebuild" in open(f"/proc/{pid}/cmdline", "rb").read()
+def _supervisor_alive(record: LaunchRecord) -> bool:
+    """Is the recorded supervisor this very process still, on this host? A pid alone is not: the kernel
+    reuses it (a dead run looked alive, and `stop` signalled whatever had the pid)."""
+    if record.supervisor_pid is None or record.supervisor_host not in (None, socket.gethostname()):
+        return False
+    if record.supervisor_identity is not None:
+        return process_identity(record.supervisor_pid) == record.supervisor_identity
+    try:  # a record written before identities: the command line is all there is
+        return b"primebuild" in open(f"/proc/{record.supervisor_pid}/cmdline", "rb").read()
     except OSError:
         return False

@@ -55,6 +55,18 @@ class ProcessHandle:
         yield from self.popen.stdout
 
 
+def process_identity(pid: int) -> str | None:
+    """`<boot id>:<start time in clock ticks>` of a live process on this machine: unique across pid reuse
+    and reboots. None when there is no such process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # after the command name (in parentheses, which may hold spaces): state is field 3, starttime field 22
+    return f"{boot}:{stat.rpartition(')')[2].split()[19]}"
+
+
 def belongs_to(pid: int, run: RunDir) -> bool:
     """Is `pid` a live process of this run? (Its environment names the run folder: a recycled pid is not.)"""
     try:
