@@ -154,3 +154,32 @@ def test_replay_starts_the_same_plan(tmp_path: Path, capsys, monkeypatch):
     assert len(started) == 1, result.text  # the run may fail for its own reasons; it must have started
     assert json.loads((started[0] / "plan.json").read_text())["plan_hash"] == plan["plan_hash"]
     assert (started[0] / "plan.json").read_text() == (original / "plan.json").read_text()
+
+
+def test_replay_refuses_an_edited_plan_writes_nothing_into_the_manifest_folder_and_names_the_record(
+        tmp_path: Path, capsys):
+    """An edit that kept plan_hash was reported as "matches"; a file of the manifest folder named like the
+    staged copy was overwritten through its link; an error in the recorded manifest named a scratch file."""
+    run_dir = tmp_path / "rt-1"
+    record_run(run_dir, MANIFESTS / "reverse-text.yaml")
+    pristine = (run_dir / "plan.json").read_text()
+    edited = json.loads(pristine)
+    edited["processes"][0]["config"]["max_num_seqs"] = 7  # plan_hash left as it was
+    (run_dir / "plan.json").write_text(json.dumps(edited))
+    result = call_cli(capsys, "replay", "--check", run_dir)
+    assert result.code == 2 and "plan.json was edited after the run compiled it" in result.err, result.text
+    (run_dir / "plan.json").write_text(pristine)
+
+    folder = tmp_path / "md"
+    shutil.copytree(MANIFESTS, folder)
+    (folder / "replay-manifest.json").write_text("precious")
+    (folder / f"replay-{edited['name']}.json").write_text("precious too")  # the name the copy used to take
+    result = call_cli(capsys, "replay", "--check", "--manifest-dir", folder, run_dir)
+    assert result.code == 0, result.text
+    assert (folder / "replay-manifest.json").read_text() == "precious"
+    assert (folder / f"replay-{edited['name']}.json").read_text() == "precious too"
+
+    (run_dir / "manifest.json").write_text(json.dumps({"apiVersion": "primebuild/v1", "name": "../../x"}))
+    result = call_cli(capsys, "replay", "--check", run_dir)
+    assert result.code == 2 and f"{run_dir / 'manifest.json'}:" in result.err, result.text
+    assert "primebuild-replay-" not in result.err and "Traceback" not in result.err

@@ -22,9 +22,9 @@ from pathlib import Path
 import click
 
 from primebuild.commands.options import output_option
-from primebuild.contracts.plan import PLAN_VERSION, Plan, read_plan
+from primebuild.contracts.plan import PLAN_VERSION, Plan, plan_hash, read_plan
 from primebuild.contracts.run_dir import RunDir
-from primebuild.errors import UserError
+from primebuild.errors import Problem, UserError
 from primebuild.json_file import read_json
 
 
@@ -78,6 +78,10 @@ def verify(run_dir: Path, manifest_path: Path) -> Plan:
         raise UserError(f"{run.plan}: plan_version {recorded_json.get('plan_version')!r}; today's code writes "
                         f"{PLAN_VERSION}", hint="check out the recorded code version to replay this run")
     recorded = read_plan(run.plan)
+    if plan_hash(recorded_json) != recorded.plan_hash:  # comparing hashes alone would let an edit through
+        raise UserError(f"{run.plan} was edited after the run compiled it: its content does not hash to its "
+                        f"plan_hash {recorded.plan_hash[:16]}", hint="`primebuild diff` against a run of the same "
+                        "manifest shows what changed; replay the run folder as it was recorded")
     lock = None
     if recorded.lock_hash:
         if not run.lock.is_file():
@@ -85,7 +89,13 @@ def verify(run_dir: Path, manifest_path: Path) -> Plan:
         lock = read_lock(run.lock)
         if lock_hash(lock) != recorded.lock_hash:
             raise UserError(f"{run.lock} is not the lock the run used (its hash differs from the plan's lock_hash)")
-    plan = compile_plan(load_manifest(manifest_path), lock)
+    try:
+        loaded = load_manifest(manifest_path)
+    except UserError as err:  # name the run's record, not the scratch copy (the same bytes, so the same lines)
+        raise UserError([Problem(p.message, file=str(run.manifest) if p.file == str(manifest_path) else p.file,
+                                 line=p.line, column=p.column, field=p.field, hint=p.hint)
+                         for p in err.problems]) from None
+    plan = compile_plan(loaded, lock)
     if recorded.image is not None:  # the plan named an image: name the same one
         from primebuild.builders.lock import plan_with_image
 
@@ -139,14 +149,21 @@ def find_manifest_dir(run_dir: Path) -> Path:
                     hint="pass --manifest-dir (the folder that held the manifest)")
 
 
+STAGED_NAME = "replay-manifest.json"
+
+
 def stage_manifest(run_dir: Path, base_dir: Path, scratch: Path) -> Path:
-    """Write the recorded composed manifest into `scratch`, next to links to everything in `base_dir`."""
-    document = _read_json(RunDir(run_dir).manifest)
+    """Copy the recorded composed manifest into `scratch` (its very bytes: errors keep their lines), next to
+    links to everything else in `base_dir`; a file of base_dir's with the staged name is not linked, so the
+    copy can never be written through a link into the user's folder."""
+    recorded = RunDir(run_dir).manifest
+    _read_json(recorded)  # a run record that reads as an object, or a located error
     for entry in sorted(base_dir.iterdir()):
-        os.symlink(entry, scratch / entry.name)
-    name = f"replay-{document.get('name', 'manifest')}.json"
-    target = scratch / name
-    target.write_text(json.dumps(document, indent=2, sort_keys=True))
+        if entry.name != STAGED_NAME:
+            os.symlink(entry, scratch / entry.name)
+    target = scratch / STAGED_NAME
+    with open(target, "xb") as out:  # exclusive: never through an existing file or link
+        out.write(recorded.read_bytes())
     return target
 
 
