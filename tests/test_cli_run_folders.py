@@ -157,3 +157,57 @@ def test_a_pid_reused_by_another_process_is_no_supervisor(workdir: Path, capsys)
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def _hand_made_run(workdir: Path, capsys, name: str = "m-1") -> Path:
+    """A run folder as `primebuild run` lays it out before anything started: plan and composed manifest."""
+    import json
+
+    write(workdir, "m.yaml", CPU_MANIFEST)
+    run_dir = workdir / "runs" / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "plan.json").write_text(call_cli(capsys, "plan", str(workdir / "m.yaml"), "-o", "json").out)
+    from primebuild.manifest.load import load_manifest
+
+    (run_dir / "manifest.json").write_text(json.dumps(load_manifest(workdir / "m.yaml").document))
+    return run_dir
+
+
+@pytest.mark.parametrize("record, text", [("launch.json", '{"target":'), ("failure.json", "garbage"),
+                                          ("outcome.json", "[1, 2]"), ("run.json", "{bad")])
+def test_a_damaged_record_of_a_run_folder_is_a_located_error(record: str, text: str, workdir: Path, capsys):
+    """These were `internal error: JSONDecodeError` (or AttributeError), exit 1."""
+    run_dir = _hand_made_run(workdir, capsys)
+    (run_dir / record).write_text(text)
+    commands = [("status", str(run_dir))] + ([("replay", "--check", str(run_dir))] if record == "run.json" else [])
+    for command in commands:
+        result = call_cli(capsys, *command)
+        if record == "run.json" and command[0] == "status":
+            assert result.code == 0, result.text  # status does not read run.json
+            continue
+        assert result.code == 2 and f"{run_dir / record}:" in result.err, (command, result.text)
+        assert "internal error" not in result.err
+
+
+def test_metrics_rows_that_are_no_metrics_are_skipped_and_an_unreadable_run_is_passed_over(workdir: Path, capsys):
+    import json
+    import subprocess
+    import sys
+
+    run_dir = _hand_made_run(workdir, capsys)
+    rows = [{"step": 1, "role": "trainer", "name": "loss", "value": 0.5}, {"x": 1}, [], "text",
+            {"step": "2", "role": "trainer", "name": "loss", "value": 0.4}, {"step": 2, "role": "trainer"}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "ro')
+    result = call_cli(capsys, "status", str(run_dir), "-o", "json")
+    assert result.code == 0 and json.loads(result.out)["steps_trained"] == 1, result.text  # was KeyError: 'role'
+    # a folder of runs/ this user may not enter: the newest run is still found (was PermissionError). Root
+    # reads everything, so the check drops the capabilities that let it.
+    private = workdir / "runs" / "private"
+    private.mkdir()
+    (private / "plan.json").write_text("{}")
+    private.chmod(0)
+    as_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"]
+    done = subprocess.run([*as_user, sys.executable, "-m", "primebuild.cli", "status", "--runs-dir",
+                           str(workdir / "runs"), "-o", "json"], capture_output=True, text=True, timeout=60)
+    private.chmod(0o755)
+    assert done.returncode == 0 and json.loads(done.stdout)["run_dir"] == str(run_dir), done.stdout + done.stderr

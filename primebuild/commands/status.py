@@ -19,11 +19,12 @@ from primebuild.contracts.run_summary import OrchestratorSummary, RunSummary
 @output_option
 def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
     """Steps sampled and trained, latest policy, rewards and the outcome of RUN_DIR (default: the newest run)."""
-    from primebuild.runtime.report import read_metrics, series
+    from primebuild.runtime.metrics import read_rows
+    from primebuild.runtime.report import series
 
     run = find_run(run_dir, runs_dir)
     plan = read_plan(run.plan)
-    rows = read_metrics(run.metrics)
+    rows = read_rows(run.metrics)
     trained, _ = series(rows, "trainer", "loss")
     sampled, rewards = series(rows, "orchestrator", "reward_mean")
     summary = RunSummary.read(run.summary)  # written when a session ends (a resumed run: the last one's)

@@ -222,7 +222,7 @@ class RunDir:
         for path in sorted(self.pids.glob("*.json")) if self.pids.is_dir() else []:
             try:
                 out.append(ProcessRecord.model_validate_json(path.read_text()))
-            except ValueError:  # half-written by a worker that was killed: nothing to end
+            except (ValueError, OSError):  # half-written by a worker that was killed, unreadable: nothing to end
                 continue
         return out
 
@@ -233,7 +233,7 @@ class RunDir:
     def read_launch(self) -> LaunchRecord | None:
         if not self.launch_record.is_file():
             return None
-        return parse_contract(LaunchRecord, json.loads(self.launch_record.read_text()), where=str(self.launch_record))
+        return parse_contract(LaunchRecord, self.read_json(self.launch_record), where=str(self.launch_record))
 
     def artifact(self, name: str) -> Path:
         """A rendered artifact the target submitted (job.sbatch, kubernetes.yaml, ssh.sh)."""
@@ -250,7 +250,7 @@ class RunDir:
     def read_outcome(self) -> OutcomeRecord | None:
         if not self.outcome.is_file():
             return None
-        return parse_contract(OutcomeRecord, json.loads(self.outcome.read_text()), where=str(self.outcome))
+        return parse_contract(OutcomeRecord, self.read_json(self.outcome), where=str(self.outcome))
 
     @property
     def supervision(self) -> Path:
@@ -259,7 +259,7 @@ class RunDir:
     def read_supervision(self) -> SupervisionRecord:
         if not self.supervision.is_file():
             return SupervisionRecord()
-        return parse_contract(SupervisionRecord, json.loads(self.supervision.read_text()), where=str(self.supervision))
+        return parse_contract(SupervisionRecord, self.read_json(self.supervision), where=str(self.supervision))
 
     @property
     def inference_pool(self) -> Path:
@@ -357,7 +357,10 @@ class RunDir:
 
     # checks and small readers
     def is_run(self) -> bool:
-        return self.plan.is_file()
+        try:
+            return self.plan.is_file()
+        except OSError:  # a folder this user may not enter: not one of the runs to choose from
+            return False
 
     def require(self, *, resumable: bool = False) -> RunDir:
         """Raise a located error unless this is a run folder (with a rendezvous, for resuming)."""
@@ -371,7 +374,7 @@ class RunDir:
     def read_rendezvous(self) -> Rendezvous:
         if not self.rendezvous.is_file():
             raise UserError(f"{self.rendezvous}: missing", hint="the target writes it before starting workers")
-        return parse_contract(Rendezvous, json.loads(self.rendezvous.read_text()), where=str(self.rendezvous))
+        return parse_contract(Rendezvous, self.read_json(self.rendezvous), where=str(self.rendezvous))
 
     def unfinished_json_writes(self) -> list[Path]:
         """Temporary files of `write_json_atomic` calls that a kill cut short (the folders it writes in)."""
@@ -379,18 +382,35 @@ class RunDir:
                       for p in folder.glob(".*.json.*.tmp") if p.is_file())
 
     def read_json(self, path: Path) -> dict:
-        """A JSON file of this folder, or {} when it is not there (yet)."""
-        return json.loads(path.read_text()) if path.is_file() else {}
+        """A JSON object of this folder, or {} when it is not there (yet); a located error (UserError) when
+        it does not read as one (a file cut short by a full disk, edited by hand, unreadable)."""
+        from primebuild.json_file import read_json
+
+        if not path.is_file():
+            return {}
+        return read_json(path, what=f"the run record {path.name}", want_object=True)
 
 
 def find_run(run_dir: Path | None, runs_dir: Path) -> RunDir:
     """RUN_DIR when given, else the newest run folder under `runs_dir` (as `git log` needs no argument)."""
     if run_dir is not None:
         return RunDir(run_dir).require()
-    runs = [p for p in runs_dir.iterdir() if RunDir(p).is_run()] if runs_dir.is_dir() else []
-    if not runs:
+    newest: tuple[tuple[float, str], Path] | None = None
+    try:
+        folders = list(runs_dir.iterdir()) if runs_dir.is_dir() else []
+    except OSError as err:
+        raise UserError(f"cannot list the runs under {runs_dir}: {err.strerror}",
+                        hint="give RUN_DIR, or --runs-dir where the runs are") from None
+    for folder in folders:
+        try:  # a plan.json that is a file, by its time
+            key = (RunDir(folder).plan.stat().st_mtime, folder.name) if RunDir(folder).is_run() else None
+        except OSError:  # gone meanwhile
+            key = None
+        if key is not None and (newest is None or key > newest[0]):
+            newest = (key, folder)
+    if newest is None:
         raise UserError(f"no run folder under {runs_dir}", hint="give RUN_DIR, or --runs-dir where the runs are")
-    return RunDir(max(runs, key=lambda p: (RunDir(p).plan.stat().st_mtime, p.name)).resolve())
+    return RunDir(newest[1].resolve())
 
 
 def write_json_atomic(path: Path, data: object) -> None:

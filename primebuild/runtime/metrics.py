@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from primebuild.errors import Problem, UserError
+
 
 class MetricsWriter:
     def __init__(self, path: str | os.PathLike, enabled: bool = True, role: str = "trainer",
@@ -60,16 +62,39 @@ class MetricsWriter:
             sink.close()
 
 
-def read_metrics(path: str | os.PathLike, role: str = "trainer") -> dict[int, dict[str, float | None]]:
-    """{step: {name: value}}, last line winning (see module docstring); a torn line is skipped."""
-    out: dict[int, dict[str, float | None]] = {}
-    for line in Path(path).read_text().splitlines():
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """Every complete row of the file, in order: a torn line, or one that is not a metric (an edit by
+    hand), is skipped; no file is no rows."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as err:
+        raise UserError(Problem(f"cannot read the metrics: {err.strerror}", file=str(path))) from None
+    rows = []
+    for line in text.splitlines():
         try:
-            rec = json.loads(line)
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("role") == role:
-            out.setdefault(rec["step"], {})[rec["name"]] = rec["value"]
+        if _is_metric(row):
+            rows.append(row)
+    return rows
+
+
+def _is_metric(row: object) -> bool:
+    """{"step": int, "role": str, "name": str, "value": ...}, as MetricsWriter writes them."""
+    return (isinstance(row, dict) and isinstance(row.get("role"), str) and isinstance(row.get("name"), str)
+            and isinstance(row.get("step"), int) and not isinstance(row.get("step"), bool) and "value" in row)
+
+
+def read_metrics(path: str | os.PathLike, role: str = "trainer") -> dict[int, dict[str, float | None]]:
+    """{step: {name: value}} of one role, last line winning (see module docstring)."""
+    out: dict[int, dict[str, float | None]] = {}
+    for row in read_rows(path):
+        if row["role"] == role:
+            out.setdefault(row["step"], {})[row["name"]] = row["value"]
     return out
 
 

@@ -8,19 +8,7 @@ from pathlib import Path
 from primebuild.contracts.base import parse_contract
 from primebuild.contracts.run_dir import RunDir
 from primebuild.contracts.run_summary import OrchestratorSummary, RunSummary
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """Every complete line of metrics.jsonl (a line being written right now is skipped)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+from primebuild.runtime.metrics import read_rows
 
 
 def series(rows: list[dict], role: str, name: str) -> tuple[list[int], list[float]]:
@@ -51,7 +39,7 @@ def write_report(run: RunDir) -> Path | None:
     # (~0.2 s of the report's ~1.2 s CPU, paid by every run); savefig renders with Agg.
     from matplotlib.figure import Figure
 
-    rows = read_metrics(run.metrics)
+    rows = read_rows(run.metrics)
     if not rows:
         return None
     panels = [("orchestrator", "reward_mean", "rollout reward (mean)"),
@@ -92,7 +80,7 @@ def write_report(run: RunDir) -> Path | None:
 def write_summary(run: RunDir, extra: dict) -> RunSummary:
     """The orchestrator's record with `extra` (outcome, times) and the KL figures over the metrics."""
     summary = dict(OrchestratorSummary.read(run.orchestrator_state).model_dump(exclude_none=True), **extra)
-    rows = read_metrics(run.metrics)
+    rows = read_rows(run.metrics)
     # Over every step where each was measured; the *_no_replay ones (router replay: the same tokens
     # scored without it) and the routing figures only exist in router-replay runs.
     for role, name in (("trainer", "mismatch_kl"), ("trainer", "behaviour_kl"), ("trainer", "mismatch_kl_no_replay"),
