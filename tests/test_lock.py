@@ -341,3 +341,17 @@ def test_an_environment_is_pinned_from_its_committed_lock():
     files = _uv_lock_files()
     assert cuda["vllm"]["version"] == "0.32.0" and "+cpu" not in cuda["torch"]["version"]
     assert all((name, pin["version"]) in files for name, pin in cuda.items())
+
+
+def test_a_mirrors_credentials_reach_neither_the_lock_nor_the_terminal(tmp_path: Path):
+    """A Debian mirror URL may carry user:password; an unreachable one was quoted whole into the lock's
+    reason and the warning."""
+    from primebuild.builders.debian_index import shown_url
+
+    assert shown_url("http://user:pw@mirror.example:8080/debian") == "http://mirror.example:8080/debian"
+    assert shown_url("https://[::1]/debian") == "https://[::1]/debian"
+    secret = "SECRETMARKER123"
+    result = run_cli("lock", MANIFESTS / "reverse-text.yaml", "--lock", tmp_path / "x.lock", timeout=120,
+                     env={"PRIMEBUILD_DEBIAN_MIRROR": f"http://user:{secret}@127.0.0.1:9/debian"})
+    assert result.code == 0 and "cannot download http://127.0.0.1:9/debian/" in result.err, result.text
+    assert secret not in result.text and secret not in (tmp_path / "x.lock").read_text()

@@ -29,6 +29,7 @@ import re
 import shutil
 import subprocess
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -116,7 +117,19 @@ def fetch(url: str) -> bytes:
             return response.read()
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", None) or err
-        raise ArchiveUnreachable(f"cannot download {url}: {reason}") from None
+        raise ArchiveUnreachable(f"cannot download {shown_url(url)}: {reason}") from None
+
+
+def shown_url(url: str) -> str:
+    """`url` without its user and password (a mirror may carry them): what messages and locks may say."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 # ---- the signed index ------------------------------------------------------------------------------------
@@ -130,10 +143,10 @@ def read_index(archive: str, suite: str, base_url: str) -> tuple[str, dict]:
     match = re.search(rf"^ ([0-9a-f]{{64}})\s+(\d+)\s+{re.escape(name)}$",
                       body.split("\nSHA256:", 1)[-1], re.M)
     if not match:
-        raise UserError(f"{base_url}/dists/{suite}/InRelease lists no sha256 for {name}")
+        raise UserError(f"{shown_url(base_url)}/dists/{suite}/InRelease lists no sha256 for {name}")
     packages_xz = fetch(f"{base_url}/dists/{suite}/{name}")
     if hashlib.sha256(packages_xz).hexdigest() != match.group(1):
-        raise UserError(f"{base_url}/dists/{suite}/{name} does not match the sha256 its InRelease gives")
+        raise UserError(f"{shown_url(base_url)}/dists/{suite}/{name} does not match the sha256 its InRelease gives")
     date = re.search(r"^Date: (.*)$", body, re.M)
     facts = {"archive": archive, "date": date.group(1) if date else None,
              "packages_xz_sha256": match.group(1), "signature": verified}
