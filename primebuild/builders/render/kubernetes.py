@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 import shlex
 
 import yaml
@@ -218,10 +219,28 @@ class KubernetesObjects:
         return [config, service, jobset]
 
 
+# Plain scalars that a YAML 1.2 reader (kubectl's go-yaml) or a YAML 1.1 one takes for a number, a boolean or
+# null although PyYAML, which writes them unquoted, reads them as strings: `1e3`, `0o17`, `y`, `n`.
+_NOT_PLAINLY_A_STRING = re.compile(r"[-+.]?[0-9].*|[-+]?\.(?:inf|Inf|INF|nan|NaN|NAN)|[yYnN~]|")
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = '"' if _NOT_PLAINLY_A_STRING.fullmatch(value) else None  # None: PyYAML quotes what it must
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _string)
+
+
 def render_kubernetes(plan: Plan, ctx: RenderContext) -> dict[str, str]:
     objects = KubernetesObjects(plan, ctx).objects()
     header = [f"# primebuild {__version__}: {plan.name}, plan {plan.plan_hash}, target kubernetes "
               "(rendered; do not edit)"] + [f"# {n}" for n in not_runnable_notes(plan)]
     text = "\n".join(header) + "\n" + "".join(
-        "---\n" + yaml.safe_dump(o, sort_keys=False, default_flow_style=False, width=120) for o in objects)
+        "---\n" + yaml.dump(o, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+        for o in objects)
     return {FILE_NAME: text}
