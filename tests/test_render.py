@@ -18,7 +18,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from conftest import MANIFESTS, REPO, run_cli
+from conftest import MANIFESTS, REPO, call_cli, run_cli
 
 GOLDEN = REPO / "tests" / "golden"
 CRDS = REPO / "tests" / "data" / "crds"
@@ -438,3 +438,10 @@ def test_kubernetes_yaml_quotes_every_string_a_yaml_1_2_reader_would_retype():
             seen.add(event.value)
     assert seen == set(values.values())
     assert all(f'value: "{v}"' in text for v in values.values())
+
+
+def test_an_ssh_host_is_never_an_option_of_ssh(capsys):
+    """`-oProxyCommand` as a host validated, and ssh.sh passed it where ssh reads options."""
+    result = call_cli(capsys, "validate", MANIFESTS / "reverse-text-ssh.yaml", "--set", 'target.hosts=["-oProxyCommand"]')
+    assert result.code == 2 and "target.hosts[0]" in result.err, result.text
+    assert "-o BatchMode=yes -- " in (GOLDEN / "reverse-text-ssh.sh").read_text()  # and the destination after --

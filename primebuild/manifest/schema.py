@@ -528,7 +528,9 @@ class LocalTarget(Strict):
 
 class SshTarget(Strict):
     kind: Literal["ssh"]
-    hosts: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9.:_-]+$", max_length=253)]] = Field(min_length=1)
+    # a host name or address: never starting with `-`, which ssh would read as an option
+    hosts: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9.:_][A-Za-z0-9.:_-]*$", max_length=253)]] = Field(
+        min_length=1)
     user: str | None = Field(None, pattern=r"^[a-z_][a-z0-9_-]*$", max_length=32)
     port: int = Field(22, ge=1, le=65535)
     workdir: str = "~/primebuild"

@@ -55,7 +55,7 @@ def ssh_argv(plan: Plan, process: ProcessSpec) -> list[str]:
     target = plan.target_settings(SshTarget)
     host = host_of(plan, process)
     dest = f"{target.user}@{host}" if target.user else host
-    return ["ssh", "-p", str(target.port), "-o", "BatchMode=yes", dest]
+    return ["ssh", "-p", str(target.port), "-o", "BatchMode=yes", "--", dest]  # --: dest is never an option
 
 
 def signal_command(run_dir: str, pgid: str, sig: str) -> str:
