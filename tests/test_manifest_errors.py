@@ -165,6 +165,9 @@ def _cases() -> list[Case]:
     few = edit(g, "  nodes: 28", "  nodes: 12")
     add(id="inference-needs-more-nodes", args=DESIGN, text=few, line=line_of(few, "decode:"), field="inference.disaggregation.decode.replicas",
         message="inference needs 16 nodes but the cluster has 12", hint="add nodes")
+    braces = edit(cpu, "  - id: reverse-text", "  - id: reverse-text\n    args: {prompt_format: 'run {python}'}")
+    add(id="plan-placeholder-in-manifest-text", text=braces, line=line_of(braces, "prompt_format"),
+        field="environments[0].args.prompt_format", message="{python} is a placeholder each process fills in")
     dense = edit(cpu, "  precision: fp32\ntrainer", "  precision: fp32\n  router_replay: true\ntrainer")
     add(id="router-replay-on-dense-model", text=dense, line=line_of(dense, "router_replay"),
         field="inference.router_replay", message="router_replay needs a MoE model", hint="router_replay: false")

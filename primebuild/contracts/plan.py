@@ -16,6 +16,7 @@ file, so one plan (and one hash) serves every host:
 from __future__ import annotations
 
 import json
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -51,6 +52,11 @@ PROCESS_HEALTH_TIMEOUT_S = 300.0
 
 ProcessConfig = Annotated[TrainerConfig | OrchestratorConfig | InferenceServerConfig | RouterConfig
                           | VllmRouterConfig, Field(discriminator="kind")]
+
+
+# What a plan leaves for the worker to fill in on its host (primebuild/runtime/worker.py): its folders, its
+# interpreter, node addresses. Manifest text may not hold them (primebuild/manifest/load.py).
+PLACEHOLDER = re.compile(r"\{(run_dir|model_path|teacher_model_path|config|python|host:\d+|bind:\d+)\}")
 
 
 class HealthCheck(Contract):

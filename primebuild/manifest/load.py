@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from primebuild.contracts.plan import PLACEHOLDER
 from primebuild.errors import Problem, UserError
 from primebuild.hashing import sha256_json
 from primebuild.manifest.compose import apply_sets, load_composed
@@ -64,6 +65,8 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
         raise UserError(_sorted(source.problems + schema)) from None
     if source.problems:
         raise UserError(_sorted(source.problems))
+    if placeholders := list(_placeholders(doc, (), source)):
+        raise UserError(_sorted(placeholders))
     return LoadedManifest(manifest=manifest, path=path, files=files, document=doc, source=source, notes=notes,
                           sets=tuple(sets))
 
@@ -96,6 +99,20 @@ def validation_problems(err: ValidationError, source: SourceMap, doc: object = N
             else:
                 problems.append(source.problem(path, msg))
     return problems
+
+
+def _placeholders(value: object, path: tuple, source: SourceMap):
+    """A problem for each string that holds a plan placeholder: the worker would fill it in as if the plan
+    had written it (a tag `{python}` became the interpreter's path, `{bind:7}` failed the start)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _placeholders(item, (*path, key), source)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _placeholders(item, (*path, i), source)
+    elif isinstance(value, str) and (found := PLACEHOLDER.search(value)):
+        yield source.problem(path, f"{found.group(0)} is a placeholder each process fills in at start; manifest "
+                             "text cannot hold one", hint="write it another way (e.g. without the braces)")
 
 
 def _sorted(problems: list[Problem]) -> list[Problem]:

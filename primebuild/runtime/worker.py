@@ -30,12 +30,11 @@ import time
 from pathlib import Path
 
 from primebuild.code_path import with_checkout
-from primebuild.contracts.plan import Plan, ProcessSpec, read_plan
+from primebuild.contracts.plan import PLACEHOLDER, Plan, ProcessSpec, read_plan
 from primebuild.contracts.run_dir import LOOPBACK, ProcessRecord, Rendezvous, RunDir, write_json_atomic
 from primebuild.errors import UserError
 from primebuild.runtime.stacks import PROCESS_ENV
 
-_PLACEHOLDER = re.compile(r"\{(run_dir|model_path|teacher_model_path|config|python|host:\d+|bind:\d+)\}")
 SUPERVISOR_PID_ENV = "PRIMEBUILD_SUPERVISOR_PID"
 _PR_SET_PDEATHSIG = 1
 BIND_RESOLVE_SECONDS = 120.0  # a Kubernetes pod's DNS record can appear a little after the pod starts
@@ -91,7 +90,7 @@ def resolver(run: RunDir, rendezvous: Rendezvous, config_path: Path, environment
 
     def resolve(value):
         if isinstance(value, str):
-            return _PLACEHOLDER.sub(sub, value)
+            return PLACEHOLDER.sub(sub, value)
         if isinstance(value, list):
             return [resolve(v) for v in value]
         if isinstance(value, dict):
