@@ -192,3 +192,31 @@ def test_routed_experts_travel_with_the_kv_cache():
             fed = len(cs["prompt_token_ids"]) + len(cs["token_ids"]) - 1
             assert routes.shape == (fed, 2, 2) and not routes[:, 1].any()  # layer 1 is dense: zeros
             assert len({tuple(r) for r in routes[:, 0].tolist()}) > 1  # the sparse layer really routed
+
+
+def test_only_the_router_may_send_kv_transfer(fleet, monkeypatch):
+    """A client's `kv_transfer.to` made the prefill server push KV to any address (one to a dead address
+    held its sender thread, and every transfer behind it, for good), and a client's `kv_transfer.id` held a
+    decode server waiting 30 s for KV that never came. Both now need the run's token, which the router sends."""
+    import time
+
+    from primebuild.runtime.inference import kv_transfer
+
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 4}
+    nowhere = {"id": "x1", "to": "tcp://127.0.0.1:9"}
+    for server, transfer in (("prefill", nowhere), ("decode", {"id": "x2"})):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            started = time.monotonic()
+            answer = httpx.post(fleet[server] + "/v1/completions", json={**body, "kv_transfer": transfer},
+                                headers=headers, timeout=60)
+            assert answer.status_code == 401 and time.monotonic() - started < 5, (server, answer.text)
+    sent = metric(fleet["prefill"], "primebuild_inference_kv_transfer_sent_total")
+    # with the token (the router's), an address nobody listens at fails in bounded time and blocks nothing
+    monkeypatch.setattr(kv_transfer, "SEND_TIMEOUT_S", 1.0)
+    answer = httpx.post(fleet["prefill"] + "/v1/completions", json={**body, "kv_transfer": nowhere}, headers=AUTH,
+                        timeout=60)
+    assert answer.status_code == 502 and "KV transfer to tcp://127.0.0.1:9 failed" in answer.text, answer.text
+    assert metric(fleet["prefill"], "primebuild_inference_kv_transfer_sent_total") == sent
+    routed = httpx.post(fleet["router"] + "/v1/completions", json=body, timeout=60)  # the sender still sends
+    assert routed.status_code == 200, routed.text
+    assert metric(fleet["prefill"], "primebuild_inference_kv_transfer_sent_total") == sent + 1

@@ -67,6 +67,9 @@ def _tensor(frame: zmq.Frame, dtype: str, shape: list[int]) -> torch.Tensor:
     return flat.view(want).view(shape)
 
 
+SEND_TIMEOUT_S = 30.0
+
+
 class KvSender:
     """Prefill side: one thread owns the PUSH sockets (ZMQ sockets are not thread-safe)."""
 
@@ -90,6 +93,10 @@ class KvSender:
             sock = self.context.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 5000)
             sock.setsockopt(zmq.SNDHWM, 64)  # at most this many transfers queued per decode server
+            # a decode server that is gone (or not up yet) fails the send after SEND_TIMEOUT_S instead of
+            # holding this thread, and every transfer behind it, for ever; nothing queues for a peer not there
+            sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
+            sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.connect(address)
             self._sockets[address] = sock
         return sock

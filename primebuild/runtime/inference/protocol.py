@@ -53,6 +53,20 @@ def _api_error(status, message, param, code, kind) -> ApiError:
     return ApiError(status, message, param=param, code=code, kind=kind)
 
 
+def authorize(request, admin_token: str | None) -> str:
+    """The request's Authorization header, when it carries the run's admin token (else 401). Admin calls
+    need it, and so does a body with `kv_transfer`, which only the P/D router may send."""
+    import hmac
+
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if (not admin_token or scheme.lower() != "bearer"
+            or not hmac.compare_digest(given.strip().encode(), admin_token.encode())):
+        raise ApiError(401, "admin calls need 'Authorization: Bearer <admin token>'", code="unauthorized",
+                       kind="authentication_error")
+    return header
+
+
 def answer_errors_in_openai_shape(app) -> None:
     """A FastAPI app's ApiErrors, and Starlette's own 404/405 (an unknown route or method), as OpenAI's
     error body: clients of the server and of the routers parse one shape."""

@@ -31,12 +31,11 @@ from primebuild.contracts.completion import WEIGHTS_MIXED
 from primebuild.contracts.router import RouterConfig
 from primebuild.runtime.config_main import config_main
 
-from .protocol import ApiError, read_body
+from .protocol import ApiError, authorize, read_body
 from .router_base import (
     Pool,
     add_sampling_routes,
     admin_route,
-    authorize,
     json_object,
     pass_through,
     prometheus_text,
@@ -71,8 +70,11 @@ class PdRouter:
     """The router's state (pools, counters, the httpx client) and its three jobs: route one request through
     prefill then decode, fan admin calls out to every server, and report the fleet's health."""
 
-    def __init__(self, config: RouterConfig, http: httpx.AsyncClient):
+    def __init__(self, config: RouterConfig, http: httpx.AsyncClient, admin_token: str | None):
         self.config, self.http = config, http
+        # the servers take a body with kv_transfer only with the run's token: no client may point a prefill
+        # server's KV at an address of its choosing, nor hold a decode server waiting for KV that never comes
+        self.auth = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.prefill = Pool([u.rstrip("/") for u in config.prefill])
         self.decode = Pool([d.url.rstrip("/") for d in config.decode])
         self.inbox = {d.url.rstrip("/"): d.kv_address for d in config.decode}
@@ -97,7 +99,7 @@ class PdRouter:
         self.prefill.busy[p] += 1
         started = time.monotonic()
         try:
-            answer = await self.http.post(prefill_url + path, json={
+            answer = await self.http.post(prefill_url + path, headers=self.auth, json={
                 **body, "stream": False, "kv_transfer": {"id": transfer, "to": self.inbox[decode_url]}})
         except httpx.TransportError as err:
             counters.failed += 1
@@ -120,8 +122,8 @@ class PdRouter:
         self.decode.busy[d] += 1
         started = time.monotonic()
         try:
-            upstream = await self.http.send(self.http.build_request("POST", decode_url + path, json=body),
-                                            stream=True)
+            upstream = await self.http.send(self.http.build_request("POST", decode_url + path, json=body,
+                                                                    headers=self.auth), stream=True)
         except httpx.TransportError as err:
             self.decode.busy[d] -= 1
             self.counters.failed += 1
@@ -175,7 +177,7 @@ class PdRouter:
 
 def create_router(config: RouterConfig, admin_token: str | None) -> FastAPI:
     app, http = router_app("primebuild P/D router")
-    router = PdRouter(config, http)
+    router = PdRouter(config, http, admin_token)
 
     add_sampling_routes(app, router.disaggregated)
 

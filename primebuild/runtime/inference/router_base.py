@@ -4,7 +4,6 @@ least-busy pick, the admin token check and the client's JSON body."""
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import json
 import logging
@@ -45,17 +44,6 @@ def router_app(title: str) -> tuple[FastAPI, httpx.AsyncClient]:
         return JSONResponse(ApiError(503, message).body(), status_code=503)
 
     return app, httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=pool_limits(1024))
-
-
-def authorize(request: Request, admin_token: str | None) -> str:
-    """The request's Authorization header, when it carries the run's admin token (else 401)."""
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if (not admin_token or scheme.lower() != "bearer"
-            or not hmac.compare_digest(given.strip().encode(), admin_token.encode())):
-        raise ApiError(401, "admin calls need 'Authorization: Bearer <admin token>'", code="unauthorized",
-                       kind="authentication_error")
-    return header
 
 
 async def json_object(request: Request, routers_own: str) -> dict:

@@ -4,7 +4,6 @@ need `Authorization: Bearer <the run's token>` (compared in constant time, never
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 
@@ -17,7 +16,7 @@ from primebuild.errors import UserError
 from . import metrics as prometheus
 from .disaggregation import Disaggregation
 from .engine import Engine, EngineDead
-from .protocol import ApiError, UpdateWeightsRequest, parse_body, read_body
+from .protocol import ApiError, UpdateWeightsRequest, authorize, parse_body, read_body
 from .weight_receiver import BroadcastInterrupted, BroadcastStage
 
 log = logging.getLogger(__name__)
@@ -26,13 +25,6 @@ log = logging.getLogger(__name__)
 def admin_router(engine: Engine, served_model_name: str, admin_token: str | None,
                  weight_stage: BroadcastStage | None, pd: Disaggregation | None = None) -> APIRouter:
     router = APIRouter()
-
-    def authorize(request: Request) -> None:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if (not admin_token or scheme.lower() != "bearer"
-                or not hmac.compare_digest(given.strip().encode(), admin_token.encode())):
-            raise ApiError(401, "admin calls need 'Authorization: Bearer <admin token>'", code="unauthorized",
-                           kind="authentication_error")
 
     @router.get("/health")
     async def health():
@@ -56,19 +48,19 @@ def admin_router(engine: Engine, served_model_name: str, admin_token: str | None
 
     @router.post("/pause")
     async def pause(request: Request):
-        authorize(request)
+        authorize(request, admin_token)
         engine.pause()
         return {"status": "paused", "policy_version": engine.version}
 
     @router.post("/resume")
     async def resume(request: Request):
-        authorize(request)
+        authorize(request, admin_token)
         engine.resume()
         return {"status": "running", "policy_version": engine.version}
 
     @router.post("/update_weights")
     async def update_weights(request: Request):
-        authorize(request)
+        authorize(request, admin_token)
         body: UpdateWeightsRequest = parse_body(await read_body(request), UpdateWeightsRequest)
         started = time.monotonic()
         try:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from .body_parser import BodyParser
 from .disaggregation import Disaggregation
 from .engine import Engine
-from .protocol import ApiError, ChatRequest, CompletionRequest, read_body
+from .protocol import ApiError, ChatRequest, CompletionRequest, authorize, read_body
 from .responses import answer, with_prompt_logprobs
 from .tokenizer import ServedTokenizer
 from .tool_parser import parse_tool_calls
@@ -24,9 +24,10 @@ from .validation import RequestChecks
 
 def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name: str,
                   body_parser: BodyParser, pd: Disaggregation | None = None,
-                  tool_call_parser: str | None = None) -> APIRouter:
+                  tool_call_parser: str | None = None, admin_token: str | None = None) -> APIRouter:
     """`tool_call_parser` (e.g. "hermes"): how tool calls are read from a chat answer's text when the
-    request gives `tools`; None refuses such requests (vLLM without --enable-auto-tool-choice)."""
+    request gives `tools`; None refuses such requests (vLLM without --enable-auto-tool-choice).
+    A body with `kv_transfer` needs `admin_token`: only the P/D router sends one."""
     router = APIRouter()
     pd = pd or Disaggregation(None)  # P/D: a prefill server exports, a decode server continues
     check = RequestChecks(engine, tokenizer, served_model_name)
@@ -40,6 +41,8 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
     @router.post("/v1/completions")
     async def completions(request: Request):
         body: CompletionRequest = await body_parser.parse(await read_body(request), CompletionRequest)
+        if body.kv_transfer is not None:  # the P/D router's, not a client's
+            authorize(request, admin_token)
         check.model(body.model)
         if body.echo or body.suffix:
             raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
@@ -75,6 +78,8 @@ def openai_router(engine: Engine, tokenizer: ServedTokenizer, served_model_name:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body: ChatRequest = await body_parser.parse(await read_body(request), ChatRequest)
+        if body.kv_transfer is not None:  # the P/D router's, not a client's
+            authorize(request, admin_token)
         check.model(body.model)
         if not tokenizer.has_chat_template:
             raise ApiError(400, "the served model's tokenizer has no chat template; use /v1/completions",

@@ -96,7 +96,8 @@ def create_app(
         log.exception("unhandled error")
         return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}").body(), status_code=500)
 
-    app.include_router(openai_router(engine, tokenizer, served_model_name, body_parser, pd, tool_call_parser))
+    app.include_router(openai_router(engine, tokenizer, served_model_name, body_parser, pd, tool_call_parser,
+                                    admin_token))
     app.include_router(admin_router(engine, served_model_name, admin_token, weight_stage, pd))
     return app
 
