@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cluster_helpers import listening_sockets
 from conftest import free_port
 from inference_helpers import hf_greedy, load_hf
 from vllm_helpers import (
@@ -98,6 +99,22 @@ def checksums_per_worker(server) -> dict[str, dict[str, str]]:
         prefix, name = key.rsplit(":", 1)
         workers[prefix][name] = digest
     return dict(workers)
+
+
+def test_nothing_of_the_server_listens_beyond_loopback(server):
+    """With two engine cores vLLM opens TCPStores of its own (DP coordination, the world group), which torch
+    bound on every interface: `*:port`, held by the engine cores and workers. store_bind.py binds them to
+    the host vLLM gives them (loopback here)."""
+    group = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _group_of(p) == server.proc.pid]
+    sockets = listening_sockets(group)
+    assert sockets and all(address == "127.0.0.1" for _, address, _ in sockets), (server.layout, sockets)
+
+
+def _group_of(proc: Path) -> int | None:
+    try:  # field 5 of /proc/PID/stat, after the command name in parentheses
+        return int(proc.joinpath("stat").read_text().rpartition(")")[2].split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def test_every_worker_is_reported_and_the_report_needs_the_token(server):

