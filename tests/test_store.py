@@ -284,3 +284,27 @@ def test_an_unreadable_entry_is_broken_and_a_stray_leftover_is_left_alone(store:
     os.utime(path / "weights.bin")  # a change the fingerprint sees: gc re-reads the entry, and cannot
     report = store.gc(broken_only=True)
     assert report.broken == [path.name] and stray.exists()
+
+
+def test_a_store_that_cannot_take_a_build_is_a_located_error_and_keeps_nothing(tmp_path: Path):
+    """A full, read-only or misplaced store was `internal error: OSError`, exit 1."""
+    import errno
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(UserError, match=r"a-file/store cannot take this build: Not a directory"):
+        Store(tmp_path / "a-file" / "store").build("x", {}, write_tree)
+
+    def fills_the_disk(out: Path) -> None:
+        (out / "part").write_bytes(b"x" * 1024)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store = Store(tmp_path / "store")
+    with pytest.raises(UserError, match=r"cannot take this build: No space left on device \(.* GiB free there\)"):
+        store.build("big", {}, fills_the_disk)
+    assert store.ls() == [] and not list(store.root.glob(".tmp-*"))
+
+    def reads_a_missing_input(out: Path) -> None:
+        (tmp_path / "no-such-input").read_text()
+
+    with pytest.raises(FileNotFoundError):  # the builder's own error stays its own
+        store.build("other", {}, reads_a_missing_input)

@@ -166,6 +166,14 @@ class Store:
         hit = self.lookup(key)
         if hit is not None:
             return hit
+        try:
+            return self._build(key, name, inputs, builder)
+        except OSError as err:
+            if (problem := self._cannot_write(err)) is None:
+                raise
+            raise problem from None
+
+    def _build(self, key: str, name: str, inputs: dict[str, Any], builder: Callable[[Path], None]) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         with self._locked(key):
             hit = self.lookup(key)  # somebody may have built it while we waited for the lock
@@ -183,6 +191,21 @@ class Store:
                 raise
             self._write_fingerprint(key, fingerprint)
             return self.root / key
+
+    def _cannot_write(self, err: OSError) -> UserError | None:
+        """A located error when `err` says the store itself cannot take the build (full, read-only, not a
+        folder); None for an error of the builder's own (its inputs), which is not the store's to explain."""
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        inside = err.filename is not None and str(err.filename).startswith(str(self.root))
+        if not full and not (inside and err.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)):
+            return None
+        free = ""
+        with contextlib.suppress(OSError):
+            folder = next(p for p in (self.root, *self.root.parents) if p.is_dir())
+            free = f" ({shutil.disk_usage(folder).free / 2**30:.1f} GiB free there)"
+        return UserError(f"the store {self.root} cannot take this build: {err.strerror}{free}; nothing was "
+                         "added to it", hint="free space there (`primebuild store gc`), or point --store / "
+                         "PRIMEBUILD_STORE at a writable folder with room")
 
     def _seal(self, tmp: Path, key: str, name: str, inputs: dict[str, Any]) -> str:
         for path in _walk(tmp):
