@@ -97,6 +97,36 @@ def test_verify_skips_a_folder_retention_removes_while_it_reads_it(tmp_path: Pat
     assert result.code == 0 and "weights step      2  ok" in result.out and "step      1" not in result.out, result.text
 
 
+def test_verify_reports_an_odd_marker_an_unreadable_file_and_a_file_for_a_folder(tmp_path: Path, capsys,
+                                                                                   monkeypatch):
+    """These were `internal error: TypeError` / `PermissionError`, and a file where checkpoints/ should be was
+    "0 damaged", exit 0."""
+    import json
+
+    import primebuild.runtime.weight_sync.filesystem as filesystem
+
+    (tmp_path / "plan.json").write_text("{}")
+    for step in (1, 2):
+        filesystem.publish_dir(tmp_path / "weights" / f"step_{step:06d}",
+                               lambda out: (out / "model.safetensors").write_bytes(b"w" * 64), step)
+    marker = tmp_path / "weights" / "step_000001" / filesystem.STABLE
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "files": None}))
+    real_sha = filesystem.sha256_file
+
+    def unreadable(path):
+        if "step_000002" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_sha(path)
+
+    monkeypatch.setattr(filesystem, "sha256_file", unreadable)
+    (tmp_path / "checkpoints").write_text("")
+    result = call_cli(capsys, "verify", str(tmp_path))
+    assert result.code == 2 and "internal error" not in result.text, result.text
+    assert "step      1  DAMAGED: STABLE: not a file listing" in result.out
+    assert "step      2  DAMAGED: model.safetensors: cannot read it (Permission denied)" in result.out
+    assert "DAMAGED: checkpoints is not a folder" in result.out
+
+
 def test_status_tells_a_running_a_failed_and_a_resumed_session_apart(workdir: Path, capsys):
     """`status` read the end-of-session summary only: a running run showed eval_reward_before None after the
     terminal had printed it, a resumed one the last session's outcome, and a failed one stop_requested true

@@ -24,6 +24,10 @@ def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
     run = find_run(run_dir, runs_dir)
     rows = []
     for kind, root in (("checkpoint", run.checkpoints), ("weights", run.weights)):
+        if root.exists() and not root.is_dir():  # its step folders cannot be there: not "0 damaged"
+            rows.append({"kind": kind, "step": 0, "folder": str(root), "ok": False,
+                         "problem": f"{root.name} is not a folder"})
+            continue
         for step in step_folders(root):
             folder = step_folder(root, step)
             try:

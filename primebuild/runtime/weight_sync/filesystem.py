@@ -160,13 +160,26 @@ def _same_files(stage: Path, final: Path) -> bool:
 def verify(folder: str | os.PathLike) -> None:
     """Raise DamagedFolder naming the first file that is missing, extra, or not what the marker says."""
     folder = Path(folder)
+    try:
+        _verify(folder)
+    except FileNotFoundError:
+        raise  # gone while we read it: retention's, or a damage the caller tells apart
+    except OSError as err:  # a file made unreadable
+        where = Path(err.filename).relative_to(folder).as_posix() if err.filename and Path(
+            err.filename).is_relative_to(folder) else folder.name
+        raise DamagedFolder(folder, f"{where}: cannot read it ({err.strerror})") from None
+
+
+def _verify(folder: Path) -> None:
     marker = folder / STABLE
     if not marker.is_file():
         raise DamagedFolder(folder, f"no {STABLE} marker: the folder was never completed")
     try:
         listed = json.loads(marker.read_text())["files"]
     except (ValueError, KeyError, TypeError):
-        raise DamagedFolder(folder, f"{STABLE}: not a file listing (written by an older primebuild?)") from None
+        listed = None
+    if not _is_listing(listed):
+        raise DamagedFolder(folder, f"{STABLE}: not a file listing (written by an older primebuild?)")
     present = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
                if p.is_file() and p.name not in (STABLE, f".{STABLE}.tmp")}
     for rel in sorted(set(listed) | present):
@@ -180,6 +193,13 @@ def verify(folder: str | os.PathLike) -> None:
             raise DamagedFolder(folder, f"{rel}: {size} bytes, {STABLE} says {listed[rel]['size']} (truncated?)")
         if sha256_file(path) != listed[rel]["sha256"]:
             raise DamagedFolder(folder, f"{rel}: sha256 differs from {STABLE} (the bytes changed)")
+
+
+def _is_listing(listed: object) -> bool:
+    """{relative path: {"size": int, "sha256": str}}, as the marker's writer lists a folder."""
+    return isinstance(listed, dict) and all(
+        isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
+        for entry in listed.values())
 
 
 def latest_verified(root: str | os.PathLike, warn: Callable[[str], None] = print) -> tuple[int, Path] | None:
