@@ -241,3 +241,30 @@ def test_metrics_rows_that_are_no_metrics_are_skipped_and_an_unreadable_run_is_p
                            str(workdir / "runs"), "-o", "json"], capture_output=True, text=True, timeout=60)
     private.chmod(0o755)
     assert done.returncode == 0 and json.loads(done.stdout)["run_dir"] == str(run_dir), done.stdout + done.stderr
+
+
+def test_logs_follow_waits_for_logs_picks_up_new_ones_and_says_when_one_goes(tmp_path: Path):
+    """`logs -f` on a run without logs sat silent for ever, a folder named *.log was `IsADirectoryError`,
+    and a log removed while followed was `FileNotFoundError`."""
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "plan.json").write_text("{}")
+    (tmp_path / "logs" / "weird.log").mkdir(parents=True)
+    follow = subprocess.Popen([sys.executable, "-m", "primebuild.cli", "logs", str(tmp_path), "-f"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "has written a log yet; waiting" in follow.stdout.readline()
+        (tmp_path / "logs" / "trainer.log").write_text("step 1 loss 0.5\n")
+        assert follow.stdout.readline() == "step 1 loss 0.5\n"
+        (tmp_path / "logs" / "orchestrator.log").write_text("step 1 reward 0.1\n")
+        assert follow.stdout.readline() == "[orchestrator] step 1 reward 0.1\n"
+        (tmp_path / "logs" / "trainer.log").unlink()
+        deadline = time.monotonic() + 30
+        line = follow.stdout.readline()
+        assert line == "trainer.log: removed; no longer followed\n" and time.monotonic() < deadline, line
+        assert follow.poll() is None  # still following the rest
+    finally:
+        follow.kill()
+        follow.wait()

@@ -25,25 +25,47 @@ def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: in
     logs_dir = run.logs
     if not logs_dir.is_dir():
         raise UserError(f"{run_dir} has no logs/ folder", hint="is it a run folder? (runs/<name>-<time>)")
-    files = sorted(logs_dir.glob("*.log"))
-    if process is not None:
-        files = [f for f in files if f.stem == process]
-        if not files:
-            known = ", ".join(f.stem for f in sorted(logs_dir.glob("*.log")))
-            raise UserError(f"no log for process {process!r} in {run_dir}", hint=f"processes: {known}")
+    files = _logs(logs_dir, process)
+    if process is not None and not files:
+        known = ", ".join(f.stem for f in _logs(logs_dir, None))
+        raise UserError(f"no log for process {process!r} in {run_dir}", hint=f"processes: {known}")
+    if not files:
+        click.echo(f"no process of {run_dir} has written a log yet" + ("; waiting (Ctrl-C to stop)" if follow else ""))
     offsets = {}
     for f in files:
-        text = f.read_text(errors="replace")
-        prefix = f"[{f.stem}] " if len(files) > 1 else ""
+        try:
+            text = f.read_text(errors="replace")
+        except OSError as err:
+            raise UserError(f"cannot read {f}: {err.strerror}") from None
         for line in text.splitlines()[-lines:]:
-            click.echo(prefix + line)
+            click.echo(_prefix(f, files) + line)
         offsets[f] = len(text.encode())
     while follow:
         time.sleep(0.5)
-        for f in files:
-            with open(f, "rb") as handle:
-                handle.seek(offsets[f])
-                chunk = handle.read()
+        for f in _logs(logs_dir, process):  # a process that started since (a replica `scale` added)
+            if f not in offsets:
+                offsets[f] = 0
+        for f in list(offsets):
+            try:
+                with open(f, "rb") as handle:
+                    if handle.seek(0, 2) < offsets[f]:  # cut short (a new session's log): from its start
+                        offsets[f] = 0
+                    handle.seek(offsets[f])
+                    chunk = handle.read()
+            except OSError as err:
+                click.echo(f"{f.name}: {'removed' if isinstance(err, FileNotFoundError) else err.strerror}; "
+                           "no longer followed")
+                del offsets[f]
+                continue
             offsets[f] += len(chunk)
             for line in chunk.decode(errors="replace").splitlines():
-                click.echo((f"[{f.stem}] " if len(files) > 1 else "") + line)
+                click.echo(_prefix(f, list(offsets)) + line)
+
+
+def _logs(logs_dir: Path, process: str | None) -> list[Path]:
+    """The run's process logs (files only), or the one of `process`."""
+    return sorted(f for f in logs_dir.glob("*.log") if f.is_file() and (process is None or f.stem == process))
+
+
+def _prefix(log: Path, shown: list[Path]) -> str:
+    return f"[{log.stem}] " if len(shown) > 1 else ""
