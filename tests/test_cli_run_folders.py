@@ -268,3 +268,29 @@ def test_logs_follow_waits_for_logs_picks_up_new_ones_and_says_when_one_goes(tmp
     finally:
         follow.kill()
         follow.wait()
+
+
+def test_scale_refuses_a_timeout_that_is_no_number_and_says_that_it_waits(workdir: Path, capsys):
+    """`--timeout nan` waited for ever; every wait was silent (a replica's start takes minutes)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from primebuild.runtime.targets.processes import process_identity
+
+    run_dir = _hand_made_run(workdir, capsys)
+    result = call_cli(capsys, "scale", str(run_dir), "--inference", "+1", "--timeout", "nan")
+    assert result.code == 2 and "--timeout" in result.err, result.text
+    supervisor = subprocess.Popen(["bash", "-c", "exec -a primebuild-silent sleep 120"])  # alive, never answers
+    try:
+        (run_dir / "launch.json").write_text(json.dumps({
+            "target": "local", "supervisor_host": socket.gethostname(), "supervisor_pid": supervisor.pid,
+            "supervisor_identity": process_identity(supervisor.pid)}))
+        done = subprocess.run([sys.executable, "-m", "primebuild.cli", "scale", str(run_dir), "--inference", "+1",
+                               "--timeout", "1"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "waiting for its answer (at most 1 s)" in done.stdout, done
+        assert "no answer from the run's supervisor within 1 s" in done.stderr
+    finally:
+        supervisor.kill()
+        supervisor.wait()

@@ -9,6 +9,7 @@ the new replica joins the trainer's weight group (primebuild/runtime/weight_sync
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +22,13 @@ from primebuild.contracts.run_dir import ScaleAnswer, ScaleRequest, find_run, wr
 from primebuild.errors import UserError
 
 POLL_SECONDS = 0.2
+WAITING_EVERY_S = 15.0  # how often a wait says it still waits, and checks that the run still runs
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):  # FloatRange lets nan through
+        raise click.BadParameter("must be a number of seconds", param_hint="--timeout")
+    return value
 
 
 @click.command("scale")
@@ -29,6 +37,7 @@ POLL_SECONDS = 0.2
 @click.option("--inference", "delta", type=click.Choice(["+1", "-1"]), required=True,
               help="+1 adds an inference replica (it joins at the current weights); -1 drains and retires one.")
 @click.option("--timeout", type=click.FloatRange(min=1, max=3600), default=600.0, show_default=True,
+              callback=lambda ctx, param, value: _finite(value),
               help="Seconds to wait for the supervisor's answer (a new replica's start, a drain).")
 @output_option
 def command(run_dir: Path | None, runs_dir: Path, delta: str, timeout: float, output: str) -> None:
@@ -48,11 +57,24 @@ def command(run_dir: Path | None, runs_dir: Path, delta: str, timeout: float, ou
                         hint=f"`primebuild run --resume {run.root}` continues it")
     request = ScaleRequest(id=uuid.uuid4().hex[:12], inference=int(delta))
     write_json_atomic(run.scale_request(request.id), request.model_dump(mode="json"))
-    deadline = time.monotonic() + timeout
+    target = target_for(record.target)
+    started = time.monotonic()
+    said = started
+    if output != "json":
+        click.echo(f"asked the run's supervisor to {'add' if delta == '+1' else 'retire'} an inference replica; "
+                   f"waiting for its answer (at most {timeout:.0f} s)")
     while not run.scale_answer(request.id).is_file():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - started > timeout:
             raise UserError(f"no answer from the run's supervisor within {timeout:.0f} s",
                             hint=f"see {run.logs}/ and `primebuild status {run.root}`")
+        if now - said >= WAITING_EVERY_S:
+            said = now
+            if not target.active(run, record):
+                raise UserError(f"{run.root} stopped running before its supervisor answered",
+                                hint=f"`primebuild status {run.root}` says how it ended")
+            if output != "json":
+                click.echo(f"still waiting ({now - started:.0f} s; a new replica loads the model first)")
         time.sleep(POLL_SECONDS)
     answer = ScaleAnswer.model_validate_json(run.scale_answer(request.id).read_text())
     if output == "json":
