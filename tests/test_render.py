@@ -25,8 +25,8 @@ CRDS = REPO / "tests" / "data" / "crds"
 K8S_VERSION = "1.33"
 FIXED = ["--run-dir", "/shared/runs/demo", "--python", "/opt/primebuild/.venv/bin/python"]
 # glm5 as it would run from a pushed image, pinned by digest (pyxis on Slurm, the pods' image on Kubernetes)
-IMAGE = ["--image", "registry.example.com/rl/primebuild:latest", "--image-digest", "sha256:" + "5e" * 32,
-         "--container-mount", "/shared/store"]
+IMAGE = ["--image", "registry.example.com/rl/primebuild:latest", "--image-digest", "sha256:" + "5e" * 32]
+MOUNT = ["--container-mount", "/shared/store"]  # slurm's pyxis only
 CASES = [("glm5.yaml", "slurm", "glm5.sbatch"), ("glm5.yaml", "kubernetes", "glm5.kubernetes.yaml"),
          ("reverse-text.yaml", "kubernetes", "reverse-text.kubernetes.yaml"),
          ("reverse-text-slurm.yaml", "slurm", "reverse-text-slurm.sbatch"),
@@ -42,7 +42,7 @@ def rendered(manifest: str, target: str, *extra: str) -> str:
 
 @pytest.mark.parametrize(("manifest", "target", "golden"), CASES, ids=[c[2] for c in CASES])
 def test_rendered_artifacts_match_their_golden_files(manifest, target, golden):
-    text = rendered(manifest, target, *(IMAGE if manifest == "glm5.yaml" else ()))
+    text = rendered(manifest, target, *(IMAGE + (MOUNT if target == "slurm" else []) if manifest == "glm5.yaml" else ()))
     path = GOLDEN / golden
     if os.environ.get("PRIMEBUILD_UPDATE_GOLDEN"):
         path.write_text(text)
@@ -256,7 +256,8 @@ def test_values_that_reach_a_shell_run_nothing_unintended(tmp_path):
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     # `ssh` here runs the remote command through a local shell, exactly as sshd hands it to the login shell
-    (fake_bin / "ssh").write_text("#!/bin/bash\nwhile [[ $1 == -* ]]; do shift 2; done; shift; exec bash -c \"$*\"\n")
+    (fake_bin / "ssh").write_text("#!/bin/bash\nwhile [[ $1 == -* && $1 != -- ]]; do shift 2; done\n"
+                                  "[[ $1 == -- ]] && shift; shift; exec bash -c \"$*\"\n")  # options, --, host
     (fake_bin / "ssh").chmod(0o755)
     (nasty / "run").mkdir(parents=True)
     shutil.copy(MANIFESTS / "reverse-text.yaml", nasty / "run" / "plan.json")  # any file: the worker fails later
@@ -445,3 +446,17 @@ def test_an_ssh_host_is_never_an_option_of_ssh(capsys):
     result = call_cli(capsys, "validate", MANIFESTS / "reverse-text-ssh.yaml", "--set", 'target.hosts=["-oProxyCommand"]')
     assert result.code == 2 and "target.hosts[0]" in result.err, result.text
     assert "-o BatchMode=yes -- " in (GOLDEN / "reverse-text-ssh.sh").read_text()  # and the destination after --
+
+
+def test_render_refuses_flags_its_target_would_not_read_and_a_folder_it_cannot_write(tmp_path, capsys):
+    """Such flags were ignored without a word; `-o` into a file or a read-only place was an internal error."""
+    ssh = MANIFESTS / "reverse-text-ssh.yaml"
+    for args, message in (((*MOUNT,), "--container-mount"), (("--image", "r.example/x:1"), "--image"),
+                          (("--model-path", "/m"), "--model-path"), (("--python", ""), "--python")):
+        result = call_cli(capsys, "render", ssh, *args)
+        assert result.code == 2 and f"error: {message}" in result.err, (args, result.text)
+    (tmp_path / "a-file").write_text("")
+    result = call_cli(capsys, "render", ssh, "-o", tmp_path / "a-file" / "out")
+    assert result.code == 2 and "cannot write ssh.sh: Not a directory" in result.err, result.text
+    result = call_cli(capsys, "render", ssh, "-o", tmp_path / "out")
+    assert result.code == 0 and (tmp_path / "out" / "ssh.sh").is_file() and not list((tmp_path / "out").glob(".*"))

@@ -7,6 +7,7 @@ header that lists what is not runnable; `primebuild run` refuses it.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
     if plan.build is not None:
         raise UserError(f"{manifest}: an sft: manifest is one store build, not processes on a cluster")
     checked_image(image)
+    _refuse_flags_without_effect(kind, python=python, image=image, mounts=mounts, model_path=model_path)
     for mount in mounts:
         if not mount.startswith("/") or any(ch in mount for ch in ",:\n"):
             raise UserError(f"--container-mount {mount!r}: give an absolute path without ',' or ':' (pyxis separators)")
@@ -89,8 +91,36 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
             raise UserError(f"{len(files)} files: give -o DIR")
         click.echo(next(iter(files.values())), nl=False)
         return
-    out_dir.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
-        (out_dir / name).write_text(text)
-        click.echo(str(out_dir / name))
+        click.echo(str(_write(out_dir, name, text)))
+
+
+def _refuse_flags_without_effect(kind: str, *, python: str | None, image: str | None, mounts: tuple[str, ...],
+                                 model_path: str | None) -> None:
+    """A flag the chosen target would not read is an error, as a manifest field is."""
+    if python is not None and not python.strip():
+        raise UserError("--python: give the interpreter's path on the nodes (it is empty)")
+    if image is not None and kind == "ssh":
+        raise UserError("--image: the ssh target runs primebuild from target.workdir on each host, in no container",
+                        hint="render --target slurm or kubernetes to run the image")
+    if mounts and (kind != "slurm" or image is None):
+        raise UserError("--container-mount: mounts a host path into a slurm step's container; it needs --target "
+                        "slurm and --image")
+    if model_path is not None and kind != "kubernetes":
+        raise UserError(f"--model-path: the kubernetes pods' model folder; the {kind} target resolves the model "
+                        "at start")
+
+
+def _write(out_dir: Path, name: str, text: str) -> Path:
+    """`out_dir/name`, written whole or not at all (a temporary file renamed into place)."""
+    path = out_dir / name
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / f".{name}.{os.getpid()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise UserError(f"-o {out_dir}: cannot write {name}: {err.strerror}",
+                        hint="give -o a folder you can write, or leave it out for stdout") from None
+    return path
 
