@@ -196,7 +196,8 @@ def _hand_made_run(workdir: Path, capsys, name: str = "m-1") -> Path:
     write(workdir, "m.yaml", CPU_MANIFEST)
     run_dir = workdir / "runs" / name
     run_dir.mkdir(parents=True)
-    (run_dir / "plan.json").write_text(call_cli(capsys, "plan", str(workdir / "m.yaml"), "-o", "json").out)
+    port = ("--set", f"inference.port={free_port()}")  # a resume checks that the plan's ports are free
+    (run_dir / "plan.json").write_text(call_cli(capsys, "plan", str(workdir / "m.yaml"), *port, "-o", "json").out)
     from primebuild.manifest.load import load_manifest
 
     (run_dir / "manifest.json").write_text(json.dumps(load_manifest(workdir / "m.yaml").document))
@@ -294,3 +295,19 @@ def test_scale_refuses_a_timeout_that_is_no_number_and_says_that_it_waits(workdi
     finally:
         supervisor.kill()
         supervisor.wait()
+
+
+def test_resume_and_export_of_a_run_whose_model_folder_is_gone_say_so(workdir: Path, capsys):
+    """After a `store gc` between sessions, `run --resume` started every process to fail on the missing
+    folder, and `export` was `internal error: OSError: Repo id must be in the form ...`."""
+    import json
+
+    run_dir = _hand_made_run(workdir, capsys)
+    gone = str(workdir / "store" / "0123-gone-sft")
+    (run_dir / "run.json").write_text(json.dumps({"model_path": gone}))
+    (run_dir / "rendezvous.json").write_text(json.dumps({"hosts": ["127.0.0.1"], "model_path": gone}))
+    for command in (("run", "--resume", str(run_dir)), ("export", str(run_dir))):
+        result = call_cli(capsys, *command)
+        assert result.code == 2 and f"model_path {gone} is gone" in result.err, (command, result.text)
+        assert "internal error" not in result.err
+    assert not (run_dir / "logs").exists() or not list((run_dir / "logs").iterdir())

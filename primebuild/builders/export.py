@@ -46,6 +46,7 @@ class ExportSource:
 def trainer_config(run: RunDir) -> tuple[TrainerConfig, str]:
     """The run's trainer config (as the plan typed it, its base model resolved) and the run's name."""
     run.require(resumable=True)
+    run.require_models()
     plan = read_plan(run.plan)
     trainers = [p.config for p in plan.by_role("trainer") if isinstance(p.config, TrainerConfig)]
     if not trainers:

@@ -194,6 +194,7 @@ def _prepare_resume(run: RunDir, target, *, restart: bool = False) -> None:
     if not restart and previous is not None and target.active(run, previous):  # a restart: we are its supervisor
         raise UserError(f"{run.root} is still running ({target.state(run, previous)})",
                         hint="stop it first with `primebuild stop`")
+    run.require_models()
     run.stop_file.unlink(missing_ok=True)
     run.failure.unlink(missing_ok=True)
     from primebuild.runtime.resume import reconcile

@@ -376,6 +376,18 @@ class RunDir:
             raise UserError(f"{self.rendezvous}: missing", hint="the target writes it before starting workers")
         return parse_contract(Rendezvous, self.read_json(self.rendezvous), where=str(self.rendezvous))
 
+    def require_models(self) -> None:
+        """Raise a located error when a model folder the run records (its model, its teacher) is gone: a
+        resume or an export would otherwise fail deep inside a process with "no such folder"."""
+        record = self.read_json(self.run_record)
+        for key in ("model_path", "teacher_model_path"):
+            folder = record.get(key)
+            if isinstance(folder, str) and folder and not Path(folder).is_dir():
+                raise UserError(f"{self.run_record}: {key} {folder} is gone (a `primebuild store gc` while the "
+                                "run was not running removes it)",
+                                hint="rebuild it: the manifest that made it (an sft: manifest, or the run's own "
+                                     "with `primebuild run`) gives the same store path from the same inputs")
+
     def unfinished_json_writes(self) -> list[Path]:
         """Temporary files of `write_json_atomic` calls that a kill cut short (the folders it writes in)."""
         return sorted(p for folder in (self.root, self.pids, self.scale) if folder.is_dir()
