@@ -3,6 +3,7 @@ run with --resume. The command drives the target only through primebuild/runtime
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -249,7 +250,11 @@ def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, de
         if target.finishes_in_job:  # the in-job supervisor wrote summary and outcome
             summary, report = RunSummary.read(run.summary), run.report if run.report.is_file() else None
         else:
-            summary, report = finish(run, outcome, time.monotonic() - started)
+            summary, report = finish(run, outcome, time.monotonic() - started, echo=click.echo)
+    except Exception as err:
+        if not isinstance(err, (UserError, click.exceptions.ClickException, click.exceptions.Exit)):
+            _record_crash(run, err)  # `status` tells how the session ended, not "no outcome" for ever
+        raise
     finally:
         if watchdog is not None:
             watchdog.done()
@@ -261,8 +266,9 @@ def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, de
     for env, gain in (summary.eval_reward_gain_by_env or {}).items():
         click.echo(f"  {env}: {summary.eval_reward_after_by_env[env]:.4f} (gain {gain:+.4f})")
     wall = summary.wall_seconds
-    click.echo((f"wall time {wall:.1f} s; " if wall else "") + f"summary {run.summary}"
-               + (f"; report {report}" if report else ""))
+    written = [f"summary {run.summary}"] if report or run.summary.is_file() else []  # none on a full disk
+    click.echo("; ".join(([f"wall time {wall:.1f} s"] if wall else []) + written
+                         + ([f"report {report}"] if report else [])))
     if not outcome.ok:
         if run.failure.is_file():
             failure = json.loads(run.failure.read_text())
@@ -272,6 +278,16 @@ def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, de
         click.echo(f"error: {outcome.message}", err=True)
         raise click.exceptions.Exit(outcome.exit_code)
     click.echo(outcome.message)
+
+
+def _record_crash(run: RunDir, err: Exception) -> None:
+    """The outcome of a session whose supervision itself failed (a bug of ours, a disk that filled)."""
+    from primebuild.contracts.run_dir import OutcomeRecord
+
+    message = (f"the supervisor (`primebuild run`) failed: {type(err).__name__}: {err}; `primebuild run --resume "
+               f"{run.root}` continues after the newest checkpoint")
+    with contextlib.suppress(OSError):
+        write_json_atomic(run.outcome, OutcomeRecord(ok=False, message=message, exit_code=1).model_dump(mode="json"))
 
 
 def _live():

@@ -39,7 +39,7 @@ def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
         "last_reward": rewards[-1] if rewards else None,
         # STOP is also how the supervisor ends the others after a failure: that is no request of the user's
         "stop_requested": run.stop_requested() and not failure and ended is None,
-        "outcome": ended.message if ended else None,
+        "outcome": ended.message if ended else _no_outcome(run, plan),
         "eval_reward_before": _first(live.eval_reward_before, summary.eval_reward_before),
         "eval_reward_after": _first(live.eval_reward_after, summary.eval_reward_after),
         "target": _target_state(run, plan),
@@ -52,6 +52,22 @@ def command(run_dir: Path | None, runs_dir: Path, output: str) -> None:
         return
     for key, value in state.items():
         click.echo(f"{key:>20}: {value}")
+
+
+def _no_outcome(run, plan) -> str | None:
+    """None while the session runs; for one that ended without recording how (its supervisor was killed, or
+    could not write), say so rather than nothing for ever."""
+    from primebuild.errors import UserError
+    from primebuild.runtime.targets import target_for
+
+    record = run.read_launch()
+    try:
+        if record is None or target_for(record.target).active(run, record):
+            return None
+    except UserError:  # the target cannot tell now (an ssh host that does not answer): no guess
+        return None
+    return (f"ended without recording an outcome (its supervisor was killed, or could not write in {run.root}); "
+            f"`primebuild run --resume {run.root}` continues after the newest checkpoint")
 
 
 def _first(*values):

@@ -5,6 +5,7 @@ run; a bad config or any other user error is one located message and exit 2, no 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 from collections.abc import Callable
@@ -40,4 +41,16 @@ def config_main(argv: list[str] | None, *, prog: str, config_class: type[C], run
     except failures as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:
+        if err.errno not in DISK_ERRNOS:
+            raise
+        # a full or read-only disk: the same writes would fail again, so this is an error of its own (the
+        # supervisor restarts no process that printed one)
+        where = f" writing {err.filename}" if err.filename else ""
+        print(f"error: {err.strerror}{where}: free space where the run writes (its runs folder: retention, "
+              "checkpoint_every), or move it with --runs-dir, then `primebuild run --resume`", file=sys.stderr)
+        return 1
     return 0
+
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)

@@ -71,7 +71,7 @@ def play_greedy(model, tokenizer, env: Environment, tasks: list[Task], max_new_t
                 seq_len: int | None = None) -> list[float]:
     """Rewards of greedy episodes (one turn for a single-turn environment): every active episode's
     next turn is decoded in one batch, token in / token out as the orchestrator does (transcript.py)."""
-    from primebuild.runtime.envs.base import max_turns, start_episode
+    from primebuild.runtime.envs.base import episode_reward, max_turns, start_episode
     from primebuild.runtime.envs.framing import framing
     from primebuild.runtime.envs.transcript import Transcript
 
@@ -98,7 +98,7 @@ def play_greedy(model, tokenizer, env: Environment, tasks: list[Task], max_new_t
                     if seq_len is None or len(transcripts[i]) + max_new_tokens <= seq_len:
                         still.append(i)
                 active = still
-            return [float(await e.reward()) for e in episodes]
+            return [await episode_reward(env, e) for e in episodes]
         finally:
             for e in episodes:
                 await e.close()

@@ -52,9 +52,10 @@ class Progress:
                 evals.append((row["role"], row["step"]))
         for key in evals:
             values = self.steps[key]
-            self.evals.append((key[1], values["eval_reward"]))
-            self.echo(f"held-out eval reward {values['eval_reward']:.4f} "
-                      f"(policy version {values.get('eval_policy_version', 0):.0f})")
+            if values["eval_reward"] is not None:  # None: not finite (metrics.jsonl has no NaN)
+                self.evals.append((key[1], values["eval_reward"]))
+            self.echo(f"held-out eval reward {_num(values['eval_reward'], '.4f')} "
+                      f"(policy version {_num(values.get('eval_policy_version', 0), '.0f')})")
         for (role, step), values in sorted(self.steps.items(), key=lambda kv: kv[0][1]):
             if role != "trainer" or step in self.printed or "loss" not in values:
                 continue
@@ -64,10 +65,10 @@ class Progress:
             self.printed.add(step)
             self.last = {"step": step, **orch, **values}
             self.echo(
-                f"step {step:4d} | reward {orch['reward_mean']:.3f} | KL behaviour "
+                f"step {step:4d} | reward {_num(orch['reward_mean'], '.3f')} | KL behaviour "
                 f"{_kl(values, 'behaviour_kl')} mismatch {_kl(values, 'mismatch_kl')} | lag "
-                f"{orch.get('off_policy_lag', 0):.0f} | {orch.get('tokens_per_s', 0):,.0f} tok/s | "
-                f"sampled by v{orch.get('policy_version', 0):.0f}")
+                f"{_num(orch.get('off_policy_lag', 0), '.0f')} | {_num(orch.get('tokens_per_s', 0), ',.0f')} tok/s | "
+                f"sampled by v{_num(orch.get('policy_version', 0), '.0f')}")
         if self.live is not None:
             self.live.update(self.panel())
 
@@ -85,17 +86,22 @@ class Progress:
         last = self.last
         best = max((r for _, r in self.evals), default=None)
         table.add_row(
-            str(last.get("step", "-")), f"{last['reward_mean']:.3f}" if "reward_mean" in last else "-",
-            f"{best:.3f}" if best is not None else "-", _kl(last, "behaviour_kl"),
-            _kl(last, "mismatch_kl"), f"{last.get('off_policy_lag', 0):.0f}" if last else "-",
-            f"{last.get('tokens_per_s', 0):,.0f}" if last else "-",
-            f"v{last.get('policy_version', 0):.0f}" if last else "-",
+            str(last.get("step", "-")), _num(last.get("reward_mean"), ".3f"),
+            _num(best, ".3f"), _kl(last, "behaviour_kl"),
+            _kl(last, "mismatch_kl"), _num(last.get("off_policy_lag", 0), ".0f") if last else "-",
+            _num(last.get("tokens_per_s", 0), ",.0f") if last else "-",
+            "v" + _num(last.get("policy_version", 0), ".0f") if last else "-",
             f"{time.monotonic() - self.started:,.0f} s")
         return table
 
 
 def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2e}"
+    return _num(value, ".2e")
+
+
+def _num(value: float | None, spec: str) -> str:
+    """`value` formatted, "-" for None (a metric that was not finite, or not there)."""
+    return "-" if value is None else format(value, spec)
 
 
 def _kl(values: dict, name: str) -> str:

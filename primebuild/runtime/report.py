@@ -77,6 +77,13 @@ def write_report(run: RunDir) -> Path | None:
 
 
 def write_summary(run: RunDir, extra: dict) -> RunSummary:
+    """summary_of(run, extra), written to summary.json."""
+    summary = summary_of(run, extra)
+    summary.write(run.summary)
+    return summary
+
+
+def summary_of(run: RunDir, extra: dict) -> RunSummary:
     """The orchestrator's record with `extra` (outcome, times) and the KL figures over the metrics."""
     summary = dict(OrchestratorSummary.read(run.orchestrator_state).model_dump(exclude_none=True), **extra)
     rows = read_rows(run.metrics)
@@ -95,6 +102,4 @@ def write_summary(run: RunDir, extra: dict) -> RunSummary:
     before, after = summary.get("eval_reward_before_by_env") or {}, summary.get("eval_reward_after_by_env") or {}
     if before and after:
         summary["eval_reward_gain_by_env"] = {env: after[env] - before[env] for env in after if env in before}
-    typed = parse_contract(RunSummary, summary, where=str(run.summary))
-    typed.write(run.summary)
-    return typed
+    return parse_contract(RunSummary, summary, where=str(run.summary))

@@ -11,15 +11,22 @@ from primebuild.contracts.run_dir import OutcomeRecord, RunDir, write_json_atomi
 from primebuild.contracts.run_summary import RunSummary
 
 
-def finish(run: RunDir, outcome, session_seconds: float) -> tuple[RunSummary, Path | None]:
-    from primebuild.runtime.report import write_report, write_summary
+def finish(run: RunDir, outcome, session_seconds: float, echo=print) -> tuple[RunSummary, Path | None]:
+    """The session's summary (and report, when written). A folder that cannot take them (a full disk) does not
+    hide the outcome: `echo` says what was not written, and the caller still reports the outcome."""
+    from primebuild.runtime.report import summary_of, write_report
 
     record = run.read_json(run.run_record)
     previous = RunSummary.read(run.summary)
     extra = {"sft": record.get("model_info", {}), "model_seconds": record.get("model_seconds"),
              "wall_seconds": round(previous.wall_seconds + session_seconds, 2),
              "outcome": outcome.message}
-    summary = write_summary(run, extra)
-    write_json_atomic(run.outcome, OutcomeRecord(ok=outcome.ok, message=outcome.message,
-                                                 exit_code=outcome.exit_code).model_dump(mode="json"))
-    return summary, write_report(run)
+    summary = summary_of(run, extra)
+    try:
+        write_json_atomic(run.outcome, OutcomeRecord(ok=outcome.ok, message=outcome.message,
+                                                     exit_code=outcome.exit_code).model_dump(mode="json"))
+        summary.write(run.summary)
+        return summary, write_report(run)
+    except OSError as err:
+        echo(f"warning: cannot write the run's summary in {run.root}: {err.strerror}")
+        return summary, None

@@ -36,6 +36,7 @@ step of its het-job component): only the launcher differs (primebuild/runtime/ta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -146,8 +147,19 @@ class Supervisor:
         return running
 
     def _pump(self, name: str, handle: Handle, log: TextIO, attention: re.Pattern) -> None:
-        for line in handle.lines():
-            log.write(line)
+        writable = True
+        for line in handle.lines():  # drained to the end whatever happens: a full pipe would block the process
+            if writable:
+                try:
+                    log.write(line)
+                except (OSError, ValueError) as err:  # a full disk (or the log closed by a teardown)
+                    writable = False
+                    if not isinstance(err, ValueError):
+                        self.echo(f"warning: cannot write {self.run.log(name)}: {err.strerror}; its lines "
+                                  "reach this terminal only")
+            if not writable and attention.search(line):
+                self.echo(f"[{name}] {line.rstrip()}")
+                continue
             if self.stopping and self.verbosity != VERBOSE:
                 continue  # what processes say while being torn down is in their logs
             if self.verbosity == VERBOSE or (self.verbosity == ATTENTION and attention.search(line)):
@@ -366,15 +378,19 @@ class Supervisor:
         """Fail fast: name the process in failure.json, let the survivors checkpoint briefly, stop all."""
         if running.pump:
             running.pump.join(timeout=2)  # its last lines into the log first
-        running.log.flush()
+        with contextlib.suppress(OSError):  # a full disk: the tail is what made it to the file
+            running.log.flush()
         log = self.run.log(running.spec.name)
         tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log.is_file() else []
         record = FailureRecord(process=running.spec.name, role=running.spec.role, exit_code=code,
                                signal=describe_exit(code)[1], message=message, log=str(log), log_tail=tail,
                                lost_host=running.handle.lost_host())
-        write_json_atomic(self.run.failure, record.model_dump(mode="json"))
+        try:
+            write_json_atomic(self.run.failure, record.model_dump(mode="json"))
+            self.run.stop_file.touch()  # the trainer saves the step it finished, the orchestrator stops
+        except OSError as err:  # a full disk: the others are ended below all the same
+            self.echo(f"warning: cannot write {self.run.failure.name} in {self.run_dir}: {err.strerror}")
         self.echo(f"error: {message}; stopping every other process")
-        self.run.stop_file.touch()  # the trainer saves the step it finished, the orchestrator stops
         # a trainer rank that lost contact takes the trainer's collectives with it: no checkpoint to wait for
         lost_trainer = running.spec.role == "trainer" and running.handle.lost_contact() is not None
         deadline = time.monotonic() + (0 if lost_trainer else STOP_GRACE_SECONDS)
@@ -398,7 +414,8 @@ class Supervisor:
         running.handle.kill()
         if running.pump:
             running.pump.join(timeout=2)
-        running.log.close()
+        with contextlib.suppress(OSError):  # its last buffered lines on a full disk: the process is gone anyway
+            running.log.close()
 
     def stop_all(self, timeout: float = TERM_SECONDS) -> None:
         self.stopping = True

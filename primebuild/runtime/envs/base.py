@@ -20,6 +20,7 @@ Two sources of tasks, kept apart on purpose:
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,11 +107,32 @@ class SingleTurnEpisode:
     async def reward(self) -> float:
         ascore = getattr(self.env, "ascore", None)
         if ascore is not None:  # a scorer that awaits (verifiers) runs on the orchestrator's own loop
-            return float(await ascore(self.task, self.completion or ""))
-        return float(self.env.score(self.task, self.completion or ""))
+            return await ascore(self.task, self.completion or "")
+        return self.env.score(self.task, self.completion or "")  # checked by episode_reward
 
     async def close(self) -> None:
         pass
+
+
+class RewardError(ValueError):
+    """An environment's reward that is no finite number: the rollout fails, naming the environment (a NaN
+    reaching the trainer made the loss non-finite, far from its cause)."""
+
+
+async def episode_reward(env: Environment, episode: Episode) -> float:
+    """`episode.reward()`, checked (finite_reward)."""
+    return finite_reward(env.id, await episode.reward())
+
+
+def finite_reward(env_id: str, value: object) -> float:
+    """`value` as a float when it is a finite number, else RewardError naming the environment."""
+    try:
+        reward = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        reward = math.nan
+    if not math.isfinite(reward):
+        raise RewardError(f"environment {env_id}: its reward {value!r} is not a finite number")
+    return reward
 
 
 def start_episode(env: Environment, task: Task) -> Episode:

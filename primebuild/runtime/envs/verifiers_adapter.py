@@ -40,7 +40,7 @@ from typing import Any
 
 from primebuild.contracts.environments import VERIFIERS_PREFIX
 from primebuild.errors import UserError
-from primebuild.runtime.envs.base import Task
+from primebuild.runtime.envs.base import Task, finite_reward
 
 VERIFIERS_TASK = "verifiers_task"  # key in Task.info holding the wrapped vf.Task
 
@@ -178,7 +178,7 @@ class VerifiersEnvironment:
             nodes=[*prompt_nodes, reply],
         )
         await vf_task.score(trace)
-        return float(trace.reward)
+        return finite_reward(self.id, trace.reward)
 
     def score(self, task: Task, completion: str) -> float:
         return _run_coroutine(self.ascore(task, completion))

@@ -29,7 +29,7 @@ from typing import Any
 
 from primebuild.contracts.environments import BASH_SANDBOX_LIMITS
 from primebuild.errors import UserError
-from primebuild.runtime.envs.base import Task
+from primebuild.runtime.envs.base import Task, finite_reward
 from primebuild.runtime.envs.verifiers_adapter import VERIFIERS_TASK, VerifiersEnvironment, _import_verifiers
 
 HARNESSES = ("null", "bash")
@@ -97,7 +97,8 @@ class VerifiersAgentEnvironment(VerifiersEnvironment):
         if not trace.ok:
             errors = "; ".join(f"{e.type}: {e.message}"[:300] for e in trace.errors) or "no error recorded"
             raise RuntimeError(f"environment {self.id}: the {self.harness} harness failed: {errors}")
-        return float(trace.reward or 0.0), str(trace.stop_condition or "agent_completed")
+        reward = 0.0 if trace.reward is None else finite_reward(self.id, trace.reward)  # None: nothing scored it
+        return reward, str(trace.stop_condition or "agent_completed")
 
     def demonstration(self, task: Task, rng) -> list[tuple[bool, str]]:
         raise UserError(f"environment {self.id}: a tool-using verifiers taskset has no demonstrations to imitate",

@@ -25,7 +25,7 @@ import numpy as np
 from primebuild.contracts.completion import CompletionResult, SampledChoice
 from primebuild.contracts.rollout import Sample
 from primebuild.errors import UserError
-from primebuild.runtime.envs.base import Environment, Task, max_turns, start_episode
+from primebuild.runtime.envs.base import Environment, Task, episode_reward, max_turns, start_episode
 from primebuild.runtime.envs.framing import framing
 from primebuild.runtime.envs.transcript import Transcript
 from primebuild.runtime.orchestrator.agent_rollouts import agent_group, plays_itself
@@ -126,7 +126,7 @@ class RolloutRunner:
                                       max_tokens=min(self.max_tokens_per_turn, room),
                                       seed=None if seed is None else seed + transcript.turns)
                 choice = answer.choices[0]
-            reward = float(await episode.reward())
+            reward = await episode_reward(env, episode)
         finally:
             await episode.close()
         routes = None if self.routes_of is None else self.routes_of(choice)
