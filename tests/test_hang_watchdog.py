@@ -150,8 +150,8 @@ def test_stacks_of_a_blocked_process_name_its_frame_and_a_stopped_one_is_named_f
         assert blocked.stdout.readline() == "ready\n" and frozen.stdout.readline() == "ready\n"
         os.kill(frozen.pid, signal.SIGSTOP)
         _wait_for_state(frozen.pid, "T")
-        plan = SimpleNamespace(estimates=Estimates(summary=[]), processes=[SimpleNamespace(name=n) for n in
-                                                        ("trainer", "inference-0", "orchestrator", "router")])
+        plan = SimpleNamespace(estimates=Estimates(summary=[]), processes=[
+            SimpleNamespace(name=n, role=n.split("-")[0]) for n in ("trainer", "inference-0", "orchestrator", "router")])
         watchdog = HangWatchdog(plan, run, floor_s=1.0)
         states = {p.pid: p for p in run_processes(run)}
         assert {blocked.pid, frozen.pid, other.pid} <= set(states)
@@ -169,6 +169,59 @@ def test_stacks_of_a_blocked_process_name_its_frame_and_a_stopped_one_is_named_f
     report = (run.stacks / "hang.txt").read_text()
     assert f"trainer (pid {blocked.pid}): main thread in wait_for_a_peer_that_never_comes" in report, report
     assert "takes no stack requests" in report and "not on this host (no stacks taken): router" in report
+
+
+_IDLE_SERVER = """
+import asyncio
+from primebuild.runtime.stacks import dump_on_signal
+
+async def serve():
+    print("ready", flush=True)
+    await asyncio.Event().wait()  # an event loop with nothing to do, as a server nobody asks
+
+dump_on_signal()
+asyncio.run(serve())
+"""
+
+_REWARD_THAT_NEVER_RETURNS = """
+import time
+from primebuild.runtime.stacks import dump_on_signal
+
+def score_forever():
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.05)
+
+dump_on_signal()
+score_forever()
+"""
+
+
+def test_a_process_stuck_in_its_own_code_is_named_before_an_idle_server(tmp_path: Path):
+    """A reward that never returned: the watchdog named the inference server (first by pid, idle in its
+    event loop) instead of the orchestrator, busy in the environment's code."""
+    from types import SimpleNamespace
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    env = {**os.environ, RUN_DIR_ENV: str(run.root)}
+    server = subprocess.Popen([sys.executable, "-c", _IDLE_SERVER], env={**env, PROCESS_ENV: "inference-0"},
+                              stdout=subprocess.PIPE, text=True)
+    orchestrator = subprocess.Popen([sys.executable, "-c", _REWARD_THAT_NEVER_RETURNS],
+                                    env={**env, PROCESS_ENV: "orchestrator"}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline() == "ready\n" and orchestrator.stdout.readline() == "ready\n"
+        plan = SimpleNamespace(estimates=Estimates(summary=[]), processes=[
+            SimpleNamespace(name="inference-0", role="inference"), SimpleNamespace(name="orchestrator",
+                                                                                    role="orchestrator")])
+        culprit = HangWatchdog(plan, run, floor_s=1.0).diagnose()
+    finally:
+        for p in (server, orchestrator):
+            p.kill()
+            p.wait()
+    assert culprit.startswith(f"orchestrator (pid {orchestrator.pid}) main thread in score_forever"), culprit
+    report = (run.stacks / "hang.txt").read_text()
+    assert f"inference-0 (pid {server.pid}): waits on its event loop's sockets" in report, report
 
 
 # --- end to end: real runs on the local target --------------------------------------------------------

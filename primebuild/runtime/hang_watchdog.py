@@ -124,9 +124,12 @@ class HangWatchdog:
         """Dump every local Python process's stacks, write stacks/hang.txt, and name the stuck process.
 
         Who is named first: a stopped process, then one that did not answer, then one waiting in a
-        collective (its peer is the one that stopped coming), then whatever else was found."""
+        collective (its peer is the one that stopped coming), then one busy in its own code (a reward that
+        never returns), then one waiting on its event loop or a call, then one waiting on another's output
+        (a trainer on its batch), and last a server idle in its event loop (nobody asks it anything)."""
         pids = run_processes(self.run)
-        ranked: dict[int, list[tuple[str, str]]] = {0: [], 1: [], 2: [], 3: []}
+        roles = {spec.name: spec.role for spec in self.plan.processes}
+        ranked: dict[int, list[tuple[str, str]]] = {rank: [] for rank in range(7)}
         self.lines = []
         for p in pids:
             label = f"{p.process} (pid {p.pid})"
@@ -150,7 +153,8 @@ class HangWatchdog:
                      if top and top.frames else "no Python frame")
             summary = f"waits on {waits[0]}" if waits else f"main thread in {where}"
             self.lines.append(f"{label}: {summary}; {len(threads)} thread(s); main thread innermost: {where}")
-            ranked[2 if waits and waits[0].startswith("a collective") else 3].append((p.process, f"{label} {summary}"))
+            role = roles.get(p.process, "inference" if p.process.startswith("inference-") else "")  # `scale`'s too
+            ranked[_rank(role, waits[0] if waits else None)].append((p.process, f"{label} {summary}"))
         remote = sorted({p.name for p in self.plan.processes} - {p.process for p in pids})
         if remote:
             self.lines.append(f"not on this host (no stacks taken): {', '.join(remote)}")
@@ -159,6 +163,19 @@ class HangWatchdog:
         found = [entry for rank in sorted(ranked) for entry in ranked[rank]]
         self.culprit_process, self.culprit = found[0] if found else ("", "no process of the run answered on this host")
         return self.culprit
+
+
+def _rank(role: str, wait: str | None) -> int:
+    """diagnose()'s order for a process that answered with its stacks (0 and 1 are taken before)."""
+    if wait is None:
+        return 3  # running code of its own
+    if wait.startswith("a collective"):
+        return 2
+    if wait.startswith("its event loop") and role in ("inference", "prefill", "decode", "router", "teacher"):
+        return 6  # a server with nothing to do
+    if wait.startswith(("a rollout batch", "a weight update")):
+        return 5  # waits on another process's output: that one is the story
+    return 4
 
 
 def end_leftovers(run: RunDir, *, stopped_only: bool = False) -> list[int]:
