@@ -311,3 +311,27 @@ def test_resume_and_export_of_a_run_whose_model_folder_is_gone_say_so(workdir: P
         assert result.code == 2 and f"model_path {gone} is gone" in result.err, (command, result.text)
         assert "internal error" not in result.err
     assert not (run_dir / "logs").exists() or not list((run_dir / "logs").iterdir())
+
+
+def test_a_run_still_starting_is_not_resumed_beside_its_supervisor(workdir: Path, capsys):
+    """Before its launch record existed, a starting run could be `--resume`d: two supervisors then shared
+    the folder (staging folders collided, each ended with a misleading cause), and `status` said "never
+    launched" while its servers ran."""
+    import json
+    import subprocess
+    import sys
+
+    run_dir = _hand_made_run(workdir, capsys)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from primebuild.contracts.run_dir import RunDir\n"
+                               f"RunDir({str(run_dir)!r}).claim(); print('claimed', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "claimed\n"
+        result = call_cli(capsys, "run", "--resume", str(run_dir))
+        assert result.code == 2 and "is being run by another `primebuild run`" in result.err, result.text
+        assert json.loads(call_cli(capsys, "status", str(run_dir), "-o", "json").out)["target"] == "local: starting"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert json.loads(call_cli(capsys, "status", str(run_dir), "-o", "json").out)["target"] == "local: never launched"

@@ -148,6 +148,7 @@ def _prepare_run_folder(runs_dir: Path, loaded, plan, record: dict, hang_timeout
     try:
         folder = new_run_folder(runs_dir, loaded.manifest.name)
         run = RunDir(folder)
+        run.claim()  # before the plan makes it a run: no `--resume` of it can start beside this one
         run.manifest.write_text(json.dumps(loaded.document, indent=2, sort_keys=True))
         for path in loaded.files:
             run.manifests.mkdir(exist_ok=True)
@@ -195,6 +196,7 @@ def _prepare_resume(run: RunDir, target, *, restart: bool = False) -> None:
     if not restart and previous is not None and target.active(run, previous):  # a restart: we are its supervisor
         raise UserError(f"{run.root} is still running ({target.state(run, previous)})",
                         hint="stop it first with `primebuild stop`")
+    run.claim()  # a run still starting has no launch record yet: its supervisor holds the folder
     run.require_models()
     run.stop_file.unlink(missing_ok=True)
     run.failure.unlink(missing_ok=True)

@@ -81,7 +81,7 @@ def _target_state(run, plan) -> str:
 
     record = run.read_launch()
     if record is None:
-        return f"{plan.target.kind}: never launched"
+        return f"{plan.target.kind}: starting" if run.claimed() else f"{plan.target.kind}: never launched"
     try:
         return target_for(record.target).state(run, record)
     except UserError as err:  # e.g. an ssh host that does not answer now: the folder still says the rest

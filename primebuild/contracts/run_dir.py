@@ -32,6 +32,7 @@ spells these names.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -388,6 +389,40 @@ class RunDir:
                                 hint="rebuild it: the manifest that made it (an sft: manifest, or the run's own "
                                      "with `primebuild run`) gives the same store path from the same inputs")
 
+    @property
+    def supervisor_lock(self) -> Path:
+        return self.root / ".supervisor.lock"
+
+    def claim(self) -> None:
+        """Hold this run folder for as long as this process (its supervisor, `primebuild run`) lives: a
+        second `primebuild run --resume` of it is refused even before the launch record exists."""
+        if self.root in _CLAIMED:
+            return
+        fd = os.open(self.supervisor_lock, os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"{self.root} is being run by another `primebuild run` (it holds "
+                            f"{self.supervisor_lock.name})", hint="stop it first with `primebuild stop`") from None
+        _CLAIMED[self.root] = fd  # closed by the kernel when this process ends, which releases the lock
+
+    def claimed(self) -> bool:
+        """Does a live `primebuild run` hold this folder (claim)?"""
+        if self.root in _CLAIMED:
+            return True
+        try:
+            fd = os.open(self.supervisor_lock, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
     def unfinished_json_writes(self) -> list[Path]:
         """Temporary files of `write_json_atomic` calls that a kill cut short (the folders it writes in)."""
         return sorted(p for folder in (self.root, self.pids, self.scale) if folder.is_dir()
@@ -401,6 +436,9 @@ class RunDir:
         if not path.is_file():
             return {}
         return read_json(path, what=f"the run record {path.name}", want_object=True)
+
+
+_CLAIMED: dict[Path, int] = {}  # run folders this process supervises -> the descriptor holding the lock
 
 
 def find_run(run_dir: Path | None, runs_dir: Path) -> RunDir:

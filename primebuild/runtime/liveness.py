@@ -29,7 +29,9 @@ DEAD_AFTER_ERRORS = 3
 UNRESPONSIVE_SECONDS = 180.0
 # a traceback's last line, maybe log-prefixed, maybe with the exception's module path; or the `error: …`
 # line of one of our processes that ended on an error it reports without a traceback (config_main.py)
-_ERROR_LINE = re.compile(r"(?:^|\] )(?:\w+\.)*(\w+(?:Error|Exception): .+)|^error: (.+)")
+# `SomethingError: message`, our processes' `error: ...`, or an OS error a server logs without a class
+# (uvicorn: "ERROR: [Errno 98] error while attempting to bind on address ...: address already in use")
+_ERROR_LINE = re.compile(r"(?:^|\] )(?:\w+\.)*(\w+(?:Error|Exception): .+)|^error: (.+)|^ERROR:\s+(\[Errno \d+\] .+)")
 START_MARKER = "--- start "  # the supervisor's line before each start of a process
 
 
@@ -88,5 +90,5 @@ def first_error_line(log: Path, tail_bytes: int = 500_000) -> str | None:
     for line in lines[starts[-1] if starts else 0:]:
         match = _ERROR_LINE.search(line)
         if match:
-            return (match.group(1) or match.group(2))[:300]
+            return next(g for g in match.groups() if g)[:300]
     return None

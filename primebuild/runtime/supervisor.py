@@ -45,6 +45,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ class Running:
     restarts: int = 0
     pump: threading.Thread | None = None
     probe: LivenessProbe | None = None  # once an HTTP server was healthy
+    other_listener_said: bool = False  # its port answered for another program (said once)
 
 
 @dataclass
@@ -183,12 +185,27 @@ class Supervisor:
                 return True
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (the run's own servers)
-                    if response.status == 200:
-                        running.probe = LivenessProbe(running.spec.name, url)
-                        return True
+                    answered = response.status == 200
             except OSError:
-                pass
+                answered = False
+            if answered and self._answered_by(running, url):
+                running.probe = LivenessProbe(running.spec.name, url)
+                return True
             time.sleep(0.2)
+        return False
+
+    def _answered_by(self, running: Running, url: str) -> bool:
+        """Was the health answer `running`'s own? Where the handle can tell (a process on this host), the port
+        must be held by it: another run's server on the same port answered 200 for it, and this run then
+        sampled from the other run's model."""
+        listens_on = getattr(running.handle, "listens_on", None)
+        port = urllib.parse.urlsplit(url).port
+        if listens_on is None or port is None or listens_on(port) is not False:
+            return True
+        if not running.other_listener_said:
+            running.other_listener_said = True
+            self.echo(f"warning: {running.spec.name}: port {port} answers, but another program holds it (another "
+                      "run?); waiting for this process's own server")
         return False
 
     def start(self) -> Outcome | None:
@@ -203,6 +220,10 @@ class Supervisor:
                 if not self._healthy(running, time.monotonic() + spec.health.timeout_s):
                     code = running.handle.poll()
                     what = describe_exit(code)[0] if code is not None else "timed out"
+                    if code is not None and running.pump:
+                        running.pump.join(timeout=2)  # its last lines into the log, for the cause
+                    if cause := first_error_line(self.run.log(spec.name)):
+                        what += f": {cause}"
                     return self._fail(running, code, f"{spec.name} did not become healthy ({what}); "
                                       f"see {self.run.log(spec.name)}", 1)
         return None

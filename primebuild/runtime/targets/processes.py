@@ -50,6 +50,23 @@ class ProcessHandle:
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
 
+    def listens_on(self, port: int) -> bool | None:
+        """Does this process (or one of its group: its engine, its workers) hold the socket listening on TCP
+        `port` here? None when no listener on it is seen in this network namespace. A health check that
+        gets an answer from a port another program holds (another run's server, started a moment before)
+        must not take it for this process's."""
+        listening = _listening_inodes(port)
+        if not listening:
+            return None
+        for pid in _group(self.popen.pid):
+            try:
+                fds = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+            except OSError:
+                continue
+            if any(fd.startswith("socket:[") and fd[8:-1] in listening for fd in fds):
+                return True
+        return False
+
     def lines(self) -> Iterator[str]:
         assert self.popen.stdout is not None
         yield from self.popen.stdout
@@ -96,3 +113,32 @@ def end_groups(records: list[ProcessRecord], run: RunDir, *, term_seconds: float
             except ProcessLookupError:
                 pass
     return [r.process for r in alive]
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Inodes of the TCP sockets listening on `port` (any address), from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(fields[9])
+    return inodes
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (field 5 of /proc/PID/stat)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rpartition(")")[2].split()[2]) == pgid:
+                members.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return members
