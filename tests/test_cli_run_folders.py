@@ -335,3 +335,36 @@ def test_a_run_still_starting_is_not_resumed_beside_its_supervisor(workdir: Path
         holder.kill()
         holder.wait()
     assert json.loads(call_cli(capsys, "status", str(run_dir), "-o", "json").out)["target"] == "local: never launched"
+
+
+def test_stop_leaves_the_supervisor_its_own_grace_before_it_signals(workdir: Path, capsys, monkeypatch):
+    """`stop`'s grace equalled the supervisor's: both ended at the same second, and the stop that was asked
+    for was recorded as a kill (SIGTERM, exit 143). The supervisor here takes GRACE_SECONDS (shortened)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    import primebuild.runtime.supervisor as supervisor
+    from primebuild.runtime.targets.processes import process_identity
+
+    monkeypatch.setattr(supervisor, "GRACE_SECONDS", 2)
+    monkeypatch.setattr(supervisor, "TERM_SECONDS", 1)
+    run_dir = _hand_made_run(workdir, capsys)
+    fake = subprocess.Popen([sys.executable, "-c", "import pathlib, time\n"
+                             f"run = pathlib.Path({str(run_dir)!r})\n"
+                             "while not (run / 'STOP').exists(): time.sleep(0.05)\n"
+                             "time.sleep(2.5)  # its grace, then the workers' end\n"
+                             "(run / 'outcome.json').write_text('{\"ok\": true, \"message\": \"stopped at step 3\", "
+                             "\"exit_code\": 0}')\n"])
+    try:
+        (run_dir / "launch.json").write_text(json.dumps({
+            "target": "local", "supervisor_host": socket.gethostname(), "supervisor_pid": fake.pid,
+            "supervisor_identity": process_identity(fake.pid)}))
+        result = call_cli(capsys, "stop", str(run_dir), "--grace", "2")
+        assert result.code == 0 and "asked its supervisor" not in result.out, result.text
+        assert fake.wait(10) == 0  # it ended by itself, not by a signal
+        assert "(local: not running)" in result.out
+    finally:
+        fake.kill()
+        fake.wait()

@@ -28,6 +28,7 @@ POLL_SECONDS = 0.5
 def command(run_dir: Path | None, runs_dir: Path, grace: float, now: bool) -> None:
     """Ask RUN_DIR (default: the newest run) to checkpoint and stop; end what is left after --grace."""
     from primebuild.contracts.plan import read_plan
+    from primebuild.runtime.supervisor import GRACE_SECONDS, TERM_SECONDS
     from primebuild.runtime.targets import target_for
 
     run = find_run(run_dir, runs_dir)
@@ -42,10 +43,16 @@ def command(run_dir: Path | None, runs_dir: Path, grace: float, now: bool) -> No
         click.echo(f"stop requested for {run.root}; continue later with `primebuild run --resume {run.root}`")
         return
     target = target_for(record.target)
-    deadline = time.monotonic() + (0 if now else grace)
+    # the supervisor gives the trainer GRACE_SECONDS, then ends the rest in up to TERM_SECONDS: a stop that
+    # signals on the same second records a kill instead of the stop that was asked for
+    own_end = max(grace, GRACE_SECONDS + TERM_SECONDS + 5) if grace >= GRACE_SECONDS else grace
+    deadline = time.monotonic() + (0 if now else own_end)
     while time.monotonic() < deadline and target.active(run, record):
         time.sleep(POLL_SECONDS)
     if target.active(run, record):
         click.echo(target.stop(run, record))
+        ended = time.monotonic() + TERM_SECONDS + 5  # the supervisor ends the workers, records the outcome
+        while time.monotonic() < ended and target.active(run, record):
+            time.sleep(POLL_SECONDS)
     click.echo(f"stopped {run.root} ({target.state(run, record)}); continue later with "
                f"`primebuild run --resume {run.root}`")

@@ -74,14 +74,17 @@ class ProcessHandle:
 
 def process_identity(pid: int) -> str | None:
     """`<boot id>:<start time in clock ticks>` of a live process on this machine: unique across pid reuse
-    and reboots. None when there is no such process."""
+    and reboots. None when there is no such process (or it has ended)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # after the command name (in parentheses, which may hold spaces): state is field 3, starttime field 22
-    return f"{boot}:{stat.rpartition(')')[2].split()[19]}"
+    fields = stat.rpartition(")")[2].split()
+    if fields[0] in ("Z", "X"):  # a zombie has ended: only its parent has not read its exit status yet
+        return None
+    return f"{boot}:{fields[19]}"
 
 
 def belongs_to(pid: int, run: RunDir) -> bool:
