@@ -246,7 +246,7 @@ def test_metrics_rows_that_are_no_metrics_are_skipped_and_an_unreadable_run_is_p
 
 def test_logs_follow_waits_for_logs_picks_up_new_ones_and_says_when_one_goes(tmp_path: Path):
     """`logs -f` on a run without logs sat silent for ever, a folder named *.log was `IsADirectoryError`,
-    and a log removed while followed was `FileNotFoundError`."""
+    a log removed while followed was `FileNotFoundError`, and it never ended after the run did."""
     import subprocess
     import sys
     import time
@@ -266,6 +266,9 @@ def test_logs_follow_waits_for_logs_picks_up_new_ones_and_says_when_one_goes(tmp
         line = follow.stdout.readline()
         assert line == "trainer.log: removed; no longer followed\n" and time.monotonic() < deadline, line
         assert follow.poll() is None  # still following the rest
+        (tmp_path / "outcome.json").write_text('{"ok": true, "message": "run complete", "exit_code": 0}')
+        assert follow.stdout.readline() == "the run has ended: run complete\n"  # and -f ends with it
+        assert follow.wait(10) == 0
     finally:
         follow.kill()
         follow.wait()
