@@ -123,7 +123,8 @@ class VerifiersEnvironment:
             raise UserError(
                 f"verifiers taskset {name}: {len(tasks)} tasks cannot hold {num_eval} eval tasks "
                 "and still leave some for training",
-                hint="lower num_eval",
+                hint=f"lower num_eval (at least 1), or give the taskset at least {num_eval + 1} distinct tasks"
+                if num_eval > 1 else "give the taskset at least 2 distinct tasks (one held out, one to train on)",
             )
         self._eval, self._train = tasks[:num_eval], tasks[num_eval:]
 
