@@ -30,9 +30,13 @@ def _refused(capsys, manifest: Path, *sets: str) -> list[str]:
 
 
 def _fields(manifest: Path, *sets: str) -> set[str]:
+    """Every field the plan refuses: what no backend applies, and environment args no machine could load."""
+    from primebuild.builders.environments import environment_mistakes
+
     loaded = load_manifest(manifest, list(sets))
     config, shown = read_facts_json(loaded)
-    return {r.field for r in refusals(loaded.manifest, facts_from_hf_config(config, shown))}
+    mistakes = {field for field, _, _ in environment_mistakes(loaded.manifest)}
+    return mistakes | {r.field for r in refusals(loaded.manifest, facts_from_hf_config(config, shown))}
 
 
 def test_a_llama_on_the_embedded_engine_is_refused_at_its_engine_line(workdir: Path, capsys):

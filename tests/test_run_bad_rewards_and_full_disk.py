@@ -85,3 +85,22 @@ def test_a_runs_folder_that_fills_up_ends_the_run_naming_the_cause(workdir: Path
                             capture_output=True, text=True, timeout=60)
     state = json.loads(status.stdout)
     assert state["outcome"] and state["stop_requested"] is False, state  # said, whether or not it could be written
+
+
+def test_the_process_that_supervises_a_run_keeps_none_of_its_model_builds_memory(tmp_path: Path):
+    """`primebuild run` built the model (random init, one-rank CPU SFT) in its own process, then supervised the
+    whole RL run holding torch, the model and the SFT's optimiser (528 MiB measured, where the plan counts
+    152 MiB for it). The builds run in a forked child now: the supervising process never imports torch."""
+    from conftest import sft_workspace
+
+    manifests = sft_workspace(tmp_path, sft_changes={"steps": 4, "warmup_steps": 1, "stop_at_reward": None})
+    probe = ("import resource, sys\nfrom primebuild.cli import main\n"
+             f"code = main(['run', {str(manifests / 'reverse-text.yaml')!r}, '--quiet', '--runs-dir', "
+             f"{str(tmp_path / 'runs')!r}, '--set', 'orchestrator.max_steps=1', '--set', "
+             f"'inference.port={free_port()}'])\n"
+             "print('RESULT', code, 'torch' in sys.modules, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PRIMEBUILD_STORE": str(tmp_path / "store")})
+    result = next((line for line in done.stdout.splitlines() if line.startswith("RESULT")), "")
+    assert "built in" in done.stdout and result.split()[1:3] == ["0", "False"], done.stdout + done.stderr
+    assert int(result.split()[3]) < 200, result  # MiB: the CLI and the report, not torch and a model

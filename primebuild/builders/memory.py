@@ -394,9 +394,12 @@ class InferenceMemory:
     fits: bool
 
 
-def kv_dtype_bytes(kv_cache_dtype: str) -> float:
-    """vLLM semantics: "auto" caches in the model's activation dtype (bf16), even for FP8 weights."""
-    if kv_cache_dtype in ("auto", "bf16", "bfloat16", "fp16", "float16"):
+def kv_dtype_bytes(kv_cache_dtype: str, auto_bytes: int = 2) -> float:
+    """vLLM semantics: "auto" caches in the engine's activation dtype, `auto_bytes` (bf16's 2, even for FP8
+    weights; 4 where the engine computes in fp32: precision fp32, the embedded engine's FP8 on a CPU)."""
+    if kv_cache_dtype == "auto":
+        return auto_bytes
+    if kv_cache_dtype in ("bf16", "bfloat16", "fp16", "float16"):
         return 2
     if kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         return 1
@@ -459,7 +462,7 @@ def inference_memory_per_gpu(
 
     budget = int(gpu_memory_bytes * gpu_memory_utilization)
     kv_cache = max(0, budget - weights - activations - overhead)
-    kv_per_token = facts.kv_bytes_per_token(kv_dtype_bytes(kv_cache_dtype), tp=tp)
+    kv_per_token = facts.kv_bytes_per_token(kv_dtype_bytes(kv_cache_dtype, 4 if precision == "fp32" else 2), tp=tp)
     capacity = kv_cache // kv_per_token
     concurrent = min(max_num_seqs, capacity // seq_len)
     return InferenceMemory(

@@ -81,6 +81,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     plan = compile_plan(loaded)  # refuses, located, whatever the runtime would not apply
     store = Store()
     from primebuild.runtime.derivations import output_of, resolve_model
+    from primebuild.runtime.forked import in_fork
 
     if plan.build is not None:  # a model-building manifest: its output is the run
         built = output_of(loaded, store, click.echo)
@@ -94,13 +95,15 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
                         hint="give --image with target.kind: kubernetes")
     target.provision(plan)  # before anything is built or written
     _check_runs_dir(runs_dir)  # before a model build of minutes, not after
-    model = resolve_model(loaded, store, click.echo)
+    # in a forked child: a build's memory (torch, the model, an SFT's optimiser) must not stay in the process
+    # that supervises the run (primebuild/runtime/forked.py)
+    model = in_fork(resolve_model, loaded, store, click.echo)
     click.echo(f"model: {model.path} ({'cache hit' if model.cache_hit else 'built'} in {model.seconds:.2f} s)")
     teacher = None
     if m.distill is not None:  # on-policy distillation: the teacher's model is built (or found) like the student's
         from primebuild.builders.distill import teacher_manifest
 
-        teacher = output_of(teacher_manifest(loaded), store, click.echo)
+        teacher = in_fork(output_of, teacher_manifest(loaded), store, click.echo)
         click.echo(f"teacher: {teacher.path} ({'cache hit' if teacher.cache_hit else 'built'} in {teacher.seconds:.2f} s)")
 
     environments = {}  # Python environments beside ours that processes of the plan run in
