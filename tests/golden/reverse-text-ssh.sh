@@ -1,5 +1,5 @@
 #!/bin/bash
-# primebuild 0.1.0: reverse-text-ssh, plan afd9c794fc0217b13ef9fb9cdb641442f2e155621c921acbd580b35450c50ada, target ssh (rendered; do not edit)
+# primebuild 0.1.0: reverse-text-ssh, plan 16f2b09959e83e704786fbdc71d45a7861b00aaa1f4f43992cc501c04da3366b, target ssh (rendered; do not edit)
 # Each process: one ssh session, its own process group on the host. The admin token and the
 # secrets go to its stdin as NAME=value lines ending with an empty line, their values taken from
 # this shell's environment when it runs (never written here). Run it where the run folder is
