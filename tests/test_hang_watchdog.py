@@ -176,7 +176,7 @@ import asyncio
 from primebuild.runtime.stacks import dump_on_signal
 
 async def serve():
-    print("ready", flush=True)
+    asyncio.get_running_loop().call_later(0.3, lambda: print("ready", flush=True))  # once it waits
     await asyncio.Event().wait()  # an event loop with nothing to do, as a server nobody asks
 
 dump_on_signal()

@@ -94,11 +94,14 @@ def test_the_process_that_supervises_a_run_keeps_none_of_its_model_builds_memory
     from conftest import sft_workspace
 
     manifests = sft_workspace(tmp_path, sft_changes={"steps": 4, "warmup_steps": 1, "stop_at_reward": None})
-    probe = ("import resource, sys\nfrom primebuild.cli import main\n"
+    # VmHWM, not ru_maxrss: Linux keeps the latter across execve, so it would count the pytest worker this
+    # probe was forked from
+    probe = ("import re, sys\nfrom pathlib import Path\nfrom primebuild.cli import main\n"
              f"code = main(['run', {str(manifests / 'reverse-text.yaml')!r}, '--quiet', '--runs-dir', "
              f"{str(tmp_path / 'runs')!r}, '--set', 'orchestrator.max_steps=1', '--set', "
              f"'inference.port={free_port()}'])\n"
-             "print('RESULT', code, 'torch' in sys.modules, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)")
+             "peak = int(re.search(r'VmHWM:\\s+(\\d+)', Path('/proc/self/status').read_text()).group(1))\n"
+             "print('RESULT', code, 'torch' in sys.modules, peak // 1024)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PRIMEBUILD_STORE": str(tmp_path / "store")})
     result = next((line for line in done.stdout.splitlines() if line.startswith("RESULT")), "")

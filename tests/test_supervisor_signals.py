@@ -43,19 +43,19 @@ def test_a_port_held_by_another_program_is_not_this_process_listening():
 
     from conftest import free_port
 
-    from primebuild.runtime.targets.processes import ProcessHandle
+    from primebuild.runtime.targets.local import LocalHandle
 
     port = free_port()
     listener = (f"import socket, time; s = socket.create_server(('127.0.0.1', {port})); print('up', flush=True); "
                 "time.sleep(60)")
-    own = ProcessHandle([sys.executable, "-c", listener], env=dict(os.environ))
+    own = LocalHandle([sys.executable, "-c", listener], env=dict(os.environ))
     try:
         assert next(own.lines()) == "up\n"
         assert own.listens_on(port) is True
     finally:
         own.kill()
         own.wait(10)
-    bystander = ProcessHandle([sys.executable, "-c", "import time; time.sleep(60)"], env=dict(os.environ))
+    bystander = LocalHandle([sys.executable, "-c", "import time; time.sleep(60)"], env=dict(os.environ))
     other_run = socket.create_server(("127.0.0.1", port))  # held by this test process, not by the handle
     try:
         assert bystander.listens_on(port) is False

@@ -17,6 +17,7 @@
       stacks/<process>.<pid>.txt                        each Python process's thread stacks, dumped on a hang
       supervision.json                                  `primebuild run`'s hang bound and restart count
       launch.json                                       the target's record: Slurm job id, supervisor pid …
+      supervisor.lock                                   flock-held by the `primebuild run` supervising it (claim)
       inference_pool.json                               supervisor -> orchestrator: the replicas to use / drain
       inference_pool_state.json                         orchestrator -> supervisor: each replica's state, requests
       scale/request-<id>.json  scale/answer-<id>.json   `primebuild scale` -> the supervisor, and its answer
@@ -391,7 +392,7 @@ class RunDir:
 
     @property
     def supervisor_lock(self) -> Path:
-        return self.root / ".supervisor.lock"
+        return self.root / "supervisor.lock"
 
     def claim(self) -> None:
         """Hold this run folder for as long as this process (its supervisor, `primebuild run`) lives: a

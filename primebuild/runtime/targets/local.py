@@ -13,7 +13,13 @@ from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.run_dir import LOOPBACK, LaunchRecord, Rendezvous, RunDir, write_json_atomic
 from primebuild.errors import UserError
 from primebuild.runtime.targets.base import Echo, Target
-from primebuild.runtime.targets.processes import ProcessHandle, belongs_to, end_groups, process_identity
+from primebuild.runtime.targets.processes import (
+    ProcessHandle,
+    belongs_to,
+    end_groups,
+    group_listens_on,
+    process_identity,
+)
 from primebuild.runtime.worker import SUPERVISOR_PID_ENV
 
 
@@ -31,6 +37,17 @@ def write_rendezvous(run: RunDir, hosts: list[str]) -> None:
     write_json_atomic(run.rendezvous, rendezvous.model_dump(mode="json"))
 
 
+class LocalHandle(ProcessHandle):
+    """A plan process this supervisor started on this very host (not through srun or ssh): what holds its
+    port can be checked here."""
+
+    def listens_on(self, port: int) -> bool | None:
+        """Does this process (or its engine, its workers) hold the socket listening on `port`? A health
+        check that gets an answer from a port another program holds (another run's server, started a
+        moment before) must not take it for this process's (supervisor._answered_by)."""
+        return group_listens_on(self.pid, port)
+
+
 class LocalLauncher:
     kind = "local"
 
@@ -41,7 +58,7 @@ class LocalLauncher:
         """`plan_path`: where the process is described when not in the run's plan (a replica `scale` added)."""
         # The worker asks the kernel for SIGTERM when this process dies (primebuild/runtime/worker.py).
         full = {**os.environ, **env, SUPERVISOR_PID_ENV: str(os.getpid())}
-        return ProcessHandle(worker_argv(sys.executable, self.run, spec.name, plan_path), full)
+        return LocalHandle(worker_argv(sys.executable, self.run, spec.name, plan_path), full)
 
 
 class SupervisedHere:

@@ -50,23 +50,6 @@ class ProcessHandle:
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
 
-    def listens_on(self, port: int) -> bool | None:
-        """Does this process (or one of its group: its engine, its workers) hold the socket listening on TCP
-        `port` here? None when no listener on it is seen in this network namespace. A health check that
-        gets an answer from a port another program holds (another run's server, started a moment before)
-        must not take it for this process's."""
-        listening = _listening_inodes(port)
-        if not listening:
-            return None
-        for pid in _group(self.popen.pid):
-            try:
-                fds = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
-            except OSError:
-                continue
-            if any(fd.startswith("socket:[") and fd[8:-1] in listening for fd in fds):
-                return True
-        return False
-
     def lines(self) -> Iterator[str]:
         assert self.popen.stdout is not None
         yield from self.popen.stdout
@@ -116,6 +99,23 @@ def end_groups(records: list[ProcessRecord], run: RunDir, *, term_seconds: float
             except ProcessLookupError:
                 pass
     return [r.process for r in alive]
+
+
+def group_listens_on(pgid: int, port: int) -> bool | None:
+    """Does a process of group `pgid` (a process started in a session of its own, with its engine and workers)
+    hold the socket listening on TCP `port` here? None when no listener on it is seen in this network
+    namespace."""
+    listening = _listening_inodes(port)
+    if not listening:
+        return None
+    for pid in _group(pgid):
+        try:
+            fds = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        if any(fd.startswith("socket:[") and fd[8:-1] in listening for fd in fds):
+            return True
+    return False
 
 
 def _listening_inodes(port: int) -> set[str]:

@@ -47,12 +47,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from primebuild.contracts.router import VllmRouterConfig
 from primebuild.runtime.config_main import config_main
-from primebuild.runtime.inference.protocol import ApiError, read_body
+from primebuild.runtime.inference.protocol import ApiError, authorize, read_body
 from primebuild.runtime.inference.router_base import (
     Pool,
     add_sampling_routes,
     admin_route,
-    authorize,
     json_object,
     pass_through,
     prometheus_text,
