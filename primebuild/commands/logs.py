@@ -20,6 +20,8 @@ from primebuild.errors import UserError
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until Ctrl-C.")
 def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: int, follow: bool) -> None:
     """Print the last lines of every process log of RUN_DIR (default: the newest run), or of one process."""
+    from primebuild.runtime.targets import ended_outcome
+
     run = find_run(run_dir, runs_dir)
     run_dir = run.root
     logs_dir = run.logs
@@ -42,7 +44,7 @@ def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: in
         offsets[f] = len(text.encode())
     while follow:
         time.sleep(0.5)
-        ended = _ended(run)  # read before the last chunks: what the run wrote before it ended is shown
+        ended = ended_outcome(run, run.read_launch())  # before the last chunks: they are shown, then the end
         for f in _logs(logs_dir, process):  # a process that started since (a replica `scale` added)
             if f not in offsets:
                 offsets[f] = 0
@@ -62,18 +64,8 @@ def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: in
             for line in chunk.decode(errors="replace").splitlines():
                 click.echo(_prefix(f, list(offsets)) + line)
         if ended is not None:
-            click.echo(f"the run has ended: {ended}")
+            click.echo(f"the run has ended: {ended.message}")
             return
-
-
-def _ended(run) -> str | None:
-    """The outcome of a run whose session is over (nothing more will be written), else None."""
-    from primebuild.runtime.targets import target_for
-
-    outcome, record = run.read_outcome(), run.read_launch()
-    if outcome is None or (record is not None and target_for(record.target).active(run, record)):
-        return None
-    return outcome.message
 
 
 def _logs(logs_dir: Path, process: str | None) -> list[Path]:

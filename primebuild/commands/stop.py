@@ -7,7 +7,6 @@ is ended by the run's target (Slurm: scancel; ssh and local: the process groups 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -29,14 +28,13 @@ def command(run_dir: Path | None, runs_dir: Path, grace: float, now: bool) -> No
     """Ask RUN_DIR (default: the newest run) to checkpoint and stop; end what is left after --grace."""
     from primebuild.contracts.plan import read_plan
     from primebuild.runtime.supervisor import GRACE_SECONDS, TERM_SECONDS
-    from primebuild.runtime.targets import target_for
+    from primebuild.runtime.targets import ended_outcome, target_for
 
     run = find_run(run_dir, runs_dir)
     read_plan(run.plan)  # a folder whose plan does not read is no run: nothing to stop, nothing written
     record = run.read_launch()
-    if record is not None and run.outcome.is_file() and not target_for(record.target).active(run, record):
-        ended = json.loads(run.outcome.read_text()).get("message", "")
-        click.echo(f"{run.root} has already ended ({ended}): nothing to stop")
+    if record is not None and (ended := ended_outcome(run, record)) is not None:
+        click.echo(f"{run.root} has already ended ({ended.message}): nothing to stop")
         return
     run.stop_file.touch()
     if record is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from primebuild.contracts.run_dir import LaunchRecord, OutcomeRecord, RunDir
 from primebuild.runtime.targets.base import Target
 
 
@@ -23,3 +24,11 @@ def target_for(kind: str) -> Target:
 
         return KubernetesTarget()
     raise ValueError(f"unknown target {kind!r}")
+
+
+def ended_outcome(run: RunDir, record: LaunchRecord | None) -> OutcomeRecord | None:
+    """The recorded outcome of a session that is over (its target runs nothing of it any more), else None."""
+    outcome = run.read_outcome()
+    if outcome is None or (record is not None and target_for(record.target).active(run, record)):
+        return None
+    return outcome
