@@ -35,6 +35,7 @@ from primebuild.contracts.completion import NO_WHOLE_POLICY
 from primebuild.runtime.inference.vllm.admin import VllmAdmin, VllmUpdateLost
 from primebuild.runtime.inference.vllm.broadcast_status import STATUS_PATH
 from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
+from primebuild.runtime.targets.processes import group_members
 from primebuild.runtime.weight_sync.broadcast import STALL_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -105,16 +106,8 @@ def test_nothing_of_the_server_listens_beyond_loopback(server):
     """With two engine cores vLLM opens TCPStores of its own (DP coordination, the world group), which torch
     bound on every interface: `*:port`, held by the engine cores and workers. store_bind.py binds them to
     the host vLLM gives them (loopback here)."""
-    group = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _group_of(p) == server.proc.pid]
-    sockets = listening_sockets(group)
+    sockets = listening_sockets(group_members(server.proc.pid))
     assert sockets and all(address == "127.0.0.1" for _, address, _ in sockets), (server.layout, sockets)
-
-
-def _group_of(proc: Path) -> int | None:
-    try:  # field 5 of /proc/PID/stat, after the command name in parentheses
-        return int(proc.joinpath("stat").read_text().rpartition(")")[2].split()[2])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def test_every_worker_is_reported_and_the_report_needs_the_token(server):

@@ -58,16 +58,23 @@ class ProcessHandle:
 def process_identity(pid: int) -> str | None:
     """`<boot id>:<start time in clock ticks>` of a live process on this machine: unique across pid reuse
     and reboots. None when there is no such process (or it has ended)."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):  # a zombie has ended: only its parent has not read its status
+        return None
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # after the command name (in parentheses, which may hold spaces): state is field 3, starttime field 22
-    fields = stat.rpartition(")")[2].split()
-    if fields[0] in ("Z", "X"):  # a zombie has ended: only its parent has not read its exit status yet
+    return f"{boot}:{fields[19]}"  # field 22 of the file: the start time
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat after the command name (in parentheses, which may hold spaces): [0] is the state
+    (field 3 of the file), [2] the process group (field 5), [19] the start time (field 22). None: gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
         return None
-    return f"{boot}:{fields[19]}"
 
 
 def belongs_to(pid: int, run: RunDir) -> bool:
@@ -108,7 +115,7 @@ def group_listens_on(pgid: int, port: int) -> bool | None:
     listening = _listening_inodes(port)
     if not listening:
         return None
-    for pid in _group(pgid):
+    for pid in group_members(pgid):
         try:
             fds = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
         except OSError:
@@ -133,15 +140,7 @@ def _listening_inodes(port: int) -> set[str]:
     return inodes
 
 
-def _group(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (field 5 of /proc/PID/stat)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if int((entry / "stat").read_text().rpartition(")")[2].split()[2]) == pgid:
-                members.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return members
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    return [int(entry.name) for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and (fields := _stat_fields(entry.name)) and fields[2] == str(pgid)]
