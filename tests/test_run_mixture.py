@@ -13,7 +13,7 @@ import pytest
 from conftest import run_shrunk, sft_workspace
 
 from primebuild.contracts.run_dir import RunDir
-from primebuild.runtime.report import environments, write_report, write_summary
+from primebuild.runtime.report import environments, summary_of, write_report
 from primebuild.runtime.rollout_file import load_batch
 
 pytestmark = pytest.mark.timeout(400)
@@ -64,7 +64,8 @@ def test_one_environment_has_no_per_environment_entries(tmp_path):
     run.metrics.write_text("".join(json.dumps({"step": s, "role": "orchestrator", "name": "eval_reward",
                                                "value": v}) + "\n" for s, v in ((0, 0.5), (3, 0.6))))
     run.orchestrator_state.write_text(json.dumps({"eval_reward_before": 0.5, "eval_reward_after": 0.6}))
-    summary = write_summary(run, {})
+    summary = summary_of(run, {})
+    summary.write(run.summary)  # as session.finish writes it
     assert summary.eval_reward_gain == pytest.approx(0.1) and summary.eval_reward_gain_by_env is None
     assert "by_env" not in run.summary.read_text()
     assert write_report(run) is not None

@@ -76,13 +76,6 @@ def write_report(run: RunDir) -> Path | None:
     return out
 
 
-def write_summary(run: RunDir, extra: dict) -> RunSummary:
-    """summary_of(run, extra), written to summary.json."""
-    summary = summary_of(run, extra)
-    summary.write(run.summary)
-    return summary
-
-
 def summary_of(run: RunDir, extra: dict) -> RunSummary:
     """The orchestrator's record with `extra` (outcome, times) and the KL figures over the metrics."""
     summary = dict(OrchestratorSummary.read(run.orchestrator_state).model_dump(exclude_none=True), **extra)
