@@ -399,8 +399,7 @@ class Store:
         if path.parent != self.root.resolve() or not _ENTRY_RE.match(path.name) or not path.is_dir():
             return None
         try:
-            (self.root / ".locks").mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / ".locks" / f"{path.name}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+            fd = self._lock_file(path.name)
         except OSError:  # a store this user cannot write: nobody here can gc it either
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for a build or a gc of this very key
@@ -408,10 +407,7 @@ class Store:
 
     @contextlib.contextmanager
     def _locked(self, key: str, *, blocking: bool = True) -> Iterator[bool]:
-        locks = self.root / ".locks"
-        locks.mkdir(parents=True, exist_ok=True)
-        # Read-only is enough for flock, so users sharing a store can lock each other's lock files.
-        fd = os.open(locks / f"{key}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+        fd = self._lock_file(key)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -423,6 +419,14 @@ class Store:
             yield True
         finally:
             os.close(fd)  # closing the descriptor releases the lock
+
+
+    def _lock_file(self, key: str) -> int:
+        """A descriptor of key's lock file, made if missing."""
+        locks = self.root / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        # Read-only is enough for flock, so users sharing a store can lock each other's lock files.
+        return os.open(locks / f"{key}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
 
 
 def hold_entries(paths: Iterable[str | Path]) -> list[int]:
