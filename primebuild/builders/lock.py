@@ -48,6 +48,7 @@ from primebuild.builders.environments import taskset_module, unknown_id, verifie
 from primebuild.builders.model_ref import facts_file
 from primebuild.contracts.environments import BUILTIN_VERSIONS, VERIFIERS_PREFIX
 from primebuild.contracts.plan import ImageRef, Plan
+from primebuild.contracts.run_dir import write_text_atomic
 from primebuild.errors import Problem, UserError
 from primebuild.hashing import canonical_json, sha256_file, sha256_json
 from primebuild.json_file import read_json
@@ -81,10 +82,7 @@ def read_lock(path: Path) -> dict:
 
 
 def write_lock(path: Path, lock: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(render_lock(lock), encoding="utf-8")
-    os.replace(tmp, path)  # readers see the old lock or the new one, never half of one
+    write_text_atomic(path, render_lock(lock))  # readers see the old lock or the new one, never half of one
 
 
 def check_writable(path: Path) -> None:

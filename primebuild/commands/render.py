@@ -7,7 +7,6 @@ header that lists what is not runnable; `primebuild run` refuses it.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -113,12 +112,11 @@ def _refuse_flags_without_effect(kind: str, *, python: str | None, image: str | 
 
 def _write(out_dir: Path, name: str, text: str) -> Path:
     """`out_dir/name`, written whole or not at all (a temporary file renamed into place)."""
+    from primebuild.contracts.run_dir import write_text_atomic
+
     path = out_dir / name
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = out_dir / f".{name}.{os.getpid()}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
     except OSError as err:
         raise UserError(f"-o {out_dir}: cannot write {name}: {err.strerror}",
                         hint="give -o a folder you can write, or leave it out for stdout") from None

@@ -466,8 +466,14 @@ def find_run(run_dir: Path | None, runs_dir: Path) -> RunDir:
 
 def write_json_atomic(path: Path, data: object) -> None:
     """Readers see the old file or the new one, never half of one."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file renamed into place: readers see the old file or the new
+    one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
