@@ -211,6 +211,7 @@ def test_a_process_stuck_in_its_own_code_is_named_before_an_idle_server(tmp_path
                                     env={**env, PROCESS_ENV: "orchestrator"}, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline() == "ready\n" and orchestrator.stdout.readline() == "ready\n"
+        _wait_for_state(server.pid, "S")  # back in its loop's select, not still in the print (a loaded machine)
         plan = SimpleNamespace(estimates=Estimates(summary=[]), processes=[
             SimpleNamespace(name="inference-0", role="inference"), SimpleNamespace(name="orchestrator",
                                                                                     role="orchestrator")])
