@@ -4,7 +4,8 @@ and whether the whole pytest run fit. `.ci/run` calls it after pytest; standard 
     python .ci/suite_time.py JUNIT_XML --wall SECONDS --budget SECONDS [--cpu-start FILE]
 
 A file's time is the sum of its tests' setup + call + teardown, so a session fixture (the short SFT,
-the shared vLLM server) is charged to the first file that asks for it. Under `pytest -n N` tests run side by
+the shared vLLM server) is charged to the first file that asks for it. Its CPU seconds (tests/cpu_time.py) say
+what it costs the suite: the suite keeps the cores busy, so the files are listed by CPU. Under `pytest -n N` tests run side by
 side: the files' times then add up to more than the wall time, which is what the budget holds. Exit 1 when the wall time is
 over the budget (naming the budget and the slowest files), else 0.
 """
@@ -30,14 +31,15 @@ def file_of(classname: str) -> str:
     return classname or "?"
 
 
-def seconds_per_file(junit: Path) -> dict[str, tuple[float, int]]:
-    """(seconds, tests) per test file."""
-    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+def seconds_per_file(junit: Path) -> dict[str, tuple[float, float, int]]:
+    """(wall seconds, CPU seconds, tests) per test file."""
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0.0, 0])
     for case in ET.parse(junit).getroot().iter("testcase"):
         entry = totals[file_of(case.get("classname", ""))]
         entry[0] += float(case.get("time") or 0.0)
-        entry[1] += 1
-    return {name: (t, n) for name, (t, n) in totals.items()}
+        entry[1] += sum(float(p.get("value") or 0.0) for p in case.iter("property") if p.get("name") == "cpu_s")
+        entry[2] += 1
+    return {name: (t, cpu, n) for name, (t, cpu, n) in totals.items()}
 
 
 def cpu_busy(start_line: str, end_line: str) -> tuple[float, int]:
@@ -51,20 +53,23 @@ def cpu_busy(start_line: str, end_line: str) -> tuple[float, int]:
     return 1 - idle / max(sum(delta), 1), cpus
 
 
-def report(files: dict[str, tuple[float, int]], wall: float, budget: float) -> tuple[str, bool]:
-    slowest = sorted(files.items(), key=lambda kv: -kv[1][0])[:SHOWN]
-    lines = [f"ci: slowest test files (setup + call + teardown; of {len(files)} files, "
-             f"{sum(n for _, n in files.values())} tests):"]
-    lines += [f"  {t:7.1f} s  {n:3d} tests  {name}" for name, (t, n) in slowest]
-    summed = sum(t for t, _ in files.values())
+def report(files: dict[str, tuple[float, float, int]], wall: float, budget: float) -> tuple[str, bool]:
+    costliest = sorted(files.items(), key=lambda kv: (-kv[1][1], -kv[1][0]))[:SHOWN]
+    lines = [f"ci: costliest test files (setup + call + teardown; of {len(files)} files, "
+             f"{sum(n for *_, n in files.values())} tests):", "     CPU s   wall s  tests"]
+    lines += [f"  {cpu:8.1f} {t:8.1f}  {n:5d}  {name}" for name, (t, cpu, n) in costliest]
+    summed = sum(t for t, _, _ in files.values())
+    cpu_summed = sum(cpu for _, cpu, _ in files.values())
     lines.append(f"ci: the tests' own times add up to {summed:.0f} s, {summed / max(wall, 1):.1f}x the wall time "
                  "(above 1: tests ran side by side, pytest -n)")
+    lines.append(f"ci: the tests' CPU adds up to {cpu_summed:.0f} s, {cpu_summed / max(wall, 1):.1f} cores over "
+                 "the wall time (what they and the children they reaped used)")
     over = wall > budget
     verdict = "OVER" if over else "within"
     lines.append(f"ci: pytest wall time {wall:.0f} s ({wall / 60:.1f} min), {verdict} its budget of "
                  f"{budget:.0f} s ({budget / 60:.1f} min; .ci/run states it)")
     if over:
-        names = ", ".join(f"{name} ({t:.0f} s)" for name, (t, _) in slowest[:3])
+        names = ", ".join(f"{name} ({cpu:.0f} CPU s)" for name, (_, cpu, _) in costliest[:3])
         lines.append(f"ci: the suite is over budget: make the slowest files cheaper ({names}) -- share their "
                      "servers and models across tests, run fewer steps -- rather than raise the budget")
     return "\n".join(lines), over

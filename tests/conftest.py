@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cpu_time import pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401 (hooks: CPU per test)
 from parallel_groups import pytest_collection_modifyitems, pytest_configure  # noqa: F401 (hooks: pytest -n N)
 
 from primebuild.gc_tuning import freeze_startup  # (and its package sets the thresholds before torch)

@@ -3,6 +3,7 @@ test file, and a verdict against the budget that fails CI when the suite is over
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,15 +14,24 @@ from conftest import REPO
 SCRIPT = REPO / ".ci" / "suite_time.py"
 
 SLOW_AND_FAST = """
+import subprocess
+import sys
 import time
 import pytest
 
+def spin(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
 @pytest.fixture(scope="module")
 def costly():
-    time.sleep(0.6)  # a module fixture: charged to the first test that asks for it
+    spin(0.6)  # a module fixture: charged to the first test that asks for it
 
 def test_slow(costly):
-    time.sleep(0.3)
+    # a child's CPU counts once the test reaps it
+    subprocess.run([sys.executable, "-c", "import time\\nend = time.process_time() + 0.5\\n"
+                    "while time.process_time() < end: pass"], check=True)
 
 def test_fast(costly):
     pass
@@ -36,11 +46,13 @@ def _junit(tmp_path: Path) -> Path:
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_slow_one.py").write_text(SLOW_AND_FAST)
-    (tests / "test_quick_one.py").write_text("def test_quick():\n    assert True\n")
+    # waits longer than the slow file, but costs no CPU: ranked after it
+    (tests / "test_sleepy_one.py").write_text("import time\n\ndef test_sleepy():\n    time.sleep(2.5)\n")
     junit = tmp_path / "junit.xml"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                           "-c", "/dev/null", f"--junitxml={junit}", "tests"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "cpu_time",
+                           "--rootdir", str(tmp_path), "-c", "/dev/null", f"--junitxml={junit}", "tests"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
     assert done.returncode == 0, done.stdout + done.stderr
     return junit
 
@@ -50,13 +62,15 @@ def _verdict(junit: Path, wall: float, budget: float) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=60)
 
 
-def test_files_are_ranked_by_their_tests_time_and_a_suite_within_budget_passes(tmp_path: Path):
+def test_files_are_ranked_by_their_tests_cpu_and_a_suite_within_budget_passes(tmp_path: Path):
     junit = _junit(tmp_path)
     within = _verdict(junit, wall=100, budget=1500)
     assert within.returncode == 0, within.stdout + within.stderr
-    table = [line.split() for line in within.stdout.splitlines() if line.startswith("  ")]
-    assert [row[-1] for row in table] == ["tests/test_slow_one.py", "tests/test_quick_one.py"]
-    assert float(table[0][0]) >= 0.9 and table[0][2] == "3"  # fixture + call, three tests (one in a class)
+    table = [line.split() for line in within.stdout.splitlines() if re.match(r"\s+[\d.]+\s+[\d.]+\s+\d+\s+\S+$", line)]
+    assert [row[-1] for row in table] == ["tests/test_slow_one.py", "tests/test_sleepy_one.py"]
+    cpu, wall, tests = float(table[0][0]), float(table[0][1]), table[0][2]
+    assert 1.0 <= cpu <= wall + 0.5 and tests == "3"  # fixture + reaped child, three tests (one in a class)
+    assert float(table[1][0]) < 0.5 and float(table[1][1]) >= 2.5  # the sleeper: wall time, no CPU
     assert "within its budget of 1500 s (25.0 min" in within.stdout
 
 
