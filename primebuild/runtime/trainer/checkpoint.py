@@ -8,6 +8,7 @@ number of ranks. The learning rate is a function of the step, so the step is all
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from pathlib import Path
@@ -64,7 +65,9 @@ def save_checkpoint(
         fs.begin(final)
     _barrier(env)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
-    dcp.save({"model": _model_state(model, model_sd), "optim": optim_sd}, checkpoint_id=str(fs.staging_dir(final)))
+    with single_process_is_meant():
+        dcp.save({"model": _model_state(model, model_sd), "optim": optim_sd},
+                 checkpoint_id=str(fs.staging_dir(final)))
     _barrier(env)
     if env.is_main:
         state = {"step": step, "world_size": env.world_size}
@@ -76,13 +79,25 @@ def save_checkpoint(
     return final
 
 
+@contextlib.contextmanager
+def single_process_is_meant():
+    """DCP without a process group warns that it "assumes" one process, on every save and load (even when
+    told so with no_dist=True). A one-rank trainer and an export are that case on purpose: the warning would
+    be noise in their logs at every checkpoint."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized",
+                                category=UserWarning)
+        yield
+
+
 def load_checkpoint(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Restore model and optimizer in place; returns the step the checkpoint was taken after."""
     folder = Path(folder)
     options = _options(model)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": _model_state(model, model_sd), "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder))
+    with single_process_is_meant():
+        dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     return int(json.loads((folder / STATE_FILE).read_text())["step"])
 
@@ -94,8 +109,7 @@ def load_model_weights(folder: str | Path, model: nn.Module) -> int:
     folder = Path(folder)
     options = _options(model)
     state = {"model": _model_state(model, get_model_state_dict(model, options=options))}
-    with warnings.catch_warnings():  # one process reading without a process group is this function's point
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    with single_process_is_meant():
         dcp.load(state, checkpoint_id=str(folder))
     set_model_state_dict(model, state["model"], options=options)
     return int(json.loads((folder / STATE_FILE).read_text())["step"])

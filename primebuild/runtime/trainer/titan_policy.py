@@ -22,6 +22,7 @@ from torchtitan.protocols.module import Module
 from primebuild.contracts.trainer import LoraConfig, ParallelDims
 from primebuild.kernels.dtypes import DTYPES
 
+from .checkpoint import single_process_is_meant
 from .context_parallel import ContextShard
 from .model import DistEnv
 from .router_replay import TITAN_ROUTER, RouterReplay
@@ -189,7 +190,8 @@ def load_hf_weights(policy: TitanPolicy, model_path: str) -> None:
 
     sharded = policy.titan.state_dict()
     wanted = policy.adapter.to_hf(sharded)
-    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(model_path))
+    with single_process_is_meant():  # a one-rank trainer
+        dcp.load(wanted, storage_reader=HuggingFaceStorageReader(model_path))
     # LoRA's adapters are not in the checkpoint (the adapter's map skips them): init_adapters fills them
     missing, unexpected = policy.titan.load_state_dict(policy.adapter.from_hf(wanted), strict=False)
     from .titan_lora import is_titan_adapter
