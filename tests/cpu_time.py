@@ -3,7 +3,8 @@
 The suite keeps 2 cores ~98% busy, so its wall time is its CPU time over the cores: a test's wall time says
 how long it waited (and how busy its neighbours were), its CPU time what it costs the suite. Counted: this
 test process's own CPU and that of every child it reaped during the test, with their reaped descendants
-(os.times: a server a test starts and then stops counts; a process orphaned to init does not). A session
+(os.times: a server a test starts and then stops counts; a process orphaned to init does not, nor what
+slurmd, sshd or podman run for a test: the `cluster` files cost more than their CPU column says). A session
 fixture's cost falls to the test during whose setup or teardown it was built or closed.
 """
 
