@@ -128,6 +128,41 @@ def test_the_rendered_script_gates_each_start_order_on_health_over_real_ssh(ws, 
     assert (run_dir / "STOP").exists()
 
 
+def test_the_rendered_script_stops_the_process_groups_its_workers_recorded_over_real_ssh(ws, tmp_path: Path):
+    """ssh.sh's stop_all (what ends every run it supervises, and every failure): the process group a worker
+    recorded in pids/NAME.json gets TERM through the real sshd of its host and ends; a group whose leader
+    belongs to no run of this folder is left alone."""
+    manifests, env, workdir, config = ws
+    run_dir = tmp_path / NASTY / "run"
+    (run_dir / "pids").mkdir(parents=True)
+    rendered = cli("render", manifests / "reverse-text-ssh.yaml", "--target", "ssh", "--run-dir", run_dir,
+                   "--set", f"target.workdir={workdir}", env=env, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    functions = rendered.stdout.split("\nstart_order ", 1)[0]  # everything but starting the run
+    ours = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                            env={**os.environ, "PRIMEBUILD_RUN_DIR": str(run_dir)})
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                             env={**os.environ, "PRIMEBUILD_RUN_DIR": str(tmp_path / "another-run")})
+    try:
+        (run_dir / "pids" / "inference-0.json").write_text(json.dumps({"pid": ours.pid, "pgid": ours.pid}))
+        (run_dir / "pids" / "trainer.json").write_text(json.dumps({"pid": other.pid, "pgid": other.pid}))
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "ssh").write_text(f"#!/bin/sh\nexec /usr/bin/ssh -F {shlex.quote(str(config))} \"$@\"\n")
+        (bin_dir / "ssh").chmod(0o755)
+        done = subprocess.run(["bash", "-c", functions + "\nterm_seconds=1\nstop_all\necho stopped"],
+                              capture_output=True, text=True, timeout=60,
+                              env={**env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PRIMEBUILD_ADMIN_TOKEN": "t"})
+        assert done.returncode == 0 and "stopped" in done.stdout, done.stdout + done.stderr
+        assert "command not found" not in done.stderr, done.stderr
+        assert ours.wait(timeout=10) == -15  # TERM, sent over ssh
+        assert other.poll() is None  # not this run's: left alone
+    finally:
+        for proc in (ours, other):
+            proc.kill()
+            proc.wait()
+
+
 def test_a_killed_trainer_restarts_alone_on_its_host_under_broadcast(ws, tmp_path: Path):
     """Trainer-only restart on the ssh target, in glm5's weight-sync mode: the trainer (the weight sender, on
     the second host) is SIGKILLed after step 4; the supervisor starts it again over ssh from the checkpoint

@@ -63,7 +63,7 @@ signal_all() {  # SIGNAL: every process group the workers recorded, on its host
   local name pgid
   for name in "${names[@]}"; do
     pgid=$(sed -n 's/.*"pgid": *\([0-9][0-9]*\).*/\1/p' "$run_dir/pids/$name.json" 2>/dev/null || true)
-    [[ -n $pgid ]] && "signal_$1" "$name" "$pgid"
+    [[ -n $pgid ]] && "signal_$name" "$1" "$pgid"
   done
   return 0
 }
