@@ -50,6 +50,19 @@ def ws(tmp_path_factory, full_sft_store):
     return manifests, env
 
 
+DONE = ("COMPLETED", "CANCELLED", "gone")  # states a resume may follow
+
+
+def _wait_ended(job_id: str) -> str:
+    """The job's state once it stays ended (CANCELLED turns COMPLETING while its nodes clean up), or as it is
+    after a minute."""
+    deadline, settled = time.monotonic() + 60, 0
+    while settled < 4 and time.monotonic() < deadline:
+        settled = settled + 1 if _job_state(job_id) in DONE else 0
+        time.sleep(0.5)
+    return _job_state(job_id)
+
+
 def _job_state(job_id: str) -> str:
     shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
     fields = dict(p.split("=", 1) for p in shown.stdout.split() if "=" in p)
@@ -139,7 +152,7 @@ def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path
     manifests, env = ws
     runs = tmp_path / "runs"
     submitted = cli("run", manifests / "reverse-text-slurm.yaml", "--runs-dir", runs, "--detach", *SMALL,
-                    "--set", "orchestrator.max_steps=200", "--set", f"inference.port={free_port()}", env=env)
+                    "--set", "orchestrator.max_steps=1000", "--set", f"inference.port={free_port()}", env=env)
     assert submitted.returncode == 0 and "submitted" in submitted.stdout, submitted.stdout + submitted.stderr
     run_dir = wait_trained(runs, 2, None)
     assert "RUNNING" in json.loads(cli("status", run_dir, "-o", "json", env=env).stdout)["target"]
@@ -169,6 +182,37 @@ def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path
         time.sleep(0.5)
     assert _job_state(new_job) in ("CANCELLED", "gone"), (run_dir / "logs" / "watchdog.log").read_text()
     assert wait_gone(run_dir, 30) == []
+
+    # attached again: slurmctld stops answering for a while (SIGSTOP), which the follower rides out, saying
+    # so; then Ctrl-C stops the job as `primebuild stop` does: checkpoint, end, exit 130
+    _wait_ended(new_job)
+    done = trained_steps(run_dir)
+    proc = start("run", "--resume", run_dir, "--quiet", env=env)
+    controller = int(subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True, text=True).stdout.split()[0])
+    try:
+        deadline = time.monotonic() + 240
+        while trained_steps(run_dir)[-1] <= done[-1] and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.3)
+        os.kill(controller, signal.SIGSTOP)
+        try:
+            time.sleep(40)  # scontrol times out or fails: the job's state is unknown, not ended
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        finally:
+            os.kill(controller, signal.SIGCONT)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert "warning: `scontrol show job" in out, out  # "did not answer within 30 s", or "failed: ... timed out"
+    assert "stopping: slurm job" in out and "interrupted" in out, out
+    third = json.loads((run_dir / "launch.json").read_text())["job_id"]
+    assert _wait_ended(third) in DONE, out
+    assert wait_gone(run_dir, 30) == []
+    steps = trained_steps(run_dir)  # the steps after the killed session's checkpoint were trained again
+    assert sorted(set(steps)) == list(range(1, max(steps) + 1)) and max(steps) > done[-1]
 
 
 def test_a_killed_trainer_restarts_alone_inside_the_job_under_broadcast(ws, tmp_path: Path):

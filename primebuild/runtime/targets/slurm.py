@@ -36,15 +36,30 @@ DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREE
                "BOOT_FAIL", "DEADLINE"}
 
 
+UNANSWERED_NOTICE_SECONDS = 60.0  # follow says so again while slurmctld does not answer
+
+
+class SlurmUnanswered(UserError):
+    """slurmctld did not answer a query (busy, restarting, unreachable): the job's state is unknown, not gone."""
+
+
 def _run(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SlurmUnanswered(f"`{' '.join(argv)}` did not answer within {timeout:g} s (slurmctld busy or "
+                              "unreachable)") from None
 
 
 def job_state(job_id: str) -> tuple[str | None, str | None]:
-    """(state, exit code) of the job's first component, or (None, None) when Slurm no longer knows it."""
+    """(state, exit code) of the job's first component, or (None, None) when Slurm no longer knows it;
+    SlurmUnanswered when slurmctld did not say (one failed query is not a job that ended)."""
     shown = _run(["scontrol", "show", "job", "-o", job_id])
     if shown.returncode != 0:
-        return None, None
+        if "Invalid job id" in shown.stderr:
+            return None, None
+        raise SlurmUnanswered(f"`scontrol show job {job_id}` failed: "
+                              f"{(shown.stderr or shown.stdout).strip() or f'exit code {shown.returncode}'}")
     first = shown.stdout.splitlines()[0] if shown.stdout else ""
     fields = dict(part.split("=", 1) for part in first.split() if "=" in part)
     return fields.get("JobState"), fields.get("ExitCode")
@@ -82,13 +97,62 @@ class SlurmTarget(Target):
         return LaunchRecord(target=self.kind, job_id=job_id)
 
     def follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int) -> Outcome:
+        """The job to its end; Ctrl-C stops it as `primebuild stop` does (STOP, its grace, then scancel)."""
+        try:
+            return self._follow(run, record, echo=echo, verbosity=verbosity)
+        except KeyboardInterrupt:
+            return self._interrupted(run, record, echo)
+
+    def _interrupted(self, run: RunDir, record: LaunchRecord, echo: Echo) -> Outcome:
+        from primebuild.runtime.supervisor import GRACE_SECONDS, TERM_SECONDS
+
+        ended = run.read_outcome()
+        if ended is not None:  # the run had ended already (the job is cleaning up): that is its outcome
+            return Outcome(ended.ok, ended.message, ended.exit_code)
+        run.stop_file.touch()  # the in-job supervisor: the trainer checkpoints, then everything stops
+        echo(f"stopping: slurm job {record.job_id} checkpoints and ends (Ctrl-C again to cancel it now)")
+        deadline = time.monotonic() + GRACE_SECONDS + TERM_SECONDS + 5
+        try:
+            while time.monotonic() < deadline and self._maybe_active(run, record):
+                time.sleep(POLL_SECONDS)
+        except KeyboardInterrupt:
+            pass
+        if self._maybe_active(run, record):
+            echo(self.stop(run, record))
+            ended = time.monotonic() + TERM_SECONDS + 5  # the in-job supervisor ends the workers
+            while time.monotonic() < ended and self._maybe_active(run, record):
+                time.sleep(POLL_SECONDS)
+        outcome = run.read_outcome()
+        if outcome is not None and not outcome.ok and outcome.exit_code != 130:
+            return Outcome(False, outcome.message, outcome.exit_code)  # it failed of itself meanwhile
+        return Outcome(False, f"interrupted: slurm job {record.job_id} stopped; `primebuild run --resume "
+                              f"{run.root}` continues after its newest checkpoint", 130)
+
+    def _maybe_active(self, run: RunDir, record: LaunchRecord) -> bool:
+        try:
+            return self.active(run, record)
+        except SlurmUnanswered:
+            return True
+
+    def _follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int) -> Outcome:
         job_id = record.job_id
         assert job_id
         log = run.job_log(job_id)
         offset, last_state, partial = 0, None, ""
+        unanswered_since, told = None, 0.0
         while True:
-            state, exit_code = job_state(job_id)
-            if state != last_state and state is not None:
+            try:
+                state, exit_code = job_state(job_id)
+                unanswered_since = None
+            except SlurmUnanswered as err:  # the job runs on without us: ask again, and say so
+                now = time.monotonic()
+                if unanswered_since is None:
+                    unanswered_since = now
+                if now - told >= UNANSWERED_NOTICE_SECONDS:
+                    echo(f"warning: {err}; asking again (the job's state unknown for {now - unanswered_since:.0f} s)")
+                    told = now
+                state, exit_code = last_state or "unknown", None
+            if state != last_state and state is not None and unanswered_since is None:
                 echo(f"slurm job {job_id}: {state}")
                 last_state = state
             if log.is_file():
@@ -117,13 +181,19 @@ class SlurmTarget(Target):
     def stop(self, run: RunDir, record: LaunchRecord) -> str:
         if not record.job_id:
             return "no slurm job recorded"
-        if not self.active(run, record):
-            return f"slurm job {record.job_id} is not running"
+        try:
+            if not self.active(run, record):
+                return f"slurm job {record.job_id} is not running"
+        except SlurmUnanswered:
+            pass  # cancel it anyway: scancel says what it finds
         done = _run(["scancel", record.job_id])
         if done.returncode != 0:
             raise UserError(f"scancel {record.job_id}: {done.stderr.strip()}")
         return f"cancelled slurm job {record.job_id}"
 
     def state(self, run: RunDir, record: LaunchRecord) -> str:
-        state, exit_code = job_state(record.job_id) if record.job_id else (None, None)
+        try:
+            state, exit_code = job_state(record.job_id) if record.job_id else (None, None)
+        except SlurmUnanswered as err:
+            return f"slurm job {record.job_id}: state unknown ({err})"
         return f"slurm job {record.job_id}: {state or 'gone'}" + (f" (exit {exit_code})" if exit_code else "")
