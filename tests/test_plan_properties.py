@@ -103,7 +103,7 @@ def gpu_manifest(draw) -> dict:
     dp_shard = world // (tp * cp * dp_replicate)
     ep = draw(st.sampled_from(pow2_divisors(dp_shard * cp))) if moe else 1
     seq_len = draw(st.sampled_from([1024, 4096] if moe else [64, 128]))  # the tiny model has 128 positions
-    group_size = draw(st.sampled_from([1, 4, 8]))
+    group_size = draw(st.sampled_from([2, 4, 8]))  # 1 trains on nothing (refused)
     two_envs = draw(st.booleans())  # a second environment needs a group of every step (builders/mixture.py)
     return {
         "apiVersion": "primebuild/v1",
@@ -141,7 +141,7 @@ def cpu_manifest(draw) -> dict:
                       "max_num_seqs": draw(st.sampled_from([1, 16, 128]))},
         "trainer": {"ranks": ranks, "dp_shard": ranks, "precision": "fp32", "micro_batch_tokens": 4096},
         "orchestrator": {"seq_len": 64, "max_completion_tokens": draw(st.integers(1, 64)),
-                         "rollouts_per_step": 64, "group_size": draw(st.sampled_from([1, 8, 64]))},
+                         "rollouts_per_step": 64, "group_size": draw(st.sampled_from([2, 8, 64]))},
         "environments": [{"id": "reverse-text"}],
     }
 

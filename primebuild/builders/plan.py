@@ -12,6 +12,8 @@ the refusals listed — a design study that no runner starts.
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from primebuild import __version__
 from primebuild.builders import budget, derivations
 from primebuild.builders.capabilities import SPLIT_TARGETS, Refusal, backend_refusals, refusals
@@ -23,6 +25,7 @@ from primebuild.builders.mixture import environment_split_problems
 from primebuild.builders.model_facts import ModelFacts, facts_from_hf_config
 from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
+from primebuild.builders.ports import HIGHEST_PORT, out_of_range, port_problems
 from primebuild.builders.processes import build_processes
 from primebuild.builders.trainer_engine import titan_gaps, trainer_engine
 from primebuild.builders.vllm_command import KV_CONNECTORS
@@ -52,6 +55,7 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
     problems = mistakes + check_parallelism(m, facts) + ([] if lock is None else lock_problems(loaded, lock))
     problems += curriculum_problems(m)  # a prompt pool that can never fill
     problems += environment_split_problems(m)  # an environment no step trains on
+    problems += _advantage_problems(m)  # a group that can carry no signal
     placement, place_problems = place(m)
     _raise_unless_design(loaded, refused, problems + place_problems, design)
     assert placement is not None
@@ -62,8 +66,15 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
                                                                   "distill.tp")):
         raise UserError([_locate(loaded, p) for p in tp_problems])
     engine, why = trainer_engine(m, facts.model_type)
-    processes = build_processes(m, placement, facts.moe_layers, facts.quantized, engine)
-    if shared := shared_addresses(m, processes):
+    try:
+        processes = build_processes(m, placement, facts.moe_layers, facts.quantized, engine)
+    except ValidationError as err:  # a derived port past 65535 (the processes' configs bound their ports)
+        ports = [e for e in err.errors() if e["loc"] and str(e["loc"][-1]).endswith("port")
+                 and isinstance(e["input"], int) and e["input"] > HIGHEST_PORT]
+        if not ports:
+            raise
+        raise UserError([_locate(loaded, out_of_range(m, ports[0]["input"], str(ports[0]["loc"][-1])))]) from None
+    if shared := shared_addresses(m, processes) + port_problems(m, processes):
         raise UserError([_locate(loaded, p) for p in shared])
     memory, estimates, budget_problems, warnings = budget.compute(m, facts, placement, design=design,
                                                                   teacher=teacher)
@@ -216,6 +227,16 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
     return problems
 
 
+def _advantage_problems(m: Manifest) -> list[Problem]:
+    """The advantage is group-relative (runtime/orchestrator/advantages.py): a group of one sample is its own
+    baseline, so its advantage is 0 and every step would train on nothing (unless a teacher's KL adds one)."""
+    if m.orchestrator.group_size >= 2 or m.distill is not None:
+        return []
+    return [Problem("group_size 1: each sample would be its own group's baseline, so every advantage is 0 and no "
+                    "step trains on anything", field="orchestrator.group_size",
+                    hint="use group_size >= 2 (the default is 8)")]
+
+
 def lock_problems(loaded: LoadedManifest, lock: dict) -> list[Problem]:
     """What the plan would start that the locked environment cannot import: a KV connector's transport."""
     m = loaded.manifest
@@ -293,6 +314,11 @@ def _node_map(m: Manifest, processes: list[ProcessSpec]) -> list[NodeMap]:
                                   role=owner[(n, g)].role if (n, g) in owner else None)
                           for g in range(hw.gpus_per_node)])
             for n in range(hw.nodes)]
+
+
+def located(loaded: LoadedManifest, problems: list[Problem]) -> list[Problem]:
+    """Problems a command found in a compiled plan, with the manifest's file and line of each field."""
+    return [_locate(loaded, p) for p in problems]
 
 
 def _locate(loaded: LoadedManifest, problem: Problem) -> Problem:
