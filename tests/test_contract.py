@@ -826,14 +826,25 @@ def test_field_does_what_the_table_says(name, index, check, folder):
 
 
 def test_fixes_the_plan_suggests_are_ones_its_backends_apply(folder):
-    """A trainer that does not fit: the runnable plan suggests nothing the fsdp2 trainer cannot apply,
-    the design study (which assumes the backends that would) may."""
-    for design, offered in ((False, False), (True, True)):
+    """A trainer that does not fit on CPU hardware: the runnable plan suggests nothing the fsdp2 trainer cannot
+    apply, and neither it nor the design study suggests optimizer.cpu_offload, which frees nothing where host
+    memory is all there is (the plan counts what is offloaded in the process that holds it)."""
+    for design in (False, True):
         with pytest.raises(UserError) as err:
             compile_json(folder, RL, ("hardware.host_memory_gb=0.1",), design=design)
         trainer = next(p for p in err.value.problems if p.message.startswith("trainer:"))
-        assert ("cpu_offload" in trainer.hint) is offered, trainer.hint
+        assert "cpu_offload" not in trainer.hint, trainer.hint
         assert "activation_checkpointing: true" in trainer.hint
+
+
+def test_offloaded_shards_count_in_a_cpu_nodes_memory(folder):
+    """On CPU hardware FSDP's CPU offload keeps the shards in the same host memory: the plan's trainer and node
+    totals hold them, so offloading cannot turn a plan that does not fit into one that does."""
+    sets = ("trainer.ranks=2", "trainer.dp_shard=2")
+    plain = compile_json(folder, RL, sets)["memory"]["trainer"]
+    offloaded = compile_json(folder, RL, (*sets, "trainer.optimizer.cpu_offload=true"))["memory"]["trainer"]
+    assert offloaded["host_offload_bytes_per_gpu"] > 0
+    assert offloaded["used_bytes"] == pytest.approx(plain["used_bytes"], rel=0.01)  # moved, not freed
 
 
 def test_greedy_rollouts_are_a_located_error_at_every_door(tmp_path, capsys):

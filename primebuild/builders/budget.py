@@ -147,14 +147,17 @@ def compute(m: Manifest, f: ModelFacts, placement: Placement, *, design: bool = 
     t = m.trainer
     tmem = _trainer_memory(m, f, capacity, t.dp_shard)
     breakdown = TrainerBreakdown(**{k: getattr(tmem, k) for k in TrainerBreakdown.model_fields})
+    # on CPU hardware what FSDP offloads stays in the same process's host memory: it counts there
+    used = tmem.total + (tmem.host_bytes if cpu else 0)
     memory["trainer"] = TrainerGroupMemory(
-        role="trainer", capacity_bytes=capacity, budget_bytes=capacity, used_bytes=tmem.total, free_bytes=tmem.free,
-        fits=tmem.fits, breakdown=breakdown, host_offload_bytes_per_gpu=tmem.host_bytes,
+        role="trainer", capacity_bytes=capacity, budget_bytes=capacity, used_bytes=used, free_bytes=capacity - used,
+        fits=used <= capacity, breakdown=breakdown, host_offload_bytes_per_gpu=tmem.host_bytes,
         tokens_per_gpu=tmem.tokens_per_gpu)
-    if not tmem.fits:
+    if used > capacity:
+        offloaded = f", offloaded to host {_g(tmem.host_bytes)}" if cpu and tmem.host_bytes else ""
         problems.append(Problem(
-            f"trainer: {_g(tmem.total)} GiB {per} needed, {_g(capacity)} GiB available (short by "
-            f"{_g(-tmem.free)} GiB): " + ", ".join(f"{k} {_g(v)}" for k, v in breakdown if v),
+            f"trainer: {_g(used)} GiB {per} needed, {_g(capacity)} GiB available (short by "
+            f"{_g(used - capacity)} GiB): " + ", ".join(f"{k} {_g(v)}" for k, v in breakdown if v) + offloaded,
             field="trainer.dp_shard", hint=_trainer_fixes(m, tmem, can)))
     orchestrator = memory["orchestrator"] = orchestrator_memory(m, host_bytes)
     if not orchestrator.fits:
@@ -474,7 +477,9 @@ def _trainer_fixes(m: Manifest, tmem, can) -> str:
     t = m.trainer
     fixes = []
     sharded = tmem.params + tmem.grads + tmem.optimizer_state + tmem.master_weights
-    if not t.optimizer.cpu_offload and sharded > 0 and can("trainer.optimizer.cpu_offload", True):
+    # on CPU hardware offloading frees nothing: host memory is where everything is
+    if (not t.optimizer.cpu_offload and sharded > 0 and m.hardware.gpu != "cpu"
+            and can("trainer.optimizer.cpu_offload", True)):
         fixes.append(f"optimizer.cpu_offload: true (frees {_g(sharded)} GiB)")
     if not t.activation_checkpointing:
         fixes.append("activation_checkpointing: true")
