@@ -34,7 +34,8 @@ CASES = [("glm5.yaml", "slurm", "glm5.sbatch"), ("glm5.yaml", "kubernetes", "glm
 
 
 def rendered(manifest: str, target: str, *extra: str) -> str:
-    python = ["--run-dir", "/shared/runs/demo", "--python", "python3"] if target == "kubernetes" else FIXED
+    python = {"kubernetes": ["--run-dir", "/shared/runs/demo", "--python", "python3"],
+              "ssh": FIXED[:2]}.get(target, FIXED)  # ssh runs target.workdir's interpreter
     result = run_cli("render", MANIFESTS / manifest, "--target", target, *python, *extra, timeout=60)
     assert result.code == 0, result.text
     return result.out
@@ -448,11 +449,32 @@ def test_an_ssh_host_is_never_an_option_of_ssh(capsys):
     assert "-o BatchMode=yes -- " in (GOLDEN / "reverse-text-ssh.sh").read_text()  # and the destination after --
 
 
+def test_render_refuses_target_settings_that_address_no_cluster(capsys):
+    """A design study renders, but not with fewer ssh hosts than plan nodes (an IndexError before)."""
+    result = call_cli(capsys, "render", MANIFESTS / "reverse-text-ssh.yaml", "--set", "target.hosts=[127.0.0.2]")
+    assert result.code == 2 and "target.hosts" in result.err and "1 host(s) for 2 node(s)" in result.err, result.text
+    assert "internal error" not in result.text
+
+
+def test_ssh_hosts_and_workdir_are_what_the_remote_commands_can_use(capsys):
+    """An IPv6 literal would be written unbracketed into host:port URLs; a relative workdir would be looked for in
+    the run folder, where every remote command starts."""
+    ssh = MANIFESTS / "reverse-text-ssh.yaml"
+    result = call_cli(capsys, "validate", ssh, "--set", "target.hosts=[fd00::2, 10.0.0.3]")
+    assert result.code == 2 and "target.hosts[0]" in result.err and "IPv6" in result.err, result.text
+    result = call_cli(capsys, "validate", ssh, "--set", "target.workdir=../primebuild")
+    assert result.code == 2 and "target.workdir" in result.err and "relative" in result.err, result.text
+    for workdir in ("/opt/primebuild", "~/primebuild", "'~'"):  # '~': YAML's ~ alone is null
+        assert call_cli(capsys, "validate", ssh, "--set", f"target.workdir={workdir}").code == 0, workdir
+
+
 def test_render_refuses_flags_its_target_would_not_read_and_a_folder_it_cannot_write(tmp_path, capsys):
     """Such flags were ignored without a word; `-o` into a file or a read-only place was an internal error."""
     ssh = MANIFESTS / "reverse-text-ssh.yaml"
     for args, message in (((*MOUNT,), "--container-mount"), (("--image", "r.example/x:1"), "--image"),
-                          (("--model-path", "/m"), "--model-path"), (("--python", ""), "--python")):
+                          (("--model-path", "/m"), "--model-path"), (("--python", ""), "--python"),
+                          (("--python", "/opt/py/bin/python3"), "--python"),  # ssh: target.workdir's interpreter
+                          (("--image-digest", "sha256:" + "a" * 64), "--image-digest")):
         result = call_cli(capsys, "render", ssh, *args)
         assert result.code == 2 and f"error: {message}" in result.err, (args, result.text)
     (tmp_path / "a-file").write_text("")

