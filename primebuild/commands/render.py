@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from primebuild.commands.options import manifest_argument, print_notes, set_option
-from primebuild.errors import UserError
+from primebuild.errors import Problem, UserError
 
 
 @click.command("render")
@@ -28,7 +28,7 @@ from primebuild.errors import UserError
                    "folder sbatch runs in, and a relative --run-dir is relative to it). On a cluster it must be on a "
                    "filesystem every node sees.")
 @click.option("--python", "python", default=None,
-              help="The interpreter with primebuild on the nodes (default: this one; ssh: target.workdir's; slurm: "
+              help="The interpreter with primebuild on the nodes (default: this one; slurm: "
                    "python3 on the batch host's PATH, or PRIMEBUILD_PYTHON at submission).")
 @click.option("--model-path", default=None,
               help="kubernetes: the model folder as the pods see it (default: RUN_DIR/model).")
@@ -43,7 +43,7 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
             python: str | None, model_path: str | None, image: str | None, image_digest: str | None,
             mounts: tuple[str, ...]) -> None:
     """Render MANIFEST's plan as the artifacts of a cluster target."""
-    from primebuild.builders.plan import compile_plan
+    from primebuild.builders.plan import compile_plan, located
     from primebuild.builders.render import render
     from primebuild.builders.render.groups import checked_image
     from primebuild.contracts.render import RenderContext
@@ -66,8 +66,13 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
     plan = compile_plan(loaded, design=True)  # a design study renders too, marked as such
     if plan.build is not None:
         raise UserError(f"{manifest}: an sft: manifest is one store build, not processes on a cluster")
+    # a design study may ask for what no backend applies, but the target's own settings must describe a
+    # cluster the artifact can address (ssh: a host for every plan node)
+    if unaddressable := [u for u in plan.unsupported if u.field.startswith("target.")]:
+        raise UserError(located(loaded, [Problem(u.message, field=u.field, hint=u.hint) for u in unaddressable]))
     checked_image(image)
-    _refuse_flags_without_effect(kind, python=python, image=image, mounts=mounts, model_path=model_path)
+    _refuse_flags_without_effect(kind, python=python, image=image, image_digest=image_digest, mounts=mounts,
+                                 model_path=model_path)
     for mount in mounts:
         if not mount.startswith("/") or any(ch in mount for ch in ",:\n"):
             raise UserError(f"--container-mount {mount!r}: give an absolute path without ',' or ':' (pyxis separators)")
@@ -94,14 +99,18 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
         click.echo(str(_write(out_dir, name, text)))
 
 
-def _refuse_flags_without_effect(kind: str, *, python: str | None, image: str | None, mounts: tuple[str, ...],
-                                 model_path: str | None) -> None:
+def _refuse_flags_without_effect(kind: str, *, python: str | None, image: str | None, image_digest: str | None,
+                                 mounts: tuple[str, ...], model_path: str | None) -> None:
     """A flag the chosen target would not read is an error, as a manifest field is."""
     if python is not None and not python.strip():
         raise UserError("--python: give the interpreter's path on the nodes (it is empty)")
-    if image is not None and kind == "ssh":
-        raise UserError("--image: the ssh target runs primebuild from target.workdir on each host, in no container",
-                        hint="render --target slurm or kubernetes to run the image")
+    if python is not None and kind == "ssh":
+        raise UserError("--python: the ssh target runs target.workdir's interpreter (<workdir>/.venv/bin/python) on "
+                        "each host", hint="set target.workdir to the primebuild install on the hosts")
+    for flag, given in (("--image", image), ("--image-digest", image_digest)):
+        if given is not None and kind == "ssh":
+            raise UserError(f"{flag}: the ssh target runs primebuild from target.workdir on each host, in no "
+                            "container", hint="render --target slurm or kubernetes to run the image")
     if mounts and (kind != "slurm" or image is None):
         raise UserError("--container-mount: mounts a host path into a slurm step's container; it needs --target "
                         "slurm and --image")
