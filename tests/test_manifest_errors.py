@@ -171,6 +171,12 @@ def _cases() -> list[Case]:
     dense = edit(cpu, "  precision: fp32\ntrainer", "  precision: fp32\n  router_replay: true\ntrainer")
     add(id="router-replay-on-dense-model", text=dense, line=line_of(dense, "router_replay"),
         field="inference.router_replay", message="router_replay needs a MoE model", hint="router_replay: false")
+    pinned = edit(cpu, "  precision: fp32\ntrainer", "  precision: fp32\n  host: 192.0.2.2\ntrainer")
+    add(id="inference-bound-where-no-client-reaches", text=pinned, line=line_of(pinned, "host: 192"),
+        field="inference.host", message="answers none of them", hint=None, subprocess=False)
+    lonely = edit(cpu, "  group_size: 8", "  group_size: 1")
+    add(id="group-of-one-trains-nothing", text=lonely, line=line_of(lonely, "group_size: 1"),
+        field="orchestrator.group_size", message="every advantage is 0", hint="group_size >= 2", subprocess=False)
     fat = edit(g, "cpu_offload: true}", "cpu_offload: false}")
     add(id="trainer-does-not-fit", args=DESIGN, text=fat, line=line_of(fat, "  dp_shard: 24"), field="trainer.dp_shard",
         message=r"trainer: [\d.]+ GiB per GPU needed, [\d.]+ GiB available \(short by [\d.]+ GiB\)",
