@@ -274,6 +274,28 @@ def test_logs_follow_waits_for_logs_picks_up_new_ones_and_says_when_one_goes(tmp
         follow.wait()
 
 
+def test_logs_follow_ends_when_the_session_ended_without_an_outcome(tmp_path: Path):
+    """A session whose target runs nothing of it any more and that recorded no outcome (a Slurm job cancelled
+    or out of time, a supervisor killed -9): `logs -f` waited for ever for an outcome that never comes."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a supervisor that is no more
+    (tmp_path / "plan.json").write_text("{}")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "trainer.log").write_text("step 1 loss 0.5\n")
+    (tmp_path / "launch.json").write_text(json.dumps({"target": "local", "supervisor_host": socket.gethostname(),
+                                                      "supervisor_pid": gone.pid}))
+    done = subprocess.run([sys.executable, "-m", "primebuild.cli", "logs", str(tmp_path), "-f"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0] == "step 1 loss 0.5"
+    assert "the run is not running and recorded no outcome" in done.stdout
+
+
 def test_scale_refuses_a_timeout_that_is_no_number_and_says_that_it_waits(workdir: Path, capsys):
     """`--timeout nan` waited for ever; every wait was silent (a replica's start takes minutes)."""
     import json

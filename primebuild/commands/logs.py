@@ -20,7 +20,7 @@ from primebuild.errors import UserError
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until Ctrl-C.")
 def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: int, follow: bool) -> None:
     """Print the last lines of every process log of RUN_DIR (default: the newest run), or of one process."""
-    from primebuild.runtime.targets import ended_outcome
+    from primebuild.runtime.targets import ended_outcome, target_for
 
     run = find_run(run_dir, runs_dir)
     run_dir = run.root
@@ -42,9 +42,16 @@ def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: in
         for line in text.splitlines()[-lines:]:
             click.echo(_prefix(f, files) + line)
         offsets[f] = len(text.encode())
+    gone_polls = 0  # polls in a row that found the session over without an outcome
     while follow:
         time.sleep(0.5)
-        ended = ended_outcome(run, run.read_launch())  # before the last chunks: they are shown, then the end
+        record = run.read_launch()
+        ended = ended_outcome(run, record)  # before the last chunks: they are shown, then the end
+        # a session that ended without recording an outcome (a Slurm job cancelled or out of time, a killed
+        # supervisor) stays over: nothing holds the folder, its target runs nothing of it
+        over = ended is None and record is not None and run.read_outcome() is None and not run.claimed() \
+            and not target_for(record.target).active(run, record)
+        gone_polls = gone_polls + 1 if over else 0
         for f in _logs(logs_dir, process):  # a process that started since (a replica `scale` added)
             if f not in offsets:
                 offsets[f] = 0
@@ -65,6 +72,10 @@ def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: in
                 click.echo(_prefix(f, list(offsets)) + line)
         if ended is not None:
             click.echo(f"the run has ended: {ended.message}")
+            return
+        if gone_polls >= 4:  # two seconds: not a session between its launch and its record
+            click.echo(f"the run is not running and recorded no outcome: `primebuild status {run.root}` says what "
+                       "is known; `primebuild run --resume` continues it")
             return
 
 
