@@ -264,6 +264,10 @@ def test_killed_inference_is_restarted_then_interrupt_checkpoints_and_resume_con
         # the restart before the Ctrl-C: the trainer can train the rollouts sampled before the kill faster
         # than the supervisor's next look, and a server that dies after a stop is asked for is not restarted
         _wait_for_text(run_dir / "logs" / "inference-0.log", "(restart 1)", proc, runs)
+        # the replacement killed while it starts: one more restart of the policy's three, not the run's end
+        replacement = _wait_for_pid(run_dir, "primebuild.runtime.inference.server", victim)
+        os.kill(replacement, signal.SIGKILL)
+        _wait_for_text(run_dir / "logs" / "inference-0.log", "(restart 2)", proc, runs)
         _wait_for_trained(runs, max(4, _trained_steps(run_dir)[-1] + 1), proc)
         # the run holds the store entry its servers load: `store gc` keeps it (it removed it, and a
         # restarted server then found no model)
@@ -277,7 +281,7 @@ def test_killed_inference_is_restarted_then_interrupt_checkpoints_and_resume_con
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out + _logs(runs)  # a requested stop is a normal end
-    assert "restarting" in out and "restart 1" in (run_dir / "logs" / "inference-0.log").read_text()
+    assert "restarting (2/3)" in out and "restart 2" in (run_dir / "logs" / "inference-0.log").read_text(), out
     assert "stopped at step" in out and "--resume" in out and "error" not in out
     assert json.loads((runs.iterdir().__next__() / "summary.json").read_text())["eval_reward_before"] >= 0
     done = _trained_steps(run_dir)
@@ -359,6 +363,20 @@ def _logs(runs: Path) -> str:
     for log in sorted(runs.glob("*/logs/*.log")) if runs.exists() else []:
         out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="ignore").splitlines()[-15:]))
     return "\n".join(out)
+
+
+def _wait_for_pid(run_dir: Path, needle: str, other_than: int, timeout: float = 60) -> int:
+    """_pid_of a process started anew (not `other_than`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pid = _pid_of(run_dir, needle)
+            if pid != other_than:
+                return pid
+        except AssertionError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no new process {needle} for {run_dir} within {timeout:g} s")
 
 
 def _pid_of(run_dir: Path, needle: str) -> int:

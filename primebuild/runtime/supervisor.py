@@ -315,20 +315,31 @@ class Supervisor:
                 continue
             if role != "trainer" and policy.policy == "on-failure" and running.restarts < policy.max_restarts \
                     and running.handle.lost_contact() is None:  # no restart on a host nothing reaches
-                self.echo(f"{name} {why}: restarting ({running.restarts + 1}/{policy.max_restarts})")
-                self._reap(running)
-                replacement = self._spawn(running.spec, running.restarts + 1)
-                self.running[name] = replacement
-                if not self._healthy(replacement, time.monotonic() + running.spec.health.timeout_s,
-                                     give_up=self._ending):
-                    if self._ending():  # a stop (or the run's end) came while it started: that ends it
-                        continue
-                    return self._fail(replacement, replacement.handle.poll(),
-                                      f"{name} failed again after a restart; see {self.run.log(name)}", 1)
+                failure = self._restart_server(running, why)
+                if failure is not None:
+                    return failure
                 continue
             return self._fail(running, code, f"{name} ({role}) {why}; see {self.run.log(name)}",
                               code if code is not None and 0 < code < 128 else 1)
         return None
+
+    def _restart_server(self, running: Running, why: str) -> Outcome | None:
+        """Start a failed server again, and again while it dies before it is healthy, up to its policy's
+        max_restarts (each start counts one); a start that hangs until its health timeout ends the run."""
+        name, policy = running.spec.name, running.spec.restart
+        while True:
+            self.echo(f"{name} {why}: restarting ({running.restarts + 1}/{policy.max_restarts})")
+            self._reap(running)
+            running = self.running[name] = self._spawn(running.spec, running.restarts + 1)
+            if self._healthy(running, time.monotonic() + running.spec.health.timeout_s, give_up=self._ending):
+                return None
+            if self._ending():  # a stop (or the run's end) came while it started: that ends it
+                return None
+            code = running.handle.poll()
+            if code is None or running.restarts >= policy.max_restarts or running.handle.lost_contact():
+                return self._fail(running, code, f"{name} failed again after a restart; see {self.run.log(name)}", 1)
+            why = describe_exit(code)[0] + (f" ({cause})" if (cause := first_error_line(self.run.log(name))) else "")
+            why += " while it started"
 
     def _may_restart_trainers(self, running: Running) -> bool:
         """A trainer failure the trainer-only restart covers: its policy has restarts left, no stop was
