@@ -174,6 +174,9 @@ def _cases() -> list[Case]:
     pinned = edit(cpu, "  precision: fp32\ntrainer", "  precision: fp32\n  host: 192.0.2.2\ntrainer")
     add(id="inference-bound-where-no-client-reaches", text=pinned, line=line_of(pinned, "host: 192"),
         field="inference.host", message="answers none of them", hint=None, subprocess=False)
+    split = edit(cpu, "  ranks: 1\n", "  ranks: 1\n  tp: 2\n")  # the hint once said "set dp_shard: 1", its value
+    add(id="ranks-against-a-tp-layout", text=split, line=line_of(split, "ranks: 1"), field="trainer.ranks",
+        message=r"ranks=1 but dp_replicate\*dp_shard\*cp\*tp=2", hint="set ranks: 2", subprocess=False)
     lonely = edit(cpu, "  group_size: 8", "  group_size: 1")
     add(id="group-of-one-trains-nothing", text=lonely, line=line_of(lonely, "group_size: 1"),
         field="orchestrator.group_size", message="every advantage is 0", hint="group_size >= 2", subprocess=False)

@@ -212,7 +212,9 @@ def check_parallelism(m: Manifest, f: ModelFacts) -> list[Problem]:
                                 hint=f"use at most {m.hardware.cpus_per_node} ranks on CPU-only hardware"))
     if m.hardware.gpu == "cpu" and t.ranks is not None and t.ranks != t.world_size:
         problems.append(Problem(f"trainer: ranks={t.ranks} but dp_replicate*dp_shard*cp*tp={t.world_size}",
-                                field="trainer.ranks", hint=f"set dp_shard: {t.ranks}"))
+                                field="trainer.ranks",  # dp_shard where it is the only dimension, else ranks
+                                hint=f"set dp_shard: {t.ranks}" if t.dp_replicate * t.cp * t.tp == 1
+                                else f"set ranks: {t.world_size}"))
     inf = m.inference
     if inf.engine == "vllm" and inf.disaggregation and inf.disaggregation.kv_connector not in KV_CONNECTORS:
         problems.append(Problem(f"{inf.disaggregation.kv_connector} is not a KV connector of vLLM 0.32",
