@@ -62,3 +62,14 @@ environments:
             "step's 2 groups: it would never be trained on") in result.err
     assert "hint: raise its weight to at least 1.75" in result.err
     assert call_cli(capsys, "plan", MANIFESTS / "reverse-text-mix.yaml").code == 0  # 3:1 of 16 groups: 12 and 4
+
+
+def test_a_held_out_set_shorter_than_its_share_gives_all_it_has_and_says_so_once(caplog):
+    """eval_prompts larger than an environment's held-out set was cut to the set without a word."""
+    mix = EnvironmentMix([EnvironmentConfig(id="reverse-text", args={"num_eval": 10})])
+    with caplog.at_level("WARNING", logger="primebuild.orchestrator"):
+        assert len(mix.eval_tasks(1000)) == 10
+        assert len(mix.eval_tasks(1000)) == 10
+    said = [r.getMessage() for r in caplog.records if "held-out tasks" in r.getMessage()]
+    assert said == ["environment reverse-text has 10 held-out tasks, fewer than its share 1000 of "
+                    "orchestrator.eval_prompts: its evals use those 10"]

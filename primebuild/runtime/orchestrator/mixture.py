@@ -7,11 +7,14 @@ same split applies to the held-out evaluation prompts.
 
 from __future__ import annotations
 
+import logging
 import random
 
 from primebuild.contracts.orchestrator import EnvironmentConfig
 from primebuild.runtime.envs.base import Environment, Task
 from primebuild.runtime.envs.registry import load_environment
+
+log = logging.getLogger("primebuild.orchestrator")
 
 
 def split(total: int, weights: list[float]) -> list[int]:
@@ -30,6 +33,7 @@ class EnvironmentMix:
             raise ValueError("the plan gives the orchestrator no environments")
         self.envs: list[Environment] = [load_environment(s.id, s.version, s.args) for s in specs]
         self.weights = [s.weight for s in specs]
+        self._short_said: set[str] = set()  # environments whose held-out set was said to be short
         # What metrics and summary.json call each environment: its id, or id#index when the manifest
         # lists one id twice (e.g. the same environment with other args).
         ids = [s.id for s in specs]
@@ -55,7 +59,15 @@ class EnvironmentMix:
         return self.envs[index].sample_tasks(random.Random(seed * 1_000_003 + seq), 1)[0]
 
     def eval_tasks(self, n: int) -> list[tuple[Environment, Task]]:
+        """`n` held-out tasks split by weight; an environment with fewer held-out tasks than its share gives
+        all it has, and says so once (the eval then averages over fewer prompts than eval_prompts asks)."""
         out = []
         for env, count in zip(self.envs, split(n, self.weights), strict=True):
-            out += [(env, task) for task in env.eval_tasks()[:count]]
+            held_out = env.eval_tasks()
+            if count > len(held_out) and env.id not in self._short_said:
+                self._short_said.add(env.id)
+                log.warning("environment %s has %d held-out tasks, fewer than its share %d of "
+                            "orchestrator.eval_prompts: its evals use those %d", env.id, len(held_out), count,
+                            len(held_out))
+            out += [(env, task) for task in held_out[:count]]
         return out
