@@ -113,3 +113,20 @@ def test_a_run_spans_three_hosts_then_a_cut_link_ends_it_naming_the_host_and_res
     assert "loaded the weights of step 6 from the broadcast" in (run_dir / "logs" / "inference-0.log").read_text()
     assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())
     assert wait_gone(run_dir, 30) == []  # the next test binds the same rendezvous port on pbhost2
+
+
+def test_a_run_on_one_remote_host_reaches_its_servers_at_that_hosts_address(ws, tmp_path: Path):
+    """Every plan node on one host that is not this machine: the servers bind that host's address and the
+    supervisor here reaches them there (they bound loopback on the remote host, and the health checks went to
+    this machine's loopback: the run waited its whole health timeout in silence)."""
+    manifest, env, workdir = ws
+    host = NETNS_HOSTS[0]
+    runs = tmp_path / "runs"
+    done = cli("run", manifest.parent / "reverse-text-ssh.yaml", "--runs-dir", runs, "--quiet", *SMALL, *workdir,
+               "--set", "hardware.nodes=1", "--set", f"target.hosts=[{host}]", "--set", "orchestrator.max_steps=3",
+               env=env, timeout=400)
+    (run_dir,) = runs.iterdir()
+    assert done.returncode == 0, done.stdout + done.stderr + logs_tail(run_dir)
+    assert json.loads((run_dir / "rendezvous.json").read_text())["hosts"] == [host]
+    assert trained_steps(run_dir) == [1, 2, 3]
+    assert wait_gone(run_dir, 30) == []

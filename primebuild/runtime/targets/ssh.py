@@ -181,6 +181,34 @@ class SshLauncher:
         self.connection(host_of(self.plan, spec)).run(command, hide=True, warn=True, timeout=30)
 
 
+def rendezvous_hosts(hosts: list[str]) -> list[str]:
+    """Where the processes of each plan node are reached: loopback when every node is one host and that host is
+    this machine (the supervisor's health checks and the clients then stay off the network); else the
+    inventory's addresses, so that a server on another machine binds and is reached at its own address (bound
+    to loopback there, nothing here could reach it)."""
+    if len(set(hosts)) <= 1 and is_this_machine(hosts[0]):
+        return single_host_or(hosts)
+    return list(hosts)
+
+
+def is_this_machine(host: str) -> bool:
+    """Does `host` resolve to an address of this machine (loopback, or one a socket here can bind)?"""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
+    except OSError:
+        return False
+    for address in addresses:
+        if address.startswith("127."):
+            return True
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
 class SshTarget(SupervisedHere, Target):
     kind = "ssh"
 
@@ -198,7 +226,7 @@ class SshTarget(SupervisedHere, Target):
 
     def launch(self, run: RunDir, plan: Plan, *, echo: Echo, verbosity: int, live=None,
                avoid_hosts: tuple[str, ...] = ()) -> LaunchRecord:
-        write_rendezvous(run, single_host_or(list(plan.target.hosts)))
+        write_rendezvous(run, rendezvous_hosts(list(plan.target.hosts)))
         self.launcher = SshLauncher(plan, run)
         return self._start_supervisor(run, plan, self.launcher, echo=echo, verbosity=verbosity, live=live)
 
