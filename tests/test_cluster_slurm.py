@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import (
     NASTY,
+    REPO,
     cli,
     kill_the_trainer_keeping_the_rest,
     logs_tail,
@@ -50,7 +51,7 @@ def ws(tmp_path_factory, full_sft_store):
     return manifests, env
 
 
-DONE = ("COMPLETED", "CANCELLED", "gone")  # states a resume may follow
+DONE = ("COMPLETED", "CANCELLED", "FAILED", "gone")  # ended states
 
 
 def _wait_ended(job_id: str) -> str:
@@ -246,3 +247,21 @@ def test_a_killed_trainer_restarts_alone_inside_the_job_under_broadcast(ws, tmp_
     assert "rejoined the weight sender of epoch" in server_log, server_log[-3000:]
     assert "(restart 1)" in (run_dir / "logs" / "trainer.log").read_text()
     assert wait_gone(run_dir, 30) == []
+
+
+def test_a_job_script_submitted_by_hand_into_an_empty_folder_says_what_it_misses(tmp_path: Path):
+    """`sbatch job.sbatch` where no run folder was prepared: the job stops at once and its output, in the folder
+    sbatch ran in, says why (it was sent into the run folder's logs/, which did not exist: sbatch failed the
+    launch and wrote nowhere why)."""
+    require_slurm()
+    script = tmp_path / "job.sbatch"
+    rendered = cli("render", REPO / "manifests" / "reverse-text-slurm.yaml", env=os.environ)
+    assert rendered.returncode == 0, rendered.stderr
+    script.write_text(rendered.stdout)
+    submitted = subprocess.run(["sbatch", "--parsable", str(script)], cwd=tmp_path, capture_output=True, text=True,
+                               timeout=30)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    assert _wait_ended(job) in ("FAILED", "gone", "COMPLETED"), _job_state(job)
+    (log,) = tmp_path.glob(f"reverse-text-slurm-{job}.log")
+    assert "plan.json is missing" in log.read_text() and "primebuild run MANIFEST --detach" in log.read_text()

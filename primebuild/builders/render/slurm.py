@@ -36,6 +36,7 @@ shell goes through shlex.quote.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -204,14 +205,13 @@ def _exports(p: ProcessSpec) -> str:
     return " ".join(parts + ['PRIMEBUILD_RUN_DIR="$RUN_DIR"'])
 
 
-def _output_header(run_dir: str) -> str | None:
-    """sbatch reads #SBATCH values in double quotes; a path it cannot carry that way is left to the
-    command line (`primebuild run` always passes --output itself). A relative one is relative to the
-    folder sbatch runs in, as $RUN_DIR is."""
-    path = f"{run_dir}/logs/job-%j.log"
-    if any(ch in run_dir for ch in '"\\\n%$'):
+def _output_header(name: str) -> str | None:
+    """The job's output when the script is submitted by hand: in the folder sbatch runs in, which exists (a
+    path into the run folder's logs/ did not, before the folder was prepared: sbatch then failed the launch
+    and wrote nowhere why). `primebuild run` passes --output into the run folder itself."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         return None
-    return path
+    return f"{name}-%j.log"
 
 
 def _run_dir(run_dir: str) -> str:
@@ -236,7 +236,7 @@ def render_slurm(plan: Plan, ctx: RenderContext) -> dict[str, str]:
     text = _env().get_template("slurm.sbatch.j2").render(
         image=image, step_python=IMAGE_PYTHON if image else None,
         version=__version__, name=plan.name, plan_hash=plan.plan_hash, notes=not_runnable_notes(plan),
-        job_name=shlex.quote(plan.name), output_header=_output_header(ctx.run_dir),
+        job_name=shlex.quote(plan.name), output_header=_output_header(plan.name),
         signal_seconds=signal_seconds(plan), max_requeues=MAX_REQUEUES, run_dir=_run_dir(ctx.run_dir),
         python=shlex.quote(ctx.python or DEFAULT_PYTHON), nodes=plan.hardware.nodes,
         job_nodes=sum(len(a.component.nodes) for a in allocs),
