@@ -191,3 +191,14 @@ def test_a_killed_trainer_restarts_alone_on_its_host_under_broadcast(ws, tmp_pat
     server_log = (run_dir / "logs" / "inference-0.log").read_text()
     assert "(restart 1)" not in server_log and "rejoined the weight sender of epoch" in server_log, server_log[-3000:]
     assert wait_gone(run_dir, 10) == []
+
+
+def test_a_secret_with_a_line_break_is_refused_before_anything_starts(tmp_path: Path):
+    """Secrets travel to the hosts as NAME=value lines on the workers' stdin: one with a line break was dropped
+    without a word, and the process started without it."""
+    runs = tmp_path / "runs"
+    done = cli("run", REPO / "manifests" / "reverse-text-ssh.yaml", "--set", "secrets=[MY_SECRET]",
+               "--runs-dir", runs, env={**os.environ, "MY_SECRET": "line one\nline two"}, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "secret MY_SECRET holds a line break" in done.stderr and "line one" not in done.stdout + done.stderr
+    assert not runs.exists()

@@ -156,7 +156,7 @@ class SshLauncher:
         passed = dict(env)
         passed.update({name: os.environ[name] for name in spec.secrets if name in os.environ})
         self.run.process_record(spec.name).unlink(missing_ok=True)  # a restart records anew
-        stdin = "".join(f"{k}={v}\n" for k, v in passed.items() if "\n" not in v) + "\n"
+        stdin = "".join(f"{k}={v}\n" for k, v in passed.items() if "\n" not in v) + "\n"  # provision refused those
         return SshHandle(self, spec, stdin)
 
     def lost(self, host: str) -> bool:
@@ -179,6 +179,16 @@ class SshLauncher:
             return
         command = signal_command(str(self.run.root), str(pgid), sig)
         self.connection(host_of(self.plan, spec)).run(command, hide=True, warn=True, timeout=30)
+
+
+def refuse_multiline_secrets(plan: Plan) -> None:
+    """Secrets reach a remote worker as NAME=value lines on its stdin (never on a command line): a value with a
+    line break cannot travel that way, and dropping it would start the process without it."""
+    for name in sorted({s for p in plan.processes for s in p.secrets}):
+        if "\n" in os.environ.get(name, ""):
+            raise UserError(f"secret {name} holds a line break: the ssh target hands secrets to the hosts as one "
+                            "NAME=value line each", hint=f"give {name} on one line (e.g. base64 it, and decode it "
+                                                          "where it is read)")
 
 
 def rendezvous_hosts(hosts: list[str]) -> list[str]:
@@ -213,6 +223,7 @@ class SshTarget(SupervisedHere, Target):
     kind = "ssh"
 
     def provision(self, plan: Plan) -> None:
+        refuse_multiline_secrets(plan)
         python = remote_python(plan)
         for host in dict.fromkeys(plan.target.hosts):
             conn = _open(connect(plan, host))
