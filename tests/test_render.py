@@ -230,6 +230,40 @@ def test_kubernetes_wiring_is_consistent():
     assert "secretKeyRef" in text
 
 
+def test_kubernetes_containers_count_their_own_gpus_from_zero(tmp_path):
+    """The device plugin shows a container only the GPUs it was given, as 0..k-1: the plan's node-wide
+    CUDA_VISIBLE_DEVICES=2,3 saw no GPU there. The artifact and the worker (rendezvous flag) both renumber."""
+    from primebuild.contracts.plan import read_plan
+    from primebuild.contracts.run_dir import Rendezvous, RunDir, write_json_atomic
+    from primebuild.runtime.worker import prepare
+
+    result = run_cli("render", MANIFESTS / "qwen3-30b-a3b.yaml", "--target", "kubernetes", "--run-dir", "/r/q",
+                     timeout=60)
+    assert result.code == 0, result.text
+    jobset = next(o for o in yaml.safe_load_all(result.out) if o and o["kind"] == "JobSet")
+    seen = 0
+    for template in _pod_templates(jobset):
+        for c in template["spec"]["template"]["spec"]["containers"]:
+            gpus = int(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            if gpus:
+                seen += 1
+                assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(gpus))), (c["name"], env)
+    assert seen >= 3
+    config = next(o for o in yaml.safe_load_all(result.out) if o and o["kind"] == "ConfigMap")
+    rendezvous = json.loads(config["data"]["rendezvous.json"])
+    assert rendezvous["gpus_numbered_per_process"] is True
+    run = RunDir(tmp_path)
+    (tmp_path / "plan.json").write_text(config["data"]["plan.json"])
+    rendezvous["model_path"] = str(tmp_path / "model")
+    rendezvous["hosts"] = ["127.0.0.1"] * len(rendezvous["hosts"])  # no cluster DNS here
+    write_json_atomic(run.rendezvous, Rendezvous(**rendezvous).model_dump(mode="json"))
+    plan = read_plan(tmp_path / "plan.json")
+    placed = next(p for p in plan.processes if p.gpus and p.gpus[0] > 0)  # not the node's first GPUs
+    _, env = prepare(plan, placed.name, run)
+    assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(len(placed.gpus))))
+
+
 def test_secrets_are_named_never_written(tmp_path, monkeypatch):
     """Secret values in the environment of `render` never reach an artifact; their names do."""
     secret = "s3cr3t-value-that-must-not-leak"

@@ -194,3 +194,9 @@ def read_plan(path: str | Path) -> Plan:
         raise UserError(f"{path}: plan_version {data.get('plan_version')!r}, this primebuild reads "
                         f"{PLAN_VERSION}", hint="recompile it from its manifest with `primebuild plan`")
     return parse_contract(Plan, data, where=str(path))
+
+
+def per_process_devices(process: ProcessSpec) -> str:
+    """CUDA_VISIBLE_DEVICES where a container shows the process only its own GPUs, as 0..k-1 (Kubernetes'
+    device plugin), instead of the plan's node-wide indices."""
+    return ",".join(str(i) for i in range(len(process.gpus)))

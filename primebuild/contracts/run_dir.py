@@ -58,6 +58,9 @@ class Rendezvous(Contract):
     model_path: str
     teacher_model_path: str | None = None  # on-policy distillation: the teacher's folder (its server's {teacher_model_path})
     environments: dict[str, str] = Field(default_factory=dict)  # environment -> its python, beyond ours
+    # the container runtime shows each process only its own GPUs, numbered from 0 (Kubernetes' device plugin):
+    # CUDA_VISIBLE_DEVICES then counts 0..k-1, not the plan's node-wide indices
+    gpus_numbered_per_process: bool = False
 
 
 LOOPBACK = "127.0.0.1"

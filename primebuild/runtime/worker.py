@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from primebuild.code_path import with_checkout
-from primebuild.contracts.plan import PLACEHOLDER, Plan, ProcessSpec, read_plan
+from primebuild.contracts.plan import PLACEHOLDER, Plan, ProcessSpec, per_process_devices, read_plan
 from primebuild.contracts.run_dir import LOOPBACK, ProcessRecord, Rendezvous, RunDir, write_json_atomic
 from primebuild.errors import UserError
 from primebuild.runtime.stacks import PROCESS_ENV
@@ -105,7 +105,8 @@ def prepare(plan: Plan, name: str, run: RunDir, extra_env: dict[str, str] | None
     """The resolved argv and environment of process `name`; writes its config file."""
     process: ProcessSpec = plan.process(name)
     config_path = run.config(name)
-    resolve = resolver(run, run.read_rendezvous(), config_path, process.environment)
+    rendezvous = run.read_rendezvous()
+    resolve = resolver(run, rendezvous, config_path, process.environment)
     if process.config is not None:
         # Resolved, then parsed back into its class: what the process reads is what the plan typed.
         config = type(process.config).model_validate(resolve(process.config.model_dump(mode="json")))
@@ -116,6 +117,8 @@ def prepare(plan: Plan, name: str, run: RunDir, extra_env: dict[str, str] | None
     env = dict(os.environ)
     env.update(extra_env or {})
     env.update(resolve(process.env))
+    if rendezvous.gpus_numbered_per_process and process.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = per_process_devices(process)
     if process.environment != "primebuild":  # vLLM's environment holds no primebuild: it gets this one's
         env = with_checkout(env)
     env[PROCESS_ENV] = name  # inherited by its children too: whose stacks a hang dump holds (primebuild/runtime/stacks.py)

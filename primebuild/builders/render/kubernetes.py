@@ -52,7 +52,7 @@ from primebuild.builders.render.groups import (
     not_runnable_notes,
 )
 from primebuild.contracts.inference import ADMIN_TOKEN_ENV
-from primebuild.contracts.plan import Plan, ProcessSpec, render_json
+from primebuild.contracts.plan import Plan, ProcessSpec, per_process_devices, render_json
 from primebuild.contracts.render import RenderContext
 from primebuild.manifest.schema import KubernetesTarget
 
@@ -100,7 +100,8 @@ class KubernetesObjects:
 
     def rendezvous(self) -> dict:
         return {"hosts": self.hosts(), "model_path": self.ctx.model_path,
-                "environments": image_environments(self.plan, self.ctx.python)}
+                "environments": image_environments(self.plan, self.ctx.python),
+                "gpus_numbered_per_process": True}  # the device plugin gives each container its GPUs as 0..k-1
 
     # --- pods --------------------------------------------------------------------------------------
 
@@ -113,7 +114,10 @@ class KubernetesObjects:
         return {"cpu": str(cpus), "memory": f"{memory}Gi"}
 
     def container(self, p: ProcessSpec, index: int) -> dict:
-        env = [{"name": k, "value": v} for k, v in env_literals(p).items()]
+        literals = env_literals(p)
+        if p.gpus:  # the device plugin shows the container its own GPUs only, numbered from 0
+            literals["CUDA_VISIBLE_DEVICES"] = per_process_devices(p)
+        env = [{"name": k, "value": v} for k, v in literals.items()]
         env.append({"name": "PRIMEBUILD_RUN_DIR", "value": self.ctx.run_dir})
         env.append({"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{self.name}-admin",
                                                                             "key": "token"}}})
