@@ -264,6 +264,15 @@ def test_kubernetes_containers_count_their_own_gpus_from_zero(tmp_path):
     assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(len(placed.gpus))))
 
 
+@pytest.mark.parametrize(("name", "why"), [("9-Reverse_text.", "is no DNS label"), ("a" * 60, "past Kubernetes' 63")])
+def test_a_name_kubernetes_cannot_carry_is_refused_at_the_field(capsys, name, why):
+    """The objects and pods are named after the plan: a leading digit, a trailing '-' or a long name rendered
+    objects the API server refuses."""
+    result = call_cli(capsys, "render", MANIFESTS / "reverse-text.yaml", "--target", "kubernetes", "--run-dir",
+                      "/r/x", "--set", f"name={name}")
+    assert result.code == 2 and "name:" in result.err and why in result.err, result.text
+
+
 def test_secrets_are_named_never_written(tmp_path, monkeypatch):
     """Secret values in the environment of `render` never reach an artifact; their names do."""
     secret = "s3cr3t-value-that-must-not-leak"

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from primebuild.builders.environments import environment_problems, sandbox_problems
 from primebuild.builders.model_facts import ModelFacts
+from primebuild.builders.render.kubernetes import name_problem
 from primebuild.builders.trainer_engine import titan_gaps, trainer_engine
 from primebuild.builders.trainer_restart import trainer_restart_gap
 from primebuild.contracts.inference import EMBEDDED_MODEL_TYPES
@@ -159,6 +160,9 @@ def _target(m: Manifest) -> Iterator[Refusal]:
         yield Refusal("target.hosts", f"the ssh target runs plan node N on hosts[N]: {len(t.hosts)} host(s) for "
                       f"{m.hardware.nodes} node(s)", f"list {m.hardware.nodes} host(s), or set hardware.nodes: "
                       f"{len(t.hosts)}")
+    if t.kind == "kubernetes" and (why := name_problem(m.name, m.hardware.nodes)):
+        yield Refusal("name", f"the kubernetes target names its objects and pods after it: {why}",
+                      "a name of lower-case letters, digits and '-', starting with a letter, short enough")
     if t.kind == "kubernetes" and t.rdma_resource and m.hardware.gpus_per_node == 0:
         # RDMA devices serve NCCL between GPU pods; a CPU plan has none to give one to
         yield Refusal("target.rdma_resource", "an RDMA device is requested per GPU pod, and this plan has no GPUs",

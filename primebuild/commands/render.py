@@ -67,8 +67,8 @@ def command(manifest: str, sets: tuple[str, ...], target: str | None, out_dir: P
     if plan.build is not None:
         raise UserError(f"{manifest}: an sft: manifest is one store build, not processes on a cluster")
     # a design study may ask for what no backend applies, but the target's own settings must describe a
-    # cluster the artifact can address (ssh: a host for every plan node)
-    if unaddressable := [u for u in plan.unsupported if u.field.startswith("target.")]:
+    # cluster the artifact can address (ssh: a host for every plan node), and its objects need valid names
+    if unaddressable := [u for u in plan.unsupported if u.field.startswith("target.") or u.field == "name"]:
         raise UserError(located(loaded, [Problem(u.message, field=u.field, hint=u.hint) for u in unaddressable]))
     checked_image(image)
     _refuse_flags_without_effect(kind, python=python, image=image, image_digest=image_digest, mounts=mounts,

@@ -74,13 +74,34 @@ def image_environments(plan: Plan, python: str) -> dict[str, str]:
     return {"vllm": python if vllm.device == "cuda" else vllm.image_python}
 
 
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # RFC 1035: what Kubernetes names Services and pods
+LONGEST_GROUP = "orchestrator"  # the longest replicated job name a plan gives
+
+
+def object_name(plan_name: str) -> str:
+    """The JobSet's, Service's and ConfigMap's name: the plan's, as a DNS label ('_' and '.' become '-')."""
+    return plan_name.lower().replace("_", "-").replace(".", "-")
+
+
+def name_problem(plan_name: str, nodes: int) -> str | None:
+    """Why the plan's name cannot name the objects and their pods (`NAME-GROUP-0-INDEX`), or None."""
+    name = object_name(plan_name)
+    if not DNS_LABEL.fullmatch(name):
+        return (f"{name!r} (the name as Kubernetes objects carry it) is no DNS label: it must start with a letter "
+                "and end with a letter or digit")
+    longest = f"{name}-{LONGEST_GROUP}-0-{max(nodes - 1, 0)}"
+    if len(longest) > 63:
+        return f"pod names such as {longest!r} would be {len(longest)} characters, past Kubernetes' 63"
+    return None
+
+
 class KubernetesObjects:
     """One plan's objects on Kubernetes, with the names, namespace and rendezvous they use: the renderer
     writes them to a file, the kubernetes target (primebuild/runtime/targets/kubernetes.py) applies them."""
 
     def __init__(self, plan: Plan, ctx: RenderContext):
         self.plan, self.ctx = plan, ctx
-        self.name = plan.name.lower().replace("_", "-").replace(".", "-")
+        self.name = object_name(plan.name)
         self.target = plan.target_settings(KubernetesTarget)
         self.namespace = self.target.namespace
         self.image = image_reference(ctx.image, plan) or DEFAULT_IMAGE
