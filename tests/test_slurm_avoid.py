@@ -61,3 +61,11 @@ def test_without_enough_other_nodes_the_restart_waits_for_the_lost_host_to_answe
     assert "needs 4 node(s) and only 3 other(s) respond: waiting for node(s) host1 (10.77.0.1" in said[0], said
     assert any(line.startswith("still waiting for node(s) host1") for line in said), said
     assert said[-1].startswith("10.77.0.1 answers again after"), said
+
+
+def test_draining_and_drained_nodes_are_not_counted_usable():
+    """sinfo's compact states: "drng" (draining: its jobs finish, no new job starts) counted as usable before."""
+    from primebuild.runtime.targets.slurm_avoid import usable
+
+    rows = [["n1", "idle"], ["n2", "drng"], ["n3", "drain"], ["n4", "mix"], ["n5", "down*"], ["n6", "alloc"]]
+    assert usable(rows) == ["n1", "n4", "n6"]

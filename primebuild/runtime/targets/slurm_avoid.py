@@ -20,7 +20,8 @@ from primebuild.runtime.targets.base import Echo
 from primebuild.runtime.targets.slurm_hosts import CONNECT_TIMEOUT_S, PROBE_EVERY_S, slurmd_endpoints
 
 WAIT_REPORT_S = 30.0
-NOT_USABLE = ("*", "down", "drain", "fail", "maint", "unk")  # sinfo's state suffixes/names no job gets
+# sinfo's compact states (%t) and suffixes no new job gets: "drng" is draining (its jobs finish, no new one starts)
+NOT_USABLE = ("*", "down", "drain", "drng", "fail", "maint", "unk")
 
 
 def _fields(line: str) -> dict[str, str]:
@@ -46,6 +47,11 @@ def usable_nodes(partition: str | None) -> list[str]:
         members = subprocess.run(["sinfo", "-h", "-N", "-p", default, "-o", "%N"], capture_output=True, text=True,
                                  timeout=30).stdout.split()
         rows = [r for r in rows if r[0] in members]
+    return usable(rows)
+
+
+def usable(rows: list[list[str]]) -> list[str]:
+    """The names of sinfo's (name, compact state) rows whose state a new job can be given."""
     return sorted({name for name, state in rows if not any(bad in state for bad in NOT_USABLE)})
 
 
