@@ -69,3 +69,12 @@ def test_draining_and_drained_nodes_are_not_counted_usable():
 
     rows = [["n1", "idle"], ["n2", "drng"], ["n3", "drain"], ["n4", "mix"], ["n5", "down*"], ["n6", "alloc"]]
     assert usable(rows) == ["n1", "n4", "n6"]
+
+
+def test_a_time_limit_within_the_stop_warning_is_refused_at_target_time(capsys):
+    """--signal=B:TERM@120 under a 60 s limit: the job was told to stop as it started."""
+    from conftest import MANIFESTS, call_cli
+
+    result = call_cli(capsys, "plan", MANIFESTS / "reverse-text-slurm.yaml", "--set", "target.time=00:01:00")
+    assert result.code == 2 and "target.time" in result.err and "within the stop warning" in result.err, result.text
+    assert call_cli(capsys, "plan", MANIFESTS / "reverse-text-slurm.yaml", "--set", "target.time=1-00:00:00").code == 0

@@ -27,6 +27,7 @@ from primebuild.builders.model_ref import model_reference, read_facts_json
 from primebuild.builders.placement import Placement, place
 from primebuild.builders.ports import HIGHEST_PORT, out_of_range, port_problems
 from primebuild.builders.processes import build_processes
+from primebuild.builders.render.slurm import time_limit_problem
 from primebuild.builders.trainer_engine import titan_gaps, trainer_engine
 from primebuild.builders.vllm_command import KV_CONNECTORS
 from primebuild.contracts.estimates import Estimates
@@ -83,7 +84,10 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
         warnings.append(f"trainer: {why}")
     if budget_problems:
         raise UserError([_locate(loaded, p) for p in budget_problems])
-    return _plan(loaded, facts, lock, processes, _node_map(m, processes), memory, estimates, warnings, refused)
+    plan = _plan(loaded, facts, lock, processes, _node_map(m, processes), memory, estimates, warnings, refused)
+    if too_short := time_limit_problem(plan):  # the stop warning needs the plan's own step and checkpoint times
+        raise UserError([_locate(loaded, too_short)])
+    return plan
 
 
 def manifest_problems(loaded: LoadedManifest) -> list[Problem]:

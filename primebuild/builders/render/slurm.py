@@ -55,6 +55,7 @@ from primebuild.builders.render.groups import (
 from primebuild.contracts.memory import TrainerGroupMemory
 from primebuild.contracts.plan import Plan, ProcessSpec
 from primebuild.contracts.render import RenderContext
+from primebuild.errors import Problem
 from primebuild.manifest.schema import SlurmTarget
 
 SCRIPT_NAME = "job.sbatch"
@@ -182,6 +183,26 @@ def signal_seconds(plan: Plan) -> int:
         estimates.weight_sync.seconds if estimates.weight_sync else 0)
     seconds = step + 2 * write + STOP_MARGIN_SECONDS
     return max(MIN_SIGNAL_SECONDS, 30 * math.ceil(seconds / 30))
+
+
+def time_limit_seconds(limit: str) -> int:
+    """target.time ([D-]HH:MM:SS, the schema's pattern) in seconds."""
+    days, _, clock = limit.rpartition("-")
+    hours, minutes, seconds = (int(x) for x in clock.split(":"))
+    return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
+
+
+def time_limit_problem(plan: Plan) -> Problem | None:
+    """A time limit within the stop warning: the job would be told to stop as it starts."""
+    if plan.target.kind != "slurm":
+        return None
+    limit, warning = time_limit_seconds(plan.target.time), signal_seconds(plan)
+    if limit > warning:
+        return None
+    return Problem(f"a time limit of {plan.target.time} ({limit} s) is within the stop warning: the job is told "
+                   f"to stop {warning} s before its end (the trainer's step, weight sync and checkpoint, as planned), "
+                   "so it would stop as it starts", field="target.time",
+                   hint=f"give the job well over {warning} s")
 
 
 def _container(image: str | None, ctx: RenderContext) -> str:
