@@ -489,7 +489,7 @@ def test_an_ssh_host_is_never_an_option_of_ssh(capsys):
     """`-oProxyCommand` as a host validated, and ssh.sh passed it where ssh reads options."""
     result = call_cli(capsys, "validate", MANIFESTS / "reverse-text-ssh.yaml", "--set", 'target.hosts=["-oProxyCommand"]')
     assert result.code == 2 and "target.hosts[0]" in result.err, result.text
-    assert "-o BatchMode=yes -- " in (GOLDEN / "reverse-text-ssh.sh").read_text()  # and the destination after --
+    assert "-o ServerAliveCountMax=5 -- " in (GOLDEN / "reverse-text-ssh.sh").read_text()  # the destination after --
 
 
 def test_render_refuses_target_settings_that_address_no_cluster(capsys):

@@ -20,31 +20,31 @@ signal_template='if tr '"'"'\0'"'"' '"'"'\n'"'"' < /proc/@PGID@/environ 2>/dev/n
 
 # inference-0 (inference) on plan node 0: 127.0.0.2
 start_inference-0() {
-  printf '%s\n' "PRIMEBUILD_ADMIN_TOKEN=${PRIMEBUILD_ADMIN_TOKEN-}" '' | ssh -p 2222 -o BatchMode=yes -- 127.0.0.2 'cd /shared/runs/demo && exec "$HOME"/primebuild/.venv/bin/python -m primebuild.cli worker --plan /shared/runs/demo/plan.json --process inference-0 --run-dir /shared/runs/demo --session --env-from-stdin' >>"$run_dir/logs/"inference-0.log 2>&1 &
+  printf '%s\n' "PRIMEBUILD_ADMIN_TOKEN=${PRIMEBUILD_ADMIN_TOKEN-}" '' | ssh -p 2222 -o BatchMode=yes -o ServerAliveInterval=2 -o ServerAliveCountMax=5 -- 127.0.0.2 'cd /shared/runs/demo && exec "$HOME"/primebuild/.venv/bin/python -m primebuild.cli worker --plan /shared/runs/demo/plan.json --process inference-0 --run-dir /shared/runs/demo --session --env-from-stdin' >>"$run_dir/logs/"inference-0.log 2>&1 &
   pid[inference-0]=$!
 }
 signal_inference-0() {  # SIGNAL PGID (digits): the remote command with both filled in
-  local command=${signal_template//@PGID@/$2}; ssh -p 2222 -o BatchMode=yes -- 127.0.0.2 "${command//@SIG@/$1}" </dev/null || true
+  local command=${signal_template//@PGID@/$2}; ssh -p 2222 -o BatchMode=yes -o ServerAliveInterval=2 -o ServerAliveCountMax=5 -- 127.0.0.2 "${command//@SIG@/$1}" </dev/null || true
 }
 restarts[inference-0]=0 max_restarts[inference-0]=3 health_url[inference-0]=http://127.0.0.2:8000/health health_timeout[inference-0]=1800
 
 # trainer (trainer) on plan node 1: 127.0.0.3
 start_trainer() {
-  printf '%s\n' "PRIMEBUILD_ADMIN_TOKEN=${PRIMEBUILD_ADMIN_TOKEN-}" '' | ssh -p 2222 -o BatchMode=yes -- 127.0.0.3 'cd /shared/runs/demo && exec "$HOME"/primebuild/.venv/bin/python -m primebuild.cli worker --plan /shared/runs/demo/plan.json --process trainer --run-dir /shared/runs/demo --session --env-from-stdin' >>"$run_dir/logs/"trainer.log 2>&1 &
+  printf '%s\n' "PRIMEBUILD_ADMIN_TOKEN=${PRIMEBUILD_ADMIN_TOKEN-}" '' | ssh -p 2222 -o BatchMode=yes -o ServerAliveInterval=2 -o ServerAliveCountMax=5 -- 127.0.0.3 'cd /shared/runs/demo && exec "$HOME"/primebuild/.venv/bin/python -m primebuild.cli worker --plan /shared/runs/demo/plan.json --process trainer --run-dir /shared/runs/demo --session --env-from-stdin' >>"$run_dir/logs/"trainer.log 2>&1 &
   pid[trainer]=$!
 }
 signal_trainer() {  # SIGNAL PGID (digits): the remote command with both filled in
-  local command=${signal_template//@PGID@/$2}; ssh -p 2222 -o BatchMode=yes -- 127.0.0.3 "${command//@SIG@/$1}" </dev/null || true
+  local command=${signal_template//@PGID@/$2}; ssh -p 2222 -o BatchMode=yes -o ServerAliveInterval=2 -o ServerAliveCountMax=5 -- 127.0.0.3 "${command//@SIG@/$1}" </dev/null || true
 }
 restarts[trainer]=0 max_restarts[trainer]=3 health_url[trainer]='' health_timeout[trainer]=300
 
 # orchestrator (orchestrator) on plan node 1: 127.0.0.3
 start_orchestrator() {
-  printf '%s\n' "PRIMEBUILD_ADMIN_TOKEN=${PRIMEBUILD_ADMIN_TOKEN-}" '' | ssh -p 2222 -o BatchMode=yes -- 127.0.0.3 'cd /shared/runs/demo && exec "$HOME"/primebuild/.venv/bin/python -m primebuild.cli worker --plan /shared/runs/demo/plan.json --process orchestrator --run-dir /shared/runs/demo --session --env-from-stdin' >>"$run_dir/logs/"orchestrator.log 2>&1 &
+  printf '%s\n' "PRIMEBUILD_ADMIN_TOKEN=${PRIMEBUILD_ADMIN_TOKEN-}" '' | ssh -p 2222 -o BatchMode=yes -o ServerAliveInterval=2 -o ServerAliveCountMax=5 -- 127.0.0.3 'cd /shared/runs/demo && exec "$HOME"/primebuild/.venv/bin/python -m primebuild.cli worker --plan /shared/runs/demo/plan.json --process orchestrator --run-dir /shared/runs/demo --session --env-from-stdin' >>"$run_dir/logs/"orchestrator.log 2>&1 &
   pid[orchestrator]=$!
 }
 signal_orchestrator() {  # SIGNAL PGID (digits): the remote command with both filled in
-  local command=${signal_template//@PGID@/$2}; ssh -p 2222 -o BatchMode=yes -- 127.0.0.3 "${command//@SIG@/$1}" </dev/null || true
+  local command=${signal_template//@PGID@/$2}; ssh -p 2222 -o BatchMode=yes -o ServerAliveInterval=2 -o ServerAliveCountMax=5 -- 127.0.0.3 "${command//@SIG@/$1}" </dev/null || true
 }
 restarts[orchestrator]=0 max_restarts[orchestrator]=0 health_url[orchestrator]='' health_timeout[orchestrator]=300
 

@@ -55,7 +55,10 @@ def ssh_argv(plan: Plan, process: ProcessSpec) -> list[str]:
     target = plan.target_settings(SshTarget)
     host = host_of(plan, process)
     dest = f"{target.user}@{host}" if target.user else host
-    return ["ssh", "-p", str(target.port), "-o", "BatchMode=yes", "--", dest]  # --: dest is never an option
+    # keepalives: a cut link ends the session in ~10 s, as `primebuild run`'s connections (runtime/targets/ssh.py),
+    # instead of TCP's minutes of retries
+    return ["ssh", "-p", str(target.port), "-o", "BatchMode=yes", "-o", "ServerAliveInterval=2",
+            "-o", "ServerAliveCountMax=5", "--", dest]  # --: dest is never an option
 
 
 def signal_command(run_dir: str, pgid: str, sig: str) -> str:
