@@ -362,26 +362,49 @@ def _jobset(text: str) -> dict:
     return next(o for o in yaml.safe_load_all(text) if o and o["kind"] == "JobSet")
 
 
+def _container_processes(container: dict) -> list[str]:
+    """The plan processes a container runs: the one its worker names, or one per pod index (sh -c case)."""
+    argv = container["command"]
+    if "--process" in argv:
+        return [argv[argv.index("--process") + 1]]
+    return re.findall(r"--process '?([a-z0-9-]+)", " ".join(argv))
+
+
+def _job_processes(job: dict) -> list[str]:
+    """The plan processes a replicated job's pods run."""
+    containers = job["template"]["spec"]["template"]["spec"]["containers"]
+    return sorted({n for c in containers for n in _container_processes(c)})
+
+
 def test_glm5_jobset_follows_the_plan_start_order_and_restart_policies():
-    """Decode replicas span 2 nodes each: they are pods of the decode job, in the plan's start order, and
-    restart as the plan says (never: the ranks of one replica form one torch.distributed group)."""
+    """Decode replicas span 2 nodes each. Every pod runs its own process with that process's ports and probes:
+    a replica's head node (its HTTP port) and its second node (no server) are jobs of their own, in the plan's
+    start order, restarting as the plan says (never: the ranks of one replica form one torch.distributed
+    group). One template for a whole group probed every decode pod on the first one's port, and ran the
+    router's container, which exits 2, on every prefill pod."""
     objects = {o["kind"]: o for o in _objects("glm5.kubernetes.yaml")}
     plan = json.loads(objects["ConfigMap"]["data"]["plan.json"])
+    by_name = {p["name"]: p for p in plan["processes"]}
     jobs = objects["JobSet"]["spec"]["replicatedJobs"]
-    order = {}
-    for p in plan["processes"]:
-        order[p["group"]] = min(order.get(p["group"], p["start_order"]), p["start_order"])
-    assert [j["name"] for j in jobs] == sorted(order, key=lambda g: order[g])  # prefill, decode, trainer, orch.
     assert objects["JobSet"]["spec"]["startupPolicy"] == {"startupPolicyOrder": "InOrder"}
+    starts = [min(by_name[n]["start_order"] for n in _job_processes(j)) for j in jobs]
+    assert starts == sorted(starts)  # prefill, decode, trainer, orchestrator
+    assert sorted(n for j in jobs for n in _job_processes(j)) == sorted(by_name)  # every process, once
     for job in jobs:
-        processes = [p for p in plan["processes"] if p["group"] == job["name"]]
+        processes = [by_name[n] for n in _job_processes(job)]
+        assert len({p["group"] for p in processes}) == 1
         never = all(p["restart"]["policy"] == "never" for p in processes)
         spec = job["template"]["spec"]
         assert spec["template"]["spec"]["restartPolicy"] == ("Never" if never else "OnFailure")
         assert spec["backoffLimit"] == (0 if never else max(p["restart"]["max_restarts"] for p in processes))
         assert spec["completions"] == len({p["node"] for p in processes})
-    decode = next(j for j in jobs if j["name"] == "decode")
-    assert decode["template"]["spec"]["completions"] == 12  # 6 replicas x 2 nodes
+        for container in spec["template"]["spec"]["containers"]:  # probes: every pod's process's own port
+            ports = {by_name[n]["ports"].get("http") for n in _container_processes(container)}
+            assert len(ports) == 1, (job["name"], ports)
+            probe = container.get("readinessProbe", {}).get("httpGet", {}).get("port")
+            assert probe == ports.pop(), (job["name"], container["name"])
+    decode = [j for j in jobs if j["name"].split("-")[0] == "decode"]
+    assert sum(j["template"]["spec"]["completions"] for j in decode) == 12  # 6 replicas x 2 nodes
 
 
 def test_pods_have_shm_cpu_and_memory_from_the_hardware():

@@ -1,7 +1,9 @@
 """Render a plan for Kubernetes: a ConfigMap holding the plan, a headless Service and one JobSet. Pure;
 YAML built as data and dumped (never templated text), so every value is escaped by the YAML emitter.
 
-- JobSet (jobset.x-k8s.io/v1alpha2): one replicated job per group of the plan (primebuild/builders/render/groups.py)
+- JobSet (jobset.x-k8s.io/v1alpha2): replicated jobs per group of the plan (primebuild/builders/render/groups.py),
+  one for each set of the group's nodes whose pods are alike (the same containers, ports, probes and GPUs:
+  a replica's head node and its second node, or replicas on other ports, are jobs of their own, GROUP-K),
   in the plan's start order, `startupPolicy: InOrder` (a group starts once the previous one is ready:
   inference pods have a readiness probe on /health); `failurePolicy.maxRestarts: 0` — any failed job
   fails the whole JobSet and Kubernetes stops every pod (fail fast); `successPolicy: All` of trainer and
@@ -105,7 +107,32 @@ class KubernetesObjects:
         self.target = plan.target_settings(KubernetesTarget)
         self.namespace = self.target.namespace
         self.image = image_reference(ctx.image, plan) or DEFAULT_IMAGE
-        self.comps = components(plan)
+        self.comps = [job for c in components(plan) for job in self.jobs_of(c)]
+
+    def jobs_of(self, c: Component) -> list[Component]:
+        """A group's replicated jobs: its nodes split by what their pods run. One pod template serves every
+        pod of a job, so nodes whose processes listen on other ports, probe other ports, hold other GPUs or
+        run no process in a container slot (a multi-node replica's second node has no HTTP server) each get a
+        job of their own, named GROUP-K after the first; nodes alike share one (a pod picks its process by
+        its index)."""
+        classes: dict[str, list[int]] = {}
+        for node in c.nodes:
+            here = [p for p in c.processes if p.node == node]
+            shape = json.dumps([self._without_process(self.container(p, slot)) for slot, p in enumerate(here)],
+                               sort_keys=True)
+            classes.setdefault(shape, []).append(node)
+        if len(classes) == 1:
+            return [c]
+        return [Component(index=c.index, group=c.group if k == 0 else f"{c.group}-{k}",
+                          processes=tuple(p for p in c.processes if p.node in nodes), nodes=tuple(nodes))
+                for k, nodes in enumerate(classes.values())]
+
+    @staticmethod
+    def _without_process(container: dict) -> dict:
+        """A container as its pod template would hold it for any node of a job: without the process's name."""
+        argv = list(container["command"])
+        i = argv.index("--process")
+        return {**container, "command": argv[:i] + argv[i + 2:]}
 
     # --- addresses ---------------------------------------------------------------------------------
 
@@ -234,7 +261,7 @@ class KubernetesObjects:
         service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": self.name, **meta},
                    "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                             "selector": {"jobset.sigs.k8s.io/jobset-name": self.name}}}
-        done = [c.group for c in self.comps if c.group in ("trainer", "orchestrator")]
+        done = [c.group for c in self.comps if any(p.role in ("trainer", "orchestrator") for p in c.processes)]
         jobset = {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": {"name": self.name, **meta}, "spec": {
             "network": {"enableDNSHostnames": True, "subdomain": self.name, "publishNotReadyAddresses": True},
             "startupPolicy": {"startupPolicyOrder": "InOrder"},
