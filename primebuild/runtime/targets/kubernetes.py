@@ -8,7 +8,8 @@
   names (recorded in the run; default primebuild:latest);
 - follow: poll the JobSet's conditions (Completed / Failed) and print the progress lines from the run
   folder (metrics.jsonl, on the shared volume); at the end copy each pod's log into logs/;
-- stop: delete what was applied (Kubernetes stops the pods);
+- stop: delete what was applied (Kubernetes stops the pods); also when the JobSet ends, however it ends, so
+  that `--resume` can create the objects again; a create the API refuses deletes what was applied before it;
 - state: the JobSet's terminal condition, or "running".
 
 No cluster runs on the CI machines: the rendered objects are validated there against the Kubernetes
@@ -20,6 +21,7 @@ from __future__ import annotations
 import secrets
 import sys
 import time
+from pathlib import PurePosixPath
 
 from primebuild.builders.render.kubernetes import JOBSET_API, KubernetesObjects
 from primebuild.contracts.plan import Plan, read_plan
@@ -75,19 +77,32 @@ class KubernetesTarget(Target):
                avoid_hosts: tuple[str, ...] = ()) -> LaunchRecord:
         client = _client()
         renderer = self._renderer(run, plan)
+        seen = PurePosixPath(renderer.ctx.run_dir).parent  # the runs volume, as the pods mount it
+        if not PurePosixPath(renderer.ctx.model_path).is_relative_to(seen):
+            raise UserError(f"target kubernetes: the pods mount {seen} (the runs volume) and no other folder of this "
+                            f"machine, so they cannot read the model at {renderer.ctx.model_path}",
+                            hint=f"keep the store on that volume (PRIMEBUILD_STORE under {seen}), or `primebuild "
+                                 "render --target kubernetes --model-path` and apply it by hand")
         write_json_atomic(run.rendezvous, Rendezvous(**renderer.rendezvous()).model_dump(mode="json"))
         core, custom = client.CoreV1Api(), client.CustomObjectsApi()
         ns = renderer.namespace
         token = client.V1Secret(metadata=client.V1ObjectMeta(name=f"{renderer.name}-admin"),
                                 string_data={"token": secrets.token_urlsafe(24)})
-        core.create_namespaced_secret(ns, token)
-        applied = [f"Secret/{renderer.name}-admin"]
-        for obj in renderer.objects():
-            kind, name = obj["kind"], obj["metadata"]["name"]
-            if kind in _CORE_KINDS:
-                getattr(core, f"create_namespaced_{_CORE_KINDS[kind]}")(ns, obj)
-            else:
-                custom.create_namespaced_custom_object(*_group_version(JOBSET_API), ns, "jobsets", obj)
+        applied: list[str] = []
+        objects = [("Secret", f"{renderer.name}-admin", token)] + [
+            (obj["kind"], obj["metadata"]["name"], obj) for obj in renderer.objects()]
+        for kind, name, obj in objects:
+            try:
+                if kind in _CORE_KINDS:
+                    getattr(core, f"create_namespaced_{_CORE_KINDS[kind]}")(ns, obj)
+                else:
+                    custom.create_namespaced_custom_object(*_group_version(JOBSET_API), ns, "jobsets", obj)
+            except client.exceptions.ApiException as err:  # nothing half-applied stays behind
+                self.stop(run, LaunchRecord(target=self.kind, namespace=ns, objects=applied))
+                raise UserError(f"kubernetes refused {kind}/{name} in namespace {ns}: {err.status} {err.reason}; "
+                                f"what was applied before it is deleted again",
+                                hint="409: objects of an earlier run of this name are left (`kubectl delete` them, or "
+                                     "set another name); 404: the JobSet CRD is not installed") from None
             applied.append(f"{kind}/{name}")
             echo(f"applied {kind}/{name} in namespace {ns}")
         return LaunchRecord(target=self.kind, namespace=ns, objects=applied)
@@ -119,8 +134,8 @@ class KubernetesTarget(Target):
             time.sleep(POLL_SECONDS)
         self._collect_logs(run, record)
         progress.poll()
+        self.stop(run, record)  # inference servers run until deleted; a resume creates the objects anew
         if state and state.startswith("Completed"):
-            self.stop(run, record)  # inference servers run until deleted
             return Outcome(True, "run complete", 0)
         return Outcome(False, f"JobSet {state or 'deleted'}; see {run.logs}", 1)
 
@@ -165,3 +180,5 @@ class KubernetesTarget(Target):
             return f"kubernetes JobSet: {self._jobset_state(run, record) or 'deleted'}"
         except UserError as err:
             return f"kubernetes: unknown ({err.problems[0].message})"
+        except Exception as err:  # noqa: BLE001 (the API's own errors: 403, a timeout): status still answers
+            return f"kubernetes: unknown ({type(err).__name__}: {err})"
