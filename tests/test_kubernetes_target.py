@@ -91,3 +91,30 @@ def test_a_model_the_pods_cannot_see_is_refused_before_anything_is_applied(tmp_p
     with pytest.raises(UserError, match="cannot read the model at /elsewhere/store"):
         KubernetesTarget().launch(run, plan, echo=lambda _: None, verbosity=0)
     assert calls == []
+
+
+def test_follow_says_what_keeps_a_pod_from_running(tmp_path, monkeypatch):
+    """An image that cannot be pulled or a missing Secret leaves the JobSet "running" for ever: follow was
+    silent. It says each trouble once; the run then ends with the JobSet (here: deleted)."""
+    import primebuild.runtime.targets.kubernetes as target
+    from primebuild.contracts.run_dir import LaunchRecord
+
+    module, _ = stand_in(None)
+    ns = types.SimpleNamespace
+    waiting = ns(reason="ImagePullBackOff", message="Back-off pulling image \"primebuild:latest\"")
+    pod = ns(metadata=ns(name="reverse-text-inference-0-0-x"), spec=ns(containers=[ns(name="p0")]), status=ns(
+        container_statuses=[ns(name="p0", state=ns(waiting=waiting))], init_container_statuses=None,
+        conditions=[ns(type="PodScheduled", status="True", reason=None, message=None)]))
+    polls = iter(["running", "running", "running", None])
+    module.client.CoreV1Api.list_namespaced_pod = lambda self, *a, **kw: ns(items=[pod])
+    module.client.CoreV1Api.read_namespaced_pod_log = lambda self, *a, **kw: ""
+    monkeypatch.setitem(sys.modules, "kubernetes", module)
+    monkeypatch.setattr(target, "POLL_SECONDS", 0.0)
+    monkeypatch.setattr(target.KubernetesTarget, "_jobset_state", lambda self, run, record: next(polls))
+    run, _ = _run(tmp_path, str(tmp_path / "runs" / "r" / "model"))
+    said: list[str] = []
+    outcome = target.KubernetesTarget().follow(run, LaunchRecord(target="kubernetes", namespace="default"),
+                                               echo=said.append, verbosity=0)
+    assert said == ['warning: pod reverse-text-inference-0-0-x, container p0: ImagePullBackOff (Back-off pulling '
+                    'image "primebuild:latest")']
+    assert not outcome.ok and "deleted" in outcome.message

@@ -7,7 +7,9 @@
   primebuild/builders/render/kubernetes.py (ConfigMap, Service, JobSet), its pods running the image `run --image`
   names (recorded in the run; default primebuild:latest);
 - follow: poll the JobSet's conditions (Completed / Failed) and print the progress lines from the run
-  folder (metrics.jsonl, on the shared volume); at the end copy each pod's log into logs/;
+  folder (metrics.jsonl, on the shared volume), and what keeps a pod from running (an image it cannot pull,
+  a missing Secret, a crash loop, no node to take it: the JobSet stays "running" through those); at the end
+  copy each pod's log into logs/;
 - stop: delete what was applied (Kubernetes stops the pods); also when the JobSet ends, however it ends, so
   that `--resume` can create the objects again; a create the API refuses deletes what was applied before it;
 - state: the JobSet's terminal condition, or "running".
@@ -33,6 +35,9 @@ from primebuild.runtime.supervisor import Outcome
 from primebuild.runtime.targets.base import Echo, Target
 
 POLL_SECONDS = 5.0
+# container waiting reasons that do not pass by themselves: follow says them (the JobSet stays "running")
+STUCK_REASONS = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
+                 "CreateContainerError", "CrashLoopBackOff")
 # The core v1 kinds a run applies, as the client's method names spell them (create_namespaced_config_map...);
 # every other object is the JobSet, a custom object.
 _CORE_KINDS = {"Secret": "secret", "ConfigMap": "config_map", "Service": "service"}
@@ -126,11 +131,16 @@ class KubernetesTarget(Target):
 
     def follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int) -> Outcome:
         progress = Progress(run.metrics, echo)
+        said: set[str] = set()
         while True:
             progress.poll()
             state = self._jobset_state(run, record)
             if state is None or state != "running":
                 break
+            for trouble in self._pod_troubles(run, record):  # a JobSet stays "running" with pods that never start
+                if trouble not in said:
+                    said.add(trouble)
+                    echo(f"warning: {trouble}")
             time.sleep(POLL_SECONDS)
         self._collect_logs(run, record)
         progress.poll()
@@ -138,6 +148,27 @@ class KubernetesTarget(Target):
         if state and state.startswith("Completed"):
             return Outcome(True, "run complete", 0)
         return Outcome(False, f"JobSet {state or 'deleted'}; see {run.logs}", 1)
+
+    def _pod_troubles(self, run: RunDir, record: LaunchRecord) -> list[str]:
+        """What keeps the run's pods from running, as Kubernetes reports it: a container waiting for a reason
+        that does not pass by itself (an image it cannot pull, a missing Secret, a crash loop), or a pod no
+        node can take."""
+        client = _client()
+        name = self._renderer(run, read_plan(run.plan)).name
+        pods = client.CoreV1Api().list_namespaced_pod(record.namespace,
+                                                      label_selector=f"app.kubernetes.io/instance={name}")
+        troubles = []
+        for pod in pods.items:
+            for status in (pod.status.container_statuses or []) + (pod.status.init_container_statuses or []):
+                waiting = status.state.waiting if status.state else None
+                if waiting is not None and waiting.reason in STUCK_REASONS:
+                    troubles.append(f"pod {pod.metadata.name}, container {status.name}: {waiting.reason}"
+                                    + (f" ({waiting.message})" if waiting.message else ""))
+            for condition in pod.status.conditions or []:
+                if condition.type == "PodScheduled" and condition.status == "False" and condition.reason:
+                    troubles.append(f"pod {pod.metadata.name} is not scheduled: {condition.reason}"
+                                    + (f" ({condition.message})" if condition.message else ""))
+        return troubles
 
     def _collect_logs(self, run: RunDir, record: LaunchRecord) -> None:
         client = _client()
