@@ -74,7 +74,7 @@ def compile_plan(loaded: LoadedManifest, lock: dict | None = None, *, design: bo
                  and isinstance(e["input"], int) and e["input"] > HIGHEST_PORT]
         if not ports:
             raise
-        raise UserError([_locate(loaded, out_of_range(m, ports[0]["input"], str(ports[0]["loc"][-1])))]) from None
+        raise UserError([_locate(loaded, out_of_range(ports[0]["input"], str(ports[0]["loc"][-1])))]) from None
     if shared := shared_addresses(m, processes) + port_problems(m, processes):
         raise UserError([_locate(loaded, p) for p in shared])
     memory, estimates, budget_problems, warnings = budget.compute(m, facts, placement, design=design,

@@ -23,7 +23,7 @@ def field_of(purpose: str) -> str:
     return FIELD_OF.get(purpose, "inference.port")
 
 
-def out_of_range(m: Manifest, port: int, purpose: str) -> Problem:
+def out_of_range(port: int, purpose: str) -> Problem:
     field = field_of(purpose)
     what = purpose.removesuffix("_port").removesuffix("port").strip("_") or "server"
     return Problem(f"the {what} port derived from it is {port}, past the highest TCP port {HIGHEST_PORT}", field=field,
@@ -37,7 +37,7 @@ def port_problems(m: Manifest, processes: list[ProcessSpec]) -> list[Problem]:
     for p in processes:
         for purpose, port in p.ports.items():
             if port > HIGHEST_PORT:
-                problems.append(out_of_range(m, port, purpose))
+                problems.append(out_of_range(port, purpose))
                 continue
             if port <= 0:
                 continue  # 0: the kernel picks one

@@ -48,8 +48,9 @@ def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: in
         record = run.read_launch()
         ended = ended_outcome(run, record)  # before the last chunks: they are shown, then the end
         # a session that ended without recording an outcome (a Slurm job cancelled or out of time, a killed
-        # supervisor) stays over: nothing holds the folder, its target runs nothing of it
-        over = ended is None and record is not None and run.read_outcome() is None and not run.claimed() \
+        # supervisor) stays over: nothing holds the folder, its target runs nothing of it (with an outcome,
+        # ended_outcome would have returned it)
+        over = ended is None and record is not None and not run.claimed() \
             and not target_for(record.target).active(run, record)
         gone_polls = gone_polls + 1 if over else 0
         for f in _logs(logs_dir, process):  # a process that started since (a replica `scale` added)

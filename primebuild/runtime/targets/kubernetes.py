@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import PurePosixPath
 
-from primebuild.builders.render.kubernetes import JOBSET_API, KubernetesObjects
+from primebuild.builders.render.kubernetes import JOBSET_API, KubernetesObjects, object_name
 from primebuild.contracts.plan import Plan, read_plan
 from primebuild.contracts.render import RenderContext
 from primebuild.contracts.run_dir import LaunchRecord, Rendezvous, RunDir, write_json_atomic
@@ -114,8 +114,7 @@ class KubernetesTarget(Target):
 
     def _jobset_state(self, run: RunDir, record: LaunchRecord) -> str | None:
         client = _client()
-        plan = read_plan(run.plan)
-        name = self._renderer(run, plan).name
+        name = object_name(read_plan(run.plan).name)
         group, version = _group_version(JOBSET_API)
         try:
             jobset = client.CustomObjectsApi().get_namespaced_custom_object(group, version, record.namespace,
@@ -154,7 +153,7 @@ class KubernetesTarget(Target):
         that does not pass by itself (an image it cannot pull, a missing Secret, a crash loop), or a pod no
         node can take."""
         client = _client()
-        name = self._renderer(run, read_plan(run.plan)).name
+        name = object_name(read_plan(run.plan).name)
         pods = client.CoreV1Api().list_namespaced_pod(record.namespace,
                                                       label_selector=f"app.kubernetes.io/instance={name}")
         troubles = []
@@ -173,7 +172,7 @@ class KubernetesTarget(Target):
     def _collect_logs(self, run: RunDir, record: LaunchRecord) -> None:
         client = _client()
         core = client.CoreV1Api()
-        name = self._renderer(run, read_plan(run.plan)).name
+        name = object_name(read_plan(run.plan).name)
         run.logs.mkdir(parents=True, exist_ok=True)
         pods = core.list_namespaced_pod(record.namespace, label_selector=f"app.kubernetes.io/instance={name}")
         for pod in pods.items:
