@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path
     manifests, env = ws
     runs = tmp_path / "runs"
     submitted = cli("run", manifests / "reverse-text-slurm.yaml", "--runs-dir", runs, "--detach", *SMALL,
-                    "--set", "orchestrator.max_steps=1000", "--set", f"inference.port={free_port()}", env=env)
+                    "--set", "orchestrator.max_steps=100000", "--set", f"inference.port={free_port()}", env=env)
     assert submitted.returncode == 0 and "submitted" in submitted.stdout, submitted.stdout + submitted.stderr
     run_dir = wait_trained(runs, 2, None)
     assert "RUNNING" in json.loads(cli("status", run_dir, "-o", "json", env=env).stdout)["target"]
@@ -188,24 +189,31 @@ def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path
     # so; then Ctrl-C stops the job as `primebuild stop` does: checkpoint, end, exit 130
     _wait_ended(new_job)
     done = trained_steps(run_dir)
-    proc = start("run", "--resume", run_dir, "--quiet", env=env)
+    printed = tmp_path / "follower.txt"  # read while it runs: the warning ends slurmctld's pause
+    with open(printed, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "primebuild.cli", "run", "--resume", str(run_dir), "--quiet"],
+                                stdout=sink, stderr=subprocess.STDOUT, env=env)
     controller = int(subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True, text=True).stdout.split()[0])
     try:
         deadline = time.monotonic() + 240
         while trained_steps(run_dir)[-1] <= done[-1] and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert proc.poll() is None, printed.read_text()
             time.sleep(0.3)
         os.kill(controller, signal.SIGSTOP)
-        try:
-            time.sleep(40)  # scontrol times out or fails: the job's state is unknown, not ended
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:  # scontrol times out or fails (~10 s): the job's state is unknown, not ended
+            deadline = time.monotonic() + 90
+            while "warning: `scontrol show job" not in printed.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, printed.read_text()
+                time.sleep(0.5)
+            assert proc.poll() is None, printed.read_text()
         finally:
             os.kill(controller, signal.SIGCONT)
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    out = printed.read_text()
     assert proc.returncode == 130, out
     assert "warning: `scontrol show job" in out, out  # "did not answer within 30 s", or "failed: ... timed out"
     assert "stopping: slurm job" in out and "interrupted" in out, out

@@ -221,6 +221,8 @@ def test_a_vllm_server_killed_under_broadcast_rejoins_the_weight_group_at_the_cu
         [sys.executable, "-m", "primebuild.cli", "run", str(workspace / "manifests" / "reverse-text-vllm.yaml"),
          "--runs-dir", str(runs), "--quiet", "--set", "orchestrator.max_steps=100000",
          "--set", "orchestrator.eval_every=0", "--set", "orchestrator.rollouts_per_step=32",
+         # synchronous: trainer and servers take turns, so the run waits for the restart on one core, not two
+         "--set", "orchestrator.max_off_policy_steps=0",
          "--set", "inference.replicas=2", "--set", "weight_sync.mode=broadcast",
          "--set", f"weight_sync.port={sync_port}", "--set", f"inference.port={port}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(workspace))

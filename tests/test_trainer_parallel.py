@@ -1,11 +1,11 @@
 """Expert and context parallelism (primebuild/runtime/trainer/expert_parallel.py, context_parallel.py) and HSDP on CPU
-processes over gloo follow the single-process trajectory, step by step, for 20 steps.
+processes over gloo follow the single-process trajectory, step by step, for 10 steps.
 
 EP=2: a tiny Qwen3-MoE (4 experts, top-2), dp_shard 2 x ep 2: each rank owns 2 experts, tokens travel by
 all-to-all. CP=2: the dense tiny Qwen3, dp_shard 1 x cp 2: both ranks share every micro-batch and split
 its sequence (load-balanced chunks), keys and values all-gathered, activation checkpointing on (the
 recomputation in backward gathers again). HSDP: dp_replicate 2 alone on 2 processes; on 4, dp_replicate
-2 x dp_shard 2 and dp_replicate 2 x (cp 2, ep 2), each stopped after step 10 and resumed from its checkpoint.
+2 x dp_shard 2 and dp_replicate 2 x (cp 2, ep 2), each stopped after step 5 and resumed from its checkpoint.
 """
 
 import shutil
@@ -19,7 +19,7 @@ from primebuild.runtime.metrics import read_metrics
 from primebuild.runtime.trainer.main import run_trainer
 from primebuild.runtime.weight_sync.filesystem import stable_steps, step_folder
 
-STEPS = 20
+STEPS = 10
 
 
 CASES = {
@@ -29,11 +29,11 @@ CASES = {
     "replicate2": dict(moe=False, parallel={"dp_replicate": 2}, activation_checkpointing=False),
     # HSDP on 4 ranks: 2 replicas of 2 FSDP shards; and 2 replicas of a CP=2 x EP=2 group (the experts'
     # FSDP mesh is then (dp_replicate 2, efsdp 1): their gradients meet only across replicas). Both stop
-    # after step 10 and resume from their own checkpoint (DCP with replicated shards).
+    # after step 5 and resume from their own checkpoint (DCP with replicated shards).
     "hsdp2x2": dict(moe=False, parallel={"dp_replicate": 2, "dp_shard": 2}, activation_checkpointing=False,
-                    restart_after=10),
+                    restart_after=5),
     "hsdp2-cp2-ep2": dict(moe=True, parallel={"dp_replicate": 2, "dp_shard": 1, "cp": 2, "ep": 2},
-                          activation_checkpointing=True, restart_after=10),
+                          activation_checkpointing=True, restart_after=5),
 }
 
 
@@ -46,7 +46,7 @@ def common_config(spec: dict, model) -> dict:
 def parallel_runs(request, tmp_path_factory) -> dict:
     """Every selected case's multi-rank runs: the 2-rank cases one after the other in one torchrun launch
     (trainer_fixtures.run_trainers_in_one_launch: a launch's imports cost about what 20 tiny steps do); each
-    4-rank case in a launch of its own, its stop after step 10 then its resume from that checkpoint (HSDP
+    4-rank case in a launch of its own, its stop after step 5 then its resume from that checkpoint (HSDP
     then HSDP x CP x EP in one process failed: the second's publish named a process group of the first).
     case -> (its folder, with model/ and two/, and per run "ok" or why it failed)."""
     wanted = [item.callspec.params["case"] for item in request.session.items

@@ -54,7 +54,7 @@ def test_load_memory_falls_as_one_over_ranks_and_publishing_adds_one_layer(tmp_p
     model = make_model(tmp_path / "model")
     warmup = make_tiny_model(tmp_path / "warmup")
     base = load_file(model / "model.safetensors")
-    runs = {n: run_ranks(n, model, warmup, tmp_path / f"ranks{n}") for n in (1, 2, 4)}
+    runs = {n: run_ranks(n, model, warmup, tmp_path / f"ranks{n}") for n in (1, 4)}  # 1/N shows at 4
 
     one = runs[1][0]
     assert one["model_bytes"] > 40 * MB
@@ -78,10 +78,9 @@ def test_load_memory_falls_as_one_over_ranks_and_publishing_adds_one_layer(tmp_p
     # publishing gathers one decoder layer at a time: one layer plus the gather's temporaries above the
     # shards, every time (5.3 MB seen, 3.75 MB a layer); holding the previous layer while gathering the next
     # measured 8-9 MB, and the old gather of the full state dict added the model (45 MB) on rank 0
-    for n in (2, 4):
-        for r in runs[n]:
-            layer = r["largest_group_bytes"]
-            assert r["publish_peak"] < 2 * layer and r["publish_again_peak"] < 2 * layer, (n, r)
+    for r in runs[4]:
+        layer = r["largest_group_bytes"]
+        assert r["publish_peak"] < 2 * layer and r["publish_again_peak"] < 2 * layer, r
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The torchtitan engine: torchtitan's Qwen3 modules score, train and publish as transformers' model does."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,51 +140,75 @@ def layout_rollouts(run, model, spec: dict) -> None:
         attach_routes(run / "rollouts" / f"step_{step:06d}.safetensors", model, seed=step)
 
 
+def reference_key(spec: dict) -> tuple[bool, bool]:
+    """What a layout's one-rank references depend on: the model (dense or MoE) and replayed routes."""
+    return spec["moe"], spec.get("router_replay", False)
+
+
 @pytest.fixture(scope="module")
 def multi_rank_runs(request, tmp_path_factory) -> dict:
     """Every selected layout's torchtitan run on its ranks, those of one world size in one torchrun launch
     (trainer_fixtures.run_trainers_in_one_launch: the imports of a launch cost more than 3 steps):
-    layout -> (its folder, with model/ and titan2/, and "ok" or why its run failed)."""
+    layout -> (its folder, with titan2/, its reference folder, and "ok" or why its run failed). Layouts of one
+    reference key share one model, one set of rollouts and one pair of one-rank references (`references`)."""
     wanted = [item.callspec.params["layout"] for item in request.session.items
               if item.module is request.module and item.originalname == "test_two_ranks_train_as_one_and_as_transformers"]
-    by_world, folders = {}, {}
+    by_world, folders, shared = {}, {}, {}
     for layout in wanted:
         spec = LAYOUTS[layout]
+        key = reference_key(spec)
+        if key not in shared:
+            shared[key] = tmp_path_factory.mktemp("moe-replay" if key[1] else "moe" if key[0] else "dense")
+            model = make_tiny_model(shared[key] / "model", moe=spec["moe"])
+            layout_rollouts(shared[key] / "rollouts-of", model, spec)
         folder = folders[layout] = tmp_path_factory.mktemp(layout)
-        model = make_tiny_model(folder / "model", moe=spec["moe"])
-        layout_rollouts(folder / "titan2", model, spec)
-        config = trainer_config(run_dir=str(folder / "titan2"), model_path=str(model), engine="torchtitan",
-                                parallel=spec["parallel"], router_replay=spec.get("router_replay", False),
+        shutil.copytree(shared[key] / "rollouts-of" / "rollouts", folder / "titan2" / "rollouts")
+        config = trainer_config(run_dir=str(folder / "titan2"), model_path=str(shared[key] / "model"),
+                                engine="torchtitan", parallel=spec["parallel"], router_replay=key[1],
                                 activation_checkpointing=spec.get("activation_checkpointing", False), **COMMON)
         by_world.setdefault(config.parallel.world_size, {})[folder / "titan2.json"] = config
     verdicts = {}
     for configs in by_world.values():
         verdicts.update(run_trainers_in_one_launch(configs, timeout=900))
-    return {layout: (folder, verdicts[folder / "titan2.json"]) for layout, folder in folders.items()}
+    return {layout: (folder, shared[reference_key(LAYOUTS[layout])], verdicts[folder / "titan2.json"])
+            for layout, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def references():
+    """The one-rank hf and torchtitan runs of a reference folder (its model and rollouts), each made once."""
+    made: dict[Path, dict[str, Path]] = {}
+
+    def of(shared: Path, router_replay: bool) -> dict[str, Path]:
+        if shared not in made:
+            runs = {name: shared / name for name in ("hf", "titan")}
+            common = dict(model_path=str(shared / "model"), router_replay=router_replay, **COMMON)
+            for engine, run in (("hf", runs["hf"]), ("torchtitan", runs["titan"])):
+                shutil.copytree(shared / "rollouts-of" / "rollouts", run / "rollouts")
+                run_trainer(trainer_config(run_dir=str(run), engine=engine, **common))
+            made[shared] = runs
+        return made[shared]
+
+    return of
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the module's multi-rank runs, one launch per world size, start with the first
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_ranks_train_as_one_and_as_transformers(multi_rank_runs, layout):
+def test_two_ranks_train_as_one_and_as_transformers(multi_rank_runs, references, layout):
     """Three steps on the same rollouts: 2 ranks in each layout follow 1 rank of the torchtitan engine,
     which follows the hf engine's trajectory (fp32; MoE within the grouped experts' tolerance); the
     published weights agree."""
     spec = LAYOUTS[layout]
-    folder, verdict = multi_rank_runs[layout]
+    folder, shared, verdict = multi_rank_runs[layout]
     assert verdict == "ok", verdict
-    model = folder / "model"
-    common = dict(model_path=str(model), router_replay=spec.get("router_replay", False), **COMMON)
-    runs = {name: folder / name for name in ("hf", "titan", "titan2")}
-    for name in ("hf", "titan"):
-        layout_rollouts(runs[name], model, spec)
-    run_trainer(trainer_config(run_dir=str(runs["hf"]), engine="hf", **common))
-    run_trainer(trainer_config(run_dir=str(runs["titan"]), engine="torchtitan", **common))
+    replay = spec.get("router_replay", False)
+    runs = {**references(shared, replay), "titan2": folder / "titan2"}
     metrics = {name: read_metrics(run / "metrics.jsonl") for name, run in runs.items()}
     engines = 10 * MOE_FP32_TOLERANCE if spec["moe"] else 1e-4  # hf vs torchtitan
     for step in (1, 2, 3):
         names = ["loss", "grad_norm", "behaviour_kl", "entropy", "tokens"]
-        if common["router_replay"]:  # replay changed the function; the trainer's own routes agree elsewhere
+        if replay:  # replay changed the function; the trainer's own routes agree elsewhere
             names += ["behaviour_kl_no_replay", "routing_agreement"]
             assert metrics["titan"][step]["routing_agreement"] < 0.95
             assert metrics["titan"][step]["behaviour_kl_no_replay"] != metrics["titan"][step]["behaviour_kl"]
