@@ -125,7 +125,7 @@ def test_a_chat_sft_builds_into_the_store_and_an_rl_manifest_starts_from_it(tmp_
 
     root = tmp_path / "ws"
     manifests = sft_workspace(root, ("tool-use.yaml",), sft="tool-use-chat-sft.yaml",
-                              sft_changes={"steps": 30, "warmup_steps": 5, "eval_every": 10})
+                              sft_changes={"steps": 12, "warmup_steps": 2, "eval_every": 4})
     plan = plan_json(manifests / "tool-use-chat-sft.yaml", design=False)
     assert plan["build"]["builder"] == "sft-chat/1" and plan["build"]["config"]["ranks"] == 2
     assert plan["memory"]["sft-trainer"]["breakdown"]["optimizer_state"] > 0
@@ -138,8 +138,8 @@ def test_a_chat_sft_builds_into_the_store_and_an_rl_manifest_starts_from_it(tmp_
     assert result.code == 0, result.text
     (entry,) = [p for p in (root / "store").iterdir() if p.name.endswith("-tool-use-chat-sft")]
     metrics = json.loads((entry / "sft_metrics.json").read_text())
-    assert metrics["trainer"] == "torchtitan" and metrics["ranks"] == 2 and metrics["steps"] == 30
-    assert [s for s, _ in metrics["eval_loss_curve"]] == [10, 20, 30]
+    assert metrics["trainer"] == "torchtitan" and metrics["ranks"] == 2 and metrics["steps"] == 12
+    assert [s for s, _ in metrics["eval_loss_curve"]] == [4, 8, 12]
     assert metrics["eval_loss_curve"][-1][1] < metrics["eval_loss_curve"][0][1]
     assert 0.0 <= metrics["eval_reward"] <= 1.0
     (summary,) = (root / "runs").glob("*/metrics.jsonl")
