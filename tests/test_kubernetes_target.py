@@ -110,7 +110,7 @@ def test_follow_says_what_keeps_a_pod_from_running(tmp_path, monkeypatch):
     module.client.CoreV1Api.read_namespaced_pod_log = lambda self, *a, **kw: ""
     monkeypatch.setitem(sys.modules, "kubernetes", module)
     monkeypatch.setattr(target, "POLL_SECONDS", 0.0)
-    monkeypatch.setattr(target.KubernetesTarget, "_jobset_state", lambda self, run, record: next(polls))
+    monkeypatch.setattr(target.KubernetesTarget, "_jobset_state", lambda self, namespace, name: next(polls))
     run, _ = _run(tmp_path, str(tmp_path / "runs" / "r" / "model"))
     said: list[str] = []
     outcome = target.KubernetesTarget().follow(run, LaunchRecord(target="kubernetes", namespace="default"),

@@ -62,6 +62,11 @@ def _client():
     return kubernetes.client
 
 
+def _instance(run: RunDir) -> str:
+    """The name the run's objects and pods carry (the JobSet's, the pods' app.kubernetes.io/instance label)."""
+    return object_name(read_plan(run.plan).name)
+
+
 def _group_version(api_version: str) -> tuple[str, str]:
     group, _, version = api_version.partition("/")
     return group, version
@@ -112,13 +117,11 @@ class KubernetesTarget(Target):
             echo(f"applied {kind}/{name} in namespace {ns}")
         return LaunchRecord(target=self.kind, namespace=ns, objects=applied)
 
-    def _jobset_state(self, run: RunDir, record: LaunchRecord) -> str | None:
+    def _jobset_state(self, namespace: str | None, name: str) -> str | None:
         client = _client()
-        name = object_name(read_plan(run.plan).name)
         group, version = _group_version(JOBSET_API)
         try:
-            jobset = client.CustomObjectsApi().get_namespaced_custom_object(group, version, record.namespace,
-                                                                            "jobsets", name)
+            jobset = client.CustomObjectsApi().get_namespaced_custom_object(group, version, namespace, "jobsets", name)
         except client.exceptions.ApiException as err:
             if err.status == 404:
                 return None
@@ -130,32 +133,31 @@ class KubernetesTarget(Target):
 
     def follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int) -> Outcome:
         progress = Progress(run.metrics, echo)
+        name = _instance(run)  # read once: every poll asks about the same objects
         said: set[str] = set()
         while True:
             progress.poll()
-            state = self._jobset_state(run, record)
+            state = self._jobset_state(record.namespace, name)
             if state is None or state != "running":
                 break
-            for trouble in self._pod_troubles(run, record):  # a JobSet stays "running" with pods that never start
+            for trouble in self._pod_troubles(record.namespace, name):  # a JobSet stays "running" with pods that never start
                 if trouble not in said:
                     said.add(trouble)
                     echo(f"warning: {trouble}")
             time.sleep(POLL_SECONDS)
-        self._collect_logs(run, record)
+        self._collect_logs(run, record.namespace, name)
         progress.poll()
         self.stop(run, record)  # inference servers run until deleted; a resume creates the objects anew
         if state and state.startswith("Completed"):
             return Outcome(True, "run complete", 0)
         return Outcome(False, f"JobSet {state or 'deleted'}; see {run.logs}", 1)
 
-    def _pod_troubles(self, run: RunDir, record: LaunchRecord) -> list[str]:
+    def _pod_troubles(self, namespace: str | None, name: str) -> list[str]:
         """What keeps the run's pods from running, as Kubernetes reports it: a container waiting for a reason
         that does not pass by itself (an image it cannot pull, a missing Secret, a crash loop), or a pod no
         node can take."""
         client = _client()
-        name = object_name(read_plan(run.plan).name)
-        pods = client.CoreV1Api().list_namespaced_pod(record.namespace,
-                                                      label_selector=f"app.kubernetes.io/instance={name}")
+        pods = client.CoreV1Api().list_namespaced_pod(namespace, label_selector=f"app.kubernetes.io/instance={name}")
         troubles = []
         for pod in pods.items:
             for status in (pod.status.container_statuses or []) + (pod.status.init_container_statuses or []):
@@ -169,22 +171,21 @@ class KubernetesTarget(Target):
                                     + (f" ({condition.message})" if condition.message else ""))
         return troubles
 
-    def _collect_logs(self, run: RunDir, record: LaunchRecord) -> None:
+    def _collect_logs(self, run: RunDir, namespace: str | None, name: str) -> None:
         client = _client()
         core = client.CoreV1Api()
-        name = object_name(read_plan(run.plan).name)
         run.logs.mkdir(parents=True, exist_ok=True)
-        pods = core.list_namespaced_pod(record.namespace, label_selector=f"app.kubernetes.io/instance={name}")
+        pods = core.list_namespaced_pod(namespace, label_selector=f"app.kubernetes.io/instance={name}")
         for pod in pods.items:
             for container in pod.spec.containers:
                 try:
-                    text = core.read_namespaced_pod_log(pod.metadata.name, record.namespace, container=container.name)
+                    text = core.read_namespaced_pod_log(pod.metadata.name, namespace, container=container.name)
                 except client.exceptions.ApiException as err:
                     text = f"(no log: {err.reason})\n"
                 (run.logs / f"pod-{pod.metadata.name}-{container.name}.log").write_text(text)
 
     def active(self, run: RunDir, record: LaunchRecord) -> bool:
-        return self._jobset_state(run, record) == "running"
+        return self._jobset_state(record.namespace, _instance(run)) == "running"
 
     def stop(self, run: RunDir, record: LaunchRecord) -> str:
         client = _client()
@@ -207,7 +208,7 @@ class KubernetesTarget(Target):
 
     def state(self, run: RunDir, record: LaunchRecord) -> str:
         try:
-            return f"kubernetes JobSet: {self._jobset_state(run, record) or 'deleted'}"
+            return f"kubernetes JobSet: {self._jobset_state(record.namespace, _instance(run)) or 'deleted'}"
         except UserError as err:
             return f"kubernetes: unknown ({err.problems[0].message})"
         except Exception as err:  # noqa: BLE001 (the API's own errors: 403, a timeout): status still answers
