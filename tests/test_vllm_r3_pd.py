@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import free_port
-from inference_helpers import EOS_ID, save_tokenizer
+from inference_helpers import EOS_ID, hf_greedy, load_hf, save_tokenizer, teacher_forced_logprobs
 from test_vllm_pd import Router, external_hits
 from vllm_helpers import REPO, START_TIMEOUT_S, VLLM_ADMIN_TOKEN, VllmServer, vllm_python
 
@@ -30,7 +30,7 @@ from primebuild.code_path import with_checkout
 from primebuild.contracts.router import VllmPool, VllmRouterConfig
 from primebuild.kernels.routing import decode_routes, encode_routes
 from primebuild.runtime.inference.protocol import ApiError
-from primebuild.runtime.inference.vllm.completions import completion_request
+from primebuild.runtime.inference.vllm.completions import adapt_response, completion_request
 from primebuild.runtime.inference.vllm.pd_routes import decode_start, merge, prompt_rows
 from primebuild.runtime.inference.vllm.r3_plugin import VLLM_VERSION, check_version
 
@@ -262,10 +262,6 @@ SHORT_PROMPTS = [[5, 6, 7, 8], [20, 11, 9], [4, 4, 30, 12, 13, 14, 15], [1, 2, 9
 def test_vllm_cpu_serves_the_tiny_moe_as_transformers_computes_it(servers, moe_folder):
     """Behind our contract (completions.py): greedy answers are transformers' greedy answers (and so the
     embedded engine's, its own tests), sampled tokens carry transformers' teacher-forced log-probs."""
-    from inference_helpers import hf_greedy, load_hf, teacher_forced_logprobs
-
-    from primebuild.runtime.inference.vllm.completions import adapt_response
-
     server, hf = servers[0]["unified"], load_hf(moe_folder)
     body = completion_request(server.model_name, SHORT_PROMPTS, max_tokens=10, temperature=0.0, ignore_eos=True)
     greedy_ids = [c["token_ids"] for c in adapt_response(server.complete(body), policy_version=0)]
