@@ -102,9 +102,13 @@ def cli(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProc
                           env=env, timeout=timeout)
 
 
-def start(*args: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "primebuild.cli", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+def start(*args: str, env: dict, output: Path | None = None) -> subprocess.Popen:
+    """`primebuild ARGS` in the background; its output in a pipe, or in the file `output` (to read while it runs)."""
+    argv = [sys.executable, "-m", "primebuild.cli", *map(str, args)]
+    if output is None:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    with open(output, "wb") as sink:  # the child holds its own copy
+        return subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
 
 
 def run_dir_of(runs: Path) -> Path:

@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -190,9 +189,7 @@ def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path
     _wait_ended(new_job)
     done = trained_steps(run_dir)
     printed = tmp_path / "follower.txt"  # read while it runs: the warning ends slurmctld's pause
-    with open(printed, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "primebuild.cli", "run", "--resume", str(run_dir), "--quiet"],
-                                stdout=sink, stderr=subprocess.STDOUT, env=env)
+    proc = start("run", "--resume", run_dir, "--quiet", env=env, output=printed)
     controller = int(subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True, text=True).stdout.split()[0])
     try:
         deadline = time.monotonic() + 240
