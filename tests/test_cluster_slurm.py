@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,26 @@ def test_a_killed_component_ends_the_job_within_30_s_and_resume_loses_no_step(ws
     assert json.loads((run_dir / "launch.json").read_text())["launches"] == 2
 
 
+@contextmanager
+def _slurmctld_paused():
+    """slurmctld stopped (SIGSTOP) for the block: every query of it times out or fails (~10 s)."""
+    controller = int(subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True, text=True).stdout.split()[0])
+    os.kill(controller, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(controller, signal.SIGCONT)
+
+
+def _wait_printed(output: Path, text: str, proc: subprocess.Popen, seconds: float = 90) -> None:
+    """Until `proc` (still running) has printed `text` into `output`."""
+    deadline = time.monotonic() + seconds
+    while text not in output.read_text() and time.monotonic() < deadline:
+        assert proc.poll() is None, output.read_text()
+        time.sleep(0.5)
+    assert proc.poll() is None and text in output.read_text(), output.read_text()
+
+
 def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path):
     manifests, env = ws
     runs = tmp_path / "runs"
@@ -157,10 +178,18 @@ def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path
     assert submitted.returncode == 0 and "submitted" in submitted.stdout, submitted.stdout + submitted.stderr
     run_dir = wait_trained(runs, 2, None)
     assert "RUNNING" in json.loads(cli("status", run_dir, "-o", "json", env=env).stdout)["target"]
-    stopped = cli("stop", run_dir, "--grace", "60", env=env, timeout=120)  # graceful: checkpoint, then end
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    # graceful: checkpoint, then end; slurmctld does not answer as it starts, which the stop waits out, saying
+    # so (it used to exit 2 on the first unanswered query)
+    said = tmp_path / "stop.txt"
+    with _slurmctld_paused():
+        stopping = start("stop", run_dir, "--grace", "60", env=env, output=said)
+        _wait_printed(said, "warning: `scontrol show job", stopping)
+    stopping.wait(timeout=120)
+    assert stopping.returncode == 0, said.read_text()
+    assert "stopped" in said.read_text().splitlines()[-1], said.read_text()
     job = json.loads((run_dir / "launch.json").read_text())["job_id"]
-    assert _job_state(job) == "COMPLETED"  # it ended by itself, within the grace
+    assert _wait_ended(job) == "COMPLETED"  # it ended by itself, within the grace (COMPLETING a moment after
+    # slurmctld's pause, while it hears from the nodes again)
     assert json.loads((run_dir / "outcome.json").read_text())["message"].startswith("stopped at step")
     done = trained_steps(run_dir)
     assert done == list(range(1, len(done) + 1))
@@ -190,21 +219,13 @@ def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path
     done = trained_steps(run_dir)
     printed = tmp_path / "follower.txt"  # read while it runs: the warning ends slurmctld's pause
     proc = start("run", "--resume", run_dir, "--quiet", env=env, output=printed)
-    controller = int(subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True, text=True).stdout.split()[0])
     try:
         deadline = time.monotonic() + 240
         while trained_steps(run_dir)[-1] <= done[-1] and time.monotonic() < deadline:
             assert proc.poll() is None, printed.read_text()
             time.sleep(0.3)
-        os.kill(controller, signal.SIGSTOP)
-        try:  # scontrol times out or fails (~10 s): the job's state is unknown, not ended
-            deadline = time.monotonic() + 90
-            while "warning: `scontrol show job" not in printed.read_text() and time.monotonic() < deadline:
-                assert proc.poll() is None, printed.read_text()
-                time.sleep(0.5)
-            assert proc.poll() is None, printed.read_text()
-        finally:
-            os.kill(controller, signal.SIGCONT)
+        with _slurmctld_paused():  # scontrol times out or fails (~10 s): the job's state is unknown, not ended
+            _wait_printed(printed, "warning: `scontrol show job", proc)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
     finally:

@@ -8,9 +8,10 @@ Like SkyPilot's backends (provision, setup, execute, teardown), a target has fou
 - `launch(run, plan)`  start the run (render + submit, or start processes); returns the LaunchRecord
                      that `run.launch_record` keeps;
 - `follow(run, record, …)`  until the run ends: stream progress and attention lines, return the Outcome;
-- `active(run, record)`  whether anything of the run still runs;
+- `active(run, record)`  whether anything of the run still runs (TargetUnanswered when the cluster did not say);
 - `stop(run, record)`  end whatever of the run still runs (scancel, killing process groups);
-- `state(run, record)`  one line for `status` (e.g. "slurm job 12: RUNNING").
+- `state(run, record)`  one line for `status` (e.g. "slurm job 12: RUNNING");
+- `release(run, record)`  what an ended run still holds on the cluster, once nobody followed it to its end.
 
 Targets whose processes the supervisor (primebuild/runtime/supervisor.py) starts hand it a `Launcher`
 (primebuild/runtime/launcher.py).
@@ -24,6 +25,7 @@ from typing import Protocol
 
 from primebuild.contracts.plan import Plan
 from primebuild.contracts.run_dir import LaunchRecord, RunDir
+from primebuild.errors import UserError
 
 
 class Outcome(Protocol):
@@ -33,6 +35,11 @@ class Outcome(Protocol):
 
 
 Echo = Callable[[str], None]
+
+
+class TargetUnanswered(UserError):
+    """The cluster did not answer a query (slurmctld busy or restarting, an API server timing out): the run's
+    state is unknown, not ended. Waits count it as still running (primebuild/runtime/targets/stopping.py)."""
 
 
 class Target(ABC):
@@ -60,3 +67,8 @@ class Target(ABC):
 
     @abstractmethod
     def state(self, run: RunDir, record: LaunchRecord) -> str: ...
+
+    def release(self, run: RunDir, record: LaunchRecord) -> str | None:
+        """What the cluster still keeps of a run that ended while nobody followed it (Kubernetes: a finished
+        JobSet's pods and their logs), collected and deleted by `primebuild stop`; None: nothing."""
+        return None

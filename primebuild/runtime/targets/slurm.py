@@ -27,8 +27,9 @@ from primebuild.contracts.render import RenderContext
 from primebuild.contracts.run_dir import LaunchRecord, RunDir
 from primebuild.errors import UserError
 from primebuild.runtime.supervisor import Outcome
-from primebuild.runtime.targets.base import Echo, Target
+from primebuild.runtime.targets.base import Echo, Target, TargetUnanswered
 from primebuild.runtime.targets.slurm_avoid import nodes_to_exclude
+from primebuild.runtime.targets.stopping import UNANSWERED_NOTICE_SECONDS, own_end_seconds, stop_gracefully
 
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel")
 POLL_SECONDS = 1.0
@@ -36,10 +37,7 @@ DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREE
                "BOOT_FAIL", "DEADLINE"}
 
 
-UNANSWERED_NOTICE_SECONDS = 60.0  # follow says so again while slurmctld does not answer
-
-
-class SlurmUnanswered(UserError):
+class SlurmUnanswered(TargetUnanswered):
     """slurmctld did not answer a query (busy, restarting, unreachable): the job's state is unknown, not gone."""
 
 
@@ -104,35 +102,16 @@ class SlurmTarget(Target):
             return self._interrupted(run, record, echo)
 
     def _interrupted(self, run: RunDir, record: LaunchRecord, echo: Echo) -> Outcome:
-        from primebuild.runtime.supervisor import GRACE_SECONDS, TERM_SECONDS
-
         ended = run.read_outcome()
         if ended is not None:  # the run had ended already (the job is cleaning up): that is its outcome
             return Outcome(ended.ok, ended.message, ended.exit_code)
-        run.stop_file.touch()  # the in-job supervisor: the trainer checkpoints, then everything stops
         echo(f"stopping: slurm job {record.job_id} checkpoints and ends (Ctrl-C again to cancel it now)")
-        deadline = time.monotonic() + GRACE_SECONDS + TERM_SECONDS + 5
-        try:
-            while time.monotonic() < deadline and self._maybe_active(run, record):
-                time.sleep(POLL_SECONDS)
-        except KeyboardInterrupt:
-            pass
-        if self._maybe_active(run, record):
-            echo(self.stop(run, record))
-            ended = time.monotonic() + TERM_SECONDS + 5  # the in-job supervisor ends the workers
-            while time.monotonic() < ended and self._maybe_active(run, record):
-                time.sleep(POLL_SECONDS)
+        stop_gracefully(self, run, record, grace=own_end_seconds(), echo=echo, interruptible=True)
         outcome = run.read_outcome()
         if outcome is not None and not outcome.ok and outcome.exit_code != 130:
             return Outcome(False, outcome.message, outcome.exit_code)  # it failed of itself meanwhile
         return Outcome(False, f"interrupted: slurm job {record.job_id} stopped; `primebuild run --resume "
                               f"{run.root}` continues after its newest checkpoint", 130)
-
-    def _maybe_active(self, run: RunDir, record: LaunchRecord) -> bool:
-        try:
-            return self.active(run, record)
-        except SlurmUnanswered:
-            return True
 
     def _follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int) -> Outcome:
         job_id = record.job_id
