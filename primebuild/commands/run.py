@@ -67,6 +67,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
         run = RunDir(resume_dir.resolve()).require(resumable=False)
         plan = read_plan(run.plan)
         target = target_for(plan.target.kind)
+        _check_detach(target, detach, run.read_supervision().hang_floor_s if hang_timeout is None else hang_timeout)
         target.provision(plan)
         _record_supervision(run, hang_timeout, max_restarts)
         _prepare_resume(run, target)
@@ -93,6 +94,7 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     if image is not None and target.kind != "kubernetes":
         raise UserError(f"--image: the {target.kind} target runs the nodes' own installation, not an image",
                         hint="give --image with target.kind: kubernetes")
+    _check_detach(target, detach, hang_timeout)
     target.provision(plan)  # before anything is built or written
     _check_runs_dir(runs_dir)  # before a model build of minutes, not after
     # in a forked child: a build's memory (torch, the model, an SFT's optimiser) must not stay in the process
@@ -125,6 +127,23 @@ def command(manifest: str | None, sets: tuple[str, ...], runs_dir: Path, resume_
     run = _prepare_run_folder(runs_dir, loaded, plan, record, hang_timeout, max_restarts)
     click.echo(f"run folder: {run.root}")
     _execute_with_restarts(plan, run, target, verbosity, started, detach)
+
+
+def _check_detach(target, detach: bool, hang_floor_s: float | None) -> None:
+    """Refuse a --detach whose run nobody would supervise as asked (before anything is built or written)."""
+    from primebuild.contracts.run_dir import SupervisionRecord
+
+    if not detach:
+        return
+    if target.kind in ("local", "ssh"):
+        raise UserError(f"--detach: the {target.kind} target is supervised by `primebuild run` itself",
+                        hint="run it under nohup/tmux, or use a slurm or kubernetes target")
+    floor = SupervisionRecord().hang_floor_s if hang_floor_s is None else hang_floor_s
+    if not target.finishes_in_job and floor > 0:
+        raise UserError(f"--detach: on the {target.kind} target `primebuild run` is what watches the run for hangs "
+                        f"(no step for {floor:g} s or more); detached, nothing would",
+                        hint="run it attached (under tmux or nohup), or add --hang-timeout 0 to detach without a "
+                             "hang watchdog")
 
 
 def _check_runs_dir(runs_dir: Path) -> None:
@@ -232,9 +251,6 @@ def _execute(plan: Plan, run: RunDir, target, verbosity: int, started: float, de
     from primebuild.runtime.session import finish
     from primebuild.runtime.watchdog import Watchdog
 
-    if detach and target.kind in ("local", "ssh"):
-        raise UserError(f"--detach: the {target.kind} target is supervised by `primebuild run` itself",
-                        hint="run it under nohup/tmux, or use a slurm or kubernetes target")
     run.logs.mkdir(parents=True, exist_ok=True)
     run.outcome.unlink(missing_ok=True)  # this session's, once it ends
     watchdog = None if detach else Watchdog(run)  # from here on, killing this command ends the run

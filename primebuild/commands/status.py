@@ -66,8 +66,9 @@ def _no_outcome(run, plan) -> str | None:
             return None
     except UserError:  # the target cannot tell now (an ssh host that does not answer): no guess
         return None
-    return (f"ended without recording an outcome (its supervisor was killed, or could not write in {run.root}); "
-            f"`primebuild run --resume {run.root}` continues after the newest checkpoint")
+    return (f"ended without recording an outcome (nothing followed it to its end: it was detached, or its "
+            f"supervisor was killed or could not write in {run.root}); `primebuild stop {run.root}` collects what "
+            f"the cluster keeps of it, `primebuild run --resume {run.root}` continues after the newest checkpoint")
 
 
 def _first(*values):

@@ -20,7 +20,7 @@ YAML built as data and dumped (never templated text), so every value is escaped 
   JobSet it starts in the plan's order, fails the run fast and is deleted with the JobSet.
 - Addresses: `{host:N}` is the DNS name of the pod that holds plan node N (`<name>-<group>-0-<r>.<name>`),
   written into the rendezvous that the ConfigMap carries and an init container copies into the run
-  folder, with the python of every environment beside ours (the vLLM one, as the image lays it out:
+  folder (a copy beside it renamed over it: other pods may be reading it), with the python of every environment beside ours (the vLLM one, as the image lays it out:
   primebuild/builders/vllm_env.py); servers bind the pod's own address (`{bind:N}` resolves the pod's DNS name).
 - Resources: GPUs as `nvidia.com/gpu` limits; CPU and memory requests from `hardware.cpus_per_node` and
   `hardware.host_memory_gb`, split evenly over the processes the plan places on a node (90 %: the
@@ -210,9 +210,12 @@ class KubernetesObjects:
         if self.target.host_network:
             spec["hostNetwork"] = True
             spec["dnsPolicy"] = "ClusterFirstWithHostNet"  # the pods still resolve each other's DNS names
-        copy = f"mkdir -p {shlex.quote(self.ctx.run_dir)} && cp {PLAN_MOUNT}/rendezvous.json " \
-               f"{shlex.quote(self.ctx.run_dir)}/rendezvous.json && cp {PLAN_MOUNT}/plan.json " \
-               f"{shlex.quote(self.ctx.run_dir)}/plan.json"
+        # every pod copies the same two files into the shared run folder while other pods' workers may read
+        # them: each copy goes to a name of its own, then is renamed over the file (atomic), never half-written
+        run_dir = shlex.quote(self.ctx.run_dir)
+        copy = " && ".join([f"mkdir -p {run_dir}"] + [
+            f'cp {PLAN_MOUNT}/{f} {run_dir}/.{f}."$HOSTNAME" && mv -f {run_dir}/.{f}."$HOSTNAME" {run_dir}/{f}'
+            for f in ("rendezvous.json", "plan.json")])
         spec["initContainers"] = [{"name": "rendezvous", "image": self.image, "command": ["sh", "-c", copy],
                                    "volumeMounts": [{"name": "runs",
                                                      "mountPath": posixpath.dirname(self.ctx.run_dir)},

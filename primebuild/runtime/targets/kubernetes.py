@@ -8,10 +8,14 @@
   names (recorded in the run; default primebuild:latest);
 - follow: poll the JobSet's conditions (Completed / Failed) and print the progress lines from the run
   folder (metrics.jsonl, on the shared volume), and what keeps a pod from running (an image it cannot pull,
-  a missing Secret, a crash loop, no node to take it: the JobSet stays "running" through those); at the end
-  copy each pod's log into logs/;
-- stop: delete what was applied (Kubernetes stops the pods); also when the JobSet ends, however it ends, so
-  that `--resume` can create the objects again; a create the API refuses deletes what was applied before it;
+  a missing Secret, a crash loop, no node to take it: the JobSet stays "running" through those); watch for
+  hangs as the supervisor does elsewhere (primebuild/runtime/hang_watchdog.py: no step for longer than the
+  bound ends the run, naming the pods; their stacks are not taken, the processes are not on this host);
+  Ctrl-C stops the run as `primebuild stop` does (STOP on the shared volume, its grace, then delete);
+- stop: copy each pod's log into logs/, then delete what was applied (Kubernetes stops the pods); also when
+  the JobSet ends, however it ends, so that `--resume` can create the objects again; a create the API refuses
+  deletes what was applied before it;
+- release: a detached run's ended JobSet keeps its pods until `primebuild stop` collects and deletes them;
 - state: the JobSet's terminal condition, or "running".
 
 No cluster runs on the CI machines: the rendered objects are validated there against the Kubernetes
@@ -30,9 +34,11 @@ from primebuild.contracts.plan import Plan, read_plan
 from primebuild.contracts.render import RenderContext
 from primebuild.contracts.run_dir import LaunchRecord, Rendezvous, RunDir, write_json_atomic
 from primebuild.errors import UserError
+from primebuild.runtime.hang_watchdog import HangWatchdog
 from primebuild.runtime.progress import Progress
 from primebuild.runtime.supervisor import Outcome
-from primebuild.runtime.targets.base import Echo, Target
+from primebuild.runtime.targets.base import Echo, Target, TargetUnanswered
+from primebuild.runtime.targets.stopping import UNANSWERED_NOTICE_SECONDS, own_end_seconds, stop_gracefully
 
 POLL_SECONDS = 5.0
 # container waiting reasons that do not pass by themselves: follow says them (the JobSet stays "running")
@@ -70,6 +76,45 @@ def _instance(run: RunDir) -> str:
 def _group_version(api_version: str) -> tuple[str, str]:
     group, _, version = api_version.partition("/")
     return group, version
+
+
+class KubernetesUnanswered(TargetUnanswered):
+    """The API server did not answer (a timeout, a 5xx, no connection): the JobSet's state is unknown."""
+
+
+def _pod_troubles(pods: list) -> list[str]:
+    """What keeps the run's pods from running, as Kubernetes reports it: a container waiting for a reason
+    that does not pass by itself (an image it cannot pull, a missing Secret, a crash loop), or a pod no
+    node can take."""
+    troubles = []
+    for pod in pods:
+        for status in _container_statuses(pod):
+            waiting = status.state.waiting if status.state else None
+            if waiting is not None and waiting.reason in STUCK_REASONS:
+                troubles.append(f"pod {pod.metadata.name}, container {status.name}: {waiting.reason}"
+                                + (f" ({waiting.message})" if waiting.message else ""))
+        for condition in pod.status.conditions or []:
+            if condition.type == "PodScheduled" and condition.status == "False" and condition.reason:
+                troubles.append(f"pod {pod.metadata.name} is not scheduled: {condition.reason}"
+                                + (f" ({condition.message})" if condition.message else ""))
+    return troubles
+
+
+def _container_statuses(pod) -> list:
+    return (pod.status.container_statuses or []) + (pod.status.init_container_statuses or [])
+
+
+def _pod_signature(pods: list) -> tuple:
+    """What changes when a container exits or restarts (the hang watchdog counts that as progress)."""
+    return tuple(sorted((pod.metadata.name, status.name, status.restart_count or 0, bool(status.ready))
+                        for pod in pods for status in _container_statuses(pod)))
+
+
+def _pod_states(pods: list) -> list[str]:
+    """One phrase per pod for a hang's message: its phase and each container's restarts and readiness."""
+    return [f"{pod.metadata.name} {pod.status.phase}: " + ", ".join(
+        f"{s.name} {'ready' if s.ready else 'not ready'}, {s.restart_count or 0} restarts"
+        for s in pod.status.container_statuses or []) for pod in pods]
 
 
 class KubernetesTarget(Target):
@@ -118,6 +163,8 @@ class KubernetesTarget(Target):
         return LaunchRecord(target=self.kind, namespace=ns, objects=applied)
 
     def _jobset_state(self, namespace: str | None, name: str) -> str | None:
+        """"Completed: …" / "Failed: …" / "running", or None when the JobSet is gone; KubernetesUnanswered when
+        the API server did not say (a timeout, a 5xx, no connection)."""
         client = _client()
         group, version = _group_version(JOBSET_API)
         try:
@@ -125,72 +172,114 @@ class KubernetesTarget(Target):
         except client.exceptions.ApiException as err:
             if err.status == 404:
                 return None
+            if err.status in (None, 0, 429) or err.status >= 500:
+                raise KubernetesUnanswered(f"the API server answered {err.status} {err.reason} about JobSet "
+                                           f"{namespace}/{name}") from None
             raise
+        except OSError as err:  # urllib3's connection errors and timeouts are OSErrors
+            raise KubernetesUnanswered(f"the API server did not answer about JobSet {namespace}/{name}: "
+                                       f"{type(err).__name__}: {err}") from None
         for condition in (jobset.get("status") or {}).get("conditions", []):
             if condition.get("type") in ("Completed", "Failed") and condition.get("status") == "True":
                 return f"{condition['type']}: {condition.get('message', '')}".strip()
         return "running"
 
     def follow(self, run: RunDir, record: LaunchRecord, *, echo: Echo, verbosity: int) -> Outcome:
+        """The JobSet to its end; Ctrl-C stops it as `primebuild stop` does (STOP, its grace, then delete)."""
+        try:
+            return self._follow(run, record, echo)
+        except KeyboardInterrupt:
+            echo("stopping: the trainer checkpoints, then the JobSet is deleted (Ctrl-C again to delete it now)")
+            stop_gracefully(self, run, record, grace=own_end_seconds(), echo=echo, interruptible=True)
+            return Outcome(False, f"interrupted: the JobSet is deleted; `primebuild run --resume {run.root}` "
+                                  "continues after its newest checkpoint", 130)
+
+    def _follow(self, run: RunDir, record: LaunchRecord, echo: Echo) -> Outcome:
+        plan = read_plan(run.plan)  # read once: every poll asks about the same objects
+        name, namespace = object_name(plan.name), record.namespace
         progress = Progress(run.metrics, echo)
-        name = _instance(run)  # read once: every poll asks about the same objects
+        hang = HangWatchdog(plan, run, run.read_supervision().hang_floor_s)
         said: set[str] = set()
+        told = float("-inf")
         while True:
             progress.poll()
-            state = self._jobset_state(record.namespace, name)
-            if state is None or state != "running":
+            try:
+                state = self._jobset_state(namespace, name)
+                pods = self._pods(namespace, name)
+            except TargetUnanswered as err:  # the pods run on without us: ask again, and say so
+                if time.monotonic() - told >= UNANSWERED_NOTICE_SECONDS:
+                    echo(f"warning: {err.problems[0].message}; asking again")
+                    told = time.monotonic()
+                time.sleep(POLL_SECONDS)
+                continue
+            if state != "running":
                 break
-            for trouble in self._pod_troubles(record.namespace, name):  # a JobSet stays "running" with pods that never start
+            for trouble in _pod_troubles(pods):  # a JobSet stays "running" with pods that never start
                 if trouble not in said:
                     said.add(trouble)
                     echo(f"warning: {trouble}")
+            if any(pod.status.phase == "Pending" for pod in pods):  # scheduling, pulling the image: start-up
+                hang.last_progress = hang.clock()
+            hung = hang.check(progress.newest_trained_step(), _pod_signature(pods), progress.trained)
+            if hung is not None:
+                hung += f"; pods: {'; '.join(_pod_states(pods)) or 'none'}"
+                self.stop(run, record)  # their logs into logs/, then the objects deleted
+                return Outcome(False, hung, 1)
             time.sleep(POLL_SECONDS)
-        self._collect_logs(run, record.namespace, name)
         progress.poll()
         self.stop(run, record)  # inference servers run until deleted; a resume creates the objects anew
         if state and state.startswith("Completed"):
+            if run.stop_requested():
+                return Outcome(True, f"stopped at step {progress.newest_trained_step()}; resume with "
+                                     f"`primebuild run --resume {run.root}`", 0)
             return Outcome(True, "run complete", 0)
         return Outcome(False, f"JobSet {state or 'deleted'}; see {run.logs}", 1)
 
-    def _pod_troubles(self, namespace: str | None, name: str) -> list[str]:
-        """What keeps the run's pods from running, as Kubernetes reports it: a container waiting for a reason
-        that does not pass by itself (an image it cannot pull, a missing Secret, a crash loop), or a pod no
-        node can take."""
+    def _pods(self, namespace: str | None, name: str) -> list:
         client = _client()
-        pods = client.CoreV1Api().list_namespaced_pod(namespace, label_selector=f"app.kubernetes.io/instance={name}")
-        troubles = []
-        for pod in pods.items:
-            for status in (pod.status.container_statuses or []) + (pod.status.init_container_statuses or []):
-                waiting = status.state.waiting if status.state else None
-                if waiting is not None and waiting.reason in STUCK_REASONS:
-                    troubles.append(f"pod {pod.metadata.name}, container {status.name}: {waiting.reason}"
-                                    + (f" ({waiting.message})" if waiting.message else ""))
-            for condition in pod.status.conditions or []:
-                if condition.type == "PodScheduled" and condition.status == "False" and condition.reason:
-                    troubles.append(f"pod {pod.metadata.name} is not scheduled: {condition.reason}"
-                                    + (f" ({condition.message})" if condition.message else ""))
-        return troubles
+        try:
+            return client.CoreV1Api().list_namespaced_pod(
+                namespace, label_selector=f"app.kubernetes.io/instance={name}").items
+        except client.exceptions.ApiException as err:
+            if err.status in (None, 0, 429) or err.status >= 500:
+                raise KubernetesUnanswered(f"the API server answered {err.status} {err.reason} listing the pods "
+                                           f"of {namespace}/{name}") from None
+            raise
+        except OSError as err:
+            raise KubernetesUnanswered(f"the API server did not answer listing the pods of {namespace}/{name}: "
+                                       f"{type(err).__name__}: {err}") from None
 
-    def _collect_logs(self, run: RunDir, namespace: str | None, name: str) -> None:
+    def _collect_logs(self, run: RunDir, namespace: str | None, name: str) -> int:
+        """Each container's log into logs/pod-POD-CONTAINER.log (pod names are new each session); how many."""
         client = _client()
         core = client.CoreV1Api()
         run.logs.mkdir(parents=True, exist_ok=True)
-        pods = core.list_namespaced_pod(namespace, label_selector=f"app.kubernetes.io/instance={name}")
-        for pod in pods.items:
+        copied = 0
+        for pod in self._pods(namespace, name):
             for container in pod.spec.containers:
                 try:
                     text = core.read_namespaced_pod_log(pod.metadata.name, namespace, container=container.name)
                 except client.exceptions.ApiException as err:
                     text = f"(no log: {err.reason})\n"
                 (run.logs / f"pod-{pod.metadata.name}-{container.name}.log").write_text(text)
+                copied += 1
+        return copied
 
     def active(self, run: RunDir, record: LaunchRecord) -> bool:
         return self._jobset_state(record.namespace, _instance(run)) == "running"
 
     def stop(self, run: RunDir, record: LaunchRecord) -> str:
+        """The pods' logs into logs/ (deleting the JobSet deletes them), then what was applied, in reverse."""
         client = _client()
         core, custom = client.CoreV1Api(), client.CustomObjectsApi()
         ns = record.namespace
+        said = []
+        jobsets = [ref.partition("/")[2] for ref in record.objects if ref.startswith("JobSet/")]
+        if jobsets:  # only pods of a JobSet this run applied (a refused launch may meet an earlier run's)
+            try:
+                said.append(f"{self._collect_logs(run, ns, jobsets[0])} pod logs copied into {run.logs}")
+            except (TargetUnanswered, client.exceptions.ApiException) as err:
+                print(f"kubernetes: the pods' logs could not be copied: {err}", file=sys.stderr)
         deleted = []
         for ref in reversed(record.objects):
             kind, _, name = ref.partition("/")
@@ -204,7 +293,11 @@ class KubernetesTarget(Target):
             except client.exceptions.ApiException as err:
                 if err.status != 404:
                     print(f"kubernetes: could not delete {ref}: {err.reason}", file=sys.stderr)
-        return f"deleted {', '.join(deleted)}" if deleted else "nothing of the run was applied"
+        said.append(f"deleted {', '.join(deleted)}" if deleted else "nothing of the run is left to delete")
+        return "; ".join(said)
+
+    def release(self, run: RunDir, record: LaunchRecord) -> str | None:
+        return self.stop(run, record)  # an ended JobSet keeps its pods (and their logs) until deleted
 
     def state(self, run: RunDir, record: LaunchRecord) -> str:
         try:
