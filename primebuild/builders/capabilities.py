@@ -228,11 +228,6 @@ def _vllm(m: Manifest) -> Iterator[Refusal]:
     if cpu and inf.precision == "fp8":
         yield Refusal("inference.precision", "vllm-cpu: FP8 is not tested on CPUs",
                       "use precision: fp32 or bf16, or engine: embedded (FP8 block-scaled weights on CPUs too)")
-    if cpu and inf.router_replay:
-        yield Refusal("inference.router_replay", "router replay trains a MoE, and vllm-cpu serves a MoE but "
-                      "does not train it (after a weight update it samples another policy: docs/vllm.md); its "
-                      "routed experts do come back, through primebuild's vLLM plugin (tests/test_vllm_r3_pd.py)",
-                      "use engine: embedded for router replay on CPUs")
     if cpu and inf.kv_cache_dtype != "auto":
         yield Refusal("inference.kv_cache_dtype", "vllm-cpu: an fp8 KV cache is not tested on CPUs",
                       "use kv_cache_dtype: auto")
@@ -380,23 +375,13 @@ def _model(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
 
 
 def _vllm_cpu_moe(m: Manifest, f: ModelFacts) -> Iterator[Refusal]:
-    """What vllm-cpu 0.32 gets wrong with a MoE, measured on reverse-text-moe's tiny Qwen3-MoE:
-    - weight updates: after the first one the served policy is not the trainer's (mismatch KL 1.2-1.6 on
-      samples drawn with exactly the trained weights, tp 1 and 2, broadcast and filesystem alike; the same
-      weights in the embedded engine: 4e-13), so an RL run would train on another policy's samples. The
-      cause: vLLM repacks a CPU MoE's experts on the first load only; primebuild's vLLM plugin repacks
-      them on every update (cpu_moe_reload.py, tests/test_vllm_moe_reload.py), but no RL run has measured
-      the fixed reload yet, so the refusal stays until one does;
-    - data parallelism: it dispatches a MoE layer's tokens over the DP ranks with all_gatherv, which its
-      CPU communicator does not implement: the engine dies at the first request."""
+    """What vllm-cpu 0.32 cannot do with a MoE: data parallelism. It dispatches a MoE layer's tokens over the
+    DP ranks with all_gatherv, which its CPU communicator does not implement: the engine dies at the first
+    request. (Its other MoE fault, experts not repacked after a weight update, primebuild's vLLM plugin
+    fixes: cpu_moe_reload.py; RL runs measured in docs/vllm.md.)"""
     inf = m.inference
     if inf.engine != "vllm" or m.hardware.gpu != "cpu" or not f.is_moe:
         return
-    yield Refusal("inference.engine", f"vLLM on CPUs with a MoE ({f.architecture}): vllm-cpu 0.32 reloads a MoE's "
-                  "weights wrong (after the first update it samples another policy than the trainer's: mismatch "
-                  "KL 1.2-1.6 measured, 4e-13 with the embedded engine on the same weights; it does not repack the "
-                  "experts, which primebuild's vLLM plugin now does, not yet measured in an RL run: docs/vllm.md)",
-                  "use engine: embedded for a MoE on CPUs (router replay and P/D too); vLLM serves MoE RL on GPUs")
     section = "inference.disaggregation" if inf.disaggregation else "inference"
     for name, g in inf.groups.items():
         if g.dp > 1:
