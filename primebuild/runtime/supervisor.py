@@ -299,9 +299,7 @@ class Supervisor:
                 continue
             else:  # a server that exits, even with 0, failed: it has no end of its own
                 why = running.handle.lost_contact() or describe_exit(code)[0]
-            cause = first_error_line(self.run.log(name))
-            if cause:
-                why += f" ({cause})"
+            why = self._with_first_error(name, why)
             policy = running.spec.restart
             if role == "trainer" and self._may_restart_trainers(running):
                 self.echo(f"{name} {why}: restarting the trainer ({running.restarts + 1}/{policy.max_restarts})")
@@ -323,6 +321,11 @@ class Supervisor:
                               code if code is not None and 0 < code < 128 else 1)
         return None
 
+    def _with_first_error(self, name: str, why: str) -> str:
+        """`why` a process failed, with the first error line of its log when it printed one."""
+        cause = first_error_line(self.run.log(name))
+        return f"{why} ({cause})" if cause else why
+
     def _restart_server(self, running: Running, why: str) -> Outcome | None:
         """Start a failed server again, and again while it dies before it is healthy, up to its policy's
         max_restarts (each start counts one); a start that hangs until its health timeout ends the run."""
@@ -338,8 +341,7 @@ class Supervisor:
             code = running.handle.poll()
             if code is None or running.restarts >= policy.max_restarts or running.handle.lost_contact():
                 return self._fail(running, code, f"{name} failed again after a restart; see {self.run.log(name)}", 1)
-            why = describe_exit(code)[0] + (f" ({cause})" if (cause := first_error_line(self.run.log(name))) else "")
-            why += " while it started"
+            why = self._with_first_error(name, describe_exit(code)[0]) + " while it started"
 
     def _may_restart_trainers(self, running: Running) -> bool:
         """A trainer failure the trainer-only restart covers: its policy has restarts left, no stop was
