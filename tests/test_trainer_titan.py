@@ -115,6 +115,9 @@ LAYOUTS = {
     # glm5-mini's layout on 4 ranks: FSDP over dp_shard x cp, each pair of CP ranks splitting its rows
     "fsdp2-cp2": dict(moe=False, parallel={"dp_shard": 2, "cp": 2}),
     "cp2-ep2-ac": dict(moe=True, parallel={"dp_shard": 1, "cp": 2, "ep": 2}, activation_checkpointing=True),
+    # glm5-mini's MoE variant (docs/clusters.md) and glm5's shape: FSDP x CP x EP, routes replayed at each
+    # CP rank's positions
+    "fsdp2-cp2-ep2-replay": dict(moe=True, parallel={"dp_shard": 2, "cp": 2, "ep": 2}, router_replay=True),
     # EP beside TP on 4 ranks: torchtitan's experts whole on their EP ranks, which it carves from
     # dp_shard x tp, tokens split along the sequence over TP; routes replayed at each rank's slice
     "fsdp2-tp2-ep2-replay": dict(moe=True, parallel={"dp_shard": 2, "tp": 2, "ep": 2}, router_replay=True),
