@@ -67,3 +67,15 @@ def test_synchronous_rl_adds_the_sync_to_the_update_handoff():
     costs = timing.cpu_costs(load_model_facts(MANIFESTS / "models" / "reverse-text-tiny.json"), 2,
                              est["weight_sync"]["seconds"])
     assert costs.weight_sync_s == pytest.approx(timing.CPU_WEIGHT_UPDATE_HANDOFF_S + est["weight_sync"]["seconds"])
+
+
+def test_the_cpu_estimate_decodes_on_the_threads_the_server_gets():
+    """`inference.threads` sets the server's OMP threads (processes.py); the estimate used half the node's
+    cores whatever it said, so a one-thread server on an 8-core node was estimated 4x too fast."""
+    facts = load_model_facts(MANIFESTS / "models" / "reverse-text-tiny.json")
+    default, one = (timing.cpu_costs(facts, 8, 0.0, inference_threads=t) for t in (None, 1))
+    assert one.prefill_s_per_token == pytest.approx(4 * default.prefill_s_per_token)
+    assert one.train_s(8, 64) == default.train_s(8, 64)  # the trainer's ranks keep their half
+    sets = ["hardware.cpus_per_node=8"]
+    est = [plan_json(MANIFESTS / "long-tail.yaml", s)["estimates"]["profile"] for s in (sets, [*sets, "inference.threads=1"])]
+    assert est[1]["sync_step_seconds"] > est[0]["sync_step_seconds"]

@@ -283,7 +283,8 @@ def _estimates(m: Manifest, f: ModelFacts, placement: Placement, spec, memory: d
         if o.rollout_profile is None:
             return Estimates(weight_sync=sync, summary=[
                 "CPU run: step times are measured by `primebuild run`, not predicted", sync_line])
-        costs = cpu_costs(f, m.hardware.cpus_per_node, sync.seconds, batch_invariant=m.inference.batch_invariant)
+        costs = cpu_costs(f, m.hardware.cpus_per_node, sync.seconds, batch_invariant=m.inference.batch_invariant,
+                          inference_threads=m.inference.threads)
         profile = _profile_times(m, costs, replicas=decode_replicas,
                                  max_concurrent=m.inference.max_num_seqs)
         return Estimates(weight_sync=sync, profile=profile,

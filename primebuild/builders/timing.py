@@ -352,11 +352,14 @@ def cpu_weight_sync_estimate(size_bytes: int, *, mode: str, receivers: int) -> W
 
 
 def cpu_costs(facts: ModelFacts, cpus_per_node: int, weight_sync_s: float, *,
-              batch_invariant: bool = False) -> Costs:
-    """The rollout-profile model's costs on a CPU node; weight_sync_s is cpu_weight_sync_estimate's."""
-    threads = max(1, cpus_per_node // 2)  # the plan's processes share a CPU node's cores (primebuild/builders/processes.py)
+              batch_invariant: bool = False, inference_threads: int | None = None) -> Costs:
+    """The rollout-profile model's costs on a CPU node; weight_sync_s is cpu_weight_sync_estimate's. Threads
+    as the processes get them (primebuild/builders/processes.py): the trainer's ranks half the node's cores
+    together, an inference server `inference.threads` or the other half."""
+    threads = max(1, cpus_per_node // 2)
+    serving = inference_threads or threads
     n = facts.matmul_params_per_token()
-    per_token = 2 * n / (threads * CPU_FLOPS_PER_THREAD)
+    per_token = 2 * n / (serving * CPU_FLOPS_PER_THREAD)
     per_sequence = per_token + (facts.num_layers * CPU_BATCH_INVARIANT_SEQ_LAYER_S if batch_invariant else 0.0)
     return Costs(
         decode_step_s=lambda batch, context: CPU_DECODE_STEP_OVERHEAD_S + batch * per_sequence,
