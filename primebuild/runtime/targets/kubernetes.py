@@ -19,7 +19,8 @@
 - state: the JobSet's terminal condition, or "running".
 
 No cluster runs on the CI machines: the rendered objects are validated there against the Kubernetes
-and CRD schemas (tests/test_render.py), and this module is exercised only as far as its refusal.
+and CRD schemas (tests/test_render.py), and this module runs against a stand-in of the `kubernetes` client
+(tests/test_kubernetes_target.py: refusals, follow's warnings, hang, Ctrl-C, an unanswering API, stop).
 """
 
 from __future__ import annotations
