@@ -178,15 +178,24 @@ def test_detached_stop_then_a_killed_follower_cancels_the_job(ws, tmp_path: Path
     assert submitted.returncode == 0 and "submitted" in submitted.stdout, submitted.stdout + submitted.stderr
     run_dir = wait_trained(runs, 2, None)
     assert "RUNNING" in json.loads(cli("status", run_dir, "-o", "json", env=env).stdout)["target"]
-    # graceful: checkpoint, then end; slurmctld does not answer as it starts, which the stop waits out, saying
-    # so (it used to exit 2 on the first unanswered query)
-    said = tmp_path / "stop.txt"
-    with _slurmctld_paused():
-        stopping = start("stop", run_dir, "--grace", "60", env=env, output=said)
-        _wait_printed(said, "warning: `scontrol show job", stopping)
-    stopping.wait(timeout=120)
+    # graceful: checkpoint, then end; slurmctld does not answer as it starts, which the stop and a `logs -f`
+    # of the detached run wait out, saying so (each exited 2 on the first unanswered query)
+    said, logged = tmp_path / "stop.txt", tmp_path / "logs.txt"
+    logs, stopping = start("logs", run_dir, "-f", "-n", "1", env=env, output=logged), None
+    try:
+        with _slurmctld_paused():
+            stopping = start("stop", run_dir, "--grace", "60", env=env, output=said)
+            _wait_printed(said, "warning: `scontrol show job", stopping)
+            _wait_printed(logged, "warning: `scontrol show job", logs)
+        stopping.wait(timeout=120)
+        logs.wait(timeout=90)  # the job's end, with its outcome, ends the follow
+    finally:
+        for follower in (logs, stopping):
+            if follower is not None and follower.poll() is None:
+                follower.kill()
     assert stopping.returncode == 0, said.read_text()
     assert "stopped" in said.read_text().splitlines()[-1], said.read_text()
+    assert logs.returncode == 0 and "the run has ended: stopped at step" in logged.read_text(), logged.read_text()
     job = json.loads((run_dir / "launch.json").read_text())["job_id"]
     assert _wait_ended(job) == "COMPLETED"  # it ended by itself, within the grace (COMPLETING a moment after
     # slurmctld's pause, while it hears from the nodes again)

@@ -21,6 +21,8 @@ from primebuild.errors import UserError
 def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: int, follow: bool) -> None:
     """Print the last lines of every process log of RUN_DIR (default: the newest run), or of one process."""
     from primebuild.runtime.targets import ended_outcome, target_for
+    from primebuild.runtime.targets.base import TargetUnanswered
+    from primebuild.runtime.targets.stopping import UNANSWERED_NOTICE_SECONDS
 
     run = find_run(run_dir, runs_dir)
     run_dir = run.root
@@ -43,15 +45,22 @@ def command(run_dir: Path | None, runs_dir: Path, process: str | None, lines: in
             click.echo(_prefix(f, files) + line)
         offsets[f] = len(text.encode())
     gone_polls = 0  # polls in a row that found the session over without an outcome
+    told = float("-inf")  # when it last said that the target does not answer
     while follow:
         time.sleep(0.5)
         record = run.read_launch()
-        ended = ended_outcome(run, record)  # before the last chunks: they are shown, then the end
-        # a session that ended without recording an outcome (a Slurm job cancelled or out of time, a killed
-        # supervisor) stays over: nothing holds the folder, its target runs nothing of it (with an outcome,
-        # ended_outcome would have returned it)
-        over = ended is None and record is not None and not run.claimed() \
-            and not target_for(record.target).active(run, record)
+        try:
+            ended = ended_outcome(run, record)  # before the last chunks: they are shown, then the end
+            # a session that ended without recording an outcome (a Slurm job cancelled or out of time, a killed
+            # supervisor) stays over: nothing holds the folder, its target runs nothing of it (with an outcome,
+            # ended_outcome would have returned it)
+            over = ended is None and record is not None and not run.claimed() \
+                and not target_for(record.target).active(run, record)
+        except TargetUnanswered as err:  # slurmctld busy, an API server timing out: the logs go on; ask again
+            ended, over = None, False
+            if time.monotonic() - told >= UNANSWERED_NOTICE_SECONDS:
+                click.echo(f"warning: {err.problems[0].message}; asking again", err=True)
+                told = time.monotonic()
         gone_polls = gone_polls + 1 if over else 0
         for f in _logs(logs_dir, process):  # a process that started since (a replica `scale` added)
             if f not in offsets:
