@@ -226,10 +226,13 @@ def test_ctrl_c_stops_the_jobset_as_primebuild_stop_does(tmp_path, monkeypatch):
 
 
 def test_api_errors_that_mean_no_answer_are_unanswered_not_internal_errors(tmp_path, monkeypatch):
+    from urllib3.exceptions import MaxRetryError
+
     from primebuild.runtime.targets.base import TargetUnanswered
     from primebuild.runtime.targets.kubernetes import KubernetesTarget
 
-    for error in (ApiException(503, "Service Unavailable"), ApiException(0, "timed out"), TimeoutError("read")):
+    for error in (ApiException(503, "Service Unavailable"), ApiException(0, "timed out"), TimeoutError("read"),
+                  MaxRetryError(None, "/apis/jobset.x-k8s.io", reason="connection refused")):
         module, _ = stand_in(None, [error])
         monkeypatch.setitem(sys.modules, "kubernetes", module)
         with pytest.raises(TargetUnanswered, match="JobSet default/reverse-text"):

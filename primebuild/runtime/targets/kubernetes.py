@@ -83,6 +83,16 @@ class KubernetesUnanswered(TargetUnanswered):
     """The API server did not answer (a timeout, a 5xx, no connection): the JobSet's state is unknown."""
 
 
+def _no_answer() -> tuple[type[BaseException], ...]:
+    """What the client raises when the API server does not answer: urllib3's errors (a timeout, a refused
+    connection, retries used up: not OSErrors) and the socket's own."""
+    try:
+        from urllib3.exceptions import HTTPError
+    except ImportError:
+        return (OSError,)
+    return (OSError, HTTPError)
+
+
 def _pod_troubles(pods: list) -> list[str]:
     """What keeps the run's pods from running, as Kubernetes reports it: a container waiting for a reason
     that does not pass by itself (an image it cannot pull, a missing Secret, a crash loop), or a pod no
@@ -177,7 +187,7 @@ class KubernetesTarget(Target):
                 raise KubernetesUnanswered(f"the API server answered {err.status} {err.reason} about JobSet "
                                            f"{namespace}/{name}") from None
             raise
-        except OSError as err:  # urllib3's connection errors and timeouts are OSErrors
+        except _no_answer() as err:
             raise KubernetesUnanswered(f"the API server did not answer about JobSet {namespace}/{name}: "
                                        f"{type(err).__name__}: {err}") from None
         for condition in (jobset.get("status") or {}).get("conditions", []):
@@ -246,7 +256,7 @@ class KubernetesTarget(Target):
                 raise KubernetesUnanswered(f"the API server answered {err.status} {err.reason} listing the pods "
                                            f"of {namespace}/{name}") from None
             raise
-        except OSError as err:
+        except _no_answer() as err:
             raise KubernetesUnanswered(f"the API server did not answer listing the pods of {namespace}/{name}: "
                                        f"{type(err).__name__}: {err}") from None
 
