@@ -28,6 +28,8 @@ from __future__ import annotations
 import secrets
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import PurePosixPath
 
 from primebuild.builders.render.kubernetes import JOBSET_API, KubernetesObjects, object_name
@@ -81,6 +83,20 @@ def _group_version(api_version: str) -> tuple[str, str]:
 
 class KubernetesUnanswered(TargetUnanswered):
     """The API server did not answer (a timeout, a 5xx, no connection): the JobSet's state is unknown."""
+
+
+@contextmanager
+def _asking(client, what: str) -> Iterator[None]:
+    """An API call whose "no answer" (a timeout, a refused connection, a 5xx or 429) is KubernetesUnanswered;
+    other answers (404, 403) pass through to the caller."""
+    try:
+        yield
+    except client.exceptions.ApiException as err:
+        if err.status in (None, 0, 429) or err.status >= 500:
+            raise KubernetesUnanswered(f"the API server answered {err.status} {err.reason} {what}") from None
+        raise
+    except _no_answer() as err:
+        raise KubernetesUnanswered(f"the API server did not answer {what}: {type(err).__name__}: {err}") from None
 
 
 def _no_answer() -> tuple[type[BaseException], ...]:
@@ -179,17 +195,13 @@ class KubernetesTarget(Target):
         client = _client()
         group, version = _group_version(JOBSET_API)
         try:
-            jobset = client.CustomObjectsApi().get_namespaced_custom_object(group, version, namespace, "jobsets", name)
+            with _asking(client, f"about JobSet {namespace}/{name}"):
+                jobset = client.CustomObjectsApi().get_namespaced_custom_object(group, version, namespace, "jobsets",
+                                                                                name)
         except client.exceptions.ApiException as err:
             if err.status == 404:
                 return None
-            if err.status in (None, 0, 429) or err.status >= 500:
-                raise KubernetesUnanswered(f"the API server answered {err.status} {err.reason} about JobSet "
-                                           f"{namespace}/{name}") from None
             raise
-        except _no_answer() as err:
-            raise KubernetesUnanswered(f"the API server did not answer about JobSet {namespace}/{name}: "
-                                       f"{type(err).__name__}: {err}") from None
         for condition in (jobset.get("status") or {}).get("conditions", []):
             if condition.get("type") in ("Completed", "Failed") and condition.get("status") == "True":
                 return f"{condition['type']}: {condition.get('message', '')}".strip()
@@ -248,17 +260,9 @@ class KubernetesTarget(Target):
 
     def _pods(self, namespace: str | None, name: str) -> list:
         client = _client()
-        try:
+        with _asking(client, f"listing the pods of {namespace}/{name}"):
             return client.CoreV1Api().list_namespaced_pod(
                 namespace, label_selector=f"app.kubernetes.io/instance={name}").items
-        except client.exceptions.ApiException as err:
-            if err.status in (None, 0, 429) or err.status >= 500:
-                raise KubernetesUnanswered(f"the API server answered {err.status} {err.reason} listing the pods "
-                                           f"of {namespace}/{name}") from None
-            raise
-        except _no_answer() as err:
-            raise KubernetesUnanswered(f"the API server did not answer listing the pods of {namespace}/{name}: "
-                                       f"{type(err).__name__}: {err}") from None
 
     def _collect_logs(self, run: RunDir, namespace: str | None, name: str) -> int:
         """Each container's log into logs/pod-POD-CONTAINER.log (pod names are new each session); how many."""
